@@ -1,0 +1,1 @@
+"""Deterministic batch sources: batch ``i`` is a pure function of ``(seed, i)``."""

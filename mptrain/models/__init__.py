@@ -1,0 +1,1 @@
+"""Models whose numerically sensitive parts run in fp32 ("fp32 islands")."""

@@ -1,0 +1,101 @@
+"""The mixed-precision train and eval steps: the whole recipe, pure and jittable.
+
+Read top to bottom, `train_step` is the recipe: cast to the compute dtype inside the
+differentiated function, compute the loss, scale it in fp32, differentiate, unscale and check the
+gradients in fp32, update, and keep the old state bit-for-bit when the step was not finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mptrain import loss_scale as loss_scale_lib
+from mptrain import train_state as train_state_lib
+
+# loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
+LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict[str, Any]]]]
+# metric_fn(params, model_state, batch) -> dict of scalars
+MetricFn = Callable[[Any, Any, Any], dict[str, jax.Array]]
+
+
+def _like(new: Any, old: Any) -> Any:
+    """Casts `new` leafwise to the dtypes of `old` (the loss_fn may return compute-dtype state)."""
+    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+
+
+def _to_f32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
+    """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it."""
+
+    def train_step(state: train_state_lib.TrainState, batch: Any):
+        policy, scaler = state.policy, state.loss_scale
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def scaled_loss(params):
+            # The low-precision zone starts here. Casting *inside* the differentiated function
+            # means jax.grad carries the cotangent back through the cast, so gradients arrive
+            # in the master (fp32) dtype and the master copy never leaves fp32.
+            loss, (model_state, aux) = loss_fn(
+                policy.cast_to_compute(params),
+                state.model_state,
+                policy.cast_to_compute(batch),
+                rng,
+            )
+            # Scale in fp32: fp16 tops out at 65504, so a scaled fp16 loss would overflow.
+            loss = jnp.asarray(loss, jnp.float32)
+            return scaler.scale(loss), (loss, model_state, aux)
+
+        grads, (loss, model_state, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+        # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
+        grads = scaler.unscale(grads)
+        finite = loss_scale_lib.all_finite(grads)
+        grad_norm = optax.global_norm(grads)
+
+        updated = state.apply_gradients(
+            grads=grads, model_state=_like(model_state, state.model_state)
+        )
+        # A non-finite step keeps params, opt_state (and with it the optimizer's count, so the
+        # schedule does not drift) and model_state bit-identical; only the counters move.
+        new_state = loss_scale_lib.select_tree(finite, updated, state).replace(
+            step=state.step + 1,
+            loss_scale=scaler.adjust(finite),
+            skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "loss_scale": scaler.loss_scale,
+            "grads_finite": finite,
+            "skipped_steps": new_state.skipped_steps,
+            **_to_f32(aux),
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(
+    metric_fn: MetricFn,
+) -> Callable[[train_state_lib.TrainState, Any], dict[str, jax.Array]]:
+    """Returns `eval_step(state, batch) -> metrics`, the forward pass under the state's policy."""
+
+    def eval_step(state: train_state_lib.TrainState, batch: Any):
+        policy = state.policy
+        metrics = metric_fn(
+            policy.cast_to_compute(state.params),
+            state.model_state,
+            policy.cast_to_compute(batch),
+        )
+        return _to_f32(metrics)
+
+    return eval_step

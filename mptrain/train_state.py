@@ -1,0 +1,154 @@
+"""The training state: master params, optimizer state, loss scaler, rng and counters.
+
+Everything a run needs to continue bit-for-bit lives here as arrays, the loss scaler included, so
+one orbax save holds it all. Counters: `step` counts batches consumed (it positions the data and
+numbers checkpoints); `skipped_steps` counts non-finite steps; the optimizer's own count lives
+inside `opt_state` and advances only on applied updates, so schedules do not drift on skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from mptrain import loss_scale as loss_scale_lib
+from mptrain import precision
+
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+_ROUNDING_SALT = 0x5EED
+
+
+def _key_data(rng: Any) -> jax.Array:
+    """Raw uint32 key data from an int seed, a typed key or raw key data."""
+    if rng is None or isinstance(rng, int):
+        rng = jax.random.key(rng or 0)
+    rng = jnp.asarray(rng)
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return rng.astype(jnp.uint32)
+
+
+def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds fp32 to bf16 up or down with probability given by the distance to each.
+
+    bf16 keeps the top 16 bits of an fp32 number. Adding uniform noise to the 16 bits that are
+    dropped and then truncating rounds up exactly when the noise carries into the kept bits,
+    which happens with probability equal to the dropped fraction: unbiased in expectation, so
+    updates far below bf16's resolution still move the weights on average.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    rounded = jnp.where(jnp.isfinite(x), rounded, bits)  # leave inf/nan as they are
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+class TrainState(train_state.TrainState):
+    """`flax.training.train_state.TrainState` plus what mixed precision needs to resume exactly.
+
+    Fields beyond flax's: `loss_scale` (a scaler pytree), `rng` (raw key data, so checkpoints
+    hold plain arrays), `skipped_steps` (int32), `model_state` (e.g. batch statistics, `{}` when
+    unused), `param_compensation` (Kahan rounding error per param, `{}` unless
+    `param_rounding="kahan"`), and the static `policy` and `param_rounding`.
+    """
+
+    loss_scale: Any = None
+    rng: jax.Array | None = None
+    skipped_steps: jax.Array | None = None
+    model_state: Any = struct.field(default_factory=dict)
+    param_compensation: Any = struct.field(default_factory=dict)
+    policy: precision.Policy = struct.field(pytree_node=False, default=None)
+    param_rounding: str = struct.field(pytree_node=False, default="nearest")
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn,
+        params,
+        tx: optax.GradientTransformation,
+        policy: precision.Policy | str,
+        loss_scale: Any = None,
+        rng: Any = None,
+        model_state: Any = None,
+        param_rounding: str = "nearest",
+        **kwargs,
+    ) -> TrainState:
+        """Stores `params` in `policy.param_dtype` and initialises the optimizer on them.
+
+        `loss_scale`: a scaler, or None for no scaling. `rng`: an int seed, a typed key or raw key
+        data. `param_rounding` decides how fp32 updates land on 16-bit params: "nearest" (plain
+        cast), "stochastic" (unbiased random rounding, bf16 params only) or "kahan" (keeps the
+        rounding error in `param_compensation` and adds it back on the next update).
+        """
+        policy = precision.get_policy(policy)
+        if param_rounding not in ROUNDINGS:
+            raise ValueError(
+                f"param_rounding={param_rounding!r}; valid values: {', '.join(ROUNDINGS)}"
+            )
+        if param_rounding != "nearest" and policy.param_dtype == jnp.float32:
+            raise ValueError(
+                f"param_rounding={param_rounding!r} only applies to 16-bit params, but the policy "
+                f"'{policy}' keeps params in float32; use 'nearest'"
+            )
+        if param_rounding == "stochastic" and policy.param_dtype != jnp.bfloat16:
+            raise ValueError(
+                f"param_rounding='stochastic' supports bfloat16 params, not {policy.param_dtype}"
+            )
+        params = policy.cast_to_param(params)
+        compensation = {}
+        if param_rounding == "kahan":
+            compensation = jax.tree.map(jnp.zeros_like, params)
+        return cls(
+            step=jnp.asarray(0, jnp.int32),
+            apply_fn=apply_fn,
+            params=params,
+            tx=tx,
+            opt_state=tx.init(params),
+            loss_scale=loss_scale_lib.NoOpLossScale() if loss_scale is None else loss_scale,
+            rng=_key_data(rng),
+            skipped_steps=jnp.asarray(0, jnp.int32),
+            model_state={} if model_state is None else model_state,
+            param_compensation=compensation,
+            policy=policy,
+            param_rounding=param_rounding,
+            **kwargs,
+        )
+
+    def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+        """Applies one optax update from fp32 `grads`; does not advance `step` (the caller does).
+
+        The update is computed and added in fp32, then rounded once to the param dtype by the
+        chosen rounding, so 16-bit params never see 16-bit arithmetic on the update path.
+        """
+        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), self.params)
+        updates, opt_state = self.tx.update(grads, self.opt_state, params32)
+        updates = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
+        compensation = self.param_compensation
+        if self.param_rounding == "nearest":
+            params = jax.tree.map(lambda p, u: (p + u).astype(self.policy.param_dtype), params32, updates)
+        elif self.param_rounding == "stochastic":
+            key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+            key = jax.random.fold_in(key, _ROUNDING_SALT)
+            leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.add, params32, updates))
+            keys = jax.random.split(key, len(leaves))
+            rounded = [stochastic_round_to_bf16(x, k) for x, k in zip(leaves, keys, strict=True)]
+            params = jax.tree.unflatten(treedef, rounded)
+        else:  # kahan: carry the part of each update that rounding dropped into the next one
+            dtype = self.policy.param_dtype
+            wanted = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates, compensation)
+            params = jax.tree.map(lambda p, w: (p + w).astype(dtype), params32, wanted)
+            compensation = jax.tree.map(
+                lambda new, old, w: (w - (new.astype(jnp.float32) - old)).astype(dtype),
+                params,
+                params32,
+                wanted,
+            )
+        return self.replace(
+            params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
+        )
