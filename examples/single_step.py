@@ -32,9 +32,7 @@ def main():
         loss_scale=mptrain.StaticLossScale(128.0),
     )
     train_step = jax.jit(mptrain.make_train_step(loss_fn), donate_argnums=0)
-    eval_step = jax.jit(
-        mptrain.make_eval_step(lambda p, s, b: {"loss": loss_fn(p, s, b, None)[0]})
-    )
+    eval_step = jax.jit(mptrain.make_eval_step(lambda p, s, b: {"loss": loss_fn(p, s, b, None)[0]}))
     batch = {"x": x, "y": y}
     before = eval_step(state, batch)
     state, _ = train_step(state, batch)

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from mptrain import precision
 
 _F32 = jnp.float32

@@ -59,7 +59,7 @@ def make_train_step(
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
         finite = loss_scale_lib.all_finite(grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
 
         updated = state.apply_gradients(
             grads=grads, model_state=_like(model_state, state.model_state)

@@ -131,7 +131,9 @@ class TrainState(train_state.TrainState):
         updates = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
         compensation = self.param_compensation
         if self.param_rounding == "nearest":
-            params = jax.tree.map(lambda p, u: (p + u).astype(self.policy.param_dtype), params32, updates)
+            params = jax.tree.map(
+                lambda p, u: (p + u).astype(self.policy.param_dtype), params32, updates
+            )
         elif self.param_rounding == "stochastic":
             key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
             key = jax.random.fold_in(key, _ROUNDING_SALT)
