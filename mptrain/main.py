@@ -1,0 +1,116 @@
+"""`python -m mptrain.main --config=configs/default.py --workdir=runs/default [--config.key=value]`
+
+Parses flags and runs the trainer named by `config.trainer`. Exit codes: 0 done; 2 bad usage or
+config (one message naming the key, no traceback); 3 training went non-finite and could not
+recover; 75 preempted (SIGTERM) after writing a checkpoint: run the same command to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging as std_logging
+import os
+import re
+import sys
+
+EXIT_OK, EXIT_USAGE, EXIT_NON_FINITE, EXIT_PREEMPTED = 0, 2, 3, 75
+
+
+def _hide_accelerators_from_tensorflow() -> None:
+    # TensorFlow is only here for data and TensorBoard summaries; left alone it would grab the
+    # accelerators' memory that JAX needs.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return
+    for kind in ("GPU", "TPU"):
+        with contextlib.suppress(RuntimeError, ValueError):
+            tf.config.set_visible_devices([], kind)
+
+
+class _QuietLibraries(std_logging.Filter):
+    """Drops the INFO chatter of orbax and jax's backend probing; warnings still pass."""
+
+    _NOISY = ("/orbax/", "/jax/_src/xla_bridge", "/jax/_src/distributed")
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if record.levelno >= std_logging.WARNING:
+            return True
+        return not any(part in record.pathname for part in self._NOISY)
+
+
+def _one_line(error: Exception) -> str:
+    """The gist of a flag error: config_flags embeds whole tracebacks in its messages."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+        raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+        return f"{lines[0].split(':')[0]}: {raised[-1] if raised else lines[-1]}"
+    return " ".join(lines) or repr(error)
+
+
+def _usage_error(message: str) -> None:
+    sys.stderr.write(f"mptrain: error: {message}\n")
+    sys.exit(EXIT_USAGE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from absl import flags, logging
+    from ml_collections import config_flags
+
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file(
+        "config", None, "Path to a config file, optionally ':arg'.", flag_values=flag_values
+    )
+    flags.DEFINE_string(
+        "workdir", None, "Directory for checkpoints and logs.", flag_values=flag_values
+    )
+    argv = list(sys.argv if argv is None else argv)
+    for arg in argv[1:]:
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1].split(":", 1)[0]
+            if not os.path.isfile(path):
+                _usage_error(f"--config: no config file at {path!r} (from {os.getcwd()})")
+    try:
+        rest = flag_values(argv)
+        if flag_values.config is not None:
+            flag_values.config.keys()  # config_flags loads lazily: surface its errors here
+    except (AttributeError, KeyError) as e:  # an override names a key the config lacks
+        detail = str(e).replace("\\n", " ").replace("\n", " ").replace("\\'", "'").strip("'\" ")
+        overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
+        _usage_error(f"unknown config key in {', '.join(overrides)}: {detail}")
+    except Exception as e:  # flags.Error, or the config file failed to load or parse
+        _usage_error(_one_line(e))
+    if len(rest) > 1:
+        _usage_error(f"unexpected arguments: {' '.join(rest[1:])}")
+    if flag_values.config is None:
+        _usage_error("--config is required, e.g. --config=configs/default.py")
+    if not flag_values.workdir:
+        _usage_error("--workdir is required, e.g. --workdir=runs/default")
+
+    from absl import app
+
+    app.parse_flags_with_usage([argv[0]])  # absl's own flags (logging) with their defaults
+    logging.set_verbosity(logging.INFO)
+    logging.use_absl_handler()
+    logging.get_absl_handler().addFilter(_QuietLibraries())
+
+    from mptrain import config as config_lib
+    from mptrain import trainer
+
+    config = flag_values.config
+    try:
+        config_lib.validate(config)
+        trainer.import_trainer(config.trainer)
+    except config_lib.ConfigError as e:
+        _usage_error(str(e))
+    _hide_accelerators_from_tensorflow()
+    try:
+        trainer.run(config, flag_values.workdir)
+    except config_lib.ConfigError as e:
+        _usage_error(str(e))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The Trainer: host-side hooks, traced hooks, and the loop that runs them.
+
+Subclass it and override a few hooks; everything else (precision, loss scaling, checkpoints,
+metrics, resuming) comes with it.
+
+- Host-side hooks run once and may do I/O: `build_model`, `build_optimizer`, `build_datasets`,
+  `build_hooks`.
+- Traced hooks run under `jax.jit`, must be pure and read only immutable attributes
+  (`self.config`, `self.model`, `self.policy`): `loss_fn`, `eval_fn`.
+- Drivers: `init_state`, `train_and_evaluate`.
+
+The loop dispatches step n+1 before it reads the metrics of step n, so the host never waits on
+the device except on log, eval and checkpoint steps; the train step is jitted once, with the
+state donated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+import mptrain
+from mptrain import config as config_lib
+from mptrain import loss_scale as loss_scale_lib
+from mptrain import optim, precision, step
+from mptrain import train_state as train_state_lib
+
+
+def _allow_transfers():
+    # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
+    # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
+    return jax.transfer_guard("allow")
+
+
+def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """Mean cross-entropy (nats) and accuracy over integer targets, computed from fp32 logits."""
+    logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    accuracy = (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean()
+    return {"loss": loss, "accuracy": accuracy}
+
+
+class Trainer:
+    """Trains `config.model` on `config.data` under `config.precision`; see the module doc."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path):
+        self.config = config
+        self.workdir = Path(workdir)
+        self.policy = precision.get_policy(config.precision)
+        self.model = self.build_model()
+        self.tx, self.schedule = self.build_optimizer()
+        self.train_step_traces = 0  # how often the train step was traced (= compiled)
+
+    # ---- host-side hooks: run once, may do I/O --------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
+        module = importlib.import_module(f"mptrain.models.{self.config.model.name}")
+        return module.create_model(self.config.model, self.policy.compute_dtype)
+
+    def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
+        return optim.make_optimizer(self.config)
+
+    def build_datasets(self) -> tuple[Any, Any]:
+        """Host-side. `(train, eval)` sources whose `get_batch(i)` is a pure function of i."""
+        from mptrain import data
+
+        return data.create_sources(self.config)
+
+    def build_hooks(self, writer, checkpointer) -> list:
+        """Host-side. clu periodic actions called after every step; extend via `super()`."""
+        from clu import periodic_actions
+
+        cfg = self.config
+        last = [cfg.num_train_steps]
+        return [
+            periodic_actions.ReportProgress(
+                num_train_steps=cfg.num_train_steps,
+                writer=writer,
+                every_steps=cfg.log_every_steps,
+                every_secs=None,
+            ),
+            periodic_actions.PeriodicCallback(
+                every_steps=cfg.eval_every_steps,
+                on_steps=last,
+                callback_fn=lambda step, t: self.evaluate(self.state, step, writer),
+            ),
+            periodic_actions.PeriodicCallback(
+                every_steps=cfg.checkpoint_every_steps,
+                on_steps=last,
+                callback_fn=lambda step, t: self.save_checkpoint(checkpointer, self.state, step),
+            ),
+        ]
+
+    def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
+        """Traced once at start. The model's variables (params plus any state collections)."""
+        return self.model.init({"params": rng, "dropout": rng}, batch["inputs"], train=False)
+
+    # ---- traced hooks: pure, run under jit ------------------------------------------------
+
+    def loss_fn(self, params, model_state, batch, rng):
+        """Traced. `(loss, (new_model_state, aux))` from compute-dtype params and batch."""
+        variables = {"params": params, **model_state}
+        if model_state:
+            logits, new_state = self.model.apply(
+                variables,
+                batch["inputs"],
+                train=True,
+                rngs={"dropout": rng},
+                mutable=list(model_state),
+            )
+        else:
+            logits = self.model.apply(variables, batch["inputs"], train=True, rngs={"dropout": rng})
+            new_state = model_state
+        metrics = classification_metrics(logits, batch["targets"])
+        return metrics.pop("loss"), (new_state, metrics)
+
+    def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
+        """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`)."""
+        logits = self.model.apply({"params": params, **model_state}, batch["inputs"], train=False)
+        return classification_metrics(logits, batch["targets"])
+
+    # ---- driver -------------------------------------------------------------------------
+
+    def create_loss_scale(self):
+        hparams = dict(self.config.loss_scale)
+        return loss_scale_lib.create_loss_scale(hparams.pop("kind"), self.policy, **hparams)
+
+    def init_state(self) -> train_state_lib.TrainState:
+        """The step-0 state: fp32 init, then stored per the policy, with the loss scaler."""
+        cfg = self.config
+        init_rng, state_rng = jax.random.split(jax.random.key(cfg.seed))
+        sample = jax.tree.map(lambda x: x[:1], self.train_source.get_batch(0))
+        variables = jax.jit(self.init_variables)(init_rng, sample)
+        variables = dict(variables)
+        params = variables.pop("params")
+        return train_state_lib.TrainState.create(
+            apply_fn=self.model.apply,
+            params=params,
+            tx=self.tx,
+            policy=self.policy,
+            loss_scale=self.create_loss_scale(),
+            rng=state_rng,
+            model_state=variables,
+            param_rounding=cfg.param_rounding,
+        )
+
+    def make_train_step(self):
+        """The jittable step the loop runs: the recipe plus device-side metric accumulation."""
+        recipe = step.make_train_step(self.loss_fn)
+        schedule = self.schedule
+
+        def train_step(state, batch, totals):
+            self.train_step_traces += 1  # runs only while tracing
+            new_state, metrics = recipe(state, batch)
+            metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
+            finite = metrics["grads_finite"]
+            totals = {
+                "loss_sum": totals["loss_sum"] + jnp.where(finite, metrics["loss"], 0.0),
+                "finite_steps": totals["finite_steps"] + finite.astype(jnp.int32),
+                "consecutive_skips": jnp.where(finite, 0, totals["consecutive_skips"] + 1),
+            }
+            return new_state, metrics, totals
+
+        return train_step
+
+    def device_batch(self, batch: dict[str, np.ndarray]) -> Any:
+        """Host-side. Puts a host batch on the device(s) (an explicit transfer)."""
+        return jax.device_put(batch)
+
+    def evaluate(self, state, step_no: int, writer) -> dict[str, float]:
+        """Host-side. Averages `eval_fn` over `config.eval_steps` batches and writes it."""
+        sums = None
+        for i in range(self.config.eval_steps):
+            metrics = self._eval_step(state, self.device_batch(self.eval_source.get_batch(i)))
+            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
+        with _allow_transfers():
+            values = {
+                f"eval_{k}": float(v) / self.config.eval_steps
+                for k, v in jax.device_get(sums).items()
+            }
+        writer.write_scalars(step_no, values)
+        self.last_eval = values
+        self._progress.update(step_no, values)
+        return values
+
+    def checkpoint_meta(self, step_no: int) -> dict[str, Any]:
+        return {
+            "step": step_no,
+            "config": config_lib.to_dict(self.config),
+            "policy": str(self.policy),
+            "version": mptrain.__version__,
+        }
+
+    def save_checkpoint(self, checkpointer, state, step_no: int) -> None:
+        with _allow_transfers():
+            checkpointer.save(step_no, state, self.checkpoint_meta(step_no))
+
+    def _write_train_metrics(self, writer, step_no, metrics, totals) -> None:
+        with _allow_transfers():
+            metrics, totals = jax.device_get((metrics, totals))
+        from mptrain import metrics as metrics_lib
+
+        values = metrics_lib.scalars(metrics)
+        finite_steps = int(totals["finite_steps"])
+        if finite_steps:
+            values["loss"] = float(totals["loss_sum"]) / finite_steps  # mean since last log
+        values["consecutive_skips"] = float(totals["consecutive_skips"])
+        writer.write_scalars(step_no, values)
+        self._progress.update(step_no, values)
+
+    def train_and_evaluate(self) -> train_state_lib.TrainState:
+        """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any."""
+        from mptrain import checkpoint
+        from mptrain import metrics as metrics_lib
+
+        cfg = self.config
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with _allow_transfers():
+            self.train_source, self.eval_source = self.build_datasets()
+            state = self.init_state()
+            checkpointer = checkpoint.Checkpointer(
+                self.workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
+            )
+            restored = checkpointer.restore(state)
+            if restored is not None:
+                state, _ = restored
+            start = int(state.step)
+            checkpoint.write_json(self.workdir / "config.json", config_lib.to_dict(cfg))
+            zero_totals = jax.device_put(
+                {
+                    "loss_sum": np.float32(0),
+                    "finite_steps": np.int32(0),
+                    "consecutive_skips": np.int32(0),
+                }
+            )
+        writer = metrics_lib.create_writer(self.workdir, is_main_process=jax.process_index() == 0)
+        self._progress = metrics_lib.ProgressLine(cfg.num_train_steps)
+        self._log_start(state, start)
+        self.state = state
+        self._eval_step = jax.jit(step.make_eval_step(self.eval_fn))
+        train_step = jax.jit(self.make_train_step(), donate_argnums=0)
+        hooks = self.build_hooks(writer, checkpointer)
+
+        totals, pending = zero_totals, None
+        for step_no in range(start, cfg.num_train_steps):
+            batch = self.device_batch(self.train_source.get_batch(step_no))
+            self.state, metrics, totals = train_step(self.state, batch, totals)
+            done = step_no + 1
+            if pending is not None:  # the previous log step's values, read after dispatching
+                self._write_train_metrics(writer, *pending)
+                pending = None
+            if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
+                pending, totals = (done, metrics, totals), zero_totals
+            for hook in hooks:
+                hook(done)
+        if pending is not None:
+            self._write_train_metrics(writer, *pending)
+        checkpointer.wait()
+        checkpointer.close()
+        writer.flush()
+        writer.close()
+        return self.state
+
+    def _log_start(self, state, start: int) -> None:
+        with _allow_transfers():
+            scaler = state.loss_scale
+            n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state.params))
+            per_param = optim.state_bytes_per_param(state.params, state.opt_state)
+            scale = float(scaler.loss_scale)
+        logging.info(
+            "mptrain: precision %s, loss scale %s (scale %g), %d params, %.1f state bytes/param",
+            self.policy,
+            type(scaler).__name__,
+            scale,
+            n_params,
+            per_param,
+        )
+        for warning in optim.check_state_dtypes(self.policy, self.config):
+            logging.warning("mptrain: %s", warning)
+        if start:
+            logging.info("mptrain: resuming from step %d", start)
+
+
+def import_trainer(spec: str) -> type[Trainer]:
+    """Imports `"package.module:Class"`; errors name the spec."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise config_lib.ConfigError(
+            f"config.trainer={spec!r}: expected 'package.module:Class', e.g. "
+            "'mptrain.trainer:Trainer'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise config_lib.ConfigError(f"config.trainer={spec!r}: cannot import: {e}") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise config_lib.ConfigError(
+            f"config.trainer={spec!r}: {module_name} has no Trainer subclass {class_name!r}"
+        )
+    return cls
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | Path) -> train_state_lib.TrainState:
+    """What `python -m mptrain.main` does, from Python: validate, build the trainer, train."""
+    config_lib.validate(config)
+    trainer_cls = import_trainer(config.trainer)
+    started = time.monotonic()
+    state = trainer_cls(config, workdir).train_and_evaluate()
+    logging.info("mptrain: done in %.1f s", time.monotonic() - started)
+    return state
