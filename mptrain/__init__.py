@@ -11,6 +11,7 @@ from mptrain.loss_scale import (
 from mptrain.precision import Policy, get_policy
 from mptrain.step import make_eval_step, make_train_step
 from mptrain.train_state import TrainState
+from mptrain.trainer import Trainer, run
 
 __version__ = "0.1.0"
 
@@ -20,11 +21,13 @@ __all__ = [
     "Policy",
     "StaticLossScale",
     "TrainState",
+    "Trainer",
     "__version__",
     "all_finite",
     "create_loss_scale",
     "get_policy",
     "make_eval_step",
     "make_train_step",
+    "run",
     "select_tree",
 ]

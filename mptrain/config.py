@@ -56,9 +56,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999  # Adam second-moment decay
     c.optimizer.eps = 1e-8  # Adam epsilon
     c.optimizer.momentum = 0.9  # SGD momentum (0 for none)
+    c.optimizer.nesterov = False  # SGD: Nesterov momentum
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this (0: no clipping)
     c.optimizer.mu_dtype = "float32"  # storage dtype of Adam's first moment
     c.optimizer.nu_dtype = "float32"  # storage dtype of Adam's second moment
+    # how moments stored in bf16 are rounded: "stochastic" (unbiased) | "nearest"
+    c.optimizer.moment_rounding = "stochastic"
     c.optimizer.accumulation_steps = 1  # >1: average gradients over this many batches
 
     c.model = ml_collections.ConfigDict()

@@ -58,14 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     from absl import flags, logging
     from ml_collections import config_flags
 
+    argv = list(sys.argv if argv is None else argv)
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file(
-        "config", None, "Path to a config file, optionally ':arg'.", flag_values=flag_values
+        "config",
+        None,
+        "Path to a config file, optionally ':arg'.",
+        flag_values=flag_values,
+        sys_argv=argv,  # overrides are read from here, not from the global sys.argv
     )
     flags.DEFINE_string(
         "workdir", None, "Directory for checkpoints and logs.", flag_values=flag_values
     )
-    argv = list(sys.argv if argv is None else argv)
     for arg in argv[1:]:
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":", 1)[0]

@@ -127,7 +127,15 @@ class Trainer:
         return metrics.pop("loss"), (new_state, metrics)
 
     def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
-        """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`)."""
+        """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`).
+
+        The default runs the model with `train=False` and reports loss and accuracy. A subclass
+        that overrides only `loss_fn` gets that loss and its aux instead (with a fixed rng), so a
+        new model needs no eval code of its own.
+        """
+        if type(self).loss_fn is not Trainer.loss_fn:
+            loss, (_, aux) = self.loss_fn(params, model_state, batch, jax.random.key(0))
+            return {"loss": loss, **aux}
         logits = self.model.apply({"params": params, **model_state}, batch["inputs"], train=False)
         return classification_metrics(logits, batch["targets"])
 

@@ -55,8 +55,10 @@ def main(argv=None):
     train_data, eval_data = text.split_corpus(text.load_corpus())
     train_src = text.TextSource(train_data, args.seq_len, args.batch_size, args.seed)
     eval_src = text.TextSource(eval_data, args.seq_len, 64, random=False)
-    print(f"data: {len(train_data)} train bytes, {len(eval_data)} eval bytes "
-          f"({time.perf_counter() - t0:.2f}s)")
+    print(
+        f"data: {len(train_data)} train bytes, {len(eval_data)} eval bytes "
+        f"({time.perf_counter() - t0:.2f}s)"
+    )
 
     model = transformer_lm.TransformerLM(
         d_model=args.d_model, num_layers=args.num_layers, num_heads=args.num_heads,
@@ -92,8 +94,8 @@ def main(argv=None):
         return float(np.mean(jax.device_get(losses)))
 
     print(f"model: {num_params / 1e6:.2f}M params, compute {args.compute}; {vars(args)}")
-    print(f"{'time':>7} {'step':>6} {'steps/s':>8} {'train':>7} {'eval':>7}")
-    t_start = time.perf_counter()
+    print(f"{'time':>7} {'cpu':>7} {'step':>6} {'steps/s':>8} {'train':>7} {'eval':>7}")
+    t_start, c_start = time.perf_counter(), time.process_time()
     t_last, step_last, losses = t_start, 0, []
     for step in range(1, args.steps + 1):
         params, opt_state, loss = train_step(params, opt_state, train_src.get_batch(step - 1))
@@ -109,8 +111,9 @@ def main(argv=None):
             eval_loss = ""
             if step % args.eval_every == 0 and not last:
                 eval_loss = f"{evaluate(args.eval_batches):7.3f}"
-            print(f"{now - t_start:7.1f} {step:6d} {rate:8.2f} {train_loss:7.3f} {eval_loss:>7}",
-                  flush=True)  # fmt: skip
+            cpu = time.process_time() - c_start
+            print(f"{now - t_start:7.1f} {cpu:7.1f} {step:6d} {rate:8.2f} {train_loss:7.3f} "
+                  f"{eval_loss:>7}", flush=True)  # fmt: skip
             t_last, step_last = time.perf_counter(), step
         if last:
             break
@@ -119,7 +122,7 @@ def main(argv=None):
     t_total = time.perf_counter() - t_start
     print(f"final eval (all {eval_src.num_batches} batches): {final:.4f} nats/byte "
           f"({transformer_lm.bits_per_byte(final):.3f} bits); train {t_train:.1f}s, "
-          f"train+eval {t_total:.1f}s, total incl. data {time.perf_counter() - t0:.1f}s")  # fmt: skip
+          f"train+eval {t_total:.1f}s (cpu {time.process_time() - c_start:.1f}s), total incl. data {time.perf_counter() - t0:.1f}s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -191,3 +191,8 @@ def build_text_sources(
         TextSource(train, seq_len, batch_size, seed),
         TextSource(evaluation, seq_len, eval_batch_size, seed, random=False),
     )
+
+
+def create_sources(config: Any) -> tuple[TextSource, TextSource]:
+    """Host-side: the sources for a full mptrain config (keys under `config.data`)."""
+    return build_text_sources(config.data, batch_size=config.batch_size, seed=config.seed)

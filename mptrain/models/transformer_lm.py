@@ -27,7 +27,7 @@ import optax
 
 Dtype = Any
 
-# Matmuls whose result feeds an fp32 island: 16-bit operands, fp32 accumulation and output.
+# The logits matmul: 16-bit operands, fp32 accumulation and fp32 result.
 _dot_general_f32_out = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
 
@@ -45,11 +45,12 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
-        _, length, d_model = x.shape
+        batch, length, d_model = x.shape
         if d_model % self.num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
         head_dim = d_model // self.num_heads
-        qkv = nn.DenseGeneral((3, self.num_heads, head_dim), dtype=self.dtype, name="qkv")(x)
+        qkv = nn.Dense(3 * d_model, dtype=self.dtype, name="qkv")(x)
+        qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
         q = q * jnp.asarray(head_dim**-0.5, self.dtype)
         # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
@@ -59,7 +60,7 @@ class CausalSelfAttention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # end of the fp32 island
         probs = nn.Dropout(self.dropout_rate)(probs, deterministic=not train)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-        return nn.DenseGeneral(d_model, axis=(-2, -1), dtype=self.dtype, name="out")(out)
+        return nn.Dense(d_model, dtype=self.dtype, name="out")(out.reshape(batch, length, d_model))
 
 
 class MLP(nn.Module):
@@ -139,7 +140,7 @@ class TransformerLM(nn.Module):
         logits = nn.Dense(
             self.vocab_size, dtype=self.dtype, dot_general=_dot_general_f32_out, name="head"
         )(x)
-        return logits.astype(jnp.float32)
+        return logits.astype(jnp.float32)  # already fp32; the bias add keeps it so
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -1,0 +1,137 @@
+"""The Trainer end to end on the tiny default config: resume, determinism, presets, metrics."""
+
+import glob
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import mptrain
+from mptrain import main as main_lib
+from mptrain import trainer as trainer_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(**overrides):
+    config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]("tiny")
+    config.optimizer.schedule = "constant"  # the horizon must not depend on num_train_steps
+    for key, value in overrides.items():
+        section = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            section = section[parent]
+        section[leaf] = value
+    return config
+
+
+def plain_orbax_state(workdir, step):
+    """The `state` item read back with plain orbax: nested dicts of numpy arrays."""
+    path = Path(workdir) / "checkpoints" / str(step) / "state"
+    return ocp.PyTreeCheckpointer().restore(path)
+
+
+def assert_trees_bytes_equal(a, b):
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("straight")
+    trainer = trainer_lib.Trainer(tiny_config(), workdir)
+    with jax.transfer_guard("disallow"):  # only log/eval/checkpoint sections may read values
+        state = trainer.train_and_evaluate()
+    return workdir, trainer, state
+
+
+def test_compiles_once_and_never_syncs_between_log_steps(straight_run):
+    _, trainer, state = straight_run
+    assert trainer.train_step_traces == 1
+    assert int(state.step) == 8
+
+
+def test_resume_is_byte_identical(straight_run, tmp_path):
+    workdir_a = straight_run[0]
+    mptrain.run(tiny_config(num_train_steps=4), tmp_path)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
+    resumed = trainer_lib.Trainer(tiny_config(), tmp_path)
+    resumed.train_and_evaluate()
+    assert resumed.train_step_traces == 1
+    assert_trees_bytes_equal(plain_orbax_state(workdir_a, 8), plain_orbax_state(tmp_path, 8))
+
+
+def test_same_seed_same_state_other_seed_different(straight_run, tmp_path):
+    again = mptrain.run(tiny_config(), tmp_path / "again")
+    assert_trees_bytes_equal(jax.device_get(straight_run[2].params), jax.device_get(again.params))
+    other = mptrain.run(tiny_config(seed=1), tmp_path / "other")
+    differs = [
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(again.params), jax.tree.leaves(other.params), strict=True)
+    ]
+    assert all(differs)
+
+
+def test_workdir_layout(straight_run):
+    workdir = straight_run[0]
+    assert (workdir / "config.json").is_file()
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "8"]  # every 4 and the last
+    assert {"state", "meta"} <= set(os.listdir(workdir / "checkpoints" / "8"))
+
+
+def _event_tags(workdir):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    tags = set()
+    for path in glob.glob(str(workdir / "events.out.tfevents.*")):
+        acc = event_accumulator.EventAccumulator(path, size_guidance={"tensors": 0})
+        acc.Reload()
+        tags |= set(acc.Tags()["tensors"]) | set(acc.Tags()["scalars"])
+    return tags
+
+
+def test_tensorboard_events_hold_the_training_signals(straight_run):
+    tags = _event_tags(straight_run[0])
+    wanted = {"loss", "eval_loss", "loss_scale", "skipped_steps", "grad_norm", "learning_rate"}
+    assert wanted | {"steps_per_sec"} <= tags
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
+def test_every_preset_runs_the_tiny_default_from_the_cli(preset, tmp_path):
+    argv = [
+        "mptrain",
+        f"--config={ROOT / 'configs' / 'default.py'}:tiny",
+        f"--workdir={tmp_path}",
+        f"--config.precision={preset}",
+        "--config.num_train_steps=3",
+    ]
+    assert main_lib.main(argv) == 0
+    state = plain_orbax_state(tmp_path, 3)
+    assert int(state["step"]) == 3
+    kernel = jax.tree.leaves(state["params"])[0]
+    assert kernel.dtype == (np.dtype("bfloat16") if preset == "bf16-pure" else np.float32)
+
+
+def test_cli_exit_codes_in_a_subprocess(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    base = [sys.executable, "-m", "mptrain.main", "--config=configs/default.py:tiny"]
+    bad = subprocess.run(
+        [*base, f"--workdir={tmp_path}", "--config.optimizer.learning_rate=0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "optimizer.learning_rate" in bad.stderr and "Traceback" not in bad.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
