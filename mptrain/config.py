@@ -163,6 +163,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         value = _get(config, key)
         if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
             _fail(key, value, "must be a positive integer or -1 (all remaining devices)")
+    from mptrain import optim  # the optimizer's own checks: names, schedules, dtypes
+
+    try:
+        optim.make_optimizer(config)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}" if not str(e).startswith("config.") else str(e)) from None
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():

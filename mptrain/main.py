@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.run(config, flag_values.workdir)
     except config_lib.ConfigError as e:
         _usage_error(str(e))
+    except trainer.StopTraining as e:
+        sys.stderr.write(f"mptrain: {'error: ' if e.exit_code != EXIT_PREEMPTED else ''}{e}\n")
+        return e.exit_code
     return EXIT_OK
 
 

@@ -64,18 +64,23 @@ def make_train_step(
         updated = state.apply_gradients(
             grads=grads, model_state=_like(model_state, state.model_state)
         )
-        # A non-finite step keeps params, opt_state (and with it the optimizer's count, so the
+        # Finite gradients can still produce a non-finite update (a huge learning rate, 16-bit
+        # params at their range's edge); such a step is skipped too, but it is not an overflow
+        # of the scaled gradients, so the loss scale does not back off for it.
+        applied = finite & loss_scale_lib.all_finite(updated.params)
+        # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
-        new_state = loss_scale_lib.select_tree(finite, updated, state).replace(
+        new_state = loss_scale_lib.select_tree(applied, updated, state).replace(
             step=state.step + 1,
             loss_scale=scaler.adjust(finite),
-            skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
+            skipped_steps=state.skipped_steps + jnp.where(applied, 0, 1).astype(jnp.int32),
         )
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
             "loss_scale": scaler.loss_scale,
             "grads_finite": finite,
+            "applied": applied,
             "skipped_steps": new_state.skipped_steps,
             **_to_f32(aux),
         }

@@ -16,7 +16,14 @@ state donated.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
+import os
+import signal
+import socket
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,11 +180,12 @@ class Trainer:
             self.train_step_traces += 1  # runs only while tracing
             new_state, metrics = recipe(state, batch)
             metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
-            finite = metrics["grads_finite"]
+            finite = metrics["applied"]
             totals = {
                 "loss_sum": totals["loss_sum"] + jnp.where(finite, metrics["loss"], 0.0),
                 "finite_steps": totals["finite_steps"] + finite.astype(jnp.int32),
                 "consecutive_skips": jnp.where(finite, 0, totals["consecutive_skips"] + 1),
+                "last_finite_loss": jnp.where(finite, metrics["loss"], totals["last_finite_loss"]),
             }
             return new_state, metrics, totals
 
@@ -187,11 +195,14 @@ class Trainer:
         """Host-side. Puts a host batch on the device(s) (an explicit transfer)."""
         return jax.device_put(batch)
 
+    def _batch(self, source, index: int) -> Any:
+        return self.device_batch(source.get_batch(index))
+
     def evaluate(self, state, step_no: int, writer) -> dict[str, float]:
         """Host-side. Averages `eval_fn` over `config.eval_steps` batches and writes it."""
         sums = None
         for i in range(self.config.eval_steps):
-            metrics = self._eval_step(state, self.device_batch(self.eval_source.get_batch(i)))
+            metrics = self._eval_step(state, self._batch(self.eval_source, i))
             sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
         with _allow_transfers():
             values = {
@@ -212,10 +223,19 @@ class Trainer:
         }
 
     def save_checkpoint(self, checkpointer, state, step_no: int) -> None:
+        """Host-side. Writes checkpoint `step_no`; a full or read-only disk stops the run."""
         with _allow_transfers():
-            checkpointer.save(step_no, state, self.checkpoint_meta(step_no))
+            try:
+                checkpointer.save(step_no, state, self.checkpoint_meta(step_no))
+            except OSError as e:
+                raise StorageError(
+                    f"could not write the checkpoint for step {step_no} in "
+                    f"{checkpointer.directory}: {e.strerror or e}; the checkpoints already "
+                    f"there are intact (steps {checkpointer.all_steps()})"
+                ) from e
+        self._saved_step = step_no
 
-    def _write_train_metrics(self, writer, step_no, metrics, totals) -> None:
+    def _write_train_metrics(self, writer, step_no, metrics, totals) -> dict[str, float]:
         with _allow_transfers():
             metrics, totals = jax.device_get((metrics, totals))
         from mptrain import metrics as metrics_lib
@@ -225,60 +245,155 @@ class Trainer:
         if finite_steps:
             values["loss"] = float(totals["loss_sum"]) / finite_steps  # mean since last log
         values["consecutive_skips"] = float(totals["consecutive_skips"])
+        values["last_finite_loss"] = float(totals["last_finite_loss"])
         writer.write_scalars(step_no, values)
         self._progress.update(step_no, values)
+        return values
+
+    def _check_finite(self, step_no: int, values: dict[str, float]) -> str | None:
+        """A diagnostic when training cannot recover from non-finite steps, else None."""
+        skips = int(values["consecutive_skips"])
+        if skips == 0:
+            return None
+        scale = values["loss_scale"]
+        scaler = self.state.loss_scale
+        stuck = isinstance(scaler, loss_scale_lib.DynamicLossScale) and skips >= 2
+        with _allow_transfers():
+            stuck = stuck and scale <= float(scaler.min_scale)
+        if skips < self.config.max_consecutive_skips and not stuck:
+            return None
+        why = (
+            f"the dynamic loss scale is stuck at its minimum {scale:g}"
+            if stuck and skips < self.config.max_consecutive_skips
+            else f"{skips} non-finite steps in a row (config.max_consecutive_skips="
+            f"{self.config.max_consecutive_skips})"
+        )
+        return (
+            f"training went non-finite at step {step_no}: {why}; last finite loss "
+            f"{values['last_finite_loss']:.6g}, loss scale {scale:g}, "
+            f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
+            "saved; lower the learning rate or check the data, then run again"
+        )
 
     def train_and_evaluate(self) -> train_state_lib.TrainState:
-        """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any."""
+        """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any.
+
+        Raises `Preempted` after checkpointing when SIGTERM arrives, `NonFiniteTraining` when
+        training cannot recover from non-finite steps, `WorkdirError` when the workdir is in
+        use, unwritable, or holds checkpoints of an incompatible run, `StorageError` when a
+        checkpoint cannot be written.
+        """
+        with _workdir_lock(self.workdir), _PreemptionFlag() as preemption:
+            return self._train(preemption)
+
+    def _restore(self, checkpointer, state):
+        from mptrain import checkpoint
+
+        try:
+            restored = checkpointer.restore(state)
+        except checkpoint.CheckpointMismatchError as e:
+            raise WorkdirError(
+                f"the checkpoints in {checkpointer.directory} belong to a different model, "
+                f"optimizer or precision: {e}. Use another --workdir to start a new run"
+            ) from None
+        except checkpoint.InvalidCheckpointError as e:
+            raise WorkdirError(str(e)) from None
+        if restored is None:
+            return state, None
+        state, meta = restored
+        saved_policy = meta.get("policy")
+        if saved_policy is not None and saved_policy != str(self.policy):
+            raise WorkdirError(
+                f"the checkpoint at step {meta.get('step')} was trained with precision "
+                f"'{saved_policy}', the config asks for '{self.policy}'; resuming would recast "
+                "the master params. Use another --workdir, or the old precision"
+            )
+        changes = _config_changes(meta.get("config") or {}, config_lib.to_dict(self.config))
+        for key, (old, new) in changes.items():
+            logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+        return state, meta
+
+    def _train(self, preemption) -> train_state_lib.TrainState:
         from mptrain import checkpoint
         from mptrain import metrics as metrics_lib
 
         cfg = self.config
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        preemption.exit_now_ok = True  # until the first step: nothing that a SIGTERM could lose
         with _allow_transfers():
             self.train_source, self.eval_source = self.build_datasets()
             state = self.init_state()
             checkpointer = checkpoint.Checkpointer(
                 self.workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
-            restored = checkpointer.restore(state)
-            if restored is not None:
-                state, _ = restored
+            state, meta = self._restore(checkpointer, state)
             start = int(state.step)
+            self._saved_step = start if meta is not None else None
             checkpoint.write_json(self.workdir / "config.json", config_lib.to_dict(cfg))
             zero_totals = jax.device_put(
                 {
                     "loss_sum": np.float32(0),
                     "finite_steps": np.int32(0),
                     "consecutive_skips": np.int32(0),
+                    "last_finite_loss": np.float32(np.nan),
                 }
             )
         writer = metrics_lib.create_writer(self.workdir, is_main_process=jax.process_index() == 0)
         self._progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self._log_start(state, start)
         self.state = state
-        self._eval_step = jax.jit(step.make_eval_step(self.eval_fn))
+        # Compile everything up front, while a SIGTERM can still end the run at once; the
+        # loop then never stops to compile.
         train_step = jax.jit(self.make_train_step(), donate_argnums=0)
+        train_step = train_step.lower(state, self._batch(self.train_source, start), zero_totals)
+        train_step = train_step.compile()
+        eval_step = jax.jit(step.make_eval_step(self.eval_fn))
+        self._eval_step = eval_step.lower(state, self._batch(self.eval_source, 0)).compile()
+        carried = ("consecutive_skips", "last_finite_loss")  # these span log intervals
+        keep_last = jax.jit(
+            lambda t: {k: v if k in carried else jnp.zeros_like(v) for k, v in t.items()}
+        )
+        keep_last = keep_last.lower(zero_totals).compile()
         hooks = self.build_hooks(writer, checkpointer)
+        preemption.exit_now_ok = False
 
-        totals, pending = zero_totals, None
-        for step_no in range(start, cfg.num_train_steps):
-            batch = self.device_batch(self.train_source.get_batch(step_no))
-            self.state, metrics, totals = train_step(self.state, batch, totals)
-            done = step_no + 1
-            if pending is not None:  # the previous log step's values, read after dispatching
-                self._write_train_metrics(writer, *pending)
-                pending = None
-            if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
-                pending, totals = (done, metrics, totals), zero_totals
-            for hook in hooks:
-                hook(done)
-        if pending is not None:
-            self._write_train_metrics(writer, *pending)
-        checkpointer.wait()
-        checkpointer.close()
-        writer.flush()
-        writer.close()
+        def stop(done: int, error: Exception):
+            if self._saved_step != done:
+                self.save_checkpoint(checkpointer, self.state, done)
+            checkpointer.wait()
+            raise error
+
+        try:
+            totals, pending = zero_totals, None
+            done = start
+            if preemption.requested:
+                stop(done, Preempted(done))
+            for step_no in range(start, cfg.num_train_steps):
+                batch = self._batch(self.train_source, step_no)
+                self.state, metrics, totals = train_step(self.state, batch, totals)
+                done = step_no + 1
+                if pending is not None:  # the previous log step's values, read after dispatch
+                    values = self._write_train_metrics(writer, *pending)
+                    diagnostic = self._check_finite(pending[0], values)
+                    if diagnostic:
+                        stop(done, NonFiniteTraining(diagnostic))
+                    pending = None
+                if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
+                    pending, totals = (done, metrics, totals), keep_last(totals)
+                for hook in hooks:
+                    hook(done)
+                if preemption.requested:
+                    logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
+                    stop(done, Preempted(done))
+            if pending is not None:
+                values = self._write_train_metrics(writer, *pending)
+                diagnostic = self._check_finite(pending[0], values)
+                if diagnostic:
+                    stop(done, NonFiniteTraining(diagnostic))
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
+            writer.flush()
+            writer.close()
         return self.state
 
     def _log_start(self, state, start: int) -> None:
@@ -299,6 +414,135 @@ class Trainer:
             logging.warning("mptrain: %s", warning)
         if start:
             logging.info("mptrain: resuming from step %d", start)
+
+
+class StopTraining(Exception):
+    """Training stopped before `num_train_steps`; `exit_code` is what `main.py` exits with."""
+
+    exit_code = 1
+
+
+class Preempted(StopTraining):
+    """SIGTERM arrived; a checkpoint was written. Run the same command again to resume."""
+
+    exit_code = 75
+
+    def __init__(self, step: int):
+        super().__init__(
+            f"preempted (SIGTERM) at step {step}; checkpoint written, run the same command "
+            "again to resume"
+        )
+        self.step = step
+
+
+class NonFiniteTraining(StopTraining):
+    """Non-finite steps went on past `config.max_consecutive_skips` (or the scale bottomed out)."""
+
+    exit_code = 3
+
+
+class WorkdirError(StopTraining):
+    """The workdir is in use, unwritable, or holds checkpoints this config cannot resume."""
+
+    exit_code = 2
+
+
+class StorageError(StopTraining):
+    """A checkpoint could not be written (disk full, read-only); older ones are intact."""
+
+    exit_code = 1
+
+
+def _config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    changes = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes |= _config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes[f"{prefix}{key}"] = (a, b)
+    return changes
+
+
+@contextlib.contextmanager
+def _workdir_lock(workdir: Path):
+    """Holds an exclusive lock on `<workdir>/.lock` for the run; a second run is refused.
+
+    The lock is an flock, so the kernel drops it when the process dies, even under kill -9.
+    """
+    if jax.process_index() != 0:
+        yield
+        return
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        handle = open(workdir / ".lock", "a+")  # noqa: SIM115 (held for the whole run)
+    except OSError as e:
+        raise WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise WorkdirError(
+                f"workdir {workdir} is in use by another run ({holder}); wait for it to end "
+                "or use another --workdir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the lock
+
+
+class _PreemptionFlag:
+    """Turns SIGTERM into a flag that the loop checks after each step (main thread only).
+
+    Python runs signal handlers only between bytecodes, so a SIGTERM that lands while XLA
+    compiles would wait for the compiler. The wakeup fd is written by the C-level handler at
+    once; a watcher thread reads it and, while `exit_now_ok` says that nothing is unsaved (the
+    start-up: restore and compilation), exits with 75 straight away.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self.exit_now_ok = False
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        del signum, frame
+        self.requested = True
+
+    def _watch(self, read_fd: int) -> None:
+        while data := os.read(read_fd, 64):
+            if signal.SIGTERM in data:
+                self.requested = True
+                if self.exit_now_ok:
+                    sys.stderr.write(
+                        "mptrain: preempted (SIGTERM) while starting up; nothing new to save, "
+                        "run the same command again to resume\n"
+                    )
+                    sys.stderr.flush()
+                    os._exit(Preempted.exit_code)
+        os.close(read_fd)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._write_fd, False)
+            self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read_fd,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.exit_now_ok = False
+        if self._previous is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._write_fd)  # the watcher reads EOF and ends
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def import_trainer(spec: str) -> type[Trainer]:
