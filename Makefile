@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format clean
+.PHONY: install run test test-slow lint format clean
 
 install: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) examples/single_step.py
+	$(PY) -m mptrain.main --config=configs/default.py --workdir=runs/default
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
@@ -26,7 +26,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: lint
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 -q tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m slow tests
 
 clean:
 	rm -rf $(VENV) runs
