@@ -39,7 +39,7 @@ from absl import logging
 import mptrain
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
-from mptrain import optim, precision, step
+from mptrain import optim, precision, sharding, step
 from mptrain import train_state as train_state_lib
 
 
@@ -64,6 +64,8 @@ class Trainer:
         self.config = config
         self.workdir = Path(workdir)
         self.policy = precision.get_policy(config.precision)
+        data, fsdp = sharding.mesh_shape(config)
+        self.mesh = sharding.create_mesh(config) if data * fsdp > 1 else None
         self.model = self.build_model()
         self.tx, self.schedule = self.build_optimizer()
         self.train_step_traces = 0  # how often the train step was traced (= compiled)
@@ -179,6 +181,9 @@ class Trainer:
         def train_step(state, batch, totals):
             self.train_step_traces += 1  # runs only while tracing
             new_state, metrics = recipe(state, batch)
+            if self.mesh is not None:  # the new state keeps the old one's layout
+                shardings = sharding.state_shardings(self.mesh, state)
+                new_state = jax.lax.with_sharding_constraint(new_state, shardings)
             metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
             finite = metrics["applied"]
             totals = {
@@ -192,8 +197,10 @@ class Trainer:
         return train_step
 
     def device_batch(self, batch: dict[str, np.ndarray]) -> Any:
-        """Host-side. Puts a host batch on the device(s) (an explicit transfer)."""
-        return jax.device_put(batch)
+        """Host-side. Puts a host batch on the device(s), split over the mesh if there is one."""
+        if self.mesh is None:
+            return jax.device_put(batch)
+        return jax.device_put(batch, sharding.batch_sharding(self.mesh))
 
     def _batch(self, source, index: int) -> Any:
         return self.device_batch(source.get_batch(index))
@@ -322,6 +329,8 @@ class Trainer:
         with _allow_transfers():
             self.train_source, self.eval_source = self.build_datasets()
             state = self.init_state()
+            if self.mesh is not None:
+                state = jax.device_put(state, sharding.state_shardings(self.mesh, state))
             checkpointer = checkpoint.Checkpointer(
                 self.workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
@@ -335,7 +344,8 @@ class Trainer:
                     "finite_steps": np.int32(0),
                     "consecutive_skips": np.int32(0),
                     "last_finite_loss": np.float32(np.nan),
-                }
+                },
+                None if self.mesh is None else sharding.replicated(self.mesh),
             )
         writer = metrics_lib.create_writer(self.workdir, is_main_process=jax.process_index() == 0)
         self._progress = metrics_lib.ProgressLine(cfg.num_train_steps)

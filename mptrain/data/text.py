@@ -85,7 +85,7 @@ def split_corpus(
     """Splits ``data`` into ``(train, eval)``; eval is the last ``eval_fraction`` of the bytes."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    num_eval = int(round(len(data) * eval_fraction))
+    num_eval = round(len(data) * eval_fraction)
     if num_eval < 2 or num_eval > len(data) - 2:
         raise ValueError(
             f"eval_fraction={eval_fraction!r} of {len(data)} bytes leaves {num_eval} eval bytes "
