@@ -9,6 +9,8 @@ Expected on a 2-core CPU: eval loss <= 1.75 nats/byte (about 2.5 bits/byte; chan
 ln 256 = 5.55) in a few minutes. `--config=configs/default.py:tiny` is the test-sized variant.
 """
 
+from ml_collections import config_dict
+
 from mptrain import config as config_lib
 
 
@@ -35,7 +37,7 @@ def get_config(arg: str | None = None):
 
     c.data.name = "text"
     c.data.seq_len = 128  # bytes per training window
-    c.data.max_bytes = None  # truncate the corpus (None: the whole standard library)
+    c.data.max_bytes = config_dict.placeholder(int)  # truncate the corpus (None: all of it)
     c.data.eval_fraction = 0.01  # the last 1% of bytes is held out for eval
 
     if arg == "tiny":

@@ -290,6 +290,8 @@ class Trainer:
         use, unwritable, or holds checkpoints of an incompatible run, `StorageError` when a
         checkpoint cannot be written.
         """
+        with _allow_transfers():  # data problems surface before anything touches the workdir
+            self.train_source, self.eval_source = self.build_datasets()
         with _workdir_lock(self.workdir), _PreemptionFlag() as preemption:
             return self._train(preemption)
 
@@ -327,7 +329,6 @@ class Trainer:
         cfg = self.config
         preemption.exit_now_ok = True  # until the first step: nothing that a SIGTERM could lose
         with _allow_transfers():
-            self.train_source, self.eval_source = self.build_datasets()
             state = self.init_state()
             if self.mesh is not None:
                 state = jax.device_put(state, sharding.state_shardings(self.mesh, state))

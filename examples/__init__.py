@@ -1,0 +1,1 @@
+"""Runnable examples; a package so that `config.trainer` can name `examples.<module>:<Class>`."""

@@ -1,0 +1,1 @@
+"""A Trainer subclass for a model outside the zoo, run from the command line by its config."""
