@@ -1,11 +1,17 @@
 """How fast does the byte-level LM converge on this machine? A plain flax + optax loop.
 
 Trains ``TransformerLM`` on the stdlib text under a chosen precision (params fp32; compute in
-``--compute``), with AdamW, linear warmup + cosine decay and global-norm clipping, and prints
-elapsed time, steps/s and train / eval loss (nats per byte) as it goes. The final eval covers the
-whole held-out split (last 1% of the corpus). Used to pick the default config of ``make run``.
+``--compute``), with AdamW (weight decay on matrices only), linear warmup + cosine decay to 10% and
+global-norm clipping, and prints elapsed wall and CPU time, steps/s and train / eval loss (nats per
+byte) as it goes. Periodic evals use the first ``--eval_batches`` eval batches; the final eval
+covers the whole held-out split (last 1% of the corpus). Used to pick the default config.
 
-  python scripts/lm_convergence_probe.py --d_model=192 --num_layers=3 --steps=1500
+  python scripts/lm_convergence_probe.py                      # the recommended default
+  python scripts/lm_convergence_probe.py --steps=600 --lr=5e-3
+
+Measured on a shared 2-core CPU (Sapphire Rapids, jax 0.10.2), bf16 compute, with the defaults
+(d_model 128, 2 layers, 4 heads, d_ff 512, seq_len 128, batch 32, lr 3e-3, warmup 50, 800 steps):
+final eval 1.490 nats/byte (2.15 bits) after about 390 CPU-seconds of training; 600 steps: 1.592.
 """
 
 from __future__ import annotations
@@ -27,21 +33,21 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d_model", type=int, default=256)
-    p.add_argument("--num_layers", type=int, default=4)
+    p.add_argument("--d_model", type=int, default=128)
+    p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--num_heads", type=int, default=4)
     p.add_argument("--d_ff", type=int, default=0, help="0: 4 * d_model")
-    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--b2", type=float, default=0.99)
     p.add_argument("--compute", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--log_every", type=int, default=100)
-    p.add_argument("--eval_every", type=int, default=250)
+    p.add_argument("--eval_every", type=int, default=200)
     p.add_argument("--eval_batches", type=int, default=2, help="batches per periodic eval")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_seconds", type=float, default=0.0, help="stop training after this")
@@ -120,9 +126,11 @@ def main(argv=None):
     t_train = time.perf_counter() - t_start
     final = evaluate(eval_src.num_batches)
     t_total = time.perf_counter() - t_start
+    cpu = time.process_time() - c_start
     print(f"final eval (all {eval_src.num_batches} batches): {final:.4f} nats/byte "
           f"({transformer_lm.bits_per_byte(final):.3f} bits); train {t_train:.1f}s, "
-          f"train+eval {t_total:.1f}s (cpu {time.process_time() - c_start:.1f}s), total incl. data {time.perf_counter() - t0:.1f}s")  # fmt: skip
+          f"train+eval {t_total:.1f}s (cpu {cpu:.1f}s), "
+          f"total incl. data {time.perf_counter() - t0:.1f}s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""The byte-level transformer LM: shapes, causality, and its fp32 islands under bf16 compute."""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from conftest import matmul_dtypes
+
+from mptrain.models import transformer_lm
+
+NUM_LAYERS = 2
+# Per block: qkv, scores, probs @ v, attention out, mlp in, mlp out; plus the logits.
+NUM_MATMULS = 6 * NUM_LAYERS + 1
+
+
+def _model(dtype=jnp.float32, **kwargs):
+    kwargs = {
+        "d_model": 32,
+        "num_layers": NUM_LAYERS,
+        "num_heads": 4,
+        "d_ff": 64,
+        "max_len": 16,
+        "dtype": dtype,
+        **kwargs,
+    }
+    return transformer_lm.TransformerLM(**kwargs)
+
+
+def _tokens(batch=2, length=16, seed=0):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, 256, dtype=jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.jit(_model().init)(jax.random.key(0), _tokens())
+
+
+def _apply(model, *args, **kwargs):
+    return jax.jit(model.apply, static_argnames="train")(*args, **kwargs)
+
+
+def _to_bf16(tree):
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+
+@pytest.fixture(scope="module")
+def bf16_program(params):
+    model = _model(jnp.bfloat16)
+    return jax.jit(model.apply).lower(_to_bf16(params), _tokens()).as_text()
+
+
+def _ops(program, op):
+    """Result types of every ``stablehlo.<op>`` line, e.g. ``['tensor<2x4xf32>', ...]``."""
+    return [line.rsplit("->", 1)[-1].rsplit(":", 1)[-1].strip()
+            for line in program.splitlines() if f"stablehlo.{op} " in line]  # fmt: skip
+
+
+def test_init_makes_fp32_params_and_fp32_logits(params):
+    leaves = jax.tree.leaves(params)
+    assert leaves and all(x.dtype == jnp.float32 for x in leaves)
+    logits = _apply(_model(), params, _tokens())
+    assert logits.shape == (2, 16, 256)
+    assert logits.dtype == jnp.float32
+    # Same params and inputs, bf16 compute: still fp32 logits, close to the fp32 ones.
+    logits_bf16 = _apply(_model(jnp.bfloat16), _to_bf16(params), _tokens())
+    assert logits_bf16.dtype == jnp.float32
+    np.testing.assert_allclose(logits_bf16, logits, atol=0.1)
+
+
+def test_every_matmul_has_bf16_operands_under_bf16_compute(bf16_program):
+    dots = matmul_dtypes(bf16_program)
+    assert len(dots) == NUM_MATMULS, dots
+    for operands, _ in dots:
+        assert operands == ("bf16", "bf16"), dots
+    # The scores (into the softmax) and the logits accumulate and come out in fp32.
+    results = [result for _, result in dots]
+    assert results.count("f32") == NUM_LAYERS + 1, results
+    assert results[-1] == "f32"
+
+
+def test_fp32_islands_under_bf16_compute(bf16_program):
+    # Softmax: every exp runs on fp32 scores.
+    exps = _ops(bf16_program, "exponential")
+    assert len(exps) == NUM_LAYERS
+    assert all(t.endswith("xf32>") for t in exps), exps
+    # LayerNorm statistics: mean and variance over features are fp32 reductions of [B, L, d]
+    # tensors (two per LayerNorm: 2 per block plus the final one), and rsqrt is fp32.
+    stats = [line for line in bf16_program.splitlines()
+             if "stablehlo.reduce" in line and "stablehlo.add" in line
+             and "(tensor<2x16x32x" in line]  # fmt: skip
+    assert len(stats) == 2 * (2 * NUM_LAYERS + 1), stats
+    assert all("(tensor<2x16x32xf32>" in line for line in stats), stats
+    rsqrts = _ops(bf16_program, "rsqrt")
+    assert len(rsqrts) == 2 * NUM_LAYERS + 1
+    assert all(t.endswith("xf32>") for t in rsqrts), rsqrts
+    # The program returns fp32 logits.
+    main = next(line for line in bf16_program.splitlines() if "func.func public @main" in line)
+    assert re.search(r"->\s*\(?tensor<2x16x256xf32>", main), main
+
+
+def test_fp32_compute_stays_fp32(params):
+    program = jax.jit(_model().apply).lower(params, _tokens()).as_text()
+    dots = matmul_dtypes(program)
+    assert len(dots) == NUM_MATMULS
+    assert all(ops == ("f32", "f32") and out == "f32" for ops, out in dots), dots
+
+
+def test_model_is_causal(params):
+    model = _model()
+    tokens = _tokens()
+    changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
+    before, after = _apply(model, params, tokens), _apply(model, params, changed)
+    np.testing.assert_array_equal(before[:, :10], after[:, :10])
+    assert not np.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_grads_through_bf16_compute_are_fp32_and_finite(params):
+    model = _model(jnp.bfloat16)
+    tokens = _tokens(length=17)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(p):
+        return transformer_lm.lm_loss(model.apply(_to_bf16(p), inputs), targets)
+
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
+    assert loss.dtype == jnp.float32
+    assert abs(float(loss) - np.log(256)) < 0.5  # near chance at init
+    for g in jax.tree.leaves(grads):
+        assert g.dtype == jnp.float32
+        assert np.all(np.isfinite(g))
+    assert any(np.any(g != 0) for g in jax.tree.leaves(grads))
+
+
+def test_lm_loss_is_fp32_mean_cross_entropy():
+    targets = jnp.array([[1, 2, 3]], jnp.int32)
+    uniform = jnp.zeros((1, 3, 256), jnp.bfloat16)
+    loss = transformer_lm.lm_loss(uniform, targets)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(loss, np.log(256), rtol=1e-6)
+    sure = jax.nn.one_hot(targets, 256) * 100.0
+    assert float(transformer_lm.lm_loss(sure, targets)) < 1e-6
+    np.testing.assert_allclose(transformer_lm.bits_per_byte(np.log(256)), 8.0)
+
+
+def test_dropout_only_in_training(params):
+    model = _model(dropout_rate=0.5)
+    tokens = _tokens()
+    eval_logits = _apply(model, params, tokens)
+    np.testing.assert_allclose(eval_logits, _apply(_model(), params, tokens), rtol=1e-6)
+    rngs = {"dropout": jax.random.key(1)}
+    train_logits = _apply(model, params, tokens, train=True, rngs=rngs)
+    assert not np.allclose(train_logits, eval_logits)
+
+
+def test_create_model_from_config():
+    config = ml_collections.ConfigDict(
+        {"d_model": 32, "num_layers": 1, "num_heads": 2, "d_ff": 48, "max_len": 8}
+    )
+    model = transformer_lm.create_model(config, jnp.bfloat16)
+    assert (model.vocab_size, model.dropout_rate, model.dtype) == (256, 0.0, jnp.bfloat16)
+    assert (model.d_model, model.num_layers, model.num_heads, model.d_ff) == (32, 1, 2, 48)
+    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert variables["params"]["block_0"]["mlp"]["fc_in"]["kernel"].shape == (32, 48)
+
+
+def test_bad_shapes_are_rejected(params):
+    with pytest.raises(ValueError, match="exceeds max_len=16"):
+        jax.eval_shape(_model().apply, params, _tokens(length=17))
+    with pytest.raises(ValueError, match="integer"):
+        jax.eval_shape(_model().apply, params, jnp.zeros((2, 16), jnp.float32))
+    with pytest.raises(ValueError, match="num_heads=5"):
+        jax.eval_shape(_model(num_heads=5).init, jax.random.key(0), _tokens())
+
+
+class _Island(nn.Module):
+    """LayerNorm island followed by a bias-free Dense, as inside every block."""
+
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        h = transformer_lm._layer_norm(x, self.dtype, "ln")
+        return h, transformer_lm._dense(8, self.dtype, "dense")(x)
+
+
+def test_each_cast_guard_holds_on_its_own():
+    # The two guards against an fp32 island promoting the next matmul are redundant inside the
+    # model; each is checked alone here. fp32 input and fp32 params, bf16 compute:
+    x = jnp.ones((2, 4), jnp.float32)
+    module = _Island()
+    variables = module.init(jax.random.key(0), x)
+    normed, _ = module.apply(variables, x)
+    assert normed.dtype == jnp.bfloat16  # the LayerNorm island ends with a cast back
+    ((operands, result),) = matmul_dtypes(jax.jit(module.apply).lower(variables, x).as_text())
+    assert operands == ("bf16", "bf16") and result == "bf16"  # Dense casts its own inputs
+
+
+def test_gradient_matmuls_are_bf16_too(params):
+    model = _model(jnp.bfloat16)
+    tokens = _tokens(length=17)
+
+    def loss_fn(p):  # what the train step differentiates: fp32 params cast inside
+        return transformer_lm.lm_loss(model.apply(_to_bf16(p), tokens[:, :-1]), tokens[:, 1:])
+
+    program = jax.jit(jax.grad(loss_fn)).lower(params).as_text()
+    dots = matmul_dtypes(program)
+    # The embedding gradient is a scatter, not a matmul: every matmul has two gradient matmuls.
+    assert len(dots) == 3 * NUM_MATMULS, dots
+    assert all(operands == ("bf16", "bf16") for operands, _ in dots), dots
+
+
+@pytest.mark.parametrize("spec", ["ij,jk->ik", "bqhd,bkhd->bhqk", "aby,yz->abz"])
+def test_einsum_f32_out_gradients_match_autodiff(spec):
+    sa, sb = spec.split("->")[0].split(",")
+    sizes = dict(zip("ijkbqhdayz", (3, 4, 5, 2, 6, 2, 4, 3, 5, 7), strict=True))
+    a = jax.random.normal(jax.random.key(1), [sizes[c] for c in sa])
+    b = jax.random.normal(jax.random.key(2), [sizes[c] for c in sb])
+    w = jax.random.normal(jax.random.key(3), jnp.einsum(spec, a, b).shape)
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(spec, a, b) * w)
+
+    ours = jax.jit(jax.grad(functools.partial(loss, transformer_lm.einsum_f32_out), (0, 1)))
+    reference = jax.jit(jax.grad(functools.partial(loss, jnp.einsum), (0, 1)))
+    for got, want in zip(ours(a, b), reference(a, b), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # bf16 operands: fp32 forward result, bf16 gradients close to the fp32 ones.
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    forward = functools.partial(transformer_lm.einsum_f32_out, spec)
+    assert jax.eval_shape(forward, a16, b16).dtype == jnp.float32
+    for got, want in zip(ours(a16, b16), reference(a, b), strict=True):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(got.astype(jnp.float32), want, rtol=0.05, atol=0.1)
+
+
+def test_einsum_f32_out_rejects_specs_it_cannot_differentiate():
+    x, y = jnp.ones((3, 4)), jnp.ones((4, 5))
+    with pytest.raises(ValueError, match="cannot differentiate 'ij,jk->i'"):
+        jax.grad(lambda x: transformer_lm.einsum_f32_out("ij,jk->i", x, y).sum())(x)
