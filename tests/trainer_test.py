@@ -2,7 +2,6 @@
 
 import glob
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -11,30 +10,27 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import ROOT, load_config
 
 import mptrain
 from mptrain import main as main_lib
 from mptrain import trainer as trainer_lib
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def tiny_config(**overrides):
-    config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"]("tiny")
-    config.optimizer.schedule = "constant"  # the horizon must not depend on num_train_steps
-    for key, value in overrides.items():
-        section = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            section = section[parent]
-        section[leaf] = value
-    return config
+    # a constant schedule: the horizon must not depend on num_train_steps
+    return load_config("default", **{"optimizer.schedule": "constant", **overrides})
 
 
 def plain_orbax_state(workdir, step):
-    """The `state` item read back with plain orbax: nested dicts of numpy arrays."""
-    path = Path(workdir) / "checkpoints" / str(step) / "state"
-    return ocp.PyTreeCheckpointer().restore(path)
+    """The `state` item read back with plain orbax (no mptrain): nested dicts of numpy arrays."""
+    path = (Path(workdir) / "checkpoints" / str(step) / "state").resolve()
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(state))
+    return state
 
 
 def assert_trees_bytes_equal(a, b):

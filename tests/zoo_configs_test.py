@@ -13,24 +13,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
+from conftest import ROOT, load_config
 from jax.experimental.compilation_cache import compilation_cache
 
 import mptrain
 from mptrain import trainer as trainer_lib
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16"]
 
 
 def tiny_config(name, **overrides):
-    config = runpy.run_path(str(ROOT / "configs" / f"{name}.py"))["get_config"]("tiny")
-    for key, value in overrides.items():
-        section = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            section = section[parent]
-        section[leaf] = value
-    return config
+    return load_config(name, **overrides)
 
 
 def resnet_config(**overrides):
