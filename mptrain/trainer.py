@@ -373,6 +373,13 @@ class Trainer:
             checkpointer.wait()
             raise error
 
+        def report(pending, done: int):
+            """Writes a log step's metrics; stops (exit 3) if training cannot recover."""
+            values = self._write_train_metrics(writer, *pending)
+            diagnostic = self._check_finite(pending[0], values)
+            if diagnostic:
+                stop(done, NonFiniteTraining(diagnostic))
+
         try:
             totals, pending = zero_totals, None
             done = start
@@ -383,10 +390,7 @@ class Trainer:
                 self.state, metrics, totals = train_step(self.state, batch, totals)
                 done = step_no + 1
                 if pending is not None:  # the previous log step's values, read after dispatch
-                    values = self._write_train_metrics(writer, *pending)
-                    diagnostic = self._check_finite(pending[0], values)
-                    if diagnostic:
-                        stop(done, NonFiniteTraining(diagnostic))
+                    report(pending, done)
                     pending = None
                 if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
                     pending, totals = (done, metrics, totals), keep_last(totals)
@@ -396,10 +400,7 @@ class Trainer:
                     logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
                     stop(done, Preempted(done))
             if pending is not None:
-                values = self._write_train_metrics(writer, *pending)
-                diagnostic = self._check_finite(pending[0], values)
-                if diagnostic:
-                    stop(done, NonFiniteTraining(diagnostic))
+                report(pending, done)
         finally:
             checkpointer.wait()
             checkpointer.close()
