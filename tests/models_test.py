@@ -18,7 +18,7 @@ from conftest import matmul_dtypes
 import mptrain
 from mptrain import config as config_lib
 from mptrain import trainer as trainer_lib
-from mptrain.models import cnn, mlp, resnet
+from mptrain.models import cnn, layers, mlp, resnet
 
 BATCH = 4
 MODELS = {
@@ -206,7 +206,7 @@ def test_create_model_reads_the_config():
 
 
 def test_conv_kernels_are_drawn_with_their_fan_in():
-    init = resnet.kernel_init_as_matrix(jax.nn.initializers.he_normal())
+    init = layers.kernel_init_as_matrix(jax.nn.initializers.he_normal())
     kernel = init(jax.random.key(0), (3, 3, 64, 128))
     assert kernel.shape == (3, 3, 64, 128) and kernel.dtype == jnp.float32
     np.testing.assert_allclose(np.std(kernel), np.sqrt(2.0 / (3 * 3 * 64)), rtol=0.05)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import matmul_dtypes
 
-from mptrain.models import transformer_lm
+from mptrain.models import layers, transformer_lm
 
 NUM_LAYERS = 2
 # Per block: qkv, scores, probs @ v, attention out, mlp in, mlp out; plus the logits.
@@ -184,7 +184,7 @@ class _Island(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        h = transformer_lm._layer_norm(x, self.dtype, "ln")
+        h = layers.layer_norm_f32(x, self.dtype, "ln")
         return h, transformer_lm._dense(8, self.dtype, "dense")(x)
 
 
@@ -225,13 +225,13 @@ def test_einsum_f32_out_gradients_match_autodiff(spec):
     def loss(fn, a, b):
         return jnp.sum(fn(spec, a, b) * w)
 
-    ours = jax.jit(jax.grad(functools.partial(loss, transformer_lm.einsum_f32_out), (0, 1)))
+    ours = jax.jit(jax.grad(functools.partial(loss, layers.einsum_f32_out), (0, 1)))
     reference = jax.jit(jax.grad(functools.partial(loss, jnp.einsum), (0, 1)))
     for got, want in zip(ours(a, b), reference(a, b), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # bf16 operands: fp32 forward result, bf16 gradients close to the fp32 ones.
     a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-    forward = functools.partial(transformer_lm.einsum_f32_out, spec)
+    forward = functools.partial(layers.einsum_f32_out, spec)
     assert jax.eval_shape(forward, a16, b16).dtype == jnp.float32
     for got, want in zip(ours(a16, b16), reference(a, b), strict=True):
         assert got.dtype == jnp.bfloat16
@@ -241,4 +241,4 @@ def test_einsum_f32_out_gradients_match_autodiff(spec):
 def test_einsum_f32_out_rejects_specs_it_cannot_differentiate():
     x, y = jnp.ones((3, 4)), jnp.ones((4, 5))
     with pytest.raises(ValueError, match="cannot differentiate 'ij,jk->i'"):
-        jax.grad(lambda x: transformer_lm.einsum_f32_out("ij,jk->i", x, y).sum())(x)
+        jax.grad(lambda x: layers.einsum_f32_out("ij,jk->i", x, y).sum())(x)

@@ -5,8 +5,8 @@ Two 3x3 convolutions with ReLU and 2x2 max pooling, then a hidden dense layer an
 
 Mixed precision: params arrive already cast to the compute dtype ``dtype``; every convolution
 and dense layer is built with ``dtype=self.dtype`` so it runs in it. Max pooling does no
-arithmetic, so it is exact in any dtype. The fp32 island is the logits: they leave the model as
-fp32, so the softmax and the loss never run in 16 bits.
+arithmetic, so it is exact in any dtype. The fp32 island is the logits (``layers.logits_f32``):
+they leave the model as fp32, so the softmax and the loss never run in 16 bits.
 
 ``model_config`` keys: ``features`` (channels of each conv layer, default ``(32, 64)``),
 ``hidden`` (dense width, default 256), ``num_classes`` (default 10).
@@ -21,12 +21,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain.models import resnet
-
-Dtype = Any
+from mptrain.models import layers
 
 # flax's default (LeCun normal), drawn as a matrix: the same distribution, compiled much faster.
-_conv_init = resnet.kernel_init_as_matrix(nn.initializers.lecun_normal())
+_conv_init = layers.kernel_init_as_matrix(nn.initializers.lecun_normal())
 
 
 class CNN(nn.Module):
@@ -35,7 +33,7 @@ class CNN(nn.Module):
     features: Sequence[int] = (32, 64)
     hidden: int = 256
     num_classes: int = 10
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -49,13 +47,10 @@ class CNN(nn.Module):
             x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, name="dense")(x))
-        logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
-        # fp32 from here on. (The head's result itself is rounded to `dtype`: a bf16 x bf16 ->
-        # f32 dot is not supported by every XLA backend.)
-        return logits.astype(jnp.float32)
+        return layers.logits_f32(x, self.num_classes, self.dtype)
 
 
-def create_model(model_config: Any, compute_dtype: Dtype = jnp.float32) -> CNN:
+def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> CNN:
     """Host-side: a `CNN` from the keys in the module doc."""
     return CNN(
         features=tuple(getattr(model_config, "features", (32, 64))),

@@ -3,13 +3,13 @@
 Mixed precision: params arrive already cast to the compute dtype ``dtype``; every convolution
 and the head run in it. The fp32 islands:
 
-  * BatchNorm, whole: the batch mean and variance (a 16-bit sum of squares over a batch of
-    activations overflows fp16 and loses bits in bf16), the running averages kept in the
-    ``batch_stats`` collection (the trainer's ``model_state``, created and stored as fp32), and
-    the normalisation itself. Only its output is cast back to ``dtype``, so the next convolution
-    still gets 16-bit operands instead of being silently promoted to fp32;
+  * BatchNorm, whole (``layers.batch_norm_f32``): the batch mean and variance (a 16-bit sum of
+    squares over a batch of activations overflows fp16 and loses bits in bf16), the running
+    averages kept in the ``batch_stats`` collection (the trainer's ``model_state``, created and
+    stored as fp32), and the normalisation itself. Only its output is cast back to ``dtype``, so
+    the next convolution still gets 16-bit operands instead of being silently promoted to fp32;
   * the global average pool, a mean over the spatial positions;
-  * the logits, which leave the model as fp32.
+  * the logits, which leave the model as fp32 (``layers.logits_f32``).
 
 ``model_config`` keys: ``stage_sizes`` (basic blocks per stage, default ``(2, 2, 2, 2)``, i.e.
 ResNet-18), ``width`` (channels of the first stage, doubled at each later one, default 64),
@@ -19,7 +19,6 @@ ResNet-18), ``width`` (channels of the first stage, doubled at each later one, d
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,52 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-Dtype = Any
+from mptrain.models import layers
 
-
-def kernel_init_as_matrix(init: Any) -> Any:
-    """Draws a conv kernel ``[..., in, out]`` as a ``[prod(...) * in, out]`` matrix, reshaped.
-
-    The fan-in, and so the distribution of fan-in initialisers, is unchanged. It is a compile
-    time fix: XLA:CPU takes seconds to compile a random draw of rank 3 or more (with jax's
-    default partitionable threefry), and a fraction of a second for a rank-2 one.
-    """
-
-    def wrapped(key: jax.Array, shape: Sequence[int], dtype: Dtype = jnp.float32) -> jax.Array:
-        return init(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
-
-    return wrapped
-
-
-_conv_init = kernel_init_as_matrix(nn.initializers.he_normal())  # He et al., 2015 (fan-in)
-
-
-def batch_norm_f32(
-    x: jax.Array,
-    *,
-    train: bool,
-    dtype: Dtype,
-    momentum: float,
-    name: str,
-    scale_init: Any = nn.initializers.ones,
-) -> jax.Array:
-    """BatchNorm as an fp32 island; call it inside a compact module (it adds ``name`` there).
-
-    ``dtype=float32`` makes flax promote ``x`` to fp32 before the mean and variance reductions
-    and keep the normalisation in fp32; the running statistics in ``batch_stats`` are created
-    as fp32 zeros and ones and updated in fp32. With ``train=True`` it normalises with the
-    batch's statistics and updates the running ones; with ``train=False`` it uses the running
-    ones. Only the result is cast back to ``dtype``.
-    """
-    y = nn.BatchNorm(
-        use_running_average=not train,
-        momentum=momentum,
-        epsilon=1e-5,
-        dtype=jnp.float32,
-        scale_init=scale_init,
-        name=name,
-    )(x)
-    return y.astype(dtype)  # end of the island
+_conv_init = layers.kernel_init_as_matrix(nn.initializers.he_normal())  # He et al., 2015 (fan-in)
 
 
 class BasicBlock(nn.Module):
@@ -80,14 +36,14 @@ class BasicBlock(nn.Module):
 
     features: int
     strides: int = 1
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     bn_momentum: float = 0.9
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, kernel_init=_conv_init)
         norm = functools.partial(
-            batch_norm_f32, train=train, dtype=self.dtype, momentum=self.bn_momentum
+            layers.batch_norm_f32, train=train, dtype=self.dtype, momentum=self.bn_momentum
         )
         y = conv(self.features, (3, 3), self.strides, name="conv1")(x)
         y = nn.relu(norm(y, name="bn1"))
@@ -106,7 +62,7 @@ class ResNet(nn.Module):
     stage_sizes: Sequence[int] = (2, 2, 2, 2)
     width: int = 64
     num_classes: int = 10
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     bn_momentum: float = 0.9
 
     @nn.compact
@@ -121,7 +77,7 @@ class ResNet(nn.Module):
             kernel_init=_conv_init,
             name="stem_conv",
         )(x)
-        x = batch_norm_f32(
+        x = layers.batch_norm_f32(
             x, train=train, dtype=self.dtype, momentum=self.bn_momentum, name="stem_bn"
         )
         x = nn.relu(x)
@@ -135,13 +91,10 @@ class ResNet(nn.Module):
                     name=f"stage{stage}_block{block}",
                 )(x, train=train)
         x = jnp.mean(x.astype(jnp.float32), axis=(1, 2)).astype(self.dtype)  # pooled in fp32
-        logits = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
-        # fp32 from here on. (The head's result itself is rounded to `dtype`: a bf16 x bf16 ->
-        # f32 dot is not supported by every XLA backend.)
-        return logits.astype(jnp.float32)
+        return layers.logits_f32(x, self.num_classes, self.dtype)
 
 
-def create_model(model_config: Any, compute_dtype: Dtype = jnp.float32) -> ResNet:
+def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> ResNet:
     """Host-side: a `ResNet` from the keys in the module doc."""
     return ResNet(
         stage_sizes=tuple(getattr(model_config, "stage_sizes", (2, 2, 2, 2))),

@@ -7,16 +7,13 @@ Mixed-precision contract: the framework passes parameters already cast to the co
     logits) takes ``dtype`` operands. Each ``nn.Dense`` is built with ``dtype=self.dtype``, which
     makes flax cast its input and kernel to that dtype, and every fp32 island ends with an explicit
     cast back, so an fp32 tensor never silently promotes the next matmul to fp32;
-  * the fp32 islands are the LayerNorm statistics, the attention softmax, and the logits: the
-    attention scores and the logits use ``dtype`` operands with fp32 results
-    (``preferred_element_type``), so they never round to 16 bits before the softmax / the loss.
+  * the fp32 islands are the LayerNorm statistics (``layers.layer_norm_f32``), the attention
+    softmax, and the logits: the attention scores and the logits use ``dtype`` operands with fp32
+    results (``layers.einsum_f32_out``, and ``layers.dot_general_f32_out`` in the head's
+    ``nn.Dense``), so they never round to 16 bits before the softmax / the loss. Their custom
+    gradient keeps the backward matmuls in ``dtype`` too (see ``layers``).
 
 ``param_dtype`` is left at flax's default (fp32), so ``model.init`` creates fp32 master params.
-
-The two fp32-result matmuls (scores and logits) have a custom gradient: left to JAX, a matmul with
-``preferred_element_type=float32`` is differentiated with the fp32 cotangent and the other operand
-upcast, i.e. its two gradient matmuls would run in fp32. ``einsum_f32_out`` casts the cotangent to
-the operands' dtype first, as plain 16-bit autodiff would, so the backward matmuls are 16-bit too.
 
 On CPU, XLA runs a bf16 x bf16 -> bf16 matmul as convert-to-fp32, fp32 matmul, convert back, so
 bf16 compute is emulated there and costs about as much as fp32. (Giving every matmul, forward and
@@ -27,65 +24,17 @@ DotThunk::Execute: BF16 x BF16 = F32"; so only the two forward matmuls above use
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-Dtype = Any
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def einsum_f32_out(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``jnp.einsum(spec, a, b)`` with fp32 accumulation and an fp32 result, for fp32 islands.
-
-    The gradient casts the incoming fp32 cotangent to ``a.dtype`` and runs both gradient matmuls
-    on operands of that dtype (see the module docstring). ``spec`` is explicit (``"ij,jk->ik"``),
-    without ``...`` or repeated indices, and each operand's indices appear in the other operand or
-    in the output (true of every matmul).
-    """
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+from mptrain.models import layers
 
 
-def _split_spec(spec: str) -> tuple[str, str, str]:
-    inputs, out = spec.replace(" ", "").split("->")
-    sa, sb = inputs.split(",")
-    if "." in spec or not set(sa) <= set(sb + out) or not set(sb) <= set(sa + out):
-        raise ValueError(f"einsum_f32_out cannot differentiate {spec!r}")
-    return sa, sb, out
-
-
-def _einsum_f32_out_fwd(spec, a, b):
-    _split_spec(spec)
-    return einsum_f32_out(spec, a, b), (a, b)
-
-
-def _einsum_f32_out_bwd(spec, residuals, g):
-    a, b = residuals
-    sa, sb, out = _split_spec(spec)
-    g = g.astype(a.dtype)  # the end of the fp32 island, seen from the backward pass
-    da = jnp.einsum(f"{out},{sb}->{sa}", g, b.astype(a.dtype))
-    db = jnp.einsum(f"{sa},{out}->{sb}", a, g)
-    return da.astype(a.dtype), db.astype(b.dtype)
-
-
-einsum_f32_out.defvjp(_einsum_f32_out_fwd, _einsum_f32_out_bwd)
-
-
-def _dot_general_f32_out(lhs, rhs, dimension_numbers, precision=None, **unused_kwargs):
-    """What ``nn.Dense`` calls (``lhs[..., k] @ rhs[k, n]``), routed to ``einsum_f32_out``."""
-    del precision, unused_kwargs
-    if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
-        raise ValueError(f"unsupported dimension numbers {dimension_numbers}")
-    batch = "abcdefgh"[: lhs.ndim - 1]
-    return einsum_f32_out(f"{batch}y,yz->{batch}z", lhs, rhs)
-
-
-def _dense(features: int, dtype: Dtype, name: str, **kwargs: Any) -> nn.Dense:
+def _dense(features: int, dtype: layers.Dtype, name: str, **kwargs: Any) -> nn.Dense:
     """A bias-free ``nn.Dense`` that casts its input and kernel to ``dtype`` before the matmul.
 
     No biases: with pre-LN blocks they add next to nothing (the LayerNorms have their own), and on
@@ -94,16 +43,11 @@ def _dense(features: int, dtype: Dtype, name: str, **kwargs: Any) -> nn.Dense:
     return nn.Dense(features, dtype=dtype, use_bias=False, name=name, **kwargs)
 
 
-def _layer_norm(x: jax.Array, dtype: Dtype, name: str) -> jax.Array:
-    """LayerNorm computed in fp32 (mean, variance, rsqrt), result cast back to ``dtype``."""
-    return nn.LayerNorm(dtype=jnp.float32, name=name)(x).astype(dtype)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention; softmax in fp32, everything else in ``dtype``."""
 
     num_heads: int
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
 
     @nn.compact
@@ -117,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
         q = q * jnp.asarray(head_dim**-0.5, self.dtype)
         # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
-        scores = einsum_f32_out("bqhd,bkhd->bhqk", q, k)
+        scores = layers.einsum_f32_out("bqhd,bkhd->bhqk", q, k)
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # end of the fp32 island
@@ -130,7 +74,7 @@ class MLP(nn.Module):
     """Two-layer feed-forward block with GELU."""
 
     d_ff: int
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
 
     @nn.compact
@@ -146,18 +90,18 @@ class Block(nn.Module):
 
     num_heads: int
     d_ff: int
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
-        h = _layer_norm(x, self.dtype, "ln_attn")
+        h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         h = CausalSelfAttention(self.num_heads, self.dtype, self.dropout_rate, name="attn")(
             h, train=train
         )
         x = x + drop(h, deterministic=not train)
-        h = _layer_norm(x, self.dtype, "ln_mlp")
+        h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
         h = MLP(self.d_ff, self.dtype, self.dropout_rate, name="mlp")(h, train=train)
         return x + drop(h, deterministic=not train)
 
@@ -176,7 +120,7 @@ class TransformerLM(nn.Module):
     num_heads: int = 2
     d_ff: int = 512
     max_len: int = 128
-    dtype: Dtype = jnp.float32
+    dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
 
     @nn.compact
@@ -198,16 +142,16 @@ class TransformerLM(nn.Module):
             x = Block(self.num_heads, self.d_ff, self.dtype, self.dropout_rate, name=f"block_{i}")(
                 x, train=train
             )
-        x = _layer_norm(x, self.dtype, "ln_final")
+        x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
-        logits = _dense(self.vocab_size, self.dtype, "head", dot_general=_dot_general_f32_out)(x)
+        head = _dense(self.vocab_size, self.dtype, "head", dot_general=layers.dot_general_f32_out)
+        logits = head(x)
         return logits.astype(jnp.float32)  # a no-op: the matmul already returns fp32
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats (per byte for a byte-level model), in fp32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.mean(losses)
+    return layers.cross_entropy(logits, targets)
 
 
 def bits_per_byte(loss_nats: float) -> float:
@@ -215,7 +159,7 @@ def bits_per_byte(loss_nats: float) -> float:
     return float(loss_nats) / float(np.log(2.0))
 
 
-def create_model(model_config: Any, compute_dtype: Dtype = jnp.float32) -> TransformerLM:
+def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
     ``model_config`` keys: ``d_model, num_layers, num_heads, d_ff, max_len`` and optionally

@@ -1,0 +1,159 @@
+"""The pieces of the model zoo that more than one model needs: its fp32 islands and its loss.
+
+Every model gets its params already cast to the compute dtype ``dtype`` (e.g. bf16) and runs its
+matmuls and convolutions in it. The helpers here are the places where a value must leave 16 bits;
+where the model goes on after one, the helper ends with the cast back to ``dtype``:
+
+  * ``einsum_f32_out``: a matmul with ``dtype`` operands and an fp32 accumulation and result, for
+    values that go straight into a softmax (attention scores, LM logits), so they are never
+    rounded to 16 bits first. Left to JAX, a matmul with ``preferred_element_type=float32`` is
+    differentiated with the fp32 cotangent and the other operand upcast, i.e. its two gradient
+    matmuls would run in fp32; its custom gradient casts the cotangent to the operands' dtype
+    first, as plain 16-bit autodiff would, so the backward matmuls are 16-bit too.
+    ``dot_general_f32_out`` is the same matmul in the form ``nn.Dense(dot_general=...)`` takes;
+  * ``layer_norm_f32`` and ``batch_norm_f32``: normalisation with its statistics in fp32 (a 16-bit
+    sum of squares over many activations overflows fp16 and loses bits in bf16). Only the result
+    is cast back to ``dtype``, so the next matmul still gets 16-bit operands instead of being
+    silently promoted to fp32;
+  * ``logits_f32``: a classification head, a plain ``nn.Dense`` in ``dtype`` whose result is then
+    cast to fp32, so the logits leave the model as fp32 and the softmax never sees 16 bits;
+  * ``cross_entropy`` and ``classification_metrics``: the loss, computed from fp32 logits, so the
+    softmax and the log never run in 16 bits, whatever dtype the logits arrive in.
+
+``kernel_init_as_matrix`` is no fp32 island: it makes conv kernel initialisation compile fast.
+``Dtype`` is the models' annotation for a dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+Dtype = Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_f32_out(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` with fp32 accumulation and an fp32 result, for fp32 islands.
+
+    The gradient casts the incoming fp32 cotangent to ``a.dtype`` and runs both gradient matmuls
+    on operands of that dtype (see the module docstring). ``spec`` is explicit (``"ij,jk->ik"``),
+    without ``...`` or repeated indices, and each operand's indices appear in the other operand or
+    in the output (true of every matmul).
+    """
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _split_spec(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.replace(" ", "").split("->")
+    sa, sb = inputs.split(",")
+    if "." in spec or not set(sa) <= set(sb + out) or not set(sb) <= set(sa + out):
+        raise ValueError(f"einsum_f32_out cannot differentiate {spec!r}")
+    return sa, sb, out
+
+
+def _einsum_f32_out_fwd(spec, a, b):
+    _split_spec(spec)
+    return einsum_f32_out(spec, a, b), (a, b)
+
+
+def _einsum_f32_out_bwd(spec, residuals, g):
+    a, b = residuals
+    sa, sb, out = _split_spec(spec)
+    g = g.astype(a.dtype)  # the end of the fp32 island, seen from the backward pass
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b.astype(a.dtype))
+    db = jnp.einsum(f"{sa},{out}->{sb}", a, g)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+einsum_f32_out.defvjp(_einsum_f32_out_fwd, _einsum_f32_out_bwd)
+
+
+def dot_general_f32_out(lhs, rhs, dimension_numbers, precision=None, **unused_kwargs):
+    """What ``nn.Dense`` calls (``lhs[..., k] @ rhs[k, n]``), routed to ``einsum_f32_out``."""
+    del precision, unused_kwargs
+    if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
+        raise ValueError(f"unsupported dimension numbers {dimension_numbers}")
+    batch = "abcdefgh"[: lhs.ndim - 1]
+    return einsum_f32_out(f"{batch}y,yz->{batch}z", lhs, rhs)
+
+
+def layer_norm_f32(x: jax.Array, dtype: Dtype, name: str) -> jax.Array:
+    """LayerNorm computed in fp32 (mean, variance, rsqrt), result cast back to ``dtype``.
+
+    Call it inside a compact module (it adds ``name`` there).
+    """
+    return nn.LayerNorm(dtype=jnp.float32, name=name)(x).astype(dtype)
+
+
+def batch_norm_f32(
+    x: jax.Array,
+    *,
+    train: bool,
+    dtype: Dtype,
+    momentum: float,
+    name: str,
+    scale_init: Any = nn.initializers.ones,
+) -> jax.Array:
+    """BatchNorm as an fp32 island; call it inside a compact module (it adds ``name`` there).
+
+    ``dtype=float32`` makes flax promote ``x`` to fp32 before the mean and variance reductions
+    and keep the normalisation in fp32; the running statistics in ``batch_stats`` are created
+    as fp32 zeros and ones and updated in fp32. With ``train=True`` it normalises with the
+    batch's statistics and updates the running ones; with ``train=False`` it uses the running
+    ones. Only the result is cast back to ``dtype``.
+    """
+    y = nn.BatchNorm(
+        use_running_average=not train,
+        momentum=momentum,
+        epsilon=1e-5,
+        dtype=jnp.float32,
+        scale_init=scale_init,
+        name=name,
+    )(x)
+    return y.astype(dtype)  # end of the island
+
+
+def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head") -> jax.Array:
+    """A classification head, ``nn.Dense`` in ``dtype``, whose logits leave as fp32.
+
+    Call it inside a compact module (it adds ``name`` there). The matmul's result itself is
+    rounded to ``dtype`` (a bf16 x bf16 -> f32 dot is not supported by every XLA backend); it is
+    fp32 from the cast on, so the softmax and the loss never run in 16 bits.
+    """
+    return nn.Dense(num_classes, dtype=dtype, name=name)(x).astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy in nats over integer ``targets``, computed from fp32 logits."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return jnp.mean(losses)
+
+
+def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """Mean cross-entropy (nats) and accuracy over integer targets, computed from fp32 logits."""
+    logits = logits.astype(jnp.float32)
+    loss = cross_entropy(logits, targets)
+    accuracy = (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean()
+    return {"loss": loss, "accuracy": accuracy}
+
+
+def kernel_init_as_matrix(init: Any) -> Any:
+    """Draws a conv kernel ``[..., in, out]`` as a ``[prod(...) * in, out]`` matrix, reshaped.
+
+    The fan-in, and so the distribution of fan-in initialisers, is unchanged. It is a compile
+    time fix: XLA:CPU takes seconds to compile a random draw of rank 3 or more (with jax's
+    default partitionable threefry), and a fraction of a second for a rank-2 one.
+    """
+
+    def wrapped(key: jax.Array, shape: Sequence[int], dtype: Dtype = jnp.float32) -> jax.Array:
+        return init(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
+
+    return wrapped
