@@ -9,9 +9,10 @@ from mptrain.loss_scale import (
     select_tree,
 )
 from mptrain.precision import Policy, get_policy
+from mptrain.runtime import run
 from mptrain.step import make_eval_step, make_train_step
 from mptrain.train_state import TrainState
-from mptrain.trainer import Trainer, run
+from mptrain.trainer import Trainer
 
 __version__ = "0.1.0"
 

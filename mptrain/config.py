@@ -6,17 +6,13 @@ loads them locked, so a misspelt `--config.foo=...` override fails instead of be
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
-from mptrain import loss_scale, precision, train_state
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key, the value and what would be valid."""
+from mptrain import errors
+from mptrain.errors import ConfigError
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -33,8 +29,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 500  # save every this many steps, and always at the last step
     c.max_checkpoints_to_keep = 3  # older checkpoints are deleted
     c.max_consecutive_skips = 25  # stop (exit 3) after this many non-finite steps in a row
-    # how fp32 updates land on 16-bit params: "nearest" | "stochastic" (bf16) | "kahan"
-    c.param_rounding = "nearest"
+    # how fp32 updates land on 16-bit params: "auto" (stochastic for bf16 params, else nearest)
+    # | "nearest" | "stochastic" (bf16 only) | "kahan"
+    c.param_rounding = "auto"
 
     c.loss_scale = ml_collections.ConfigDict()
     c.loss_scale.kind = "auto"  # "auto" (dynamic for fp16 compute) | "none" | "static" | "dynamic"
@@ -50,7 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.name = "adamw"  # "adamw" | "sgd"
     c.optimizer.learning_rate = 1e-3  # peak learning rate
     c.optimizer.schedule = "cosine"  # "constant" | "cosine" | "linear" (decay after warmup)
-    c.optimizer.warmup_steps = 100  # linear warmup from 0 over this many applied updates
+    # linear warmup from 0 over this many applied updates (cut to half a shorter run)
+    c.optimizer.warmup_steps = 100
     c.optimizer.weight_decay = 0.0  # decoupled weight decay (AdamW)
     c.optimizer.b1 = 0.9  # Adam first-moment decay
     c.optimizer.b2 = 0.999  # Adam second-moment decay
@@ -85,9 +83,6 @@ _POSITIVE_INTS = (
     "checkpoint_every_steps",
     "max_checkpoints_to_keep",
     "max_consecutive_skips",
-    "optimizer.accumulation_steps",
-    "loss_scale.growth_interval",
-    "loss_scale.hysteresis",
 )
 
 
@@ -95,84 +90,59 @@ def _get(config: ml_collections.ConfigDict, key: str) -> Any:
     value = config
     for part in key.split("."):
         if part not in value:
-            raise ConfigError(f"config is missing the key {key!r}")
+            raise ValueError(f"{key}: missing from the config")
         value = value[part]
     return value
 
 
-def _fail(key: str, value: Any, wanted: str) -> None:
-    raise ConfigError(f"config.{key}={value!r}: {wanted}")
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        _fail(key, value, "must be a number")
-    if not math.isfinite(value):
-        _fail(key, value, "must be finite")
-    return float(value)
-
-
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Raises `ConfigError` naming the first bad key and value; returns None when all is well."""
+def _check_run_keys(config: ml_collections.ConfigDict) -> None:
+    """The keys that no object below owns: the run's length, intervals and names."""
     for key in _POSITIVE_INTS:
-        value = _get(config, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            _fail(key, value, "must be a positive integer")
-    for key in ("seed",):
-        if not isinstance(_get(config, key), int):
-            _fail(key, _get(config, key), "must be an integer")
-    try:
-        policy = precision.get_policy(_get(config, "precision"))
-    except ValueError as e:
-        raise ConfigError(f"config.precision: {e}") from None
-    if _get(config, "param_rounding") not in train_state.ROUNDINGS:
-        _fail("param_rounding", config.param_rounding, f"valid: {', '.join(train_state.ROUNDINGS)}")
-    if config.param_rounding != "nearest" and policy.param_dtype.itemsize == 4:
-        _fail("param_rounding", config.param_rounding, f"needs 16-bit params; {policy} keeps fp32")
+        errors.check_integer(key, _get(config, key), 1)
+    if isinstance(config.seed, bool) or not isinstance(_get(config, "seed"), int):
+        raise ValueError(f"seed={config.seed!r}: must be an integer")
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
-        _fail("trainer", trainer, "must name a class as 'package.module:Class'")
-
-    lr = _number("optimizer.learning_rate", _get(config, "optimizer.learning_rate"))
-    if lr <= 0:
-        _fail("optimizer.learning_rate", lr, "must be > 0")
-    warmup = _get(config, "optimizer.warmup_steps")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        _fail("optimizer.warmup_steps", warmup, "must be an integer >= 0")
-    for key in ("optimizer.weight_decay", "optimizer.eps", "optimizer.grad_clip_norm"):
-        if _number(key, _get(config, key)) < 0:
-            _fail(key, _get(config, key), "must be >= 0")
-    for key in ("optimizer.b1", "optimizer.b2", "optimizer.momentum"):
-        if not 0 <= _number(key, _get(config, key)) < 1:
-            _fail(key, _get(config, key), "must be in [0, 1)")
-
-    kind = _get(config, "loss_scale.kind")
-    if kind not in loss_scale.KINDS:
-        _fail("loss_scale.kind", kind, f"valid kinds: {', '.join(loss_scale.KINDS)}")
-    for key in ("loss_scale.init_scale", "loss_scale.min_scale", "loss_scale.max_scale"):
-        if _number(key, _get(config, key)) <= 0:
-            _fail(key, _get(config, key), "must be > 0")
-    if _number("loss_scale.growth_factor", config.loss_scale.growth_factor) <= 1:
-        _fail("loss_scale.growth_factor", config.loss_scale.growth_factor, "must be > 1")
-    if not 0 < _number("loss_scale.backoff_factor", config.loss_scale.backoff_factor) < 1:
-        _fail("loss_scale.backoff_factor", config.loss_scale.backoff_factor, "must be in (0, 1)")
-    if config.loss_scale.min_scale > config.loss_scale.max_scale:
-        _fail("loss_scale.min_scale", config.loss_scale.min_scale, "must be <= max_scale")
-
-    for key in ("mesh.data", "mesh.fsdp"):
-        value = _get(config, key)
-        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-            _fail(key, value, "must be a positive integer or -1 (all remaining devices)")
-    from mptrain import optim  # the optimizer's own checks: names, schedules, dtypes
-
-    try:
-        optim.make_optimizer(config)
-    except ValueError as e:
-        raise ConfigError(f"config.{e}" if not str(e).startswith("config.") else str(e)) from None
+        raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():
-            _fail(key, value, "must name a module (a Python identifier)")
+            raise ValueError(f"{key}={value!r}: must name a module (a Python identifier)")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raises `ConfigError` naming the first bad key and value; returns None when all is well.
+
+    One validation path: besides the run's own keys, it builds the objects a run is made of
+    (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape) and turns
+    their `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects.
+    """
+    from mptrain import loss_scale, optim, precision, sharding, train_state
+
+    section = ""
+    try:
+        _check_run_keys(config)
+        policy = precision.get_policy(_get(config, "precision"))
+        train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
+        section = "loss_scale."
+        loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
+        section = ""
+        optim.make_optimizer(config)
+        sharding.mesh_shape(config)
+    except ValueError as e:
+        raise ConfigError(f"config.{section}{e}") from None
+
+
+def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts."""
+    found = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found |= changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            found[f"{prefix}{key}"] = (a, b)
+    return found
 
 
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

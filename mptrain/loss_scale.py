@@ -10,12 +10,13 @@ is the same scaler, not one with its settings quietly reset to defaults.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from mptrain import precision
+from mptrain import errors, precision
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -96,6 +97,25 @@ def _scale_tree(tree: Any, factor: jax.Array | None) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, _F32) * factor, tree)
 
 
+def _check_settings(**settings: Any) -> None:
+    """Rejects bad Python-number settings by name; arrays (e.g. restored state) pass as they are."""
+    settings = {k: v for k, v in settings.items() if isinstance(v, int | float)}
+    for key in ("scale", "min_scale", "max_scale"):
+        if key in settings:
+            errors.check_number(key, settings[key], 0.0, open_low=True)
+    for key in ("growth_interval", "hysteresis"):
+        if key in settings:
+            errors.check_integer(key, settings[key], 1)
+    if "growth_factor" in settings:
+        errors.check_number("growth_factor", settings["growth_factor"], 1.0, open_low=True)
+    if "backoff_factor" in settings:
+        errors.check_number("backoff_factor", settings["backoff_factor"], 0.0, 1.0, open_low=True)
+    if settings.get("min_scale", 0) > settings.get("max_scale", math.inf):
+        raise ValueError(
+            f"min_scale={settings['min_scale']!r}: must be <= max_scale={settings['max_scale']!r}"
+        )
+
+
 class NoOpLossScale(_Scaler):
     """No scaling: the choice for fp32 and bf16 compute, whose range matches fp32's."""
 
@@ -120,6 +140,7 @@ class StaticLossScale(_Scaler):
     _fields = (("loss_scale", _F32),)
 
     def __init__(self, scale: Any = 2.0**15):
+        _check_settings(scale=scale)
         self._set(loss_scale=scale)
 
     def scale(self, tree: Any) -> Any:
@@ -136,9 +157,15 @@ class StaticLossScale(_Scaler):
 class DynamicLossScale(_Scaler):
     """Grows the scale after `growth_interval` finite steps in a row; backs off on overflow.
 
-    `hysteresis` is how many non-finite steps are tolerated before backing off (1: back off on
-    every overflow). `counter` counts consecutive finite steps and `hysteresis_left` is what
-    remains of the hysteresis budget; both are state and are checkpointed with the scale.
+    The rule: on the `growth_interval`-th finite step in a row the scale is multiplied by
+    `growth_factor` (never above `max_scale`, never to inf), the counter resets and hysteresis
+    refills. A non-finite step resets the counter and spends one unit of hysteresis; once it is
+    spent, every non-finite step multiplies the scale by `backoff_factor` (never below
+    `min_scale`), and hysteresis refills only when the scale next grows. `hysteresis=1` is
+    torch's GradScaler rule (plus the clamps); Megatron-LM and DeepSpeed default to 2.
+
+    `counter` (consecutive finite steps) and `hysteresis_left` (what remains of the budget) are
+    state and are checkpointed with the scale. Bad settings raise a `ValueError` naming them.
     """
 
     _fields = (
@@ -165,17 +192,17 @@ class DynamicLossScale(_Scaler):
         counter: Any = 0,
         hysteresis_left: Any = None,
     ):
-        self._set(
-            loss_scale=scale,
-            growth_interval=growth_interval,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
-            counter=counter,
-            hysteresis_left=hysteresis if hysteresis_left is None else hysteresis_left,
-        )
+        settings = {
+            "growth_interval": growth_interval,
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+            "hysteresis": hysteresis,
+        }
+        _check_settings(scale=scale, **settings)
+        left = hysteresis if hysteresis_left is None else hysteresis_left
+        self._set(loss_scale=scale, counter=counter, hysteresis_left=left, **settings)
 
     def scale(self, tree: Any) -> Any:
         return _scale_tree(tree, self.loss_scale)
@@ -197,12 +224,13 @@ class DynamicLossScale(_Scaler):
         ok_hysteresis = jnp.where(grow, self.hysteresis, self.hysteresis_left)
 
         # Non-finite step: reset the counter and spend one unit of hysteresis; once it is spent,
-        # back off (never below min_scale) and refill.
+        # back off (never below min_scale) at every non-finite step until the scale next grows.
+        # This is the rule of Megatron-LM's DynamicGradScaler and DeepSpeed's DynamicLossScaler:
+        # an isolated overflow is forgiven, a burst means the scale is too high.
         left = self.hysteresis_left - 1
-        backoff = left <= 0
         shrunk = jnp.maximum(self.min_scale, self.loss_scale * self.backoff_factor)
-        bad_scale = jnp.where(backoff, shrunk, self.loss_scale)
-        bad_hysteresis = jnp.where(backoff, self.hysteresis, left)
+        bad_scale = jnp.where(left <= 0, shrunk, self.loss_scale)
+        bad_hysteresis = jnp.maximum(left, 0)
 
         return self.replace(
             loss_scale=jnp.where(finite, ok_scale, bad_scale).astype(_F32),
@@ -221,23 +249,26 @@ def create_loss_scale(
 ) -> LossScale:
     """Builds a scaler by name. `"auto"`: dynamic for fp16 compute, none for bf16/fp32 compute.
 
-    `hparams` are `init_scale` plus the `DynamicLossScale` settings; keys that the chosen kind
-    does not use are ignored, so one config block serves every kind.
+    `hparams` are `init_scale` plus the `DynamicLossScale` settings, by the names of the
+    `config.loss_scale` keys. They are checked whatever the kind, so a bad value is reported now
+    rather than on the day the kind changes; the chosen kind then uses what it needs.
     """
+    kind = errors.check_choice("kind", kind, KINDS)
     if kind == "auto":
         if policy is None:
-            raise ValueError("loss_scale kind 'auto' needs the precision policy")
+            raise ValueError("kind='auto': needs the precision policy")
         compute = precision.get_policy(policy).compute_dtype
-        kind = "dynamic" if compute == jnp.float16 else "none"
-    init_scale = hparams.pop("init_scale", None)
-    if kind == "none":
-        return NoOpLossScale()
+        kind = "dynamic" if compute == precision.F16 else "none"
+    names = {n for n, _ in DynamicLossScale._fields} - {"counter", "hysteresis_left", "loss_scale"}
+    kwargs = {k: v for k, v in hparams.items() if k in names and v is not None}
+    init_scale = hparams.get("init_scale")
+    try:
+        dynamic = DynamicLossScale(
+            **kwargs, **({} if init_scale is None else {"scale": init_scale})
+        )
+    except ValueError as e:  # the constructor's `scale` is the config's `init_scale`
+        message = str(e)
+        raise ValueError("init_" + message if message.startswith("scale=") else message) from None
     if kind == "static":
         return StaticLossScale(2.0**15 if init_scale is None else init_scale)
-    if kind == "dynamic":
-        names = {n for n, _ in DynamicLossScale._fields} - {"counter", "hysteresis_left"}
-        kwargs = {k: v for k, v in hparams.items() if k in names and v is not None}
-        if init_scale is not None:
-            kwargs["scale"] = init_scale
-        return DynamicLossScale(**kwargs)
-    raise ValueError(f"unknown loss_scale kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    return dynamic if kind == "dynamic" else NoOpLossScale()

@@ -1,8 +1,9 @@
 """`python -m mptrain.main --config=configs/default.py --workdir=runs/default [--config.key=value]`
 
-Parses flags and runs the trainer named by `config.trainer`. Exit codes: 0 done; 2 bad usage or
-config (one message naming the key, no traceback); 3 training went non-finite and could not
-recover; 75 preempted (SIGTERM) after writing a checkpoint: run the same command to resume.
+Parses flags and runs the trainer named by `config.trainer` (`mptrain.run` does the same from
+Python). Exit codes (declared in `errors.py`): 0 done; 2 bad usage or config (one
+message naming the key, no traceback); 3 training went non-finite and could not recover; 75
+preempted (SIGTERM) after writing a checkpoint: run the same command to resume.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import re
 import sys
 
-EXIT_OK, EXIT_USAGE, EXIT_NON_FINITE, EXIT_PREEMPTED = 0, 2, 3, 75
+from mptrain import errors
 
 
 def _hide_accelerators_from_tensorflow() -> None:
@@ -51,7 +52,7 @@ def _one_line(error: Exception) -> str:
 
 def _usage_error(message: str) -> None:
     sys.stderr.write(f"mptrain: error: {message}\n")
-    sys.exit(EXIT_USAGE)
+    sys.exit(errors.EXIT_USAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,23 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.get_absl_handler().addFilter(_QuietLibraries())
 
     from mptrain import config as config_lib
-    from mptrain import trainer
+    from mptrain import runtime
 
     config = flag_values.config
     try:
         config_lib.validate(config)
-        trainer.import_trainer(config.trainer)
-    except config_lib.ConfigError as e:
+        runtime.import_trainer(config.trainer)
+    except errors.ConfigError as e:
         _usage_error(str(e))
     _hide_accelerators_from_tensorflow()
     try:
-        trainer.run(config, flag_values.workdir)
-    except config_lib.ConfigError as e:
+        runtime.run(config, flag_values.workdir)
+    except errors.ConfigError as e:
         _usage_error(str(e))
-    except trainer.StopTraining as e:
-        sys.stderr.write(f"mptrain: {'error: ' if e.exit_code != EXIT_PREEMPTED else ''}{e}\n")
+    except errors.StopTraining as e:
+        preempted = isinstance(e, errors.Preempted)
+        sys.stderr.write(f"mptrain: {'' if preempted else 'error: '}{e}\n")
         return e.exit_code
-    return EXIT_OK
+    return errors.EXIT_OK
 
 
 if __name__ == "__main__":

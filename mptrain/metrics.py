@@ -1,7 +1,8 @@
-"""Metric writing: TensorBoard event files plus the console. The only clu.metric_writers importer.
+"""Metrics: the device-side log totals, TensorBoard and console writers, the progress line.
 
-clu's writers pull in TensorFlow, so this module is imported lazily by the trainer, after
-`main.py` has hidden accelerators from TensorFlow.
+This is the only module that imports `clu.metric_writers`. clu's writers pull in TensorFlow, so
+the import waits until `create_writer` is called, after `main.py` has hidden accelerators from
+TensorFlow.
 """
 
 from __future__ import annotations
@@ -12,12 +13,88 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-from clu import metric_writers
+from flax import struct
+
+
+@struct.dataclass
+class LogTotals:
+    """What the train step adds up on the device between two log steps, so the host reads it
+    only on log steps: the sum and count of the applied steps' losses (for the mean loss since the
+    last log), and two values that span log intervals, the current run of non-finite steps and
+    the last finite loss (for the diagnostic when training cannot recover)."""
+
+    loss_sum: jax.Array
+    applied_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite_loss: jax.Array
+
+    @classmethod
+    def zeros(cls) -> LogTotals:
+        """Host arrays; put them on the devices with `jax.device_put`."""
+        zero_f, zero_i = np.float32(0), np.int32(0)
+        return cls(zero_f, zero_i, zero_i, np.float32(np.nan))
+
+    def update(self, loss: jax.Array, applied: jax.Array) -> LogTotals:
+        """Adds one step: its (fp32) loss counts only if its update was applied."""
+        return LogTotals(
+            loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
+            applied_steps=self.applied_steps + applied.astype(jnp.int32),
+            consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
+            last_finite_loss=jnp.where(applied, loss, self.last_finite_loss),
+        )
+
+    def reset(self) -> LogTotals:
+        """A new log interval: the sums restart; the values that span intervals stay."""
+        return self.replace(
+            loss_sum=jnp.zeros_like(self.loss_sum), applied_steps=jnp.zeros_like(self.applied_steps)
+        )
+
+    def to_scalars(self) -> dict[str, float]:
+        """Host floats from fetched totals; `loss` (the interval's mean) only if a step applied."""
+        values = {
+            "consecutive_skips": float(self.consecutive_skips),
+            "last_finite_loss": float(self.last_finite_loss),
+        }
+        if int(self.applied_steps):
+            values["loss"] = float(self.loss_sum) / int(self.applied_steps)
+        return values
+
+
+def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
+    """A message when training cannot recover from its non-finite steps, else None.
+
+    `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
+    `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
+    device) only after two non-finite steps in a row.
+    """
+    skips = int(values["consecutive_skips"])
+    if skips == 0:
+        return None
+    scale = values["loss_scale"]
+    min_scale = getattr(scaler, "min_scale", None)  # only a dynamic scaler moves
+    stuck = min_scale is not None and skips >= 2 and scale <= float(min_scale)
+    if skips < max_skips and not stuck:
+        return None
+    why = (
+        f"the dynamic loss scale is stuck at its minimum {scale:g}"
+        if skips < max_skips
+        else f"{skips} non-finite steps in a row (config.max_consecutive_skips={max_skips})"
+    )
+    return (
+        f"training went non-finite at step {step}: {why}; last finite loss "
+        f"{values['last_finite_loss']:.6g}, loss scale {scale:g}, "
+        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
+        "saved; lower the learning rate or check the data, then run again"
+    )
 
 
 def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):
     """TensorBoard events in `workdir` and absl log lines; other hosts only log."""
+    from clu import metric_writers
+
     return metric_writers.create_default_writer(
         os.fspath(workdir), just_logging=not is_main_process, asynchronous=True
     )

@@ -1,8 +1,9 @@
-"""Precision policies: which dtype params are stored in, computed in, and returned in.
+"""Precision policies, dtype names, fp32 upcasting and stochastic rounding: one home for each.
 
-A `Policy` is a small frozen dataclass; it is hashable so it can sit in a static field of the
-`TrainState` and be part of a jit cache key. Casting only ever touches floating-point leaves:
-token ids, labels and masks pass through with their integer or boolean dtype intact.
+A `Policy` says which dtype params are stored in, computed in, and returned in. It is a small
+frozen dataclass, hashable so that it can sit in a static field of the `TrainState` and be part
+of a jit cache key. Casting only ever touches floating-point leaves: token ids, labels and masks
+pass through with their integer or boolean dtype intact.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_DTYPES = {
-    "f32": np.dtype(jnp.float32),
-    "float32": np.dtype(jnp.float32),
-    "bf16": np.dtype(jnp.bfloat16),
-    "bfloat16": np.dtype(jnp.bfloat16),
-    "f16": np.dtype(jnp.float16),
-    "float16": np.dtype(jnp.float16),
-}
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+DTYPES = {"f32": F32, "float32": F32, "bf16": BF16, "bfloat16": BF16, "f16": F16, "float16": F16}
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
 _KEYS |= {"o": "output", "output": "output"}
 
@@ -33,6 +28,20 @@ PRESETS = {
 }
 
 
+def parse_dtype(value: Any, key: str) -> np.dtype:
+    """One of float32/bfloat16/float16 from a name in `DTYPES` or a dtype; errors name `key`."""
+    if isinstance(value, str):
+        found = DTYPES.get(value.strip().lower())
+    else:
+        try:
+            found = np.dtype(value)
+        except TypeError:
+            found = None
+    if found not in (F32, BF16, F16):
+        raise ValueError(f"{key}={value!r}: valid dtypes are {', '.join(DTYPES)}")
+    return found
+
+
 def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
     def cast(x):
         if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
@@ -40,6 +49,11 @@ def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+def to_f32(tree: Any) -> Any:
+    """Every leaf as a float32 array (ints and bools too: for metrics and fp32 arithmetic)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,43 +84,64 @@ class Policy:
         )
 
 
-def _dtype(name: str, part: str) -> np.dtype:
-    try:
-        return _DTYPES[name.strip().lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {name!r} in precision part {part!r}; valid dtypes: "
-            f"{', '.join(sorted(_DTYPES))}"
-        ) from None
-
-
 def get_policy(spec: str | Policy) -> Policy:
     """Parses a preset name or the explicit `params=...,compute=...,output=...` form."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
-        raise ValueError(f"precision must be a string, got {spec!r} ({type(spec).__name__})")
+        raise ValueError(f"precision={spec!r}: must be a string ({type(spec).__name__} given)")
     text = spec.strip().lower()
     if text in PRESETS:
-        return Policy(*(_DTYPES[name] for name in PRESETS[text]))
+        return Policy(*(DTYPES[name] for name in PRESETS[text]))
     if "=" not in text:
         raise ValueError(
-            f"unknown precision {spec!r}; valid presets: {', '.join(PRESETS)}, or the explicit "
-            "form 'params=float32,compute=bfloat16,output=float32' (keys p,c,o also accepted)"
+            f"precision={spec!r}: unknown; valid presets are {', '.join(PRESETS)}, or the "
+            "explicit form 'params=float32,compute=bfloat16,output=float32' (keys p,c,o too)"
         )
     found: dict[str, np.dtype] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
-        key = key.strip()
+        key, part = key.strip(), part.strip()
         if not sep or key not in _KEYS:
             raise ValueError(
-                f"bad part {part.strip()!r} in precision {spec!r}: expected key=dtype with key "
-                f"one of params/p, compute/c, output/o; valid presets: {', '.join(PRESETS)}"
+                f"precision={spec!r}: bad part {part!r}, expected key=dtype with key one of "
+                f"params/p, compute/c, output/o; valid presets are {', '.join(PRESETS)}"
             )
         if _KEYS[key] in found:
-            raise ValueError(f"part {part.strip()!r} repeats {_KEYS[key]!r} in precision {spec!r}")
-        found[_KEYS[key]] = _dtype(value, part.strip())
+            raise ValueError(f"precision={spec!r}: part {part!r} repeats {_KEYS[key]!r}")
+        try:
+            found[_KEYS[key]] = parse_dtype(value, "dtype")
+        except ValueError as e:
+            raise ValueError(f"precision={spec!r}: bad part {part!r}: {e}") from None
     missing = [k for k in ("params", "compute", "output") if k not in found]
     if missing:
-        raise ValueError(f"precision {spec!r} does not set {', '.join(missing)}")
+        raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
     return Policy(found["params"], found["compute"], found["output"])
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+
+
+def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds fp32 to bf16 up or down with probability given by the distance to each.
+
+    bf16 keeps the top 16 bits of an fp32 number. Adding uniform noise to the 16 bits that are
+    dropped and then truncating rounds up exactly when the noise carries into the kept bits,
+    which happens with probability equal to the dropped fraction: unbiased in expectation, so
+    updates far below bf16's resolution still move the weights on average.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    rounded = jnp.where(jnp.isfinite(x), rounded, bits)  # leave inf/nan as they are
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def stochastic_round_tree(tree: Any, key: jax.Array) -> Any:
+    """`stochastic_round_to_bf16` on every leaf, each with its own key split from `key`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    keys = jax.random.split(key, len(leaves))
+    rounded = [stochastic_round_to_bf16(x, k) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, rounded)

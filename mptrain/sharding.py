@@ -2,8 +2,8 @@
 
 The mesh has two axes, `("data", "fsdp")`. Batches are split over both (every device sees a
 different slice of the global batch); params and optimizer state are split over `fsdp` along
-their largest dimension that divides evenly, and replicated where none does. With a 1x1 mesh
-nothing is sharded and the trainer uses a plain single-device jit.
+their largest dimension that divides evenly, and replicated where none does. The trainer always
+has a mesh: on one device it is 1x1, and nothing is split.
 """
 
 from __future__ import annotations
@@ -14,30 +14,32 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mptrain import config as config_lib
-
 AXES = ("data", "fsdp")
 
 
 def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
-    """`(data, fsdp)` with -1 resolved; ConfigError when it does not fit the devices or batch."""
+    """`(data, fsdp)` with -1 resolved; a `ValueError` naming the key when it does not fit the
+    devices or does not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     data, fsdp = config.mesh.data, config.mesh.fsdp
+    for key, value in (("mesh.data", data), ("mesh.fsdp", fsdp)):
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            raise ValueError(f"{key}={value!r}: must be a positive integer or -1 (all the rest)")
     if data == -1 and fsdp == -1:
-        raise config_lib.ConfigError("config.mesh.data and config.mesh.fsdp cannot both be -1")
+        raise ValueError("mesh.data=-1: mesh.data and mesh.fsdp cannot both be -1")
     if fsdp == -1:
         fsdp = num_devices // data if num_devices % data == 0 else 0
     if data == -1:
         data = num_devices // fsdp if num_devices % fsdp == 0 else 0
     if data * fsdp == 0 or data * fsdp > num_devices:
-        raise config_lib.ConfigError(
-            f"config.mesh.data={config.mesh.data}, config.mesh.fsdp={config.mesh.fsdp}: "
-            f"the mesh needs more devices than the {num_devices} there are"
+        raise ValueError(
+            f"mesh.data={config.mesh.data}, mesh.fsdp={config.mesh.fsdp}: the mesh needs more "
+            f"devices than the {num_devices} there are"
         )
     if config.batch_size % (data * fsdp):
-        raise config_lib.ConfigError(
-            f"config.batch_size={config.batch_size}: the global batch must divide evenly over "
-            f"the {data}x{fsdp} mesh ({data * fsdp} devices)"
+        raise ValueError(
+            f"batch_size={config.batch_size}: the global batch must divide evenly over the "
+            f"{data}x{fsdp} mesh ({data * fsdp} devices)"
         )
     return data, fsdp
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from mptrain import loss_scale as loss_scale_lib
+from mptrain import precision
 from mptrain import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
@@ -26,10 +27,6 @@ MetricFn = Callable[[Any, Any, Any], dict[str, jax.Array]]
 def _like(new: Any, old: Any) -> Any:
     """Casts `new` leafwise to the dtypes of `old` (the loss_fn may return compute-dtype state)."""
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
-
-
-def _to_f32(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 def make_train_step(
@@ -82,7 +79,7 @@ def make_train_step(
             "grads_finite": finite,
             "applied": applied,
             "skipped_steps": new_state.skipped_steps,
-            **_to_f32(aux),
+            **precision.to_f32(aux),
         }
         return new_state, metrics
 
@@ -101,6 +98,6 @@ def make_eval_step(
             state.model_state,
             policy.cast_to_compute(batch),
         )
-        return _to_f32(metrics)
+        return precision.to_f32(metrics)
 
     return eval_step

@@ -16,11 +16,34 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from mptrain import errors, precision
 from mptrain import loss_scale as loss_scale_lib
-from mptrain import precision
 
-ROUNDINGS = ("nearest", "stochastic", "kahan")
+ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
 _ROUNDING_SALT = 0x5EED
+
+
+def resolve_param_rounding(rounding: str, policy: precision.Policy | str) -> str:
+    """How fp32 updates land on params: "nearest", "stochastic" or "kahan" for `policy`.
+
+    "auto" is stochastic rounding for bf16 params (unbiased, no extra memory) and a plain cast
+    otherwise. The explicit choices must fit the params: fp32 params need no rounding rule, and
+    stochastic rounding is implemented for bf16. Errors name `param_rounding`.
+    """
+    policy = precision.get_policy(policy)
+    rounding = errors.check_choice("param_rounding", rounding, ROUNDINGS)
+    if rounding == "auto":
+        return "stochastic" if policy.param_dtype == precision.BF16 else "nearest"
+    if rounding != "nearest" and policy.param_dtype == precision.F32:
+        raise ValueError(
+            f"param_rounding={rounding!r}: only applies to 16-bit params, but the policy "
+            f"'{policy}' keeps params in float32; use 'auto' or 'nearest'"
+        )
+    if rounding == "stochastic" and policy.param_dtype != precision.BF16:
+        raise ValueError(
+            f"param_rounding='stochastic': supports bfloat16 params, not {policy.param_dtype}"
+        )
+    return rounding
 
 
 def _key_data(rng: Any) -> jax.Array:
@@ -31,21 +54,6 @@ def _key_data(rng: Any) -> jax.Array:
     if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(rng)
     return rng.astype(jnp.uint32)
-
-
-def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
-    """Rounds fp32 to bf16 up or down with probability given by the distance to each.
-
-    bf16 keeps the top 16 bits of an fp32 number. Adding uniform noise to the 16 bits that are
-    dropped and then truncating rounds up exactly when the noise carries into the kept bits,
-    which happens with probability equal to the dropped fraction: unbiased in expectation, so
-    updates far below bf16's resolution still move the weights on average.
-    """
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
-    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-    rounded = jnp.where(jnp.isfinite(x), rounded, bits)  # leave inf/nan as they are
-    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
 
 
 class TrainState(train_state.TrainState):
@@ -83,23 +91,12 @@ class TrainState(train_state.TrainState):
 
         `loss_scale`: a scaler, or None for no scaling. `rng`: an int seed, a typed key or raw key
         data. `param_rounding` decides how fp32 updates land on 16-bit params: "nearest" (plain
-        cast), "stochastic" (unbiased random rounding, bf16 params only) or "kahan" (keeps the
-        rounding error in `param_compensation` and adds it back on the next update).
+        cast), "stochastic" (unbiased random rounding, bf16 params only), "kahan" (keeps the
+        rounding error in `param_compensation` and adds it back on the next update) or "auto"
+        (stochastic for bf16 params, else nearest).
         """
         policy = precision.get_policy(policy)
-        if param_rounding not in ROUNDINGS:
-            raise ValueError(
-                f"param_rounding={param_rounding!r}; valid values: {', '.join(ROUNDINGS)}"
-            )
-        if param_rounding != "nearest" and policy.param_dtype == jnp.float32:
-            raise ValueError(
-                f"param_rounding={param_rounding!r} only applies to 16-bit params, but the policy "
-                f"'{policy}' keeps params in float32; use 'nearest'"
-            )
-        if param_rounding == "stochastic" and policy.param_dtype != jnp.bfloat16:
-            raise ValueError(
-                f"param_rounding='stochastic' supports bfloat16 params, not {policy.param_dtype}"
-            )
+        param_rounding = resolve_param_rounding(param_rounding, policy)
         params = policy.cast_to_param(params)
         compensation = {}
         if param_rounding == "kahan":
@@ -126,9 +123,9 @@ class TrainState(train_state.TrainState):
         The update is computed and added in fp32, then rounded once to the param dtype by the
         chosen rounding, so 16-bit params never see 16-bit arithmetic on the update path.
         """
-        params32 = jax.tree.map(lambda p: p.astype(jnp.float32), self.params)
+        params32 = precision.to_f32(self.params)
         updates, opt_state = self.tx.update(grads, self.opt_state, params32)
-        updates = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
+        updates = precision.to_f32(updates)
         compensation = self.param_compensation
         if self.param_rounding == "nearest":
             params = jax.tree.map(
@@ -137,10 +134,7 @@ class TrainState(train_state.TrainState):
         elif self.param_rounding == "stochastic":
             key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
             key = jax.random.fold_in(key, _ROUNDING_SALT)
-            leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.add, params32, updates))
-            keys = jax.random.split(key, len(leaves))
-            rounded = [stochastic_round_to_bf16(x, k) for x, k in zip(leaves, keys, strict=True)]
-            params = jax.tree.unflatten(treedef, rounded)
+            params = precision.stochastic_round_tree(jax.tree.map(jnp.add, params32, updates), key)
         else:  # kahan: carry the part of each update that rounding dropped into the next one
             dtype = self.policy.param_dtype
             wanted = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates, compensation)

@@ -18,6 +18,7 @@ import optax
 # interrupt a save the way a crash would.
 import orbax.checkpoint as ocp
 import pytest
+from conftest import assert_trees_bytes_equal
 
 import mptrain
 from mptrain import checkpoint
@@ -109,19 +110,6 @@ def _restore(directory, target, **kwargs):
         return ckpt.restore(jax.eval_shape(lambda: target), **kwargs)
 
 
-def _assert_identical(got, want, target=None):
-    """Same leaves, bit for bit, and the structure of `target` (default: of `want`)."""
-    assert jax.tree.structure(got) == jax.tree.structure(want if target is None else target)
-    for (path, a), b in zip(
-        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
-    ):
-        a, b = np.asarray(a), np.asarray(b)
-        name = jax.tree_util.keystr(path)
-        assert a.dtype == b.dtype, name
-        assert a.shape == b.shape, name
-        assert a.tobytes() == b.tobytes(), name
-
-
 def _by_path(tree):
     """{"opt_state/0/mu/w": array, ...}: TrainState and plain nested dicts, keyed alike."""
     out = {}
@@ -146,6 +134,18 @@ def _skipped(caplog):
     return [r.getMessage() for r in caplog.records if "Skipping checkpoint" in r.getMessage()]
 
 
+def _restore_falls_back_to_step_1(directory, states, caplog):
+    """Restores `directory` (holding steps 1 and 2, step 2 damaged): step 1 comes back, bit for
+    bit, and one warning names step 2. Returns that warning."""
+    with caplog.at_level(logging.WARNING):
+        restored, meta = _restore(directory, states[1])
+    assert meta["step"] == 1
+    assert_trees_bytes_equal(restored, states[0])
+    (message,) = _skipped(caplog)
+    assert "step 2" in message
+    return message
+
+
 # --- round trips -------------------------------------------------------------------------------
 
 
@@ -160,7 +160,8 @@ def test_round_trip_is_bit_identical(tmp_path, states, target):
     with checkpoint.Checkpointer(tmp_path) as ckpt:
         restored, meta = ckpt.restore(abstract)
 
-    _assert_identical(restored, state, target=abstract)  # a fresh state has its own `tx`
+    assert jax.tree.structure(restored) == jax.tree.structure(abstract)  # a fresh `tx` too
+    assert_trees_bytes_equal(restored, state)
     assert isinstance(restored, mptrain.TrainState)
     assert isinstance(restored.opt_state[0], optax.ScaleByAdamState)
     assert isinstance(restored.opt_state[1], optax.EmptyState)
@@ -190,7 +191,7 @@ def test_bf16_kahan_state_round_trips(tmp_path, bf16_state):
 
     restored, _ = _restore(tmp_path, state)
 
-    _assert_identical(restored, state)
+    assert_trees_bytes_equal(restored, state)
     assert isinstance(restored.loss_scale, mptrain.NoOpLossScale)
     assert restored.model_state["ema"].dtype == jnp.bfloat16
 
@@ -240,7 +241,7 @@ def test_sharded_state_restores_onto_target_shardings(tmp_path, states):
         )
         with checkpoint.Checkpointer(tmp_path) as ckpt:
             restored, _ = ckpt.restore(abstract)
-        _assert_identical(restored, state)
+        assert_trees_bytes_equal(restored, state)
         assert restored.params["w"].sharding == sharding
 
 
@@ -251,7 +252,7 @@ def test_async_save(tmp_path, states):
         ckpt.wait()
         assert ckpt.all_steps() == [1, 2]
     restored, meta = _restore(tmp_path, states[1])
-    _assert_identical(restored, states[1])
+    assert_trees_bytes_equal(restored, states[1])
     assert meta["step"] == 2
 
 
@@ -274,14 +275,14 @@ def test_max_to_keep_prunes_oldest(tmp_path, states):
         assert ckpt.all_steps() == [1, 2, 3, 4]
     restored, meta = _restore(tmp_path / "two", states[0])
     assert meta["step"] == 4
-    _assert_identical(restored, states[3])
+    assert_trees_bytes_equal(restored, states[3])
 
 
 def test_restore_given_step(tmp_path, states):
     _save(tmp_path, states[:3]).close()
     restored, meta = _restore(tmp_path, states[0], step=2)
     assert meta["step"] == 2
-    _assert_identical(restored, states[1])
+    assert_trees_bytes_equal(restored, states[1])
     with pytest.raises(FileNotFoundError, match="step 7"):
         _restore(tmp_path, states[0], step=7)
 
@@ -293,7 +294,7 @@ def test_saving_a_step_again_replaces_it(tmp_path, states):
         ckpt.save(2, states[1], {})
         assert ckpt.all_steps() == [2]
     restored, _ = _restore(tmp_path, states[1])
-    _assert_identical(restored, states[1])
+    assert_trees_bytes_equal(restored, states[1])
 
 
 def test_mismatched_target_raises(tmp_path, states):
@@ -329,14 +330,7 @@ def test_flipped_byte_falls_back(tmp_path, states, caplog, where):
     # the fingerprint catches.
     path = _data_file(tmp_path, 2)
     _flip_byte(path, 0 if where == "zstd_header" else os.path.getsize(path) // 2)
-
-    with caplog.at_level(logging.WARNING):
-        restored, meta = _restore(tmp_path, states[1])
-
-    assert meta["step"] == 1
-    _assert_identical(restored, states[0])
-    (message,) = _skipped(caplog)
-    assert "step 2" in message
+    message = _restore_falls_back_to_step_1(tmp_path, states, caplog)
     if where == "payload":
         assert "fingerprint" in message
 
@@ -351,14 +345,7 @@ def test_missing_or_truncated_file_falls_back(tmp_path, states, caplog, damage):
         os.truncate(path, os.path.getsize(path) // 2)
     else:
         shutil.rmtree(tmp_path / "2" / "meta")
-
-    with caplog.at_level(logging.WARNING):
-        restored, meta = _restore(tmp_path, states[1])
-
-    assert meta["step"] == 1
-    _assert_identical(restored, states[0])
-    (message,) = _skipped(caplog)
-    assert "step 2" in message
+    _restore_falls_back_to_step_1(tmp_path, states, caplog)
 
 
 def test_stale_arrays_caught_by_fingerprint(tmp_path, states, caplog):
@@ -386,7 +373,7 @@ def test_nonfinite_params_rejected(tmp_path, states, caplog):
         restored, meta = _restore(tmp_path, states[1])
 
     assert meta["step"] == 1
-    _assert_identical(restored, states[0])
+    assert_trees_bytes_equal(restored, states[0])
     (message,) = _skipped(caplog)
     assert "step 2" in message and "non-finite" in message and "['b']" in message
 

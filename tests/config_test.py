@@ -3,6 +3,7 @@
 import pytest
 
 from mptrain import config as config_lib
+from mptrain import optim, sharding, train_state
 
 KEYS = {
     "seed", "precision", "trainer", "num_train_steps", "batch_size", "log_every_steps",
@@ -59,3 +60,38 @@ def test_bad_values_name_the_key(key, value):
     (config[section] if section else config)[leaf] = value
     with pytest.raises(config_lib.ConfigError, match=key.replace(".", r"\.")):
         config_lib.validate(config)
+
+
+def _one_rule(build):
+    """The error that the object `build` makes raises for `config`, prefixed as validate does."""
+    with pytest.raises(ValueError) as direct:
+        build()
+    return f"config.{direct.value}"
+
+
+@pytest.mark.parametrize(
+    "overrides, named, build",
+    [
+        ({"optimizer.eps": 0.0}, "optimizer.eps=0.0", optim.make_optimizer),
+        ({"optimizer.learning_rate": 0.0}, "optimizer.learning_rate=0.0", optim.make_optimizer),
+        ({"mesh.data": 4, "batch_size": 6}, "batch_size=6", sharding.mesh_shape),
+    ],
+)
+def test_validate_reports_the_rule_of_the_object_it_builds(overrides, named, build):
+    config = config_lib.base_config()
+    for key, value in overrides.items():
+        section, _, leaf = key.rpartition(".")
+        (config[section] if section else config)[leaf] = value
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.validate(config)
+    message = str(info.value)
+    assert message == _one_rule(lambda: build(config))  # one rule, in one place
+    assert "\n" not in message and message.startswith(f"config.{named}: ")
+
+
+def test_param_rounding_auto_is_stochastic_for_bf16_params_only():
+    resolve = train_state.resolve_param_rounding
+    assert config_lib.base_config().param_rounding == "auto"
+    assert resolve("auto", "bf16-pure") == "stochastic"
+    assert resolve("auto", "bf16-mixed") == "nearest"
+    assert resolve("auto", "params=float16,compute=float16,output=float32") == "nearest"

@@ -1,10 +1,21 @@
 """Shared test helpers. Tests run on CPU with fake devices (see the Makefile's XLA_FLAGS)."""
 
+import os
 import re
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+import mptrain
+from mptrain import main as main_lib
+
 ROOT = Path(__file__).resolve().parents[1]
+TINY = f"--config={ROOT / 'configs' / 'default.py'}:tiny"
 
 
 def load_config(name: str, arg: str | None = "tiny", **overrides):
@@ -17,6 +28,72 @@ def load_config(name: str, arg: str | None = "tiny", **overrides):
             section = section[parent]
         section[leaf] = value
     return config
+
+
+def tiny_config(**overrides):
+    """The tiny default with a constant schedule, so its horizon is not `num_train_steps`
+    (a 4-step run resumed to 8 then trains exactly as an 8-step run)."""
+    return load_config("default", **{"optimizer.schedule": "constant", **overrides})
+
+
+def assert_trees_bytes_equal(a, b):
+    """The same leaf paths, and every leaf bit-identical in dtype, shape and bytes."""
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        name = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.tobytes() == y.tobytes(), name
+
+
+def plain_orbax_state(workdir, step):
+    """The `state` item read back with plain orbax (no mptrain): nested dicts of numpy arrays."""
+    path = (Path(workdir) / "checkpoints" / str(step) / "state").resolve()
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(state))
+    return state
+
+
+def run_cli(workdir, *overrides, capsys=None, config=TINY):
+    """`python -m mptrain.main` in-process: (exit code, stderr)."""
+    argv = ["mptrain", config, f"--workdir={workdir}", *overrides]
+    try:
+        code = main_lib.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err if capsys else ""
+    return code, err
+
+
+def run_cli_process(*args, devices: int = 1, timeout: int = 300):
+    """`python -m mptrain.main ARGS` in a fresh process from the repository root (so that
+    `examples` is importable), with `devices` fake CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    command = [sys.executable, "-m", "mptrain.main", *args]
+    return subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+class TraceCountingTrainer(mptrain.Trainer):
+    """Counts how often the train step is traced; each trace is a compilation."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_step_traces = 0
+
+    def make_train_step(self):
+        train_step = super().make_train_step()
+
+        def counted(*args):
+            self.train_step_traces += 1  # runs only while tracing
+            return train_step(*args)
+
+        return counted
 
 
 _DOT = re.compile(r"stablehlo\.(dot_general|convolution)\b.*:\s*\((tensor<[^)]*)\)\s*->\s*(\S+)")

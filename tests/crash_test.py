@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from trainer_test import ROOT, assert_trees_bytes_equal, plain_orbax_state
+from conftest import ROOT, assert_trees_bytes_equal, plain_orbax_state
 
 TRIALS = 20
 STEPS = 400

@@ -13,25 +13,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from trainer_test import ROOT, assert_trees_bytes_equal, plain_orbax_state, tiny_config
+from conftest import (
+    ROOT,
+    TINY,
+    TraceCountingTrainer,
+    assert_trees_bytes_equal,
+    plain_orbax_state,
+    run_cli,
+    tiny_config,
+)
 
 import mptrain
-from mptrain import checkpoint
+from mptrain import checkpoint, errors
 from mptrain import main as main_lib
 from mptrain import trainer as trainer_lib
-
-TINY = f"--config={ROOT / 'configs' / 'default.py'}:tiny"
-
-
-def run_cli(workdir, *overrides, capsys=None):
-    """`python -m mptrain.main` in-process: (exit code, stderr)."""
-    argv = ["mptrain", TINY, f"--workdir={workdir}", *overrides]
-    try:
-        code = main_lib.main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err if capsys else ""
-    return code, err
 
 
 @pytest.mark.parametrize(
@@ -104,24 +99,24 @@ class _SigtermAt(trainer_lib.Trainer):
 
     moment = "step"
 
-    def evaluate(self, state, step_no, writer):
+    def evaluate(self, *args, **kwargs):
         if self.moment == "eval":
             os.kill(os.getpid(), signal.SIGTERM)
-        return super().evaluate(state, step_no, writer)
+        return super().evaluate(*args, **kwargs)
 
-    def build_hooks(self, writer, checkpointer):
+    def build_hooks(self, run):
         def kill_at_3(step):
             if self.moment == "step" and step == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        return [*super().build_hooks(writer, checkpointer), kill_at_3]
+        return [*super().build_hooks(run), kill_at_3]
 
 
 @pytest.mark.parametrize("moment, stopped_at", [("step", 3), ("eval", 4)])
 def test_sigterm_checkpoints_then_resume_is_exact(moment, stopped_at, tmp_path):
     trainer = _SigtermAt(tiny_config(), tmp_path)
     trainer.moment = moment
-    with pytest.raises(trainer_lib.Preempted) as info:
+    with pytest.raises(errors.Preempted) as info:
         trainer.train_and_evaluate()
     assert info.value.exit_code == 75 and info.value.step == stopped_at
     assert checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step() == stopped_at
@@ -229,7 +224,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_finishes_identically(tmp_path)
     damaged = tmp_path / "damaged"
     mptrain.run(tiny_config(), damaged)
     _flip_a_byte_in_the_largest_data_file(damaged / "checkpoints" / "8")
-    trainer = trainer_lib.Trainer(tiny_config(), damaged)
+    trainer = TraceCountingTrainer(tiny_config(), damaged)
     state = trainer.train_and_evaluate()
     assert trainer.train_step_traces == 1  # it really trained again, from step 4
     assert int(state.step) == 8

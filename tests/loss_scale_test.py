@@ -16,14 +16,78 @@ def _reference_adjust(s, finite):
             grown = min(s["scale"] * s["growth_factor"], s["max_scale"])
             s["scale"] = grown if np.isfinite(grown) else s["scale"]
             s["counter"] = 0
-            s["left"] = s["hysteresis"]
+            s["left"] = s["hysteresis"]  # hysteresis refills on growth, and only then
     else:
         s["counter"] = 0
-        s["left"] -= 1
-        if s["left"] <= 0:
+        s["left"] = max(s["left"] - 1, 0)
+        if s["left"] == 0:  # spent: every overflow backs off until the scale grows again
             s["scale"] = max(s["min_scale"], s["scale"] * s["backoff_factor"])
-            s["left"] = s["hysteresis"]
     return s
+
+
+def _megatron_trajectory(pattern, scale, interval, hysteresis, growth=2.0, backoff=0.5):
+    """Megatron-LM's DynamicGradScaler.update as documented, restated (no clamps in play)."""
+    growth_tracker, hysteresis_tracker, out = 0, hysteresis, []
+    for finite in pattern:
+        if not finite:
+            growth_tracker, hysteresis_tracker = 0, hysteresis_tracker - 1
+            if hysteresis_tracker <= 0:
+                scale *= backoff
+        else:
+            growth_tracker += 1
+            if growth_tracker == interval:
+                growth_tracker, hysteresis_tracker, scale = 0, hysteresis, scale * growth
+        out.append(scale)
+    return out
+
+
+def _deepspeed_trajectory(pattern, scale, window, hysteresis, factor=2.0):
+    """DeepSpeed's DynamicLossScaler.update_scale (consecutive_hysteresis=False), restated:
+    growth every `window` iterations counted from the last overflow."""
+    cur_hysteresis, last_overflow, out = hysteresis, -1, []
+    for it, finite in enumerate(pattern):
+        if not finite:
+            if hysteresis == 1 or cur_hysteresis == 1:
+                scale /= factor
+            else:
+                cur_hysteresis -= 1
+            last_overflow = it
+        elif (it - last_overflow) % window == 0:
+            cur_hysteresis, scale = hysteresis, scale * factor
+        out.append(scale)
+    return out
+
+
+def _bursty(seed, n=400):
+    """Finite runs long enough to grow, and overflow bursts of 1-6 steps, isolated or not."""
+    rng = np.random.default_rng(seed)
+    pattern = []
+    while len(pattern) < n:
+        pattern += [True] * int(rng.integers(1, 20)) + [False] * int(rng.integers(1, 7))
+    return pattern[:n]
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_bursty_trajectory_matches_megatron_and_deepspeed(hysteresis):
+    pattern = _bursty(hysteresis)
+    scaler = loss_scale.DynamicLossScale(
+        scale=2.0**15, growth_interval=4, hysteresis=hysteresis, min_scale=2.0**-60,
+        max_scale=2.0**60,
+    )  # fmt: skip
+    adjust = jax.jit(lambda s, f: s.adjust(f))
+    ours = []
+    for finite in pattern:
+        scaler = adjust(scaler, jnp.asarray(finite))
+        ours.append(float(scaler.loss_scale))
+    assert ours == _megatron_trajectory(pattern, 2.0**15, 4, hysteresis)
+    assert ours == _deepspeed_trajectory(pattern, 2.0**15, 4, hysteresis)
+    # Inside a burst, once hysteresis is spent, every overflow backs off (not every other one).
+    burst = [True] * 3 + [False] * 5
+    scaler, scales = loss_scale.DynamicLossScale(1024.0, growth_interval=100, hysteresis=2), []
+    for finite in burst:
+        scaler = scaler.adjust(finite)
+        scales.append(float(scaler.loss_scale))
+    assert scales == [1024.0] * 4 + [512.0, 256.0, 128.0, 64.0]
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])
@@ -33,9 +97,8 @@ def test_dynamic_rule_under_jit_matches_the_design(hysteresis):
     scaler = loss_scale.DynamicLossScale(scale=16.0, **kw)
     ref = dict(scale=16.0, counter=0, left=hysteresis, **kw)
     adjust = jax.jit(lambda s, f: s.adjust(f))
-    rng = np.random.default_rng(hysteresis)
     # Long finite runs (to hit max_scale) and bursts of overflow (to hit min_scale).
-    pattern = [True] * 20 + [False] * 12 + list(rng.random(200) < 0.7) + [True] * 30
+    pattern = [True] * 20 + [False] * 12 + _bursty(hysteresis, 200) + [True] * 30
     for finite in pattern:
         scaler = adjust(scaler, jnp.asarray(finite))
         ref = _reference_adjust(ref, bool(finite))
@@ -148,3 +211,20 @@ def test_create_loss_scale_auto_and_errors():
     assert float(loss_scale.create_loss_scale("static", init_scale=4.0).loss_scale) == 4.0
     with pytest.raises(ValueError, match="'dinamic'"):
         loss_scale.create_loss_scale("dinamic")
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(growth_factor=1.0), "growth_factor=1.0"),
+        (dict(backoff_factor=1.5), "backoff_factor=1.5"),
+        (dict(growth_interval=0), "growth_interval=0"),
+        (dict(hysteresis=0), "hysteresis=0"),
+        (dict(min_scale=8.0, max_scale=4.0), "min_scale=8.0"),
+        (dict(init_scale=-1.0), "init_scale=-1.0"),
+    ],
+)
+def test_bad_settings_are_rejected_by_name_whatever_the_kind(settings, named):
+    for kind in ("none", "dynamic"):  # checked even where the kind would not use them
+        with pytest.raises(ValueError, match=named):
+            loss_scale.create_loss_scale(kind, **settings)

@@ -45,29 +45,19 @@ def _batch(name):
     }
 
 
-class _FixedSource:
-    def __init__(self, batch):
-        self.batch = batch
-
-    def get_batch(self, index):
-        return self.batch
-
-
 def _trainer(name, precision, tmp_path):
     config = config_lib.base_config()
     config.precision = precision
     config.batch_size = BATCH
     config.model.name = name
     config.model.update(MODELS[name])
-    trainer = trainer_lib.Trainer(config, tmp_path)
-    trainer.train_source = _FixedSource(_batch(name))
-    return trainer
+    return trainer_lib.Trainer(config, tmp_path)
 
 
 def lowered_train_step(name, precision, tmp_path):
     """StableHLO of the train step from an abstract state: traced and lowered, not compiled."""
     trainer = _trainer(name, precision, tmp_path)
-    state = jax.eval_shape(trainer.init_state)
+    state = jax.eval_shape(trainer.init_state, _batch(name))
     step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
     return step.lower(state, _batch(name)).as_text()
 

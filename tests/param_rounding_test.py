@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import mptrain
-from mptrain import train_state
+from mptrain import precision
 
 
 def _run(rounding, steps=200, lr=1e-4):
@@ -50,12 +50,12 @@ def test_stochastic_and_kahan_keep_small_updates(rounding):
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
     x = jnp.full((100_000,), 1.0 + 2**-9, jnp.float32)  # a quarter of the way to the next bf16
-    r = np.asarray(train_state.stochastic_round_to_bf16(x, jax.random.key(0)), np.float32)
+    r = np.asarray(precision.stochastic_round_to_bf16(x, jax.random.key(0)), np.float32)
     assert set(np.unique(r)) == {1.0, 1.0 + 2**-7}
     assert abs(r.mean() - float(x[0])) < 2e-5
     exact = jnp.asarray([1.5, -2.0, 0.0], jnp.float32)
     np.testing.assert_array_equal(
-        train_state.stochastic_round_to_bf16(exact, jax.random.key(1)), exact
+        precision.stochastic_round_to_bf16(exact, jax.random.key(1)), exact
     )
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import matmul_dtypes
+from conftest import assert_trees_bytes_equal, matmul_dtypes
 
 import mptrain
 from mptrain import loss_scale
@@ -90,12 +90,6 @@ def test_one_step_matches_the_textbook_recipe_by_hand():
     assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 128.0
 
 
-def _assert_bit_identical(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-
-
 def _with_scale(state, scale):
     return state.replace(loss_scale=state.loss_scale.replace(loss_scale=jnp.float32(scale)))
 
@@ -124,9 +118,9 @@ def test_non_finite_step_is_skipped_without_touching_the_state(cause):
     after, metrics = step(state, bad)
 
     assert not bool(metrics["grads_finite"])
-    _assert_bit_identical(after.params, before.params)
-    _assert_bit_identical(after.opt_state, before.opt_state)
-    _assert_bit_identical(after.model_state, before.model_state)
+    assert_trees_bytes_equal(after.params, before.params)
+    assert_trees_bytes_equal(after.opt_state, before.opt_state)
+    assert_trees_bytes_equal(after.model_state, before.model_state)
     assert int(after.step) == int(before.step) + 1
     assert int(after.skipped_steps) == int(before.skipped_steps) + 1 == 1
     assert int(metrics["skipped_steps"]) == 1

@@ -2,50 +2,27 @@
 
 import glob
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import ROOT, load_config
+from conftest import (
+    TraceCountingTrainer,
+    assert_trees_bytes_equal,
+    plain_orbax_state,
+    run_cli,
+    run_cli_process,
+    tiny_config,
+)
 
 import mptrain
-from mptrain import main as main_lib
 from mptrain import trainer as trainer_lib
-
-
-def tiny_config(**overrides):
-    # a constant schedule: the horizon must not depend on num_train_steps
-    return load_config("default", **{"optimizer.schedule": "constant", **overrides})
-
-
-def plain_orbax_state(workdir, step):
-    """The `state` item read back with plain orbax (no mptrain): nested dicts of numpy arrays."""
-    path = (Path(workdir) / "checkpoints" / str(step) / "state").resolve()
-    ckptr = ocp.PyTreeCheckpointer()
-    tree = ckptr.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(state))
-    return state
-
-
-def assert_trees_bytes_equal(a, b):
-    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
-    assert [p for p, _ in la] == [p for p, _ in lb]
-    for (path, x), (_, y) in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape, path
-        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("straight")
-    trainer = trainer_lib.Trainer(tiny_config(), workdir)
+    trainer = TraceCountingTrainer(tiny_config(), workdir)
     with jax.transfer_guard("disallow"):  # only log/eval/checkpoint sections may read values
         state = trainer.train_and_evaluate()
     return workdir, trainer, state
@@ -61,7 +38,7 @@ def test_resume_is_byte_identical(straight_run, tmp_path):
     workdir_a = straight_run[0]
     mptrain.run(tiny_config(num_train_steps=4), tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4"]
-    resumed = trainer_lib.Trainer(tiny_config(), tmp_path)
+    resumed = TraceCountingTrainer(tiny_config(), tmp_path)
     resumed.train_and_evaluate()
     assert resumed.train_step_traces == 1
     assert_trees_bytes_equal(plain_orbax_state(workdir_a, 8), plain_orbax_state(tmp_path, 8))
@@ -104,14 +81,8 @@ def test_tensorboard_events_hold_the_training_signals(straight_run):
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
 def test_every_preset_runs_the_tiny_default_from_the_cli(preset, tmp_path):
-    argv = [
-        "mptrain",
-        f"--config={ROOT / 'configs' / 'default.py'}:tiny",
-        f"--workdir={tmp_path}",
-        f"--config.precision={preset}",
-        "--config.num_train_steps=3",
-    ]
-    assert main_lib.main(argv) == 0
+    code, _ = run_cli(tmp_path, f"--config.precision={preset}", "--config.num_train_steps=3")
+    assert code == 0
     state = plain_orbax_state(tmp_path, 3)
     assert int(state["step"]) == 3
     kernel = jax.tree.leaves(state["params"])[0]
@@ -119,14 +90,10 @@ def test_every_preset_runs_the_tiny_default_from_the_cli(preset, tmp_path):
 
 
 def test_cli_exit_codes_in_a_subprocess(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    base = [sys.executable, "-m", "mptrain.main", "--config=configs/default.py:tiny"]
-    bad = subprocess.run(
-        [*base, f"--workdir={tmp_path}", "--config.optimizer.learning_rate=0"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    bad = run_cli_process(
+        "--config=configs/default.py:tiny",
+        f"--workdir={tmp_path}",
+        "--config.optimizer.learning_rate=0",
     )
     assert bad.returncode == 2
     assert "optimizer.learning_rate" in bad.stderr and "Traceback" not in bad.stderr
@@ -154,3 +121,25 @@ def test_batch_that_does_not_divide_over_the_mesh_is_a_config_error(tmp_path):
     with pytest.raises(mptrain.config.ConfigError, match="batch_size=8"):
         mptrain.run(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "precision, rounding", [("bf16-mixed", "nearest"), ("bf16-pure", "stochastic")]
+)
+def test_init_state_and_evaluate_work_on_their_own(precision, rounding, tmp_path):
+    trainer = trainer_lib.Trainer(tiny_config(precision=precision), tmp_path / "run")
+    state = trainer.init_state()
+    assert int(state.step) == 0 and state.param_rounding == rounding  # "auto" resolved
+    values = trainer.evaluate(state)
+    assert set(values) == {"eval_loss", "eval_accuracy"}
+    assert 5.0 < values["eval_loss"] < 7.0  # an untrained byte model: about ln 256 = 5.55
+    assert not (tmp_path / "run").exists()  # neither touched the workdir
+
+
+def test_init_state_is_created_in_its_shardings(tmp_path):
+    trainer = trainer_lib.Trainer(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2}), tmp_path)
+    state = trainer.init_state()
+    kernel = max(jax.tree.leaves(state.params), key=lambda x: x.size)
+    assert "fsdp" in str(kernel.sharding.spec) and len(kernel.sharding.device_set) == 4
+    # each device holds half of the kernel
+    assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 2}

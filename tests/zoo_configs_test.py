@@ -2,18 +2,22 @@
 batch statistics in fp32 through training, resuming and skipped steps, and missing data exits 2.
 """
 
+import logging
 import os
 import runpy
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
-from conftest import ROOT, load_config
+from conftest import (
+    ROOT,
+    assert_trees_bytes_equal,
+    load_config,
+    plain_orbax_state,
+    run_cli,
+    run_cli_process,
+)
 from jax.experimental.compilation_cache import compilation_cache
 
 import mptrain
@@ -22,25 +26,9 @@ from mptrain import trainer as trainer_lib
 CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16"]
 
 
-def tiny_config(name, **overrides):
-    return load_config(name, **overrides)
-
-
 def resnet_config(**overrides):
     # A constant schedule: the programs of a 2-step and a 4-step run are then the same.
-    return tiny_config("cifar10_resnet", **{"optimizer.schedule": "constant", **overrides})
-
-
-def plain_orbax_state(workdir, step):
-    return ocp.PyTreeCheckpointer().restore(Path(workdir) / "checkpoints" / str(step) / "state")
-
-
-def assert_trees_bytes_equal(a, b):
-    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
-    assert [p for p, _ in la] == [p for p, _ in lb]
-    for (path, x), (_, y) in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+    return load_config("cifar10_resnet", **{"optimizer.schedule": "constant", **overrides})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,17 +64,48 @@ def test_every_config_has_a_tiny_variant_and_a_documented_command(name):
         module["get_config"]("huge")
 
 
+TWO_STEP_RUNS = {
+    # `default.py:tiny` runs as `lm_bf16.py:tiny` below; here it runs under fp16 without loss
+    # scaling, which must draw the warning at start.
+    "default": (
+        ["--config.precision=fp16-mixed", "--config.loss_scale.kind=none"],
+        "float16 compute without loss scaling",
+    ),
+    "lm_bf16": ([], "warming up over 1 instead"),  # warmup_steps=2 does not fit in 2 steps
+    "lm_fp16": ([], "warming up over 1 instead"),
+    "mnist_cnn": ([], None),
+    "cifar10_resnet": ([], None),
+    "custom_trainer": ([], None),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO_STEP_RUNS))
+def test_two_steps_of_every_tiny_config_run(name, tmp_path, caplog):
+    overrides, logged = TWO_STEP_RUNS[name]
+    path = ROOT / "examples" / "custom_trainer" / "config.py"
+    path = path if name == "custom_trainer" else ROOT / "configs" / f"{name}.py"
+    caplog.set_level(logging.INFO)
+    with tfds.testing.mock_data(num_examples=64):
+        code, err = run_cli(
+            tmp_path, "--config.num_train_steps=2", *overrides, config=f"--config={path}:tiny"
+        )
+    assert code == 0, err
+    assert int(plain_orbax_state(tmp_path, 2)["step"]) == 2
+    if logged:
+        assert logged in caplog.text
+
+
 def test_lm_configs_differ_only_in_precision_and_loss_scale():
-    bf16, fp16 = tiny_config("lm_bf16"), tiny_config("lm_fp16")
+    bf16, fp16 = load_config("lm_bf16"), load_config("lm_fp16")
     assert (bf16.precision, fp16.precision) == ("bf16-mixed", "fp16-mixed")
     assert fp16.loss_scale.kind == "dynamic"
     full = runpy.run_path(str(ROOT / "configs" / "lm_fp16.py"))["get_config"](None)
-    assert full.model.d_model > tiny_config("default").model.d_model
+    assert full.model.d_model > load_config("default").model.d_model
 
 
 def test_mnist_cnn_tiny_trains_on_mock_data(tmp_path):
     with tfds.testing.mock_data(num_examples=64):
-        state = mptrain.run(tiny_config("mnist_cnn"), tmp_path)
+        state = mptrain.run(load_config("mnist_cnn"), tmp_path)
     assert int(state.step) == 4 and int(state.skipped_steps) == 0  # every update applied
     params = jax.tree.leaves(state.params)
     assert all(p.dtype == np.float32 and np.all(np.isfinite(p)) for p in params)
@@ -135,11 +154,11 @@ def test_cifar10_resnet_tiny_fp16_keeps_fp32_batch_stats_and_resumes_them(tmp_pa
 def test_a_skipped_fp16_step_leaves_the_batch_stats_untouched(tmp_path):
     trainer = trainer_lib.Trainer(resnet_config(), tmp_path)
     with tfds.testing.mock_data(num_examples=64):
-        trainer.train_source, trainer.eval_source = trainer.build_datasets()
-    state = trainer.init_state()
+        source, _ = trainer.build_datasets()
+    state = trainer.init_state(source.get_batch(0))
     train_step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
-    state, _ = train_step(state, trainer.train_source.get_batch(0))
-    bad = trainer.train_source.get_batch(1)
+    state, _ = train_step(state, source.get_batch(0))
+    bad = source.get_batch(1)
     bad["inputs"][0, 0, 0, 0] = np.nan
     after, metrics = train_step(state, bad)
     assert not bool(metrics["grads_finite"])
@@ -151,21 +170,10 @@ def test_a_skipped_fp16_step_leaves_the_batch_stats_untouched(tmp_path):
 
 def test_missing_dataset_exits_2_with_how_to_prepare_it(tmp_path):
     data_dir = tmp_path / "tfds"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mptrain.main",
-            "--config=configs/mnist_cnn.py:tiny",
-            f"--workdir={tmp_path / 'run'}",
-            f"--config.data.data_dir={data_dir}",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_cli_process(
+        "--config=configs/mnist_cnn.py:tiny",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.data.data_dir={data_dir}",
     )
     assert result.returncode == 2, result.stderr[-2000:]
     error = [line for line in result.stderr.splitlines() if line.startswith("mptrain: error:")]

@@ -1,0 +1,120 @@
+"""What a run really holds and computes in which dtype: state bytes and unsafe-setup warnings.
+
+`state_bytes_per_param` measures the persistent state from the arrays themselves;
+`setup_warnings` reads a config and names each choice that quietly loses training signal. The
+trainer logs both at start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mptrain import loss_scale, optim, precision, train_state
+
+
+def _nbytes(x: Any) -> int:
+    return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def state_bytes_per_param(params: Any, opt_state: Any) -> float:
+    """Persistent bytes of params plus optimizer state, per parameter, measured from the arrays.
+
+    Counts every param leaf and every optimizer-state array with at least one dimension
+    (moments, momentum, accumulators); scalars such as step counts are per-state, not per-param,
+    and are left out. Works on arrays and on `jax.ShapeDtypeStruct`s. AdamW gives 12 for fp32
+    and bf16-mixed, 10 for bf16 params with fp32 moments and 6 with bf16 moments (Kahan
+    compensation, kept in the TrainState and not in `opt_state`, would add 2 more).
+    """
+    param_leaves = [x for x in jax.tree.leaves(params) if hasattr(x, "dtype")]
+    count = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in param_leaves)
+    if count == 0:
+        raise ValueError("params hold no arrays; cannot compute bytes per parameter")
+    state_leaves = [
+        x
+        for x in jax.tree.leaves(opt_state)
+        if hasattr(x, "dtype")
+        and np.ndim(x) > 0
+        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
+    total = sum(_nbytes(x) for x in param_leaves) + sum(_nbytes(x) for x in state_leaves)
+    return total / count
+
+
+def setup_warnings(config: Any) -> list[str]:
+    """Human-readable warnings about a config that quietly loses training signal.
+
+    Reads `precision`, `param_rounding`, `loss_scale.kind` and `optimizer.{name, learning_rate,
+    mu_dtype, nu_dtype, moment_rounding}`. Warns when:
+    - the compute dtype is fp16 and nothing scales the loss: fp16's smallest subnormal is
+      6e-8, and gradients below it (common in the backward pass of deep nets) flush to zero;
+    - params are 16-bit, rounded to nearest, and `learning_rate` is below half the dtype's
+      epsilon (bf16: 0.0039, fp16: 0.00049). Round-to-nearest drops any update smaller than
+      half a unit in the last place, so a step of about `learning_rate` (the size of an Adam
+      step) leaves every weight with |w| > learning_rate / (eps / 2) unchanged, which by then
+      includes weights of magnitude 1. A decaying schedule makes this worse as training ends;
+    - adamw keeps its second moment in bf16 with round-to-nearest: it moves by `(1 - b2)` of
+      itself per step, below bf16's resolution, so it stops decaying and tracking `g**2`
+      (likewise, more mildly, for the first moment);
+    - adamw keeps a moment in fp16: `g**2` overflows above |g| ~ 256 and flushes to zero below
+      |g| ~ 2.4e-4, which turns the Adam step into `mu / eps`.
+    sgd's momentum buffer changes by `(1 - momentum)` of itself per step, which bf16 resolves,
+    so it draws no warning. Returns an empty list when nothing is unsafe.
+    """
+    policy = precision.get_policy(config.precision)
+    opt = config.optimizer
+    warnings = []
+    if policy.compute_dtype == precision.F16:
+        scaler = loss_scale.create_loss_scale(config.loss_scale.kind, policy)
+        if isinstance(scaler, loss_scale.NoOpLossScale):
+            warnings.append(
+                "float16 compute without loss scaling (loss_scale.kind="
+                f"{config.loss_scale.kind!r}): gradients below float16's smallest value, "
+                "6e-8, flush to zero and those weights stop training. Use "
+                "loss_scale.kind='dynamic' (what 'auto' picks for float16), or bfloat16."
+            )
+    rounding = train_state.resolve_param_rounding(config.get("param_rounding", "auto"), policy)
+    learning_rate = opt.get("learning_rate")
+    if policy.param_dtype in (precision.BF16, precision.F16) and rounding == "nearest":
+        half_eps = float(jnp.finfo(policy.param_dtype).eps) / 2
+        if isinstance(learning_rate, int | float) and learning_rate < half_eps:
+            warnings.append(
+                f"params are stored in {policy.param_dtype.name} and rounded to nearest, and "
+                f"optimizer.learning_rate={learning_rate:g} is below {half_eps:.3g}: an update "
+                f"of about the learning rate is rounded away for every weight with |w| > "
+                f"{learning_rate / half_eps:.3g}, so those weights stop training. Use "
+                "param_rounding='stochastic' or 'kahan', or fp32 params (e.g. 'bf16-mixed')."
+            )
+    if opt.get("name", "adamw") != "adamw":
+        return warnings  # sgd's momentum changes by (1 - momentum) per step: bf16 copes
+    nearest = opt.get("moment_rounding", "stochastic") == "nearest"
+    for key in ("mu_dtype", "nu_dtype"):
+        dtype = optim.state_dtype(opt.get(key), f"optimizer.{key}")
+        if dtype == precision.BF16 and nearest and key == "nu_dtype":
+            warnings.append(
+                "optimizer.nu_dtype=bfloat16 with optimizer.moment_rounding='nearest': the "
+                "second moment moves by (1 - b2) of itself per step, below bfloat16's "
+                "resolution, so it stops decaying and stops tracking g**2. Use "
+                "moment_rounding='stochastic' (the default) or nu_dtype='float32'."
+            )
+        elif dtype == precision.BF16 and nearest:
+            warnings.append(
+                "optimizer.mu_dtype=bfloat16 with optimizer.moment_rounding='nearest': changes "
+                "of the first moment smaller than bfloat16's resolution are rounded away. Use "
+                "moment_rounding='stochastic' (the default) or mu_dtype='float32'."
+            )
+        elif dtype == precision.F16 and key == "nu_dtype":
+            warnings.append(
+                "optimizer.nu_dtype=float16: g**2 overflows float16 for |g| > 256 and flushes to "
+                "zero for |g| < 2.4e-4, where the Adam step becomes mu / eps. Use float32 (or "
+                "bfloat16, which has float32's range)."
+            )
+        elif dtype == precision.F16:
+            warnings.append(
+                "optimizer.mu_dtype=float16: gradients above 65504 overflow and tiny ones flush "
+                "to zero. Use float32 (or bfloat16, which has float32's range)."
+            )
+    return warnings
