@@ -26,7 +26,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: lint
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 -q -m "not slow" tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow" tests
 
 test-slow: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m slow tests

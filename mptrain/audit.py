@@ -1,12 +1,14 @@
-"""What a run really holds and computes in which dtype: state bytes and unsafe-setup warnings.
+"""What a run really holds and computes in which dtype: collectives, state bytes, warnings.
 
-`state_bytes_per_param` measures the persistent state from the arrays themselves;
-`setup_warnings` reads a config and names each choice that quietly loses training signal. The
-trainer logs both at start.
+`collectives` reads a compiled program and says how many bytes each kind of collective moves in
+which dtype; `state_bytes_per_param` measures the persistent state from the arrays themselves;
+`setup_warnings` reads a config and names each choice that quietly loses training signal.
 """
 
 from __future__ import annotations
 
+import collections
+import re
 from typing import Any
 
 import jax
@@ -14,6 +16,54 @@ import jax.numpy as jnp
 import numpy as np
 
 from mptrain import loss_scale, optim, precision, train_state
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\((.*)$"
+)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def _array_bytes(text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array type written in `text`, e.g. `f32[128,64]{1,0}`."""
+    found = []
+    for dtype, dims in _ARRAY.findall(text):
+        size = np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)
+        bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+        found.append((dtype, int(size) * bits // 8))
+    return found
+
+
+def _group_size(attributes: str) -> int:
+    """Devices per replica group: `replica_groups={{0,1},{2,3}}` or the iota form `[2,2]<=[4]`."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", attributes)
+    return int(iota.group(1)) if iota else 1
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """`{op: {dtype: bytes}}` of the collectives in an HLO module's text (`compiled.as_text()`).
+
+    The bytes are those of the whole logical tensor each op handles: an all-reduce's operand, a
+    reduce-scatter's (unscattered) operand, an all-gather's (gathered) result; a combined op
+    counts each of its tensors. Async pairs count once (their `-start`). The dtypes are HLO's
+    (`f32`, `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
+    """
+    found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        result, op, operands = match.groups()
+        if op == "reduce-scatter":  # operands are printed as names: scale the result back up
+            sizes = [(dtype, size * _group_size(operands)) for dtype, size in _array_bytes(result)]
+        else:
+            sizes = _array_bytes(result)
+        for dtype, size in sizes:
+            found[op][dtype] += size
+    return {op: dict(by_dtype) for op, by_dtype in found.items()}
 
 
 def _nbytes(x: Any) -> int:

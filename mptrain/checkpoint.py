@@ -12,7 +12,9 @@ folder, which orbax never lists as a step; `Checkpointer` deletes such leftovers
 directory (and orbax replaces a leftover of the same step when that step is saved again).
 
 Restoring validates what it reads. `fingerprint(state)`, a sha256 over every array leaf's path,
-dtype, shape and bytes, is stored in `meta` at save time and recomputed on the restored arrays.
+dtype, shape and two position-aware sums of its elements' bits (computed on the devices, shard
+by shard, so a sharded state is never gathered to a host), is stored in `meta` at save time and
+recomputed on the restored arrays.
 A checkpoint is rejected, with a warning naming the step and the reason, when orbax cannot read
 it (missing, truncated or mangled files), when the fingerprint differs (bytes flipped on disk)
 or when its params hold a NaN or an inf; `restore` then tries the next older one. A checkpoint
@@ -37,21 +39,19 @@ saved shardings; the recipe above gives numpy arrays on any machine.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
-from jax.experimental import multihost_utils
+
+from mptrain import fingerprints
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -64,47 +64,6 @@ class InvalidCheckpointError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """A readable checkpoint whose arrays do not fit the state it is restored into."""
-
-
-def _host_leaves(tree: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """(path, numpy array) for every array leaf, in `tree_flatten_with_path` order.
-
-    One leaf at a time, so that at most one leaf's host copy is alive beyond the caller's. Arrays
-    sharded over several hosts are gathered first (every process must call this).
-    """
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            leaf = multihost_utils.process_allgather(leaf, tiled=True)
-        yield jax.tree_util.keystr(path), np.asarray(leaf)
-
-
-def fingerprint(state: Any) -> str:
-    """A content hash of `state`: sha256 over each array leaf's path, dtype, shape and bytes.
-
-    Two states have the same fingerprint exactly when they have the same leaf paths and every
-    leaf is bit-identical (NaN payloads and the sign of zero included).
-    """
-    digest = hashlib.sha256()
-    for path, array in _host_leaves(state):
-        header = f"{path}|{array.dtype.name}|{array.shape}|"
-        digest.update(header.encode())
-        digest.update(np.ascontiguousarray(array).tobytes())
-    return "sha256:" + digest.hexdigest()
-
-
-def _leaf_spec(leaf: Any) -> str:
-    """`float32[4,3]` for an array, a ShapeDtypeStruct or a Python/numpy scalar."""
-    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
-        leaf = np.asarray(leaf)
-    return f"{np.dtype(leaf.dtype).name}[{','.join(str(d) for d in leaf.shape)}]"
-
-
-def array_specs(tree: Any) -> dict[str, str]:
-    """`{leaf path: "dtype[shape]"}` for every array leaf: what a checkpoint must hold to fit."""
-    return {
-        jax.tree_util.keystr(path): _leaf_spec(leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-    }
 
 
 def _json_default(obj: Any) -> Any:
@@ -153,18 +112,6 @@ def _summary(error: Exception, limit: int = 300) -> str:
     lines = str(error).strip().splitlines() or [""]
     text = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + " ..."
     return f"{type(error).__name__}: {text}"
-
-
-def _nonfinite_params(state: Any) -> list[str]:
-    """Paths of floating leaves of the state's params holding a NaN or an inf."""
-    params = state.get("params") if isinstance(state, Mapping) else getattr(state, "params", None)
-    if params is None:
-        return []
-    bad = []
-    for path, array in _host_leaves(params):
-        if jnp.issubdtype(array.dtype, jnp.inexact) and not np.isfinite(array).all():
-            bad.append(path)
-    return bad
 
 
 def _mptrain_version() -> str:
@@ -239,8 +186,8 @@ class Checkpointer:
         meta = dict(to_jsonable(meta))
         meta.setdefault("step", step)
         meta["mptrain_version"] = _mptrain_version()
-        meta["fingerprint"] = fingerprint(state)
-        meta["arrays"] = array_specs(state)
+        meta["fingerprint"] = fingerprints.fingerprint(state)
+        meta["arrays"] = fingerprints.array_specs(state)
         if step in self._manager.all_steps():
             # Re-saving a step happens after resuming past a rejected checkpoint: the fresh
             # state must replace the bad one, or every later resume would reject it again.
@@ -304,7 +251,7 @@ class Checkpointer:
             raise InvalidCheckpointError(f"cannot read meta: {_summary(e)}") from e
         if not isinstance(meta, dict) or "fingerprint" not in meta:
             raise InvalidCheckpointError("meta holds no fingerprint")
-        _check_specs(step, meta.get("arrays"), array_specs(abstract_state))
+        _check_specs(step, meta.get("arrays"), fingerprints.array_specs(abstract_state))
         try:
             state = self._manager.restore(
                 step,
@@ -312,13 +259,13 @@ class Checkpointer:
             )[STATE_ITEM]
         except Exception as e:
             raise InvalidCheckpointError(f"cannot read state: {_summary(e)}") from e
-        found = fingerprint(state)
+        found = fingerprints.fingerprint(state)
         if found != meta["fingerprint"]:
             raise InvalidCheckpointError(
                 f"data do not match the fingerprint saved with them (saved "
                 f"{meta['fingerprint']}, read {found})"
             )
-        bad = _nonfinite_params(state)
+        bad = fingerprints.nonfinite_params(state)
         if bad:
             raise InvalidCheckpointError(f"non-finite params in {', '.join(bad)}")
         return state, meta

@@ -71,6 +71,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # devices along the data-parallel axis (-1: all that fsdp leaves)
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
+
+    # Several processes (hosts): every process runs the same command with its own process_id.
+    # All None: one process, or JAX's auto-detection when a cluster (Slurm, Open MPI, Cloud TPU)
+    # reports several.
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = config_dict.placeholder(str)  # "host:port" of process 0
+    c.distributed.num_processes = config_dict.placeholder(int)  # processes in the job
+    c.distributed.process_id = config_dict.placeholder(int)  # this process, 0..num_processes-1
     return c
 
 
@@ -117,11 +125,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape) and turns
     their `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects.
     """
-    from mptrain import loss_scale, optim, precision, sharding, train_state
+    from mptrain import loss_scale, optim, precision, runtime, sharding, train_state
 
     section = ""
     try:
         _check_run_keys(config)
+        runtime.distributed_args(config)
         policy = precision.get_policy(_get(config, "precision"))
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
         section = "loss_scale."

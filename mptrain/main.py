@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
 
     config = flag_values.config
     try:
+        runtime.initialize_distributed(config)  # before anything touches a device
+    except ValueError as e:
+        _usage_error(f"config.{e}")
+    import jax
+
+    if jax.process_index() != 0:  # process 0 tells the story; the others speak up on trouble
+        logging.set_verbosity(logging.WARNING)
+    try:
         config_lib.validate(config)
         runtime.import_trainer(config.trainer)
     except errors.ConfigError as e:

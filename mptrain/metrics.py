@@ -33,7 +33,7 @@ class LogTotals:
 
     @classmethod
     def zeros(cls) -> LogTotals:
-        """Host arrays; put them on the devices with `jax.device_put`."""
+        """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
         zero_f, zero_i = np.float32(0), np.int32(0)
         return cls(zero_f, zero_i, zero_i, np.float32(np.nan))
 
@@ -92,12 +92,12 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
 
 
 def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):
-    """TensorBoard events in `workdir` and absl log lines; other hosts only log."""
+    """TensorBoard events in `workdir` and absl log lines; on other processes, nothing."""
     from clu import metric_writers
 
-    return metric_writers.create_default_writer(
-        os.fspath(workdir), just_logging=not is_main_process, asynchronous=True
-    )
+    if not is_main_process:
+        return metric_writers.MultiWriter([])
+    return metric_writers.create_default_writer(os.fspath(workdir), asynchronous=True)
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

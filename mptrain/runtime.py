@@ -1,10 +1,11 @@
-"""Process plumbing, apart from training logic: starting a run, the workdir lock, preemption.
+"""Process plumbing, apart from training logic: start-up, the workdir lock, preemption.
 
-`run(config, workdir)` is `mptrain.run`: it validates the config, imports the Trainer class that
-`config.trainer` names and trains. The trainer holds the lock and the flag for a whole run::
+`run(config, workdir)` is `mptrain.run`: it starts JAX's multi-process runtime if the config or
+the cluster asks for it, validates the config, imports the Trainer class that `config.trainer`
+names and trains. The trainer holds the lock and the flag for a whole run::
 
     with runtime.workdir_lock(workdir), runtime.PreemptionFlag() as preemption:
-        ...  # set up; then loop, checking `preemption.requested` after each step
+        ...  # set up; then loop, asking `preemption.reached(step)` before each step
 """
 
 from __future__ import annotations
@@ -24,6 +25,69 @@ import jax
 from absl import logging
 
 from mptrain import errors
+
+DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id")
+
+
+def _cluster_process_count() -> int:
+    """How many processes a cluster scheduler JAX knows (Slurm, Open MPI, Cloud TPU, ...) says
+    this job has; 1 outside such a cluster. Uses JAX's own detectors."""
+    try:
+        from jax._src import clusters
+    except ImportError:  # a JAX without them: only the explicit keys start several processes
+        return 1
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.get_process_count() or 1
+    return 1
+
+
+def distributed_args(config) -> tuple[str, int, int] | None:
+    """`(coordinator_address, num_processes, process_id)` from `config.distributed`, or None when
+    all three are unset. Bad or partial settings raise a `ValueError` naming the key."""
+    section = config.get("distributed") or {}
+    values = {key: section.get(key) for key in DISTRIBUTED_KEYS}
+    if all(v is None for v in values.values()):
+        return None
+    for key, value in values.items():
+        if value is None:
+            given = ", ".join(f"distributed.{k}" for k, v in values.items() if v is not None)
+            raise ValueError(f"distributed.{key}=None: must be set too, since {given} is")
+    address = values["coordinator_address"]
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"distributed.coordinator_address={address!r}: must be 'host:port'")
+    count = errors.check_integer("distributed.num_processes", values["num_processes"], 1)
+    index = errors.check_integer("distributed.process_id", values["process_id"], 0)
+    if index >= count:
+        raise ValueError(f"distributed.process_id={index}: must be < num_processes={count}")
+    return address, count, index
+
+
+def initialize_distributed(config) -> None:
+    """Starts `jax.distributed` once, before anything touches a device.
+
+    With `config.distributed.*` set, from those; with none set, JAX's auto-detection when a
+    cluster environment it knows reports several processes; otherwise not at all (one
+    process). On CPU the processes' collectives go through gloo.
+    """
+    if jax.distributed.is_initialized():
+        return
+    args = distributed_args(config)
+    if args is None and _cluster_process_count() <= 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args is None:
+        jax.distributed.initialize()
+    else:
+        address, count, index = args
+        jax.distributed.initialize(address, num_processes=count, process_id=index)
+    logging.info(
+        "mptrain: process %d of %d, %d local devices of %d",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def import_trainer(spec: str):
@@ -56,6 +120,10 @@ def run(config, workdir: str | os.PathLike):
     """
     from mptrain import config as config_lib
 
+    try:
+        initialize_distributed(config)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.{e}") from None
     config_lib.validate(config)
     trainer_cls = import_trainer(config.trainer)
     started = time.monotonic()
@@ -99,18 +167,34 @@ def workdir_lock(workdir: Path):
 
 
 class PreemptionFlag:
-    """Turns SIGTERM into a flag that the loop checks after each step (main thread only).
+    """Turns SIGTERM into a stop that every process takes at the same step.
 
-    Python runs signal handlers only between bytecodes, so a SIGTERM that lands while XLA
-    compiles would wait for the compiler. The wakeup fd is written by the C-level handler at
-    once; a watcher thread reads it and, while `exit_now_ok` says that nothing is unsaved (the
-    start-up: restore and compilation), exits with 75 straight away.
+    One process: a Python handler sets `requested` (main thread only). Python runs signal
+    handlers only between bytecodes, so a SIGTERM that lands while XLA compiles would wait for
+    the compiler; the wakeup fd is written by the C-level handler at once, and a watcher thread
+    that reads it exits with 75 straight away while `starting_up()` says nothing is unsaved.
+
+    Several processes: the SIGTERM may reach any one of them, and all must checkpoint the same
+    step. JAX's coordination service owns SIGTERM there (its preemption notifier, started by
+    `jax.distributed.initialize`): it passes the notice to every process and agrees on the
+    first step that all of them can still reach. `reached(step)` asks it; until a notice
+    arrives that is a local check, not a round trip to the coordinator.
     """
 
     def __init__(self):
         self.requested = False
         self.exit_now_ok = False
         self._previous = None
+        self._several = False
+
+    def reached(self, step: int) -> bool:
+        """Call before every step, with the number of steps done: True when the run must stop
+        (checkpoint `step` and exit 75) on this process, and then on all of them."""
+        if self._several:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
 
     def _handle(self, signum, frame):
         del signum, frame
@@ -139,7 +223,8 @@ class PreemptionFlag:
             self.exit_now_ok = False
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        self._several = jax.process_count() > 1
+        if not self._several and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
             read_fd, self._write_fd = os.pipe()
             os.set_blocking(self._write_fd, False)

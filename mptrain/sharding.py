@@ -4,17 +4,38 @@ The mesh has two axes, `("data", "fsdp")`. Batches are split over both (every de
 different slice of the global batch); params and optimizer state are split over `fsdp` along
 their largest dimension that divides evenly, and replicated where none does. The trainer always
 has a mesh: on one device it is 1x1, and nothing is split.
+
+On a mesh of several devices the gradients are computed per device and reduced explicitly, the
+way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the
+compiled program cannot quietly do otherwise:
+- each param shard is cast to the compute dtype *before* it is all-gathered (half the bytes
+  of gathering fp32 and casting after);
+- each gradient is cast to fp32 *before* it is reduce-scattered over `fsdp` and summed over
+  `data`. Left to XLA, the reduction happens in whatever dtype the gradient matmul returns;
+  under fp16 compute that is an fp16 sum of loss-scaled values across devices, where overflow
+  and rounding both bite;
+- the finiteness of every gradient and updated param is one count and one all-reduce, not one
+  reduction per leaf.
+Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
+statistics over those axes, so the model sees the same numbers as on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp")
+_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "mptrain_batch_axes", default=None
+)
 
 
 def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
@@ -55,6 +76,18 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(AXES))
 
 
+def process_rows(mesh: Mesh, global_rows: int) -> slice:
+    """The rows of a `global_rows` batch that this process's devices hold (one block: the mesh
+    takes devices in `jax.devices()` order, which groups them by process)."""
+    indices = batch_sharding(mesh).addressable_devices_indices_map((global_rows,)).values()
+    starts = [index[0].start or 0 for index in indices]
+    stops = [global_rows if index[0].stop is None else index[0].stop for index in indices]
+    rows = slice(min(starts), max(stops))
+    if sum(b - a for a, b in zip(starts, stops, strict=True)) != rows.stop - rows.start:
+        raise ValueError(f"this process's rows of the batch are not one block: {sorted(starts)}")
+    return rows
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
@@ -73,3 +106,141 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
     """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated."""
     fsdp = mesh.shape["fsdp"]
     return jax.tree.map(lambda x: NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp)), state)
+
+
+def _specs(mesh: Mesh, tree: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree))
+
+
+def batch_axes() -> tuple[str, ...] | None:
+    """The mesh axes the batch is split over while a per-device gradient is traced, else None.
+
+    A layer whose output depends on other examples of the batch (BatchNorm's statistics) passes
+    this as its `axis_name`, so its statistics are those of the whole global batch.
+    """
+    return _BATCH_AXES.get()
+
+
+@contextlib.contextmanager
+def _splitting_batch(axes: tuple[str, ...]):
+    token = _BATCH_AXES.set(axes)
+    try:
+        yield
+    finally:
+        _BATCH_AXES.reset(token)
+
+
+def _gather(spec: PartitionSpec, compute_dtype: np.dtype, devices: int) -> Callable:
+    """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
+
+    Forward: cast the local shard, then all-gather it over `fsdp` (if it is split). Backward:
+    cast the gradient to fp32, reduce-scatter it over `fsdp` (or sum it there, for a param that
+    is not split) and sum it over `data`, then divide by the devices: each computed the gradient
+    of the mean loss over its own rows.
+    """
+    dim = next((d for d, axis in enumerate(spec) if axis == "fsdp"), None)
+    # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
+    as_bits = compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+
+    @jax.custom_vjp
+    def gather(shard):
+        x = shard.astype(compute_dtype)
+        if dim is None:
+            return x
+        if as_bits:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        x = jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+        return jax.lax.bitcast_convert_type(x, compute_dtype) if as_bits else x
+
+    def backward(_, grad):
+        grad = grad.astype(jnp.float32)
+        if dim is None:
+            return (jax.lax.psum(grad, AXES) / devices,)
+        grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
+        return (jax.lax.psum(grad, "data") / devices,)
+
+    gather.defvjp(lambda shard: (gather(shard), None), backward)
+    return gather
+
+
+def grad_fn(loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None) -> Callable:
+    """`(params, batch, rng, *rest) -> (grads, aux)`: the fp32 gradient of `loss_fn`'s first
+    output with respect to fp32 `params`, which `loss_fn(params, batch, rng, *rest)` receives
+    cast to `compute_dtype`; `aux` is its second output.
+
+    Without a mesh, or on one device, this is `jax.grad` through the cast. On a larger mesh it is
+    a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
+    with params gathered in the compute dtype, and the gradients are reduced in fp32 (see the
+    module doc). Floating leaves of `aux` are averaged over the devices; `rng` is folded with
+    the device's index, so dropout masks differ between devices.
+    """
+    compute_dtype = np.dtype(compute_dtype)
+
+    def cast(x):
+        return x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    if mesh is None or mesh.size == 1:
+
+        def single(params, batch, rng, *rest):
+            grad = jax.grad(
+                lambda p: loss_fn(jax.tree.map(cast, p), batch, rng, *rest), has_aux=True
+            )
+            return grad(params)
+
+        return single
+
+    def sharded(params, batch, rng, *rest):
+        specs = _specs(mesh, params)
+
+        def local(params, batch, rng, *rest):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
+            gathers = jax.tree.map(
+                lambda s: _gather(s, compute_dtype, mesh.size),
+                specs,
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+
+            def gathered_loss(params):
+                whole = jax.tree.map(lambda gather, p: gather(p), gathers, params)
+                return loss_fn(whole, batch, rng, *rest)
+
+            with _splitting_batch(AXES):
+                grads, aux = jax.grad(gathered_loss, has_aux=True)(params)
+            mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            return grads, jax.tree.map(mean, aux)
+
+        in_specs = (specs, PartitionSpec(AXES), PartitionSpec(), *(PartitionSpec() for _ in rest))
+        local = jax.shard_map(
+            local, mesh=mesh, in_specs=in_specs, out_specs=(specs, PartitionSpec()), check_vma=False
+        )
+        return local(params, batch, rng, *rest)
+
+    return sharded
+
+
+def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
+    """A float32 vector: per tree, how many of its floating values are NaN or inf.
+
+    On a mesh of several devices each device counts its own shards and one all-reduce adds the
+    counts (a replicated leaf is counted once per device: a count is only ever compared with
+    zero). Elsewhere it is a plain count.
+    """
+
+    def local(*trees):
+        counts = []
+        for tree in trees:
+            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
+            counts.append(sum(bad, jnp.zeros((), jnp.float32)))
+        return jnp.stack(counts)
+
+    if mesh is None or mesh.size == 1:
+        return local(*trees)
+    summed = jax.shard_map(
+        lambda *trees: jax.lax.psum(local(*trees), AXES),
+        mesh=mesh,
+        in_specs=tuple(_specs(mesh, tree) for tree in trees),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    return summed(*trees)

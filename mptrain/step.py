@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from mptrain import loss_scale as loss_scale_lib
-from mptrain import precision
+from mptrain import precision, sharding
 from mptrain import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
@@ -30,41 +31,46 @@ def _like(new: Any, old: Any) -> Any:
 
 
 def make_train_step(
-    loss_fn: LossFn,
+    loss_fn: LossFn, *, mesh: Mesh | None = None
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
-    """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it."""
+    """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
+
+    `mesh`: an `mptrain.sharding` mesh of several devices (axes `("data", "fsdp")`) makes the
+    gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
+    in fp32, one finiteness count (see `mptrain.sharding`). Jit the step with the state in
+    `sharding.state_shardings(mesh, state)` and the batch in `sharding.batch_sharding(mesh)`.
+    """
 
     def train_step(state: train_state_lib.TrainState, batch: Any):
         policy, scaler = state.policy, state.loss_scale
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def scaled_loss(params):
-            # The low-precision zone starts here. Casting *inside* the differentiated function
-            # means jax.grad carries the cotangent back through the cast, so gradients arrive
-            # in the master (fp32) dtype and the master copy never leaves fp32.
-            loss, (model_state, aux) = loss_fn(
-                policy.cast_to_compute(params),
-                state.model_state,
-                policy.cast_to_compute(batch),
-                rng,
-            )
+        def scaled_loss(params, batch, rng, model_state):
+            # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
+            # cast *inside* the differentiated function, so jax.grad carries the cotangent back
+            # through it, gradients arrive in fp32 and the master copy never leaves fp32.
+            loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
             # Scale in fp32: fp16 tops out at 65504, so a scaled fp16 loss would overflow.
             loss = jnp.asarray(loss, jnp.float32)
             return scaler.scale(loss), (loss, model_state, aux)
 
-        grads, (loss, model_state, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
+        grads_of = sharding.grad_fn(scaled_loss, policy.compute_dtype, mesh)
+        grads, (loss, model_state, aux) = grads_of(
+            state.params, policy.cast_to_compute(batch), rng, state.model_state
+        )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
-        finite = loss_scale_lib.all_finite(grads)
         grad_norm = optax.tree.norm(grads)
-
         updated = state.apply_gradients(
             grads=grads, model_state=_like(model_state, state.model_state)
         )
         # Finite gradients can still produce a non-finite update (a huge learning rate, 16-bit
         # params at their range's edge); such a step is skipped too, but it is not an overflow
-        # of the scaled gradients, so the loss scale does not back off for it.
-        applied = finite & loss_scale_lib.all_finite(updated.params)
+        # of the scaled gradients, so the loss scale does not back off for it. Both are counted
+        # at once: one reduction (one all-reduce on a mesh), not one per leaf.
+        bad_grads, bad_params = sharding.count_nonfinite((grads, updated.params), mesh)
+        finite = bad_grads == 0
+        applied = finite & (bad_params == 0)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
         new_state = loss_scale_lib.select_tree(applied, updated, state).replace(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ class Trainer:
     def make_train_step(self) -> Callable:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
         log totals, which restart on the device after each log step."""
-        recipe = step.make_train_step(self.loss_fn)
+        recipe = step.make_train_step(self.loss_fn, mesh=self.mesh)
         schedule, log_every = self.schedule, self.config.log_every_steps
 
         def train_step(state, batch, totals: metrics_lib.LogTotals):
@@ -232,9 +233,24 @@ class Trainer:
 
         return train_step
 
-    def device_batch(self, batch: dict[str, Any]) -> Any:
-        """Host-side. Puts a host batch on the mesh, split over all of its devices."""
-        return jax.device_put(batch, sharding.batch_sharding(self.mesh))
+    def device_batch(self, source: Any, index: int) -> Any:
+        """Host-side. Batch `index` of `source` on the mesh, its rows split over the devices.
+
+        With several processes each builds only its own rows, through `get_batch(index, rows=)`
+        when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
+        """
+        batch_sharding = sharding.batch_sharding(self.mesh)
+        if jax.process_count() == 1:
+            return jax.device_put(source.get_batch(index), batch_sharding)
+        rows = sharding.process_rows(self.mesh, self.config.batch_size)
+        if "rows" in inspect.signature(source.get_batch).parameters:
+            local = source.get_batch(index, rows=rows)
+        else:
+            local = jax.tree.map(lambda x: x[rows], source.get_batch(index))
+        shape = lambda x: (self.config.batch_size, *x.shape[1:])
+        return jax.make_array_from_process_local_data(
+            batch_sharding, local, jax.tree.map(shape, local)
+        )
 
     def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
         """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`.
@@ -248,7 +264,7 @@ class Trainer:
         eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn))
         n, sums = self.config.eval_steps, None
         for i in range(n):
-            metrics = eval_step(state, self.device_batch(source.get_batch(i)))
+            metrics = eval_step(state, self.device_batch(source, i))
             sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
         with _allow_transfers():
             return {f"eval_{k}": float(v) / n for k, v in jax.device_get(sums).items()}
@@ -265,14 +281,18 @@ class Trainer:
             )
             state, saved_step = _resume(checkpointer, state, self.policy, config_lib.to_dict(cfg))
             start = int(state.step)
-            checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
-            totals = jax.device_put(metrics_lib.LogTotals.zeros(), sharding.replicated(self.mesh))
+            if jax.process_index() == 0:
+                checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
+            # made on the devices: a host NaN would fail device_put's cross-process equality check
+            totals = jax.jit(
+                metrics_lib.LogTotals.zeros, out_shardings=sharding.replicated(self.mesh)
+            )()
         # Compile everything up front: the loop then never stops to compile.
         train_step = jax.jit(self.make_train_step(), donate_argnums=0)
-        train_batch = self.device_batch(train_source.get_batch(start))
+        train_batch = self.device_batch(train_source, start)
         train_step = train_step.lower(state, train_batch, totals).compile()
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
-        eval_step = eval_step.lower(state, self.device_batch(eval_source.get_batch(0))).compile()
+        eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
         writer = metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0)
         run = Run(
             state=state,
@@ -313,10 +333,10 @@ class Trainer:
         """Host-side. The loop: heed SIGTERM, step, report the last log step, run the hooks."""
         cfg, totals, pending, done = self.config, run.totals, None, run.start
         for step_no in range(run.start, cfg.num_train_steps):
-            if preemption.requested:
+            if preemption.reached(done):
                 logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
                 run.stop(done, errors.Preempted(done))
-            batch = self.device_batch(run.train_source.get_batch(step_no))
+            batch = self.device_batch(run.train_source, step_no)
             run.state, metrics, totals = run.train_step(run.state, batch, totals)
             done = step_no + 1
             if pending is not None:  # the last log step's values, read after this dispatch

@@ -21,7 +21,7 @@ import pytest
 from conftest import assert_trees_bytes_equal
 
 import mptrain
-from mptrain import checkpoint
+from mptrain import checkpoint, fingerprints
 
 # When a read fails, orbax abandons its other reads, and their errors surface later as
 # "exception ignored" reports (coroutines never awaited, callbacks on a closed event loop). They
@@ -177,7 +177,7 @@ def test_round_trip_is_bit_identical(tmp_path, states, target):
     assert meta["config"] == {"lr": 1e-3}
     assert meta["policy"] == "params=float32,compute=bfloat16,output=float32"
     assert meta["mptrain_version"] == mptrain.__version__
-    assert meta["fingerprint"] == checkpoint.fingerprint(state)
+    assert meta["fingerprint"] == fingerprints.fingerprint(state)
 
 
 def test_bf16_kahan_state_round_trips(tmp_path, bf16_state):
@@ -418,14 +418,14 @@ def test_interrupted_save_is_not_listed_and_is_cleaned(tmp_path, states, monkeyp
 
 def test_fingerprint_sees_every_bit_dtype_shape_and_path():
     tree = {"a": np.arange(6, dtype=np.int32), "b": np.ones(3, np.float32)}
-    base = checkpoint.fingerprint(tree)
-    assert base == checkpoint.fingerprint(jax.tree.map(jnp.asarray, tree))  # device or host
+    base = fingerprints.fingerprint(tree)
+    assert base == fingerprints.fingerprint(jax.tree.map(jnp.asarray, tree))  # device or host
     flipped = tree["b"].copy()
     flipped.view(np.uint32)[1] ^= 1
-    assert checkpoint.fingerprint({**tree, "b": flipped}) != base
-    assert checkpoint.fingerprint({**tree, "a": tree["a"].view(np.uint32)}) != base
-    assert checkpoint.fingerprint({**tree, "a": tree["a"].reshape(2, 3)}) != base
-    assert checkpoint.fingerprint({"a": tree["a"], "c": tree["b"]}) != base
+    assert fingerprints.fingerprint({**tree, "b": flipped}) != base
+    assert fingerprints.fingerprint({**tree, "a": tree["a"].view(np.uint32)}) != base
+    assert fingerprints.fingerprint({**tree, "a": tree["a"].reshape(2, 3)}) != base
+    assert fingerprints.fingerprint({"a": tree["a"], "c": tree["b"]}) != base
 
 
 def test_meta_is_lenient_json(tmp_path, states):
@@ -460,3 +460,17 @@ def test_write_json_is_atomic(tmp_path):
         checkpoint.write_json(path, {"a": 3, "bad": Unprintable()})
     assert json.loads(path.read_text()) == {"a": 2}  # the old file, whole
     assert os.listdir(path.parent) == ["config.json"]  # no temporary files left behind
+
+
+def test_fingerprint_does_not_depend_on_the_sharding_and_sees_positions():
+    x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    base = fingerprints.fingerprint({"x": x})
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    for spec in (("d",), (None, "d"), ()):
+        placed = jax.device_put(
+            x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        )
+        assert fingerprints.fingerprint({"x": placed}) == base  # summed on the devices, any split
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprints.fingerprint({"x": swapped}) != base

@@ -17,6 +17,7 @@ KEYS = {
     "optimizer.momentum", "optimizer.nesterov", "optimizer.grad_clip_norm", "optimizer.mu_dtype",
     "optimizer.nu_dtype", "optimizer.moment_rounding", "optimizer.accumulation_steps",
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
+    "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
 }  # fmt: skip
 
 

@@ -3,8 +3,10 @@
 import os
 import re
 import runpy
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -16,6 +18,20 @@ from mptrain import main as main_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = f"--config={ROOT / 'configs' / 'default.py'}:tiny"
+
+# Dozens of tests (and the CLI processes they start) compile the same tiny programs: one
+# persistent compilation cache for the session, its xdist workers and their subprocesses. It
+# stores XLA's executables keyed by program, flags and devices, so no test sees other numbers.
+_CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": str(Path(tempfile.gettempdir()) / "mptrain-tests-jax-cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+for _key, _value in _CACHE.items():
+    os.environ.setdefault(_key, _value)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def load_config(name: str, arg: str | None = "tiny", **overrides):
@@ -77,6 +93,38 @@ def run_cli_process(*args, devices: int = 1, timeout: int = 300):
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def start_processes(workdir, *overrides, processes=2, devices=2, config=TINY):
+    """Starts one job of `processes` CLI processes on localhost, `devices` fake CPU devices
+    each, coordinated by `jax.distributed` (gloo collectives); `tests/` is importable, so
+    `--config.trainer=multihost_helpers:...` works. Returns the `Popen`s (stderr piped)."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "mptrain.main", config, f"--workdir={workdir}", *overrides]
+    command += [
+        f"--config.distributed.coordinator_address=localhost:{port}",
+        f"--config.distributed.num_processes={processes}",
+    ]
+    return [
+        subprocess.Popen(
+            [*command, f"--config.distributed.process_id={i}"],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+
+
+def wait_for_processes(procs, timeout=300):
+    """`[(exit code, stderr)]` of the processes, once all have ended."""
+    errs = [proc.communicate(timeout=timeout)[1] for proc in procs]  # drains the pipes
+    return [(proc.returncode, err) for proc, err in zip(procs, errs, strict=True)]
 
 
 class TraceCountingTrainer(mptrain.Trainer):

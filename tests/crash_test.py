@@ -32,19 +32,15 @@ def _command(workdir):
     ]
 
 
-def _env(cache):
-    return dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        JAX_COMPILATION_CACHE_DIR=str(cache),  # later starts skip most of the compiling
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
+def _env():
+    # conftest's persistent compilation cache is in os.environ: later starts skip compiling
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
 
 
 @pytest.mark.slow
 def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
     rng = random.Random(0)
-    crashed, env = tmp_path / "crashed", _env(tmp_path / "cache")
+    crashed, env = tmp_path / "crashed", _env()
     kills = 0
     while kills < TRIALS:
         proc = subprocess.Popen(_command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)

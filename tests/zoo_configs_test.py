@@ -18,7 +18,6 @@ from conftest import (
     run_cli,
     run_cli_process,
 )
-from jax.experimental.compilation_cache import compilation_cache
 
 import mptrain
 from mptrain import trainer as trainer_lib
@@ -29,25 +28,6 @@ CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16"]
 def resnet_config(**overrides):
     # A constant schedule: the programs of a 2-step and a 4-step run are then the same.
     return load_config("cifar10_resnet", **{"optimizer.schedule": "constant", **overrides})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def persistent_compilation_cache(tmp_path_factory):
-    """The ResNet runs here compile the same programs; compile them once (test speed only)."""
-    keys = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_compile_time_secs",
-        "jax_persistent_cache_min_entry_size_bytes",
-    )
-    saved = {key: getattr(jax.config, key) for key in keys}
-    jax.config.update(keys[0], str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update(keys[1], 0.0)
-    jax.config.update(keys[2], 0)
-    compilation_cache.reset_cache()
-    yield
-    for key, value in saved.items():
-        jax.config.update(key, value)
-    compilation_cache.reset_cache()
 
 
 @pytest.mark.parametrize("name", CONFIGS)

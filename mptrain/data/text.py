@@ -159,9 +159,11 @@ class TextSource:
         windows = (index * self.batch_size + np.arange(self.batch_size)) % self.num_windows
         return windows * self.seq_len
 
-    def get_batch(self, index: int) -> dict[str, np.ndarray]:
-        """Batch number ``index``; deterministic in ``(seed, index)``."""
-        windows = self.data[self.offsets(index)[:, None] + self._arange].astype(np.int32)
+    def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Batch number ``index``, deterministic in ``(seed, index)``; only its ``rows`` (each
+        process of a multi-process run builds only its own)."""
+        offsets = self.offsets(index)[rows]
+        windows = self.data[offsets[:, None] + self._arange].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
     def __repr__(self) -> str:

@@ -196,23 +196,25 @@ class ImageSource:
             out[where] = self._permutation(int(epoch))[offsets[where]]
         return out
 
-    def _crop_and_flip(self, images: np.ndarray, index: int) -> np.ndarray:
+    def _crop_and_flip(self, images: np.ndarray, index: int, rows: slice) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1, int(index)])
         b, h, w, _ = images.shape
         p = CROP_PADDING
         padded = np.pad(images, ((0, 0), (p, p), (p, p), (0, 0)))
-        dy, dx = rng.integers(0, 2 * p + 1, size=(2, b))
-        flip = rng.random(b) < 0.5
+        # drawn for the whole batch, then cut: a row is augmented alike whoever builds it
+        dy, dx = rng.integers(0, 2 * p + 1, size=(2, self.batch_size))[:, rows]
+        flip = (rng.random(self.batch_size) < 0.5)[rows]
         cols = dx[:, None] + np.where(flip[:, None], np.arange(w)[::-1], np.arange(w))
         rows = dy[:, None] + np.arange(h)
         return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
 
-    def get_batch(self, index: int) -> dict[str, np.ndarray]:
-        """Batch number ``index``; deterministic in ``(seed, index)``."""
-        idx = self.indices(index)
+    def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Batch number ``index``, deterministic in ``(seed, index)``; only its ``rows`` (each
+        process of a multi-process run builds only its own)."""
+        idx = self.indices(index)[rows]
         images = self.images[idx]
         if self.augment:
-            images = self._crop_and_flip(images, index)
+            images = self._crop_and_flip(images, index, rows)
         inputs = images.astype(np.float32) * self._scale + self._shift
         return {"inputs": inputs, "targets": self.labels[idx]}
 

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from mptrain import sharding
+
 Dtype = Any
 
 
@@ -108,10 +110,13 @@ def batch_norm_f32(
     and keep the normalisation in fp32; the running statistics in ``batch_stats`` are created
     as fp32 zeros and ones and updated in fp32. With ``train=True`` it normalises with the
     batch's statistics and updates the running ones; with ``train=False`` it uses the running
-    ones. Only the result is cast back to ``dtype``.
+    ones. Only the result is cast back to ``dtype``. Under a per-device gradient on a mesh, the
+    batch statistics are averaged over the devices the batch is split over
+    (``sharding.batch_axes()``), so they are those of the whole global batch.
     """
     y = nn.BatchNorm(
         use_running_average=not train,
+        axis_name=sharding.batch_axes() if train else None,
         momentum=momentum,
         epsilon=1e-5,
         dtype=jnp.float32,

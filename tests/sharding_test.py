@@ -1,0 +1,45 @@
+"""The reductions and gathers of a sharded step, read from the compiled program on 8 devices."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+import mptrain
+from mptrain import audit, sharding
+
+
+def _compiled_step(precision, data, fsdp, tmp_path):
+    """`make_train_step` under a plain `jax.jit` with the mesh's shardings, as a user writes it."""
+    config = tiny_config(precision=precision, **{"mesh.data": data, "mesh.fsdp": fsdp})
+    trainer = mptrain.Trainer(config, tmp_path)
+    tokens = np.zeros((config.batch_size, config.data.seq_len + 1), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    state = trainer.init_state(batch)
+    shardings = sharding.state_shardings(trainer.mesh, state)
+    step = jax.jit(
+        mptrain.make_train_step(trainer.loss_fn, mesh=trainer.mesh),
+        in_shardings=(shardings, sharding.batch_sharding(trainer.mesh)),
+        out_shardings=(shardings, None),
+    )
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    return step.lower(state, batch).compile().as_text(), n_params
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("data, fsdp", [(8, 1), (4, 2)])
+def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, fsdp, tmp_path):
+    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    program, n_params = _compiled_step(precision, data, fsdp, tmp_path)
+    found = audit.collectives(program)
+    reductions = {**found.get("all-reduce", {}), **found.get("reduce-scatter", {})}
+    assert set(reductions) == {"f32"}, found  # no 16-bit sum across devices, no per-leaf preds
+    # every gradient is reduced once, in fp32: over `data` whole, or scattered over `fsdp`
+    grads = found["reduce-scatter"]["f32"] if fsdp > 1 else found["all-reduce"]["f32"]
+    assert grads >= 4 * n_params
+    if fsdp > 1:
+        # XLA:CPU has no bf16 all-gather; mptrain moves bf16 params as their 16 bits (uint16)
+        wanted = "f16" if precision == "fp16-mixed" else "u16"
+        assert found["all-gather"] == {wanted: 2 * n_params}, found  # every param, 2 bytes each
+    else:
+        assert "all-gather" not in found
