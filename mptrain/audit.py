@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from mptrain import loss_scale, optim, precision, train_state
 
@@ -168,3 +169,35 @@ def setup_warnings(config: Any) -> list[str]:
                 "to zero. Use float32 (or bfloat16, which has float32's range)."
             )
     return warnings
+
+
+def log_start(config: Any, state: Any, compiled_step: Any, mesh: Any, start: int) -> None:
+    """Logs what a run holds and how it starts: precision, loss scale, params, state bytes per
+    param and per device, the compiled step's memory, the mesh, any warmup cut and the
+    unsafe-setup warnings."""
+    with jax.transfer_guard("allow"):
+        scale = float(state.loss_scale.loss_scale)
+    per_param = state_bytes_per_param(state.params, state.opt_state)
+    on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    memory = compiled_step.memory_analysis()
+    logging.info(
+        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
+        f"{type(state.loss_scale).__name__} (scale {scale:g}), "
+        f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
+        f"bytes/param, mesh {dict(mesh.shape)}"
+    )
+    logging.info(
+        f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
+        f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
+        f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
+    )
+    warmup = optim.warmup_steps(config)
+    if warmup != config.optimizer.warmup_steps:
+        logging.info(
+            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
+            f"than the run's updates; warming up over {warmup} instead"
+        )
+    for warning in setup_warnings(config):
+        logging.warning("mptrain: %s", warning)
+    if start:
+        logging.info("mptrain: resuming from step %d", start)

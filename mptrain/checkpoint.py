@@ -51,7 +51,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from mptrain import fingerprints
+from mptrain import config as config_lib
+from mptrain import errors, fingerprints
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -307,3 +308,33 @@ def _remove_tmp_dirs(directory: str | os.PathLike) -> list[str]:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, int | None]:
+    """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
+
+    A checkpoint of another model, optimizer or precision policy is a `WorkdirError`; a config
+    key that changed since the checkpoint (say, the learning rate) is allowed and logged.
+    """
+    try:
+        restored = checkpointer.restore(state)
+    except CheckpointMismatchError as e:
+        raise errors.WorkdirError(
+            f"the checkpoints in {checkpointer.directory} belong to a different model, "
+            f"optimizer or precision: {e}. Use another --workdir to start a new run"
+        ) from None
+    except InvalidCheckpointError as e:
+        raise errors.WorkdirError(str(e)) from None
+    if restored is None:
+        return state, None
+    state, meta = restored
+    saved_policy = meta.get("policy")
+    if saved_policy is not None and saved_policy != str(policy):
+        raise errors.WorkdirError(
+            f"the checkpoint at step {meta.get('step')} was trained with precision "
+            f"'{saved_policy}', the config asks for '{policy}'; resuming would recast "
+            "the master params. Use another --workdir, or the old precision"
+        )
+    for key, (old, new) in config_lib.changes(meta.get("config") or {}, config).items():
+        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+    return state, int(meta["step"])

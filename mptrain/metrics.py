@@ -37,6 +37,12 @@ class LogTotals:
         zero_f, zero_i = np.float32(0), np.int32(0)
         return cls(zero_f, zero_i, zero_i, np.float32(np.nan))
 
+    @classmethod
+    def on_devices(cls, sharding: Any) -> LogTotals:
+        """Fresh totals made on the devices of `sharding` (a host NaN would not pass
+        `device_put`'s check that every process puts the same value)."""
+        return jax.jit(cls.zeros, out_shardings=sharding)()
+
     def update(self, loss: jax.Array, applied: jax.Array) -> LogTotals:
         """Adds one step: its (fp32) loss counts only if its update was applied."""
         return LogTotals(

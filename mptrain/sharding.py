@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,38 @@ def process_rows(mesh: Mesh, global_rows: int) -> slice:
     if sum(b - a for a, b in zip(starts, stops, strict=True)) != rows.stop - rows.start:
         raise ValueError(f"this process's rows of the batch are not one block: {sorted(starts)}")
     return rows
+
+
+def device_batch(mesh: Mesh, source: Any, index: int, global_rows: int) -> Any:
+    """Batch `index` of `source` on the mesh, its rows split over all the devices.
+
+    With several processes each builds only its own rows, through `get_batch(index, rows=)`
+    when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(source.get_batch(index), batch_sharding(mesh))
+    rows = process_rows(mesh, global_rows)
+    if "rows" in inspect.signature(source.get_batch).parameters:
+        local = source.get_batch(index, rows=rows)
+    else:
+        local = jax.tree.map(lambda x: x[rows], source.get_batch(index))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            batch_sharding(mesh), x, (global_rows, *x.shape[1:])
+        ),
+        local,
+    )
+
+
+def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
+    """`(init, args)` with `init(*args) == create(*args)` made directly in `state_shardings`.
+
+    The state is traced abstractly first (`jax.eval_shape`), its shardings are derived from the
+    shapes, and `create` is jitted with those as its output shardings: each device computes
+    only its own shards, so no device ever holds the whole state, not even during start-up.
+    """
+    shapes = jax.eval_shape(create, *args)
+    return jax.jit(create, out_shardings=state_shardings(mesh, shapes)), args
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

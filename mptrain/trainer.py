@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -184,38 +183,36 @@ class Trainer:
     # ---- drivers --------------------------------------------------------------------------
 
     def init_state(self, sample_batch: Any = None) -> train_state_lib.TrainState:
-        """Host-side. The step-0 state, created on the mesh directly in its shardings.
-
-        `sample_batch` gives the input shapes (default: batch 0 of `build_datasets`). The state
-        is traced abstractly first, its shardings are derived from the shapes, and the init is
-        compiled with those as its output shardings, so no device ever holds the whole state.
-        """
-        cfg = self.config
+        """Host-side. The step-0 state, created on the mesh directly in its shardings;
+        `sample_batch` gives the input shapes (default: batch 0 of `build_datasets`)."""
         with _allow_transfers():
             if sample_batch is None:
                 sample_batch = self.build_datasets()[0].get_batch(0)
-            sample = jax.tree.map(lambda x: x[:1], sample_batch)
-            init_rng, state_rng = jax.random.split(jax.random.key(cfg.seed))
+            init, args = self.make_init(sample_batch)
+            return init(*args)
 
-            def create(init_rng, state_rng, sample):
-                variables = dict(self.init_variables(init_rng, sample))
-                params = variables.pop("params")
-                return train_state_lib.TrainState.create(
-                    apply_fn=self.model.apply,
-                    params=params,
-                    tx=self.tx,
-                    policy=self.policy,
-                    loss_scale=loss_scale_lib.create_loss_scale(
-                        policy=self.policy, **cfg.loss_scale
-                    ),
-                    rng=state_rng,
-                    model_state=variables,
-                    param_rounding=cfg.param_rounding,
-                )
+    def make_init(self, sample_batch: Any) -> tuple[Callable, tuple]:
+        """Host-side. `(init, args)`: `init(*args)` is the step-0 state, made directly in its
+        shardings (`sharding.sharded_init`): no device ever holds the whole state."""
+        cfg = self.config
+        sample = jax.tree.map(lambda x: x[:1], sample_batch)
+        init_rng, state_rng = jax.random.split(jax.random.key(cfg.seed))
 
-            shapes = jax.eval_shape(create, init_rng, state_rng, sample)
-            shardings = sharding.state_shardings(self.mesh, shapes)
-            return jax.jit(create, out_shardings=shardings)(init_rng, state_rng, sample)
+        def create(init_rng, state_rng, sample):
+            variables = dict(self.init_variables(init_rng, sample))
+            params = variables.pop("params")
+            return train_state_lib.TrainState.create(
+                apply_fn=self.model.apply,
+                params=params,
+                tx=self.tx,
+                policy=self.policy,
+                loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),
+                rng=state_rng,
+                model_state=variables,
+                param_rounding=cfg.param_rounding,
+            )
+
+        return sharding.sharded_init(create, self.mesh, init_rng, state_rng, sample)
 
     def make_train_step(self) -> Callable:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
@@ -234,30 +231,13 @@ class Trainer:
         return train_step
 
     def device_batch(self, source: Any, index: int) -> Any:
-        """Host-side. Batch `index` of `source` on the mesh, its rows split over the devices.
-
-        With several processes each builds only its own rows, through `get_batch(index, rows=)`
-        when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
-        """
-        batch_sharding = sharding.batch_sharding(self.mesh)
-        if jax.process_count() == 1:
-            return jax.device_put(source.get_batch(index), batch_sharding)
-        rows = sharding.process_rows(self.mesh, self.config.batch_size)
-        if "rows" in inspect.signature(source.get_batch).parameters:
-            local = source.get_batch(index, rows=rows)
-        else:
-            local = jax.tree.map(lambda x: x[rows], source.get_batch(index))
-        shape = lambda x: (self.config.batch_size, *x.shape[1:])
-        return jax.make_array_from_process_local_data(
-            batch_sharding, local, jax.tree.map(shape, local)
-        )
+        """Host-side. Batch `index` of `source` on the mesh (see `sharding.device_batch`)."""
+        return sharding.device_batch(self.mesh, source, index, self.config.batch_size)
 
     def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
-        """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`.
-
+        """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`;
         `source` defaults to the eval source of `build_datasets`, `eval_step` to a freshly
-        jitted `make_eval_step(self.eval_fn)`; a run passes its own, compiled once.
-        """
+        jitted `make_eval_step(self.eval_fn)` (a run passes its own, compiled once)."""
         if source is None:
             with _allow_transfers():
                 source = self.build_datasets()[1]
@@ -279,21 +259,19 @@ class Trainer:
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
-            state, saved_step = _resume(checkpointer, state, self.policy, config_lib.to_dict(cfg))
+            state, saved_step = checkpoint.resume(
+                checkpointer, state, self.policy, config_lib.to_dict(cfg)
+            )
             start = int(state.step)
             if jax.process_index() == 0:
                 checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
-            # made on the devices: a host NaN would fail device_put's cross-process equality check
-            totals = jax.jit(
-                metrics_lib.LogTotals.zeros, out_shardings=sharding.replicated(self.mesh)
-            )()
+            totals = metrics_lib.LogTotals.on_devices(sharding.replicated(self.mesh))
         # Compile everything up front: the loop then never stops to compile.
         train_step = jax.jit(self.make_train_step(), donate_argnums=0)
-        train_batch = self.device_batch(train_source, start)
-        train_step = train_step.lower(state, train_batch, totals).compile()
+        train_step = train_step.lower(state, self.device_batch(train_source, start), totals)
+        train_step = train_step.compile()
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
         eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
-        writer = metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0)
         run = Run(
             state=state,
             start=start,
@@ -302,14 +280,14 @@ class Trainer:
             train_step=train_step,
             eval_step=eval_step,
             totals=totals,
-            writer=writer,
+            writer=metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0),
             checkpointer=checkpointer,
             progress=metrics_lib.ProgressLine(cfg.num_train_steps),
             meta={"config": config_lib.to_dict(cfg), "policy": str(self.policy)},
             saved_step=saved_step,
         )
         run.hooks = self.build_hooks(run)
-        _log_start(cfg, run, self.mesh)
+        audit.log_start(cfg, run.state, run.train_step, self.mesh, run.start)
         return run
 
     def train_and_evaluate(self) -> train_state_lib.TrainState:
@@ -360,55 +338,3 @@ class Trainer:
             )
         if diagnostic:
             run.stop(done, errors.NonFiniteTraining(diagnostic))
-
-
-def _resume(checkpointer, state, policy, config: dict) -> tuple[Any, int | None]:
-    """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
-
-    A checkpoint of another model, optimizer or precision policy is a `WorkdirError`; a config
-    key that changed since the checkpoint (say, the learning rate) is allowed and logged.
-    """
-    try:
-        restored = checkpointer.restore(state)
-    except checkpoint.CheckpointMismatchError as e:
-        raise errors.WorkdirError(
-            f"the checkpoints in {checkpointer.directory} belong to a different model, "
-            f"optimizer or precision: {e}. Use another --workdir to start a new run"
-        ) from None
-    except checkpoint.InvalidCheckpointError as e:
-        raise errors.WorkdirError(str(e)) from None
-    if restored is None:
-        return state, None
-    state, meta = restored
-    saved_policy = meta.get("policy")
-    if saved_policy is not None and saved_policy != str(policy):
-        raise errors.WorkdirError(
-            f"the checkpoint at step {meta.get('step')} was trained with precision "
-            f"'{saved_policy}', the config asks for '{policy}'; resuming would recast "
-            "the master params. Use another --workdir, or the old precision"
-        )
-    for key, (old, new) in config_lib.changes(meta.get("config") or {}, config).items():
-        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
-    return state, int(meta["step"])
-
-
-def _log_start(config, run: Run, mesh) -> None:
-    state, warmup = run.state, optim.warmup_steps(config)
-    with _allow_transfers():
-        scale = float(state.loss_scale.loss_scale)
-        per_param = audit.state_bytes_per_param(state.params, state.opt_state)
-    logging.info(
-        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
-        f"{type(state.loss_scale).__name__} (scale {scale:g}), "
-        f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
-        f"bytes/param, mesh {dict(mesh.shape)}"
-    )
-    if warmup != config.optimizer.warmup_steps:
-        logging.info(
-            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
-            f"than the run's updates; warming up over {warmup} instead"
-        )
-    for warning in audit.setup_warnings(config):
-        logging.warning("mptrain: %s", warning)
-    if run.start:
-        logging.info("mptrain: resuming from step %d", run.start)

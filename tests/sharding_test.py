@@ -43,3 +43,21 @@ def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, 
         assert found["all-gather"] == {wanted: 2 * n_params}, found  # every param, 2 bytes each
     else:
         assert "all-gather" not in found
+
+
+def _state_bytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_start_up_under_fsdp_8_holds_an_eighth_of_the_state_per_device(tmp_path):
+    peaks = {}
+    for fsdp in (1, 8):
+        model = {"model.d_model": 128, "model.d_ff": 512, "model.num_heads": 4, "mesh.fsdp": fsdp}
+        trainer = mptrain.Trainer(tiny_config(**model), tmp_path)
+        init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
+        shapes = jax.eval_shape(init, *args)
+        memory = init.lower(*args).compile().memory_analysis()  # per device
+        peaks[fsdp] = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    state, largest = _state_bytes(shapes), max(_state_bytes(x) for x in jax.tree.leaves(shapes))
+    assert peaks[1] >= state  # whole, on one device
+    assert peaks[8] <= 1.15 * (state / 8 + largest)  # an eighth, plus about one leaf in flight
