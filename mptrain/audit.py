@@ -35,13 +35,21 @@ def _array_bytes(text: str) -> list[tuple[str, int]]:
     return found
 
 
-def _group_size(attributes: str) -> int:
-    """Devices per replica group: `replica_groups={{0,1},{2,3}}` or the iota form `[2,2]<=[4]`."""
+def _group_size(attributes: str) -> int | None:
+    """Devices per replica group, from any of XLA's ways to write them: listed
+    (`{{0,1},{2,3}}`), iota (`[2,2]<=[4]`) or mesh axes (`mesh['axis_0'=2,'axis_1'=4] ...
+    {'axis_1'}`); None when none of them is there (`{}`: all devices)."""
     listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
     if listed:
         return len(listed.group(1).split(","))
     iota = re.search(r"replica_groups=\[\d+,(\d+)\]", attributes)
-    return int(iota.group(1)) if iota else 1
+    if iota:
+        return int(iota.group(1))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attributes)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2))]))
+    return None
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
@@ -49,8 +57,9 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
     The bytes are those of the whole logical tensor each op handles: an all-reduce's operand, a
     reduce-scatter's (unscattered) operand, an all-gather's (gathered) result; a combined op
-    counts each of its tensors. Async pairs count once (their `-start`). The dtypes are HLO's
-    (`f32`, `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
+    counts each of its tensors. Async pairs count once (their `-start`); ops whose replica
+    groups hold one device each move nothing and are left out. The dtypes are HLO's (`f32`,
+    `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
     """
     found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in hlo_text.splitlines():
@@ -58,8 +67,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
         if not match:
             continue
         result, op, operands = match.groups()
+        if _group_size(operands) == 1 and op != "collective-permute":
+            continue  # each device alone in its group: nothing moves
         if op == "reduce-scatter":  # operands are printed as names: scale the result back up
-            sizes = [(dtype, size * _group_size(operands)) for dtype, size in _array_bytes(result)]
+            parts = _group_size(operands) or 1
+            sizes = [(dtype, size * parts) for dtype, size in _array_bytes(result)]
         else:
             sizes = _array_bytes(result)
         for dtype, size in sizes:

@@ -163,7 +163,7 @@ def _splitting_batch(axes: tuple[str, ...]):
         _BATCH_AXES.reset(token)
 
 
-def _gather(spec: PartitionSpec, compute_dtype: np.dtype, devices: int) -> Callable:
+def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callable:
     """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
 
     Forward: cast the local shard, then all-gather it over `fsdp` (if it is split). Backward:
@@ -187,10 +187,10 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, devices: int) -> Calla
 
     def backward(_, grad):
         grad = grad.astype(jnp.float32)
-        if dim is None:
-            return (jax.lax.psum(grad, AXES) / devices,)
-        grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
-        return (jax.lax.psum(grad, "data") / devices,)
+        if dim is not None:
+            grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
+        summed = [a for a in (AXES if dim is None else ("data",)) if mesh.shape[a] > 1]
+        return ((jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size,)
 
     gather.defvjp(lambda shard: (gather(shard), None), backward)
     return gather
@@ -228,7 +228,7 @@ def grad_fn(loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None) -> Callabl
         def local(params, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
             gathers = jax.tree.map(
-                lambda s: _gather(s, compute_dtype, mesh.size),
+                lambda s: _gather(s, compute_dtype, mesh),
                 specs,
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
