@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import runpy
 import statistics
 import subprocess
@@ -42,8 +41,8 @@ import jax.numpy as jnp
 import optax
 
 import mptrain
+from mptrain import checkpoint, runtime
 from mptrain import data as data_lib
-from mptrain import runtime
 from mptrain import trainer as trainer_lib
 from mptrain.models import transformer_lm
 
@@ -277,10 +276,8 @@ def main(argv=None):
         **summary,
         "per_pair": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    checkpoint.write_json(args.out, result)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

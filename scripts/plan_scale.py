@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere: the mptrain of this checkout
+
+from mptrain import checkpoint  # noqa: E402
 
 # name: (config overrides of configs/lm_bf16.py, sequences per device, meshes as fsdp sizes)
 MODELS = {
@@ -158,10 +161,8 @@ def main() -> None:
         rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         print(f"... {devices} devices compiled ({time.monotonic() - started:.0f} s)", flush=True)
     _print_table(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {out} in {time.monotonic() - started:.0f} s")
+    checkpoint.write_json(args.out, rows)
+    print(f"wrote {args.out} in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The config keys are part of the contract: they change only on purpose."""
 
+import re
+
 import pytest
 
 from mptrain import config as config_lib
@@ -96,3 +98,18 @@ def test_param_rounding_auto_is_stochastic_for_bf16_params_only():
     assert resolve("auto", "bf16-pure") == "stochastic"
     assert resolve("auto", "bf16-mixed") == "nearest"
     assert resolve("auto", "params=float16,compute=float16,output=float32") == "nearest"
+
+
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        ({"num_processes": 2}, "distributed.coordinator_address=None"),
+        ({"coordinator_address": "h0", "num_processes": 2, "process_id": 0}, "'host:port'"),
+        ({"coordinator_address": "h0:1", "num_processes": 2, "process_id": 2}, "process_id=2"),
+    ],
+)
+def test_bad_distributed_settings_name_the_key(values, named):
+    config = config_lib.base_config()
+    config.distributed.update(values)
+    with pytest.raises(config_lib.ConfigError, match=re.escape(named)):
+        config_lib.validate(config)

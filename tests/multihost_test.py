@@ -53,6 +53,10 @@ def test_two_processes_train_like_one_process_with_four_devices(two_process_run,
     assert len(glob.glob(str(two_process_run / "events.out.tfevents.*"))) == 1
     shards = sorted(p.name for p in (two_process_run / "checkpoints" / "8" / "state").iterdir())
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(shards)
+    # ... and the checkpoint of two processes on a 2x2 mesh resumes in one process, one device
+    shutil.copytree(two_process_run, tmp_path / "resumed")
+    resumed = mptrain.run(tiny_config(precision="fp32", num_train_steps=9), tmp_path / "resumed")
+    assert int(resumed.step) == 9 and len(resumed.params["head"]["kernel"].sharding.device_set) == 1
 
 
 @pytest.mark.slow
