@@ -1,20 +1,28 @@
-"""What a run really holds and computes in which dtype: collectives, state bytes, warnings.
+"""What a run really holds and computes in which dtype: the precision report and its parts.
 
-`collectives` reads a compiled program and says how many bytes each kind of collective moves in
-which dtype; `state_bytes_per_param` measures the persistent state from the arrays themselves;
-`setup_warnings` reads a config and names each choice that quietly loses training signal.
+`precision_report(fn, *args)` answers "is my step really running in bf16?": the FLOPs of every
+matmul and convolution by operand dtype (with the source lines of those not in the compute
+dtype), the collectives by op and dtype, the converts, the fp32 islands, the state's bytes per
+parameter and the unsafe-setup warnings. Its parts are usable alone: `collectives` reads a
+compiled program, `state_bytes_per_param` measures the persistent state from the arrays, and
+`setup_warnings` names each config choice that quietly loses training signal.
+
+The FLOPs are counted on the program JAX traces (its jaxpr, backward pass included), not on the
+compiled one: that is the program the user wrote, and on CPU XLA rewrites every bf16 matmul as
+an fp32 one, which would hide exactly what the report is for.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import os
 import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from mptrain import loss_scale, optim, precision, train_state
 
@@ -183,33 +191,194 @@ def setup_warnings(config: Any) -> list[str]:
     return warnings
 
 
-def log_start(config: Any, state: Any, compiled_step: Any, mesh: Any, start: int) -> None:
-    """Logs what a run holds and how it starts: precision, loss scale, params, state bytes per
-    param and per device, the compiled step's memory, the mesh, any warmup cut and the
-    unsafe-setup warnings."""
-    with jax.transfer_guard("allow"):
-        scale = float(state.loss_scale.loss_scale)
-    per_param = state_bytes_per_param(state.params, state.opt_state)
-    on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
-    memory = compiled_step.memory_analysis()
-    logging.info(
-        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
-        f"{type(state.loss_scale).__name__} (scale {scale:g}), "
-        f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
-        f"bytes/param, mesh {dict(mesh.shape)}"
+# --------------------------------------------------------------------------- the report
+
+_ISLAND_OPS = {"exp", "log", "log1p", "rsqrt", "sqrt", "logistic", "tanh", "erf", "reduce_max"}
+_ISLAND_OPS |= {"reduce_sum", "integer_pow", "div"}
+
+
+_LIBRARIES = ("site-packages", "dist-packages")
+_FRAMEWORK = tuple(f"mptrain/{m}.py" for m in ("step", "optim", "sharding", "loss_scale"))
+_FRAMEWORK += tuple(f"mptrain/{m}.py" for m in ("train_state", "precision", "metrics", "trainer"))
+
+
+def _where(eqn) -> str:
+    """`file.py:line` of the first frame outside installed libraries that made `eqn` (for
+    backward ops, the line of the forward op), e.g. the model line that called a LayerNorm."""
+    from jax._src import source_info_util
+
+    frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+    frame = next((f for f in frames if not any(lib in f.file_name for lib in _LIBRARIES)), None)
+    frame = frame or (frames[0] if frames else None)
+    if frame is None:
+        return "?"
+    name = (
+        os.path.relpath(frame.file_name)
+        if frame.file_name.startswith(os.getcwd())
+        else frame.file_name
     )
-    logging.info(
-        f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
-        f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
-        f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
+    return f"{name}:{frame.start_line}"
+
+
+def _is_f32(var) -> bool:
+    return getattr(var.aval, "dtype", None) == jnp.float32
+
+
+def _subjaxprs(eqn):
+    """`(jaxpr, times)` for every jaxpr inside `eqn` (jit, shard_map, scan, cond, ...)."""
+    times = eqn.params.get("length", 1)  # scan runs its body `length` times
+    mesh = eqn.params.get("mesh")  # shard_map runs its body once per device
+    times *= mesh.size if eqn.primitive.name == "shard_map" and mesh is not None else 1
+    for value in eqn.params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner, times
+
+
+def _matmul_flops(eqn) -> int:
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (contracting, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2 * int(np.prod(out.shape)) * int(np.prod([lhs[d] for d in contracting]))
+    rhs = eqn.invars[1].aval.shape  # convolution: each output takes kernel / out_features MACs
+    out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2 * int(np.prod(out.shape)) * int(np.prod(rhs)) // out_features
+
+
+@dataclasses.dataclass
+class PrecisionReport:
+    """What a step computes in which dtype; `str(report)` is a readable table.
+
+    `matmul_flops`: `{operand dtype: FLOPs}` of every dot and convolution, forward and backward.
+    `matmuls`: `{(file:line, dtype): FLOPs}`, the same by source line. `collectives`: `{op:
+    {dtype: bytes}}` from the compiled program. `converts`: `{"float32->bfloat16": n}`.
+    `islands`: `{file:line: sorted primitives}` that run in fp32 under a 16-bit compute dtype
+    (softmax, norms, reductions, the loss). `state_bytes`: bytes per parameter by part of the
+    `TrainState` among the arguments. `warnings`: what quietly loses signal.
+    """
+
+    compute_dtype: str
+    matmul_flops: dict[str, int]
+    matmuls: dict[tuple[str, str], int]
+    collectives: dict[str, dict[str, int]]
+    converts: dict[str, int]
+    islands: dict[str, list[str]]
+    state_bytes: dict[str, float]
+    warnings: list[str]
+
+    @property
+    def compute_fraction(self) -> float:
+        """The share of matmul FLOPs whose operands are in the compute dtype."""
+        total = sum(self.matmul_flops.values())
+        return self.matmul_flops.get(self.compute_dtype, 0) / total if total else 1.0
+
+    def offenders(self) -> list[tuple[str, str, int]]:
+        """`(file:line, dtype, FLOPs)` of the matmuls not in the compute dtype, biggest first."""
+        rows = [(w, d, f) for (w, d), f in self.matmuls.items() if d != self.compute_dtype]
+        return sorted(rows, key=lambda row: -row[2])
+
+    def __str__(self) -> str:
+        total = sum(self.matmul_flops.values()) or 1
+        lines = [f"precision report (compute dtype {self.compute_dtype})", "", "matmul FLOPs:"]
+        for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {dtype:<10} {flops:>18,}  {100 * flops / total:6.2f}%")
+        for where, dtype, flops in self.offenders():
+            lines.append(f"  not {self.compute_dtype}: {where}  {dtype}  {flops:,} FLOPs")
+        lines += ["", "collectives (bytes):"]
+        for op, by_dtype in sorted(self.collectives.items()):
+            lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
+        if not self.collectives:
+            lines.append("  none")
+        lines += ["", "converts: " + (", ".join(f"{k} {v}" for k, v in self.converts.items()))]
+        lines += ["", "fp32 islands:"]
+        lines += [f"  {where}  {', '.join(ops)}" for where, ops in self.islands.items()]
+        lines += ["", "state bytes per parameter:"]
+        lines += [f"  {part:<14} {value:8.3f}" for part, value in self.state_bytes.items()]
+        lines += ["", "warnings:"] + [f"  - {w}" for w in self.warnings or ["none"]]
+        return "\n".join(lines) + "\n"
+
+
+def _state_parts(state: Any) -> dict[str, float]:
+    """Bytes per parameter by part of a TrainState: params, each optimizer-state part, the
+    loss scale, the Kahan compensation."""
+    count = sum(int(np.size(x)) for x in jax.tree.leaves(state.params))
+    parts: dict[str, float] = collections.Counter()
+    parts["params"] = sum(_nbytes(x) for x in jax.tree.leaves(state.params)) / count
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+        parts[f"opt_state.{names[0] if names else 'other'}"] += _nbytes(leaf) / count
+    parts["loss_scale"] = sum(_nbytes(x) for x in jax.tree.leaves(state.loss_scale)) / count
+    compensation = jax.tree.leaves(state.param_compensation)
+    parts["compensation"] = sum(_nbytes(x) for x in compensation) / count
+    return dict(parts)
+
+
+def precision_report(fn: Any, *args: Any, policy: Any = None, config: Any = None):
+    """The `PrecisionReport` of `fn(*args)`, e.g. a train step, its state and a batch.
+
+    `fn` may be jitted already (its shardings are then kept). `policy` defaults to that of the
+    first `TrainState` among `args`; `config` adds its `setup_warnings`.
+    """
+    traced = (fn if hasattr(fn, "trace") else jax.jit(fn)).trace(*args)
+    return make_report(traced.jaxpr, traced.lower().compile(), args, policy=policy, config=config)
+
+
+def make_report(
+    jaxpr: Any, compiled: Any, args: tuple, *, policy: Any = None, config: Any = None
+) -> PrecisionReport:
+    """The report from a traced program's jaxpr and its compilation (a run has both already).
+
+    Under a 16-bit compute dtype a warning names the matmuls outside it when they take more
+    than 5% of the FLOPs.
+    """
+    from mptrain import train_state as train_state_lib
+
+    states = [a for a in args if isinstance(a, train_state_lib.TrainState)]
+    policy = precision.get_policy(policy if policy is not None else states[0].policy)
+    compute = policy.compute_dtype.name
+    by_line: dict[tuple[str, str], int] = collections.Counter()
+    converts: dict[str, int] = collections.Counter()
+    islands: dict[str, set] = collections.defaultdict(set)
+
+    def walk(jaxpr, times):
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in ("dot_general", "conv_general_dilated"):
+                dtype = np.dtype(eqn.invars[0].aval.dtype).name
+                by_line[(_where(eqn), dtype)] += times * _matmul_flops(eqn)
+            elif name == "convert_element_type":
+                old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+                floats = jnp.issubdtype(old, jnp.floating) and jnp.issubdtype(new, jnp.floating)
+                if floats and np.dtype(old) != np.dtype(new):
+                    converts[f"{np.dtype(old).name}->{np.dtype(new).name}"] += times
+            elif name in _ISLAND_OPS and compute != "float32" and _is_f32(eqn.invars[0]):
+                where = _where(eqn)  # the model's and the loss's, not the optimizer's
+                if not any(part in where for part in _FRAMEWORK):
+                    islands[where].add(name)
+            for inner, more in _subjaxprs(eqn):
+                walk(inner, times * more)
+
+    walk(getattr(jaxpr, "jaxpr", jaxpr), 1)
+    flops: dict[str, int] = collections.Counter()
+    for (_, dtype), value in by_line.items():
+        flops[dtype] += value
+    report = PrecisionReport(
+        compute_dtype=compute,
+        matmul_flops=dict(flops),
+        matmuls=dict(by_line),
+        collectives=collectives(compiled.as_text()),
+        converts=dict(converts),
+        islands={where: sorted(ops) for where, ops in sorted(islands.items())},
+        state_bytes=_state_parts(states[0]) if states else {},
+        warnings=setup_warnings(config) if config is not None else [],
     )
-    warmup = optim.warmup_steps(config)
-    if warmup != config.optimizer.warmup_steps:
-        logging.info(
-            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
-            f"than the run's updates; warming up over {warmup} instead"
+    if compute != "float32" and report.compute_fraction < 0.95:
+        where = "; ".join(f"{w} ({d}, {f:,} FLOPs)" for w, d, f in report.offenders()[:5])
+        report.warnings.append(
+            f"only {100 * report.compute_fraction:.1f}% of the matmul FLOPs run in {compute}; "
+            f"the rest run at: {where}. An fp32 operand (a constant, an input, a param kept "
+            "in fp32) promotes a matmul to fp32: cast it to the compute dtype."
         )
-    for warning in setup_warnings(config):
-        logging.warning("mptrain: %s", warning)
-    if start:
-        logging.info("mptrain: resuming from step %d", start)
+    return report

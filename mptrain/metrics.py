@@ -16,6 +16,7 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import struct
 
 
@@ -95,6 +96,44 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
         f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
         "saved; lower the learning rate or check the data, then run again"
     )
+
+
+def report_start(workdir, config, state, compiled_step, mesh, start: int, report) -> None:
+    """Writes `<workdir>/precision_report.txt` (process 0) and logs how a run starts: precision,
+    loss scale, params, state bytes per param and per device, the compiled step's memory, the
+    mesh, any warmup cut, and the report's warnings (unsafe setups, matmuls outside the compute
+    dtype)."""
+    from mptrain import audit, optim
+
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "precision_report.txt"), "w") as f:
+            f.write(str(report))
+    with jax.transfer_guard("allow"):
+        scale = float(state.loss_scale.loss_scale)
+    per_param = audit.state_bytes_per_param(state.params, state.opt_state)
+    on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    memory = compiled_step.memory_analysis()
+    logging.info(
+        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
+        f"{type(state.loss_scale).__name__} (scale {scale:g}), "
+        f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
+        f"bytes/param, mesh {dict(mesh.shape)}"
+    )
+    logging.info(
+        f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
+        f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
+        f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
+    )
+    warmup = optim.warmup_steps(config)
+    if warmup != config.optimizer.warmup_steps:
+        logging.info(
+            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
+            f"than the run's updates; warming up over {warmup} instead"
+        )
+    for warning in report.warnings:
+        logging.warning("mptrain: %s", warning)
+    if start:
+        logging.info("mptrain: resuming from step %d", start)
 
 
 def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):

@@ -266,10 +266,12 @@ class Trainer:
             if jax.process_index() == 0:
                 checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             totals = metrics_lib.LogTotals.on_devices(sharding.replicated(self.mesh))
-        # Compile everything up front: the loop then never stops to compile.
-        train_step = jax.jit(self.make_train_step(), donate_argnums=0)
-        train_step = train_step.lower(state, self.device_batch(train_source, start), totals)
-        train_step = train_step.compile()
+        # Compile everything up front: the loop then never stops to compile. The one trace of
+        # the step is compiled and read by the precision report.
+        traced = jax.jit(self.make_train_step(), donate_argnums=0)
+        traced = traced.trace(state, self.device_batch(train_source, start), totals)
+        train_step = traced.lower().compile()
+        report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
         eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
         run = Run(
@@ -287,7 +289,7 @@ class Trainer:
             saved_step=saved_step,
         )
         run.hooks = self.build_hooks(run)
-        audit.log_start(cfg, run.state, run.train_step, self.mesh, run.start)
+        metrics_lib.report_start(workdir, cfg, state, train_step, self.mesh, start, report)
         return run
 
     def train_and_evaluate(self) -> train_state_lib.TrainState:

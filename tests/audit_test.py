@@ -1,11 +1,18 @@
 """State bytes per parameter, measured from the arrays, and the unsafe-setup warnings."""
 
+import logging
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import tiny_config
 
 import mptrain
-from mptrain import audit, optim
+from mptrain import audit, metrics, optim
 from mptrain import config as config_lib
+from mptrain.models import layers
 
 
 @pytest.mark.parametrize(
@@ -65,3 +72,82 @@ def test_warns_for_bf16_params_rounded_to_nearest_at_a_small_learning_rate():
     assert audit.setup_warnings(_config("bf16-pure", param_rounding="kahan", **small)) == []
     big = {"optimizer.learning_rate": 0.01}
     assert audit.setup_warnings(_config("bf16-pure", param_rounding="nearest", **big)) == []
+
+
+# -------------------------------------------------------------------------- precision report
+
+
+def _step_and_args(trainer, batch):
+    state = trainer.init_state(batch)
+    totals = metrics.LogTotals.zeros()
+    return jax.jit(trainer.make_train_step()), state, trainer.device_batch(_Fixed(batch), 0), totals
+
+
+class _Fixed:
+    def __init__(self, batch):
+        self.batch = batch
+
+    def get_batch(self, index):
+        return self.batch
+
+
+def _lm_batch(config):
+    tokens = np.random.default_rng(0).integers(0, 256, (config.batch_size, 33)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def test_the_default_step_runs_its_matmuls_in_bf16(tmp_path):
+    trainer = mptrain.Trainer(tiny_config(), tmp_path)
+    report = audit.precision_report(*_step_and_args(trainer, _lm_batch(trainer.config)))
+    assert report.compute_dtype == "bfloat16"
+    assert report.compute_fraction >= 0.99 and set(report.matmul_flops) == {"bfloat16"}
+    assert report.state_bytes["params"] == 4.0 and report.state_bytes["opt_state.mu"] == 4.0
+    assert any("transformer_lm.py" in where for where in report.islands)  # the fp32 softmax
+    assert "matmul FLOPs" in str(report)
+
+
+class Fp32ReadoutTrainer(mptrain.Trainer):
+    """Multiplies the (fp32) logits by an fp32 matrix: a matmul the compute dtype never sees."""
+
+    def loss_fn(self, params, model_state, batch, rng):
+        logits = self.model.apply({"params": params}, batch["inputs"], train=True)
+        mixed = logits @ jnp.asarray(np.eye(256), jnp.float32)  # the fp32 matmul
+        return layers.cross_entropy(mixed, batch["targets"]), (model_state, {})
+
+
+FP32_LINE = next(
+    i
+    for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+    if "# the fp32 matmul" in line
+)
+
+
+def test_an_fp32_matmul_is_counted_and_the_trainer_names_its_line(tmp_path, caplog):
+    config = tiny_config(num_train_steps=1, trainer=f"{__name__}:Fp32ReadoutTrainer")
+    report = audit.precision_report(
+        *_step_and_args(Fp32ReadoutTrainer(config, tmp_path), _lm_batch(config))
+    )
+    assert report.matmul_flops["float32"] > 0 and report.compute_fraction < 0.95
+    (where, dtype, _), *_ = report.offenders()
+    assert where.endswith(f"audit_test.py:{FP32_LINE}") and dtype == "float32"
+    caplog.set_level(logging.WARNING)
+    Fp32ReadoutTrainer(config, tmp_path / "run").train_and_evaluate()
+    assert (
+        f"audit_test.py:{FP32_LINE}" in caplog.text
+        and "of the matmul FLOPs run in bfloat16" in caplog.text
+    )
+    written = (tmp_path / "run" / "precision_report.txt").read_text()
+    assert f"audit_test.py:{FP32_LINE}" in written
+
+
+def test_the_matmul_table_sums_to_a_hand_count_for_one_dense_layer(tmp_path):
+    config = config_lib.base_config()
+    config.model.name, config.model.num_layers, config.batch_size = "mlp", 0, 4
+    batch, classes = 4, 10
+    inputs = np.ones((batch, 16), np.float32)
+    trainer = mptrain.Trainer(config, tmp_path)
+    data = {"inputs": inputs, "targets": np.zeros(batch, np.int32)}
+    report = audit.precision_report(*_step_and_args(trainer, data))
+    # forward x @ W, and the kernel's gradient x^T @ g (no gradient for the data itself)
+    assert sum(report.matmul_flops.values()) == 2 * (2 * batch * 16 * classes)
+    assert report.matmul_flops == {"bfloat16": 4 * batch * 16 * classes}

@@ -58,6 +58,7 @@ def test_same_seed_same_state_other_seed_different(straight_run, tmp_path):
 def test_workdir_layout(straight_run):
     workdir = straight_run[0]
     assert (workdir / "config.json").is_file()
+    assert "matmul FLOPs" in (workdir / "precision_report.txt").read_text()
     assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "8"]  # every 4 and the last
     assert {"state", "meta"} <= set(os.listdir(workdir / "checkpoints" / "8"))
 
