@@ -72,6 +72,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = 1  # devices along the data-parallel axis (-1: all that fsdp leaves)
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
 
+    c.numerics = ml_collections.ConfigDict()
+    # record every module call's amax, non-finite and underflow counts, forward and backward, on
+    # the device; a skipped step's log line then names the module where it went non-finite
+    c.numerics.per_layer = False
+
     # Several processes (hosts): every process runs the same command with its own process_id.
     # All None: one process, or JAX's auto-detection when a cluster (Slurm, Open MPI, Cloud TPU)
     # reports several.

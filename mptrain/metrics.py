@@ -31,22 +31,23 @@ class LogTotals:
     applied_steps: jax.Array
     consecutive_skips: jax.Array
     last_finite_loss: jax.Array
+    numerics: Any = None  # a `numerics.Log` when per-layer numerics are recorded
 
     @classmethod
-    def zeros(cls) -> LogTotals:
+    def zeros(cls, numerics: Any = None) -> LogTotals:
         """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
         zero_f, zero_i = np.float32(0), np.int32(0)
-        return cls(zero_f, zero_i, zero_i, np.float32(np.nan))
+        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
 
     @classmethod
-    def on_devices(cls, sharding: Any) -> LogTotals:
+    def on_devices(cls, sharding: Any, numerics: Any = None) -> LogTotals:
         """Fresh totals made on the devices of `sharding` (a host NaN would not pass
         `device_put`'s check that every process puts the same value)."""
-        return jax.jit(cls.zeros, out_shardings=sharding)()
+        return jax.jit(lambda: cls.zeros(numerics), out_shardings=sharding)()
 
     def update(self, loss: jax.Array, applied: jax.Array) -> LogTotals:
         """Adds one step: its (fp32) loss counts only if its update was applied."""
-        return LogTotals(
+        return self.replace(
             loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
             applied_steps=self.applied_steps + applied.astype(jnp.int32),
             consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
@@ -56,7 +57,9 @@ class LogTotals:
     def reset(self) -> LogTotals:
         """A new log interval: the sums restart; the values that span intervals stay."""
         return self.replace(
-            loss_sum=jnp.zeros_like(self.loss_sum), applied_steps=jnp.zeros_like(self.applied_steps)
+            loss_sum=jnp.zeros_like(self.loss_sum),
+            applied_steps=jnp.zeros_like(self.applied_steps),
+            numerics=None if self.numerics is None else self.numerics.reset(),
         )
 
     def to_scalars(self) -> dict[str, float]:

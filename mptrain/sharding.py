@@ -196,16 +196,21 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
     return gather
 
 
-def grad_fn(loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None) -> Callable:
-    """`(params, batch, rng, *rest) -> (grads, aux)`: the fp32 gradient of `loss_fn`'s first
-    output with respect to fp32 `params`, which `loss_fn(params, batch, rng, *rest)` receives
-    cast to `compute_dtype`; `aux` is its second output.
+def grad_fn(
+    loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None, combine: Callable | None = None
+) -> Callable:
+    """`(params, probes, batch, rng, *rest) -> (grads, probe_grads, aux)`: the fp32 gradient of
+    `loss_fn`'s first output with respect to fp32 `params`, which
+    `loss_fn(params, probes, batch, rng, *rest)` receives cast to `compute_dtype`, and with
+    respect to `probes` (None, or float32 arrays that the loss reads only to be differentiated:
+    the per-layer numerics' taps); `aux` is the loss's second output.
 
     Without a mesh, or on one device, this is `jax.grad` through the cast. On a larger mesh it is
     a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
     with params gathered in the compute dtype, and the gradients are reduced in fp32 (see the
-    module doc). Floating leaves of `aux` are averaged over the devices; `rng` is folded with
-    the device's index, so dropout masks differ between devices.
+    module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads` combined
+    by `combine(probe_grads, axes)`; `rng` is folded with the device's index, so dropout masks
+    differ between devices.
     """
     compute_dtype = np.dtype(compute_dtype)
 
@@ -214,18 +219,19 @@ def grad_fn(loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None) -> Callabl
 
     if mesh is None or mesh.size == 1:
 
-        def single(params, batch, rng, *rest):
-            grad = jax.grad(
-                lambda p: loss_fn(jax.tree.map(cast, p), batch, rng, *rest), has_aux=True
-            )
-            return grad(params)
+        def single(params, probes, batch, rng, *rest):
+            def loss(params, probes):
+                return loss_fn(jax.tree.map(cast, params), probes, batch, rng, *rest)
+
+            (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
+            return grads, probe_grads, aux
 
         return single
 
-    def sharded(params, batch, rng, *rest):
+    def sharded(params, probes, batch, rng, *rest):
         specs = _specs(mesh, params)
 
-        def local(params, batch, rng, *rest):
+        def local(params, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
             gathers = jax.tree.map(
                 lambda s: _gather(s, compute_dtype, mesh),
@@ -233,20 +239,28 @@ def grad_fn(loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None) -> Callabl
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
 
-            def gathered_loss(params):
+            def gathered_loss(params, probes):
                 whole = jax.tree.map(lambda gather, p: gather(p), gathers, params)
-                return loss_fn(whole, batch, rng, *rest)
+                return loss_fn(whole, probes, batch, rng, *rest)
 
             with _splitting_batch(AXES):
-                grads, aux = jax.grad(gathered_loss, has_aux=True)(params)
+                grad = jax.grad(gathered_loss, (0, 1), has_aux=True)
+                (grads, probe_grads), aux = grad(params, probes)
             mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
-            return grads, jax.tree.map(mean, aux)
+            if probes is not None:
+                probe_grads = combine(probe_grads, AXES)
+            return grads, probe_grads, jax.tree.map(mean, aux)
 
-        in_specs = (specs, PartitionSpec(AXES), PartitionSpec(), *(PartitionSpec() for _ in rest))
+        replicated = PartitionSpec()
+        in_specs = (specs, replicated, PartitionSpec(AXES), replicated, *(replicated for _ in rest))
         local = jax.shard_map(
-            local, mesh=mesh, in_specs=in_specs, out_specs=(specs, PartitionSpec()), check_vma=False
+            local,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(specs, replicated, replicated),
+            check_vma=False,
         )
-        return local(params, batch, rng, *rest)
+        return local(params, probes, batch, rng, *rest)
 
     return sharded
 

@@ -7,6 +7,7 @@ gradients in fp32, update, and keep the old state bit-for-bit when the step was 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from mptrain import loss_scale as loss_scale_lib
-from mptrain import precision, sharding
+from mptrain import numerics, precision, sharding
 from mptrain import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
@@ -30,8 +31,12 @@ def _like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
 
 
+def _recording(taps, compute_dtype):
+    return contextlib.nullcontext() if taps is None else numerics.recording(taps, compute_dtype)
+
+
 def make_train_step(
-    loss_fn: LossFn, *, mesh: Mesh | None = None
+    loss_fn: LossFn, *, mesh: Mesh | None = None, per_layer: bool = False
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
@@ -39,24 +44,32 @@ def make_train_step(
     gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
     in fp32, one finiteness count (see `mptrain.sharding`). Jit the step with the state in
     `sharding.state_shardings(mesh, state)` and the batch in `sharding.batch_sharding(mesh)`.
+    `per_layer`: also record every module call's numerics (`mptrain.numerics`): the metrics get
+    `numerics` (the table) and `numerics_origin` (where the first non-finite value appeared).
+    Off, the step is exactly the step without it.
     """
 
     def train_step(state: train_state_lib.TrainState, batch: Any):
         policy, scaler = state.policy, state.loss_scale
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def scaled_loss(params, batch, rng, model_state):
+        def scaled_loss(params, taps, batch, rng, model_state):
             # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
             # cast *inside* the differentiated function, so jax.grad carries the cotangent back
             # through it, gradients arrive in fp32 and the master copy never leaves fp32.
-            loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
+            with _recording(taps, policy.compute_dtype):
+                loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
             # Scale in fp32: fp16 tops out at 65504, so a scaled fp16 loss would overflow.
             loss = jnp.asarray(loss, jnp.float32)
             return scaler.scale(loss), (loss, model_state, aux)
 
-        grads_of = sharding.grad_fn(scaled_loss, policy.compute_dtype, mesh)
-        grads, (loss, model_state, aux) = grads_of(
-            state.params, policy.cast_to_compute(batch), rng, state.model_state
+        taps = None
+        if per_layer:  # a zero row per module call; its gradient is the numerics table
+            calls = numerics.loss_calls(loss_fn, state, batch)
+            taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
+        grads_of = sharding.grad_fn(scaled_loss, policy.compute_dtype, mesh, numerics.combine)
+        grads, table, (loss, model_state, aux) = grads_of(
+            state.params, taps, policy.cast_to_compute(batch), rng, state.model_state
         )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
@@ -87,6 +100,9 @@ def make_train_step(
             "skipped_steps": new_state.skipped_steps,
             **precision.to_f32(aux),
         }
+        if per_layer:
+            metrics["numerics"] = numerics.with_param_grads(table, calls, grads)
+            metrics["numerics_origin"] = numerics.origin(metrics["numerics"], calls)
         return new_state, metrics
 
     return train_step

@@ -30,7 +30,7 @@ import ml_collections
 import optax
 from absl import logging
 
-from mptrain import audit, checkpoint, errors, optim, precision, runtime, sharding, step
+from mptrain import audit, checkpoint, errors, numerics, optim, precision, runtime, sharding, step
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -62,6 +62,29 @@ class Run:
     meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
     saved_step: int | None = None  # the newest checkpoint's step
     hooks: list = dataclasses.field(default_factory=list)
+    calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
+    workdir: Path = Path(".")
+    max_skips: int = 25  # config.max_consecutive_skips
+
+    def report(self, step_no: int, metrics, totals, done: int) -> None:
+        """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
+        training cannot recover."""
+        with _allow_transfers():
+            metrics, totals = jax.device_get((metrics, totals))
+            values = metrics_lib.scalars(metrics) | totals.to_scalars()
+            self.writer.write_scalars(step_no, values)
+            self.progress.update(step_no, values)
+            where = None
+            if self.calls is not None:
+                table = metrics["numerics"]
+                where = numerics.report(
+                    totals.numerics, table, step_no, self.calls, self.writer, self.workdir
+                )
+            diagnostic = metrics_lib.nonfinite_diagnostic(
+                step_no, values, self.state.loss_scale, self.max_skips
+            )
+        if diagnostic:
+            self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
 
     def save(self, step_no: int) -> None:
         """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run."""
@@ -217,7 +240,8 @@ class Trainer:
     def make_train_step(self) -> Callable:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
         log totals, which restart on the device after each log step."""
-        recipe = step.make_train_step(self.loss_fn, mesh=self.mesh)
+        per_layer = self.config.numerics.per_layer
+        recipe = step.make_train_step(self.loss_fn, mesh=self.mesh, per_layer=per_layer)
         schedule, log_every = self.schedule, self.config.log_every_steps
 
         def train_step(state, batch, totals: metrics_lib.LogTotals):
@@ -226,6 +250,10 @@ class Trainer:
             shardings = sharding.state_shardings(self.mesh, state)
             new_state = jax.lax.with_sharding_constraint(new_state, shardings)
             metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
+            if per_layer:
+                origin, table = metrics.pop("numerics_origin"), metrics["numerics"]
+                log = totals.numerics.record(state.step, metrics["applied"], table, origin)
+                totals = totals.replace(numerics=log)
             return new_state, metrics, totals.update(metrics["loss"], metrics["applied"])
 
         return train_step
@@ -265,7 +293,11 @@ class Trainer:
             start = int(state.step)
             if jax.process_index() == 0:
                 checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
-            totals = metrics_lib.LogTotals.on_devices(sharding.replicated(self.mesh))
+            calls = None
+            if cfg.numerics.per_layer:
+                calls = numerics.loss_calls(self.loss_fn, state, train_source.get_batch(0))
+            log = calls and numerics.Log.zeros(len(calls.paths), cfg.log_every_steps)
+            totals = metrics_lib.LogTotals.on_devices(sharding.replicated(self.mesh), log)
         # Compile everything up front: the loop then never stops to compile. The one trace of
         # the step is compiled and read by the precision report.
         traced = jax.jit(self.make_train_step(), donate_argnums=0)
@@ -287,6 +319,9 @@ class Trainer:
             progress=metrics_lib.ProgressLine(cfg.num_train_steps),
             meta={"config": config_lib.to_dict(cfg), "policy": str(self.policy)},
             saved_step=saved_step,
+            calls=calls,
+            workdir=workdir,
+            max_skips=cfg.max_consecutive_skips,
         )
         run.hooks = self.build_hooks(run)
         metrics_lib.report_start(workdir, cfg, state, train_step, self.mesh, start, report)
@@ -320,23 +355,10 @@ class Trainer:
             run.state, metrics, totals = run.train_step(run.state, batch, totals)
             done = step_no + 1
             if pending is not None:  # the last log step's values, read after this dispatch
-                self._report(run, *pending, done)
+                run.report(*pending, done)
             is_log_step = done % cfg.log_every_steps == 0 or done == cfg.num_train_steps
             pending = (done, metrics, totals) if is_log_step else None
             for hook in run.hooks:
                 hook(done)
         if pending is not None:
-            self._report(run, *pending, done)
-
-    def _report(self, run: Run, step_no: int, metrics, totals, done: int) -> None:
-        """Writes a log step's metrics; stops (exit 3) when training cannot recover."""
-        with _allow_transfers():
-            metrics, totals = jax.device_get((metrics, totals))
-            values = metrics_lib.scalars(metrics) | totals.to_scalars()
-            run.writer.write_scalars(step_no, values)
-            run.progress.update(step_no, values)
-            diagnostic = metrics_lib.nonfinite_diagnostic(
-                step_no, values, run.state.loss_scale, self.config.max_consecutive_skips
-            )
-        if diagnostic:
-            run.stop(done, errors.NonFiniteTraining(diagnostic))
+            run.report(*pending, done)

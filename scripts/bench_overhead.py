@@ -28,6 +28,7 @@ The config file defaults to `configs/default.py` beside the measured `mptrain` p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import runpy
 import statistics
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 import mptrain
@@ -144,41 +146,54 @@ def make_hand_loop(config):
     return run
 
 
-def interleaved(config, hand_loop, blocks: int, block_steps: int) -> list[dict]:
-    """Alternates blocks of `block_steps` steps of the real `Trainer.train` loop and of the hand
-    loop in one process (which goes first alternates too), so drift of the machine cancels.
+@contextlib.contextmanager
+def trainer_blocks(config, workdir):
+    """`run(indices) -> seconds`: the real `Trainer.train` loop on those batches, after one
+    `Trainer.setup`; each block ends with the report of its last step (a read of the metrics,
+    as a hand block ends with `block_until_ready`)."""
+    config = config.copy_and_resolve_references()
+    config.num_train_steps = config.eval_every_steps = config.checkpoint_every_steps = 10**9
+    trainer = trainer_lib.Trainer(config, workdir)
+    with runtime.PreemptionFlag() as flag, trainer.setup(*trainer.build_datasets()) as run:
 
-    The Trainer is set up once (`Trainer.setup`); each block calls `Trainer.train` on the next
-    `block_steps` batches, ending with the report of its last step (a read of the metrics, as
-    the hand block ends with `block_until_ready`).
-    """
+        def blocks(indices) -> float:
+            jax.block_until_ready(run.state)
+            start = time.perf_counter()
+            run.start, config.num_train_steps = indices.start, indices.stop
+            trainer.train(run, flag)
+            jax.block_until_ready(run.state)
+            return time.perf_counter() - start
+
+        yield blocks
+
+
+def interleaved(config, other, blocks: int, block_steps: int) -> list[dict]:
+    """Alternates blocks of `block_steps` steps of mptrain's loop and of `other` (the hand loop,
+    or a second mptrain config) in one process, which goes first alternating too, so drift of
+    the machine cancels. Rows keep the names `mptrain_ms` and `hand_ms` for the two sides."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_overhead_") as workdir:
-        config = config.copy_and_resolve_references()
-        config.num_train_steps = config.eval_every_steps = config.checkpoint_every_steps = 10**9
-        trainer = trainer_lib.Trainer(config, workdir)
-        hand = hand_loop.blocks()
-        next(hand)
-        hand.send(range(0, block_steps))  # compile and warm up both sides
-        with runtime.PreemptionFlag() as flag, trainer.setup(*trainer.build_datasets()) as run:
-
-            def ours(indices) -> float:
-                jax.block_until_ready(run.state)
-                start = time.perf_counter()
-                run.start, config.num_train_steps = indices.start, indices.stop
-                trainer.train(run, flag)
-                jax.block_until_ready(run.state)
-                return time.perf_counter() - start
-
-            ours(range(0, block_steps))
-            for b in range(blocks):
-                indices = range((b + 1) * block_steps, (b + 2) * block_steps)
-                sides = [("mptrain", ours), ("hand", hand.send)]
-                times = {name: fn(indices) for name, fn in sides[:: 1 if b % 2 else -1]}
-                ms = {k: 1e3 * v / block_steps for k, v in times.items()}
-                rows.append({"mptrain_ms": ms["mptrain"], "hand_ms": ms["hand"]})
-                rows[-1]["ratio"] = rows[-1]["mptrain_ms"] / rows[-1]["hand_ms"]
+    with contextlib.ExitStack() as stack:
+        ours = stack.enter_context(trainer_blocks(config, stack.enter_context(_tempdir())))
+        if isinstance(other, ml_collections.ConfigDict):
+            theirs = stack.enter_context(trainer_blocks(other, stack.enter_context(_tempdir())))
+        else:
+            hand = other.blocks()
+            next(hand)
+            theirs = hand.send
+        for side in (ours, theirs):
+            side(range(0, block_steps))  # warm up both sides
+        for b in range(blocks):
+            indices = range((b + 1) * block_steps, (b + 2) * block_steps)
+            sides = [("mptrain", ours), ("hand", theirs)]
+            times = {name: fn(indices) for name, fn in sides[:: 1 if b % 2 else -1]}
+            ms = {k: 1e3 * v / block_steps for k, v in times.items()}
+            rows.append({"mptrain_ms": ms["mptrain"], "hand_ms": ms["hand"]})
+            rows[-1]["ratio"] = rows[-1]["mptrain_ms"] / rows[-1]["hand_ms"]
     return rows
+
+
+def _tempdir():
+    return tempfile.TemporaryDirectory(prefix="bench_overhead_")
 
 
 def git_info(directory: Path) -> dict:
@@ -208,6 +223,12 @@ def main(argv=None):
         "Trainer's own loop and the hand loop in one process (needs Trainer.setup)",
     )
     p.add_argument("--block_steps", type=int, default=5, help="steps per block (--blocks)")
+    p.add_argument(
+        "--per_layer",
+        action="store_true",
+        help="with --blocks: mptrain with config.numerics.per_layer against mptrain without it, "
+        "instead of against the hand loop",
+    )
     args = p.parse_args(argv)
     if not 1 <= args.warmup < args.steps - 1:
         p.error(f"need 1 <= --warmup < --steps - 1; got {args.warmup} and {args.steps}")
@@ -234,7 +255,11 @@ def main(argv=None):
     hand_loop = make_hand_loop(hand_config)
     rows = []
     if args.blocks:
-        rows = interleaved(config, hand_loop, args.blocks, args.block_steps)
+        other = hand_loop
+        if args.per_layer:
+            other = config.copy_and_resolve_references()
+            config.numerics.per_layer = True
+        rows = interleaved(config, other, args.blocks, args.block_steps)
     for pair in range(0 if args.blocks else args.pairs):
         gc.collect()
         ours = time_mptrain(config, sync)
@@ -271,6 +296,7 @@ def main(argv=None):
         "pairs": len(rows),
         "blocks_of": args.block_steps if args.blocks else None,
         "dynamic_scale": args.dynamic_scale,
+        "versus": "mptrain without per-layer numerics" if args.per_layer else "hand-written",
         "mptrain_file": mptrain.__file__,
         **git_info(package_dir),
         **summary,

@@ -20,6 +20,7 @@ KEYS = {
     "optimizer.nu_dtype", "optimizer.moment_rounding", "optimizer.accumulation_steps",
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
+    "numerics.per_layer",
 }  # fmt: skip
 
 
