@@ -31,8 +31,10 @@ def _like(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
 
 
-def _recording(taps, compute_dtype):
-    return contextlib.nullcontext() if taps is None else numerics.recording(taps, compute_dtype)
+def _recording(taps, compute_dtype, calls):
+    if taps is None:
+        return contextlib.nullcontext()
+    return numerics.recording(taps, compute_dtype, calls)
 
 
 def make_train_step(
@@ -57,13 +59,13 @@ def make_train_step(
             # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
             # cast *inside* the differentiated function, so jax.grad carries the cotangent back
             # through it, gradients arrive in fp32 and the master copy never leaves fp32.
-            with _recording(taps, policy.compute_dtype):
+            with _recording(taps, policy.compute_dtype, calls):
                 loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
             # Scale in fp32: fp16 tops out at 65504, so a scaled fp16 loss would overflow.
             loss = jnp.asarray(loss, jnp.float32)
             return scaler.scale(loss), (loss, model_state, aux)
 
-        taps = None
+        taps = calls = None
         if per_layer:  # a zero row per module call; its gradient is the numerics table
             calls = numerics.loss_calls(loss_fn, state, batch)
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
@@ -101,7 +103,7 @@ def make_train_step(
             **precision.to_f32(aux),
         }
         if per_layer:
-            metrics["numerics"] = numerics.with_param_grads(table, calls, grads)
+            metrics["numerics"] = numerics.finish(table, calls, grads)
             metrics["numerics_origin"] = numerics.origin(metrics["numerics"], calls)
         return new_state, metrics
 

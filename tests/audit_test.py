@@ -140,14 +140,18 @@ def test_an_fp32_matmul_is_counted_and_the_trainer_names_its_line(tmp_path, capl
     assert f"audit_test.py:{FP32_LINE}" in written
 
 
-def test_the_matmul_table_sums_to_a_hand_count_for_one_dense_layer(tmp_path):
+def test_the_matmul_table_sums_to_a_hand_count_for_a_one_layer_mlp(tmp_path):
     config = config_lib.base_config()
-    config.model.name, config.model.num_layers, config.batch_size = "mlp", 0, 4
-    batch, classes = 4, 10
-    inputs = np.ones((batch, 16), np.float32)
+    config.model.name, config.model.num_layers, config.batch_size = "mlp", 1, 4
+    config.model.hidden = 32
+    batch, features, hidden, classes = 4, 16, 32, 10
     trainer = mptrain.Trainer(config, tmp_path)
-    data = {"inputs": inputs, "targets": np.zeros(batch, np.int32)}
+    data = {"inputs": np.ones((batch, features), np.float32), "targets": np.zeros(batch, np.int32)}
     report = audit.precision_report(*_step_and_args(trainer, data))
-    # forward x @ W, and the kernel's gradient x^T @ g (no gradient for the data itself)
-    assert sum(report.matmul_flops.values()) == 2 * (2 * batch * 16 * classes)
-    assert report.matmul_flops == {"bfloat16": 4 * batch * 16 * classes}
+    # forward: x @ W1, h @ W2; backward: h^T @ g (W2's gradient), g @ W2^T (h's gradient),
+    # x^T @ dh (W1's gradient); no gradient for the data itself. 2 FLOPs per multiply-add.
+    macs = batch * (features * hidden + hidden * classes)  # forward
+    macs += batch * (hidden * classes + classes * hidden + features * hidden)  # backward
+    assert sum(report.matmul_flops.values()) == 2 * macs
+    assert report.matmul_flops == {"bfloat16": 2 * macs}
+    assert f"{2 * macs:,}" in str(report) or str(2 * macs) in str(report)

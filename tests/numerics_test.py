@@ -122,3 +122,20 @@ def test_off_the_step_is_the_step_without_it(tmp_path, monkeypatch):
     monkeypatch.setattr(numerics, "recording", None)  # never reached when off
     monkeypatch.setattr(numerics, "loss_calls", None)
     assert lower() == off and len(on) > len(off)
+
+
+def test_numbers_read_from_another_tap_equal_numbers_measured(tmp_path, monkeypatch):
+    # A value passed from one call's tap straight to another's is measured once; the table
+    # must be the one measuring the gradients at every call gives.
+    config = tiny_config(**{"model.num_layers": 2, "model.dropout_rate": 0.1})
+    trainer = mptrain.Trainer(config, tmp_path)
+    batch = trainer.build_datasets()[0].get_batch(0)
+    state = trainer.init_state(batch)
+    step = lambda: jax.jit(mptrain.make_train_step(trainer.loss_fn, per_layer=True))
+    table = lambda: step()(state, batch)[1]["numerics"]
+    planned = numerics.loss_calls(trainer.loss_fn, state, batch)
+    reused = sum(plan.measure is None and tap[1] == "in" for tap, plan in planned.plans)
+    assert reused >= 4  # e.g. block_1 takes block_0's output, qkv its parent's input
+    fast = np.asarray(table())
+    monkeypatch.setattr(numerics, "_uses", lambda jaxpr, order: None)  # no use counts known
+    np.testing.assert_array_equal(fast, np.asarray(table()))
