@@ -177,6 +177,13 @@ def setup_warnings(config: Any) -> list[str]:
                 "of the first moment smaller than bfloat16's resolution are rounded away. Use "
                 "moment_rounding='stochastic' (the default) or mu_dtype='float32'."
             )
+        elif dtype == optim.Q8 and nearest:
+            warnings.append(
+                f"optimizer.{key}='q8' with optimizer.moment_rounding='nearest': 8-bit codes "
+                "resolve about 6% of a value, and a moment moves by (1 - b1) or (1 - b2) of "
+                "itself per step, so rounded to nearest it mostly stands still. Use "
+                "moment_rounding='stochastic' (the default)."
+            )
         elif dtype == precision.F16 and key == "nu_dtype":
             warnings.append(
                 "optimizer.nu_dtype=float16: g**2 overflows float16 for |g| > 256 and flushes to "

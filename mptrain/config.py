@@ -58,6 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this (0: no clipping)
     c.optimizer.mu_dtype = "float32"  # storage dtype of Adam's first moment
     c.optimizer.nu_dtype = "float32"  # storage dtype of Adam's second moment
+    c.optimizer.q8_block_size = 256  # "q8" moments: elements that share one fp32 scale
+    c.optimizer.q8_min_size = 4096  # "q8" moments: smaller tensors (biases, norms) stay fp32
     # how moments stored in bf16 are rounded: "stochastic" (unbiased) | "nearest"
     c.optimizer.moment_rounding = "stochastic"
     c.optimizer.accumulation_steps = 1  # >1: average gradients over this many batches

@@ -34,24 +34,57 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mptrain import errors, precision
+from mptrain import errors, precision, q8
 from mptrain.precision import BF16, F32, to_f32
 
 NAMES = ("adamw", "sgd")
 SCHEDULES = ("constant", "cosine", "linear")
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
+Q8 = "q8"  # the 8-bit block-quantized state "dtype"
 
 
 # --------------------------------------------------------------------------- transformations
 
 
-def state_dtype(dtype: Any, key: str) -> np.dtype:
-    """A storage dtype for optimizer state: None means float32; errors name `key`."""
-    return F32 if dtype is None else precision.parse_dtype(dtype, key)
+def state_dtype(dtype: Any, key: str) -> np.dtype | str:
+    """A storage dtype for optimizer state: None means float32, "q8" stays "q8" (8-bit
+    block-quantized, `mptrain.q8`); errors name `key`."""
+    if dtype is None:
+        return F32
+    if isinstance(dtype, str) and dtype == Q8:
+        return Q8
+    return precision.parse_dtype(dtype, key)
 
 
-def _store(tree: Any, dtype: np.dtype, rounding: str, key: jax.Array) -> Any:
-    """Rounds fp32 `tree` to its storage dtype; bf16 stochastically if asked."""
+def _zeros(shape: tuple[int, ...], dtype: Any, kind: str, block: int, min_size: int) -> Any:
+    if dtype == Q8:
+        return q8.zeros(shape, kind, block) if q8.quantized(shape, min_size) else jnp.zeros(shape)
+    return jnp.zeros(shape, dtype)
+
+
+def _load(tree: Any) -> Any:
+    """Stored moments as fp32."""
+    return jax.tree.map(
+        lambda x: q8.dequantize(x) if q8.is_q8(x) else to_f32(x), tree, is_leaf=q8.is_q8
+    )
+
+
+def _store(tree: Any, dtype: Any, rounding: str, key: jax.Array, stored: Any) -> Any:
+    """Rounds fp32 `tree` to its storage dtype; bf16 and q8 stochastically if asked. `stored`
+    (the state being replaced) says which tensors are 8-bit."""
+    if dtype == Q8:
+        leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            return tree
+        keys = jax.random.split(key, len(leaves))
+        old = jax.tree.leaves(stored, is_leaf=q8.is_q8)
+        new = [
+            q8.quantize(x, o.kind, o.block_size, k if rounding == "stochastic" else None)
+            if q8.is_q8(o)
+            else x
+            for x, o, k in zip(leaves, old, keys, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, new)
     if dtype != BF16 or rounding == "nearest":
         return jax.tree.map(lambda x: x.astype(dtype), tree)
     return precision.stochastic_round_tree(tree, key)
@@ -66,6 +99,8 @@ def scale_by_adam(
     *,
     moment_rounding: str = "stochastic",
     seed: int = 0,
+    q8_block_size: int = q8.BLOCK_SIZE,
+    q8_min_size: int = q8.MIN_SIZE,
 ) -> optax.GradientTransformation:
     """Adam's rescaling with moments stored in `mu_dtype`/`nu_dtype` and arithmetic in fp32.
 
@@ -73,25 +108,31 @@ def scale_by_adam(
     gradients and the stored moments to fp32, computes the new moments and the bias-corrected
     step exactly as `optax.scale_by_adam` does, and rounds the moments once, on the way back to
     storage. `moment_rounding` decides how bf16-stored moments are rounded ("stochastic" or
-    "nearest"); fp32 and fp16 storage always round to nearest.
+    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`mptrain.q8`)
+    keeps tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes
+    with an fp32 scale each (the first moment signed, the second in square-root space) and the
+    rest in fp32; `moment_rounding` applies to its codes too.
     """
     mu_dtype = state_dtype(mu_dtype, "mu_dtype")
     nu_dtype = state_dtype(nu_dtype, "nu_dtype")
     moment_rounding = errors.check_choice("moment_rounding", moment_rounding, MOMENT_ROUNDINGS)
+    block = errors.check_integer("q8_block_size", q8_block_size, 1)
+    min_size = errors.check_integer("q8_min_size", q8_min_size, 1)
 
     def init_fn(params):
         # Only the shapes of `params` matter: the storage dtypes are ours, not the params'.
+        zeros = lambda dtype, kind: lambda p: _zeros(jnp.shape(p), dtype, kind, block, min_size)
         return optax.ScaleByAdamState(
             count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype), params),
-            nu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), nu_dtype), params),
+            mu=jax.tree.map(zeros(mu_dtype, "signed"), params),
+            nu=jax.tree.map(zeros(nu_dtype, "sqrt"), params),
         )
 
     def update_fn(updates, state, params=None):
         del params
         grads = to_f32(updates)
-        mu = optax.tree.update_moment(grads, to_f32(state.mu), b1, 1)
-        nu = optax.tree.update_moment_per_elem_norm(grads, to_f32(state.nu), b2, 2)
+        mu = optax.tree.update_moment(grads, _load(state.mu), b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(grads, _load(state.nu), b2, 2)
         count = optax.safe_increment(state.count)
         mu_hat = optax.tree.bias_correction(mu, b1, count)
         nu_hat = optax.tree.bias_correction(nu, b2, count)
@@ -100,8 +141,8 @@ def scale_by_adam(
         mu_key, nu_key = jax.random.split(key)
         new_state = optax.ScaleByAdamState(
             count=count,
-            mu=_store(mu, mu_dtype, moment_rounding, mu_key),
-            nu=_store(nu, nu_dtype, moment_rounding, nu_key),
+            mu=_store(mu, mu_dtype, moment_rounding, mu_key, state.mu),
+            nu=_store(nu, nu_dtype, moment_rounding, nu_key, state.nu),
         )
         return updates, new_state
 
@@ -129,6 +170,8 @@ def adamw(
     mask: Any = None,
     moment_rounding: str = "stochastic",
     seed: int = 0,
+    q8_block_size: int = q8.BLOCK_SIZE,
+    q8_min_size: int = q8.MIN_SIZE,
 ) -> optax.GradientTransformation:
     """AdamW with moments stored in `mu_dtype`/`nu_dtype` (default fp32) and fp32 arithmetic.
 
@@ -137,10 +180,22 @@ def adamw(
     `optax.adamw` (added to the Adam step, then scaled by the learning rate) and applies to every
     param unless `mask` (a pytree of bools or a callable, as in optax) says otherwise. With
     float32 storage this computes what `optax.adamw` computes. `moment_rounding` and `seed`
-    decide how bf16-stored moments are rounded (see the module docstring).
+    decide how bf16-stored moments are rounded (see the module docstring); a moment dtype of
+    "q8" stores 8-bit block-quantized moments (see `scale_by_adam` and `mptrain.q8`).
     """
+    adam = scale_by_adam(
+        b1,
+        b2,
+        eps,
+        mu_dtype,
+        nu_dtype,
+        moment_rounding=moment_rounding,
+        seed=seed,
+        q8_block_size=q8_block_size,
+        q8_min_size=q8_min_size,
+    )
     return optax.chain(
-        scale_by_adam(b1, b2, eps, mu_dtype, nu_dtype, moment_rounding=moment_rounding, seed=seed),
+        adam,
         _with_fp32_params(optax.add_decayed_weights(weight_decay, mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -276,8 +331,19 @@ def make_optimizer(
                 MOMENT_ROUNDINGS,
             ),
             seed=int(_get(config, "seed", 0)),
+            q8_block_size=errors.check_integer(
+                "optimizer.q8_block_size", _get(opt, "q8_block_size", q8.BLOCK_SIZE), 1
+            ),
+            q8_min_size=errors.check_integer(
+                "optimizer.q8_min_size", _get(opt, "q8_min_size", q8.MIN_SIZE), 1
+            ),
         )
     else:  # sgd
+        if mu_dtype == Q8:
+            raise ValueError(
+                "optimizer.mu_dtype='q8': 8-bit state is built for adamw's moments; with "
+                "optimizer.name='sgd' use 'float32' or 'bfloat16'"
+            )
         if nu_dtype != F32:  # the fp32 default is harmless; anything else was meant for adam
             raise ValueError(
                 f"optimizer.nu_dtype={opt.get('nu_dtype')!r}: has no meaning for "

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mptrain import q8
+
 AXES = ("data", "fsdp")
 _BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "mptrain_batch_axes", default=None
@@ -136,9 +138,20 @@ def _leaf_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
 
 
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated."""
+    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated.
+    An 8-bit moment (`q8.Q8`) is split as the tensor it stands for (see `q8.scales_spec`)."""
     fsdp = mesh.shape["fsdp"]
-    return jax.tree.map(lambda x: NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp)), state)
+
+    def one(x):
+        if not q8.is_q8(x):
+            return NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp))
+        spec = _leaf_spec(x.shape, fsdp)
+        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, fsdp)
+        return x.replace(
+            codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
+        )
+
+    return jax.tree.map(one, state, is_leaf=q8.is_q8)
 
 
 def _specs(mesh: Mesh, tree: Any) -> Any:
