@@ -338,3 +338,35 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     for key, (old, new) in config_lib.changes(meta.get("config") or {}, config).items():
         logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
     return state, int(meta["step"])
+
+
+# --------------------------------------------------------------------------- export
+
+
+def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) -> None:
+    """Writes `params` (numpy arrays) as a plain orbax checkpoint in `directory/params`, and
+    `sidecar` as `directory/export.json`; all or nothing (written beside, then renamed)."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        checkpointer = ocp.PyTreeCheckpointer()
+        checkpointer.save(os.path.join(staging, "params"), params)
+        checkpointer.close()
+        write_json(os.path.join(staging, "export.json"), sidecar)
+        if os.path.isdir(directory):  # an empty folder the user made for it
+            os.rmdir(directory)
+        os.rename(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_standalone(directory: str | os.PathLike) -> Any:
+    """An exported `params` tree as numpy arrays (what plain orbax gives)."""
+    path = os.path.join(os.path.abspath(directory), "params")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

@@ -85,11 +85,11 @@ def run_cli(workdir, *overrides, capsys=None, config=TINY):
     return code, err
 
 
-def run_cli_process(*args, devices: int = 1, timeout: int = 300):
-    """`python -m mptrain.main ARGS` in a fresh process from the repository root (so that
-    `examples` is importable), with `devices` fake CPU devices."""
+def run_cli_process(*args, devices: int = 1, timeout: int = 300, module: str = "mptrain.main"):
+    """`python -m mptrain.main ARGS` (or another `module`) in a fresh process from the
+    repository root (so that `examples` is importable), with `devices` fake CPU devices."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    command = [sys.executable, "-m", "mptrain.main", *args]
+    command = [sys.executable, "-m", module, *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
