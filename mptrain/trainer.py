@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,18 @@ import ml_collections
 import optax
 from absl import logging
 
-from mptrain import audit, checkpoint, errors, numerics, optim, precision, runtime, sharding, step
+from mptrain import (
+    audit,
+    checkpoint,
+    curves,
+    errors,
+    numerics,
+    optim,
+    precision,
+    runtime,
+    sharding,
+    step,
+)
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -65,6 +77,7 @@ class Run:
     calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
     workdir: Path = Path(".")
     max_skips: int = 25  # config.max_consecutive_skips
+    started: float = dataclasses.field(default_factory=time.monotonic)
 
     def report(self, step_no: int, metrics, totals, done: int) -> None:
         """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
@@ -74,6 +87,7 @@ class Run:
             values = metrics_lib.scalars(metrics) | totals.to_scalars()
             self.writer.write_scalars(step_no, values)
             self.progress.update(step_no, values)
+            curves.append(self.workdir, step_no, values)
             where = None
             if self.calls is not None:
                 table = metrics["numerics"]
@@ -85,6 +99,13 @@ class Run:
             )
         if diagnostic:
             self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
+
+    def finish(self, last_eval: dict | None, config: ml_collections.ConfigDict) -> None:
+        """Host-side, after the last step: the picture, and the summary on stdout."""
+        curves.draw(self.workdir, f"{config.model.name}, {config.precision}")
+        if jax.process_index() == 0:
+            seconds = time.monotonic() - self.started
+            print(curves.summary(self.workdir, self.state, last_eval, seconds, config), flush=True)
 
     def save(self, step_no: int) -> None:
         """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run."""
@@ -155,6 +176,8 @@ class Trainer:
             values = self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
             run.writer.write_scalars(step, values)
             run.progress.update(step, values)
+            curves.append(run.workdir, step, values)
+            curves.draw(run.workdir, f"{cfg.model.name}, {cfg.precision}")
 
         return [
             periodic_actions.ReportProgress(
@@ -342,6 +365,7 @@ class Trainer:
                 run = self.setup(*sources)
             with run:
                 self.train(run, preemption)
+                run.finish(self.last_eval, self.config)
         return run.state
 
     def train(self, run: Run, preemption: runtime.PreemptionFlag) -> None:

@@ -144,3 +144,17 @@ def test_init_state_is_created_in_its_shardings(tmp_path):
     assert "fsdp" in str(kernel.sharding.spec) and len(kernel.sharding.device_set) == 4
     # each device holds half of the kernel
     assert {s.data.size for s in kernel.addressable_shards} == {kernel.size // 2}
+
+
+def test_a_run_ends_with_a_summary_and_leaves_its_picture(tmp_path, capsys):
+    from mptrain import curves
+
+    assert run_cli(tmp_path, "--config.num_train_steps=6", "--config.eval_every_steps=3")[0] == 0
+    out = capsys.readouterr().out
+    assert "mptrain: done: 6 steps" in out and "bits/byte" in out
+    assert f"tensorboard --logdir {tmp_path}" in out and str(tmp_path / "curves.png") in out
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a resumed run appends to the history; a step written twice keeps its later value
+    assert run_cli(tmp_path, "--config.num_train_steps=8", "--config.eval_every_steps=3")[0] == 0
+    series = curves.load(tmp_path)
+    assert series["eval_loss"][0] == [3, 6, 8] and series["loss"][0][-1] == 8
