@@ -36,6 +36,7 @@ from mptrain import (
     checkpoint,
     curves,
     errors,
+    nnx_models,
     numerics,
     optim,
     precision,
@@ -144,7 +145,7 @@ class Trainer:
         self.workdir = Path(workdir)
         self.policy = precision.get_policy(config.precision)
         self.mesh = sharding.create_mesh(config)  # 1x1 on one device
-        self.model = self.build_model()
+        self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
         self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
 

@@ -1,0 +1,114 @@
+"""NNX models: examples/nnx_trainer trains from the CLI under every preset, runs its matmuls in
+the compute dtype, resumes byte-identically; an NNX module's non-param state is model_state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import (
+    ROOT,
+    assert_trees_bytes_equal,
+    load_config,
+    matmul_dtypes,
+    plain_orbax_state,
+    run_cli,
+    run_cli_process,
+)
+from flax import nnx
+
+import mptrain
+from mptrain import nnx_models
+
+CONFIG = f"--config={ROOT / 'examples' / 'nnx_trainer' / 'config.py'}:tiny"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
+def test_trains_from_the_command_line_under_every_preset(precision, tmp_path):
+    result = run_cli_process(CONFIG, f"--workdir={tmp_path}", f"--config.precision={precision}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = plain_orbax_state(tmp_path, 8)
+    assert "blocks" in state["params"] and int(state["skipped_steps"]) == 0
+    assert "mptrain: done: 8 steps" in result.stdout
+
+
+def _example_trainer(tmp_path, **overrides):
+    import sys
+
+    sys.path.insert(0, str(ROOT))  # `examples` importable in-process
+    from examples.nnx_trainer.trainer import NNXTrainer
+
+    config = load_config("default", **overrides)
+    config.trainer = "examples.nnx_trainer.trainer:NNXTrainer"
+    return NNXTrainer(config, tmp_path)
+
+
+def test_bf16_mixed_step_runs_its_matmuls_in_bf16(tmp_path):
+    trainer = _example_trainer(tmp_path)
+    batch = trainer.build_datasets()[0].get_batch(0)
+    state = trainer.init_state(batch)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+    step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
+    dots = matmul_dtypes(step.lower(state, batch).as_text())
+    assert len(dots) >= 10
+    for operands, _ in dots:
+        assert set(operands) == {"bf16"}, dots
+
+
+def test_resume_is_byte_identical(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ("--config.optimizer.schedule=constant",)
+    assert run_cli(straight, *common, config=CONFIG)[0] == 0
+    assert run_cli(resumed, *common, "--config.num_train_steps=4", config=CONFIG)[0] == 0
+    assert run_cli(resumed, *common, config=CONFIG)[0] == 0
+    assert_trees_bytes_equal(plain_orbax_state(straight, 8), plain_orbax_state(resumed, 8))
+
+
+class Normed(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(8, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.bn(self.dense(x)))
+
+
+def test_an_nnx_modules_batch_statistics_are_model_state_and_skips_keep_them():
+    model = nnx_models.wrap(Normed(nnx.Rngs(0)))
+    variables = model.init(None)
+    assert set(variables) == {"params", "nnx_state"}
+    assert set(variables["nnx_state"]["bn"]) == {"mean", "var"}
+
+    def loss_fn(params, model_state, batch, rng):
+        variables = {"params": params, **model_state}
+        pred, new_state = model.apply(variables, batch["x"], train=True, mutable=["nnx_state"])
+        return jnp.mean((pred[:, 0].astype(jnp.float32) - batch["y"]) ** 2), (new_state, {})
+
+    state = mptrain.TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        policy="bf16-mixed",
+        model_state={"nnx_state": variables["nnx_state"]},
+    )
+    batch = {"x": 3.0 + jax.random.normal(jax.random.key(1), (32, 8)), "y": jnp.ones((32,))}
+    step = jax.jit(mptrain.make_train_step(loss_fn))
+    state, metrics = step(state, batch)
+    mean = np.asarray(state.model_state["nnx_state"]["bn"]["mean"])
+    assert bool(metrics["applied"]) and np.abs(mean).max() > 0  # the statistics moved
+    assert mean.dtype == np.float32  # kept in fp32, like linen's batch_stats
+    before = jax.device_get(state)
+    after, metrics = step(state, {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)})
+    assert not bool(metrics["applied"])
+    assert_trees_bytes_equal(after.model_state, before.model_state)
+
+
+def test_nnx_rngs_held_by_the_module_are_refused_with_a_clear_error():
+    class Dropping(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    with pytest.raises(ValueError, match="nnx.Rngs"):
+        nnx_models.wrap(Dropping(nnx.Rngs(0)))
