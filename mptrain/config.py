@@ -164,3 +164,16 @@ def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """A plain, JSON-ready dict of the resolved config."""
     return config_dict.ConfigDict(config).to_dict()
+
+
+def override(
+    config: ml_collections.ConfigDict, values: dict[str, Any]
+) -> ml_collections.ConfigDict:
+    """Sets dotted keys (`{"optimizer.mu_dtype": "q8"}`), as `--config.a.b=v` does; returns it."""
+    for key, value in values.items():
+        section = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            section = section[parent]
+        section[leaf] = value
+    return config

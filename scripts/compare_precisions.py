@@ -21,6 +21,7 @@ import runpy
 import tempfile
 from pathlib import Path
 
+from mptrain import config as config_lib
 from mptrain import curves
 from mptrain import trainer as trainer_lib
 
@@ -49,12 +50,7 @@ class SmallGradientTrainer(trainer_lib.Trainer):
 
 def run(name: str, overrides: dict, args, workdir: Path) -> dict:
     config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"](None)
-    for key, value in overrides.items():
-        section = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            section = section[parent]
-        section[leaf] = value
+    config_lib.override(config, overrides)
     config.num_train_steps = args.steps
     config.log_every_steps = args.log_every
     config.eval_every_steps = config.checkpoint_every_steps = args.steps

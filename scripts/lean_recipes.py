@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from mptrain import checkpoint
+from mptrain import config as config_lib
 from mptrain import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,12 +69,7 @@ BASELINE = "bf16-mixed"
 
 def make_config(overrides: dict, steps: int | None):
     config = runpy.run_path(str(ROOT / "configs" / "default.py"))["get_config"](None)
-    for key, value in overrides.items():
-        section = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            section = section[parent]
-        section[leaf] = value
+    config_lib.override(config, overrides)
     if steps:
         config.num_train_steps = steps
     config.checkpoint_every_steps = config.num_train_steps  # one checkpoint, at the end

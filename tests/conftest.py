@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import mptrain
+from mptrain import config as config_lib
 from mptrain import main as main_lib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +38,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def load_config(name: str, arg: str | None = "tiny", **overrides):
     """`configs/<name>.py:get_config(arg)` with dotted-key overrides, like --config.a.b=v."""
     config = runpy.run_path(str(ROOT / "configs" / f"{name}.py"))["get_config"](arg)
-    for key, value in overrides.items():
-        section = config
-        *parents, leaf = key.split(".")
-        for parent in parents:
-            section = section[parent]
-        section[leaf] = value
-    return config
+    return config_lib.override(config, overrides)
 
 
 def tiny_config(**overrides):
