@@ -330,6 +330,8 @@ def finish(table: jax.Array, calls: Calls, grads: Any) -> jax.Array:
     """The whole table from the taps' gradient: the reused numbers filled in (`Calls.resolve`)
     and `param_grad_nonfinite`, the non-finite values of each call's module's parameter
     gradients (its subtree of `grads`, found by path)."""
+    if not calls.paths:  # no module calls seen (e.g. an NNX model)
+        return table
     table = calls.resolve(table)
     counts = []
     for scope in calls.scopes:
@@ -357,8 +359,8 @@ def origin(table: jax.Array, calls: Calls) -> jax.Array:
     )
     innermost = lambda c: c & ~jnp.any(inside & c[None, :], axis=1)
     order = jnp.arange(len(calls.paths))
-    first = jnp.min(jnp.where(innermost(forward), order, len(order)))
-    last = jnp.max(jnp.where(innermost(backward), order, -1))
+    first = jnp.min(jnp.where(innermost(forward), order, len(order)), initial=len(order))
+    last = jnp.max(jnp.where(innermost(backward), order, -1), initial=-1)
     forward_bad = jnp.any(col("out_nonfinite") > 0)
     index = jnp.where(forward_bad, jnp.where(first < len(order), first, -1), last)
     direction = jnp.where(index < 0, -1, jnp.where(forward_bad, 0, 1))
