@@ -92,10 +92,15 @@ def test_every_injection_site_is_named_with_its_direction(injected, direction):
     assert not wrong, wrong  # 100%: the exact call, and the direction
 
 
-def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(tmp_path, caplog):
-    # A loss scale of 1e9: the scaled gradient entering the fp16 logits layer overflows there.
+@pytest.mark.parametrize("data, fsdp", [(1, 1), (2, 2)], ids=["one_device", "mesh_2x2"])
+def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
+    data, fsdp, tmp_path, caplog
+):
+    # A loss scale of 1e9: the scaled gradient entering the fp16 logits layer overflows there;
+    # on a mesh, each device's table is combined before the origin is looked for.
     caplog.set_level(logging.WARNING)
     overrides = ["--config.precision=fp16-mixed", "--config.numerics.per_layer=True"]
+    overrides += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
     overrides += ["--config.loss_scale.init_scale=1e9", "--config.loss_scale.max_scale=1e10"]
     overrides += ["--config.max_consecutive_skips=6", "--config.num_train_steps=8"]
     code, _ = run_cli(tmp_path, *overrides)
