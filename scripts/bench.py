@@ -8,7 +8,8 @@ images: speed does not depend on the pixels) and for each preset, in one process
   `loop`, mptrain's own `Trainer.train` (host hooks, metrics, SIGTERM checks included);
   `bare`, the same compiled mptrain step called in a plain Python loop; `hand`, the model written
   in plain flax + optax, jitted with its state donated;
-- tokens or images per second of the loop, state bytes per param (params + optimizer state);
+- tokens or images per second of the loop, the step's FLOPs (XLA's cost analysis) and the
+  TFLOP/s they make, state bytes per param (params + optimizer state);
 - `memory_analysis()` of both compiled steps (arguments and temporaries);
 - ratios per block, then their median: loop/hand, bare/hand, and bare/loop (the loop's steps/s
   as a fraction of the bare step's).
@@ -25,9 +26,9 @@ On a CPU (this repository's CI machine) bf16 and fp16 are emulated, so compare r
 absolute times; the ResNet is shrunk there (`--size=auto`). On a GPU or TPU `--size=auto` runs
 the configs as they are. Nothing else changes.
 
-  python scripts/bench.py                          # everything, about 10 minutes on 2 CPU cores
-  python scripts/bench.py --models=lm --cases=bf16-mixed --blocks=4     # one row, quickly
-  python scripts/bench.py --size=full --out=runs/bench_gpu.json          # on an accelerator
+  python scripts/bench.py                     # every row: about 16 minutes on 2 CPU cores
+  python scripts/bench.py --models=lm --cases=bf16-mixed,bf16-mixed+dyn --blocks=30 --block_steps=8
+  python scripts/bench.py --lm_config=configs/lm_bf16.py --out=runs/bench_gpu.json   # on a GPU
 """
 
 from __future__ import annotations
@@ -84,11 +85,11 @@ class SyntheticImages:
         return self.batches[index % len(self.batches)]
 
 
-def load_config(model: str, case: str, size: str):
-    """The model's config file under `case`'s preset; `size` "tiny" is the file's :tiny variant."""
-    config = runpy.run_path(str(ROOT / MODELS[model]))["get_config"](
-        "tiny" if size == "tiny" else None
-    )
+def load_config(model: str, case: str, size: str, path: str | None = None):
+    """`path` (default: the model's config file) under `case`'s preset; `size` "tiny" is the
+    file's :tiny variant."""
+    path = path or str(ROOT / MODELS[model])
+    config = runpy.run_path(path)["get_config"]("tiny" if size == "tiny" else None)
     preset, scale = CASES[case]
     overrides = {"precision": preset, "loss_scale.kind": scale}
     if model == "resnet" and size == "small":
@@ -210,6 +211,9 @@ def mptrain_sides(config, workdir):
         jitted.lower(run.state, trainer.device_batch(train, 0), run.totals).compile()
         info["compile_s"] = time.perf_counter() - started
         info["memory"] = run.train_step.memory_analysis()
+        costs = run.train_step.cost_analysis()  # XLA's count of the compiled program
+        costs = costs[0] if isinstance(costs, list) else costs or {}
+        info["gflop"] = costs.get("flops", float("nan")) / 1e9
         info["bytes_per_param"] = audit.state_bytes_per_param(run.state.params, run.state.opt_state)
         info["run"] = run
 
@@ -236,7 +240,7 @@ def mptrain_sides(config, workdir):
 
 
 def measure(model: str, case: str, args) -> dict:
-    config = load_config(model, case, args.size)
+    config = load_config(model, case, args.size, getattr(args, f"{model}_config"))
     workdir = tempfile.TemporaryDirectory(prefix="bench_")
     with workdir, mptrain_sides(config, workdir.name) as (loop, bare, info, train):
         hand_step, hand_state, hand_compile = make_hand(config, train)
@@ -286,6 +290,8 @@ def measure(model: str, case: str, args) -> dict:
         "bare_over_hand": median(lambda r: r["bare"] / r["hand"]),
         "loop_steps_per_s_over_bare": median(lambda r: r["bare"] / r["loop"]),
         ("tokens" if model == "lm" else "images") + "_per_s": items / step_ms * 1e3,
+        "gflop_per_step": info["gflop"],
+        "achieved_tflop_per_s": info["gflop"] / step_ms,
         "bytes_per_param": info["bytes_per_param"],
         "hand_bytes_per_param": hand_bytes,
         "memory": memory(info["memory"]),
@@ -298,7 +304,7 @@ def print_table(rows: list[dict]) -> None:
     head = (
         f"{'model':<6} {'case':<15} {'compile s':>11} {'loop ms':>8} {'bare ms':>8} "
         f"{'hand ms':>8} {'loop/hand':>9} {'bare/hand':>9} {'loop/bare':>9} {'per s':>9} "
-        f"{'B/param':>8} {'temp MiB':>13} {'args MiB':>13}"
+        f"{'TFLOP/s':>7} {'B/param':>8} {'temp MiB':>13} {'args MiB':>13}"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
@@ -308,14 +314,16 @@ def print_table(rows: list[dict]) -> None:
             f"{r['model']:<6} {r['case']:<15} {r['compile_s']:>5.1f}/{r['hand_compile_s']:<5.1f} "
             f"{r['loop_ms']:>8.1f} {r['bare_ms']:>8.1f} {r['hand_ms']:>8.1f} "
             f"{r['loop_over_hand']:>9.3f} {r['bare_over_hand']:>9.3f} "
-            f"{r['loop_steps_per_s_over_bare']:>9.3f} {rate:>9.0f} {r['bytes_per_param']:>8.2f} "
+            f"{r['loop_steps_per_s_over_bare']:>9.3f} {rate:>9.0f} "
+            f"{r['achieved_tflop_per_s']:>7.3f} {r['bytes_per_param']:>8.2f} "
             f"{mem['temp_mib']:>6.1f}/{hand['temp_mib']:<6.1f} "
             f"{mem['argument_mib']:>6.1f}/{hand['argument_mib']:<6.1f}"
         )
     print(
         "compile, temp and args: mptrain/hand. loop/hand, bare/hand: medians of per-block ratios "
         "(lower is faster for mptrain); loop/bare: the loop's steps/s as a fraction of the bare "
-        "step's. per s: tokens (lm) or images (resnet) per second of the loop."
+        "step's. per s: tokens (lm) or images (resnet) per second of the loop; TFLOP/s: XLA's "
+        "FLOP count of the step over the loop's step time."
     )
 
 
@@ -335,6 +343,8 @@ def main(argv=None):
         "full: the configs as they are; auto: small on a CPU, full on an accelerator; "
         "tiny: the configs' :tiny variants (a smoke test)",
     )
+    for model, path in MODELS.items():
+        p.add_argument(f"--{model}_config", default=None, help=f"config file (default: {path})")
     p.add_argument("--out", default="runs/bench.json", help="JSON results")
     args = p.parse_args(argv)
     models, cases = args.models.split(","), args.cases.split(",")
@@ -361,6 +371,7 @@ def main(argv=None):
         "device": f"{device.platform}: {device.device_kind}",
         "device_count": jax.device_count(),
         "size": args.size,
+        "configs": {m: getattr(args, f"{m}_config") or MODELS[m] for m in models},
         "blocks": args.blocks,
         "block_steps": args.block_steps,
         "mptrain_file": mptrain.__file__,

@@ -66,7 +66,11 @@ def test_bench_writes_its_table_and_json(tmp_path, capsys):
         assert row["loop_ms"] > 0 and row["hand_ms"] > 0 and row["compile_s"] > 0
         expected = {"lm": 12.0, "resnet": 8.0}[row["model"]]  # adamw; sgd with momentum
         assert row["bytes_per_param"] == row["hand_bytes_per_param"] == expected
-        assert row["memory"]["temp_mib"] > 0 and len(row["blocks_ms"]) == 1
+        assert (
+            row["memory"]["temp_mib"] > 0
+            and row["gflop_per_step"] > 0
+            and len(row["blocks_ms"]) == 1
+        )
     assert "tokens_per_s" in result["rows"][0] and "images_per_s" in result["rows"][1]
     table = capsys.readouterr().out
     assert "loop/hand" in table and "resnet bf16-mixed" in table
