@@ -10,11 +10,14 @@ subnormal there, or flushed to zero); backward, the same for the gradient flowin
 side (into the output: incoming; out to the inputs: outgoing).
 
 Each tap writes its numbers into the cotangent of a small zero "taps" array, one row per call,
-so one `jax.grad` of the loss with respect to the taps returns the whole table: no host round
-trip, no re-running. The first non-finite value is then located on the device too: forward, the
-innermost call whose inputs were finite and whose output was not; backward (looked at only when
-the forward was finite), the innermost call whose incoming gradient was finite and whose
-outgoing gradient, or its own parameters' gradient, was not.
+so one `jax.grad` of the loss with respect to the taps returns the whole table, with no host
+round trip. The trainer's step does not tap its own gradient: it differentiates once more with
+the taps, in a branch taken only on log steps and skipped steps, the only ones whose table is
+read (`step.make_train_step`'s `measure_when`; `config.numerics.every_step` taps every step).
+The first non-finite value is then located on the device too: forward, the innermost call
+whose inputs were finite and whose output was not; backward (looked at only when the forward was
+finite), the innermost call whose incoming gradient was finite and whose outgoing gradient, or
+its own parameters' gradient, was not.
 
 Every tap is a pass over its values, so the recorder measures each value once: a value that a
 call takes straight from another call's tap (the previous layer's output, the parent's input)
@@ -286,6 +289,9 @@ def loss_calls(loss_fn: Callable, state: Any, batch: Any) -> Calls:
 
 
 _EMPTY_TAPS = (0, len(COLUMNS))
+# The name scope of the gradient differentiated again to measure a log or skipped step (see
+# `step.make_train_step`'s `measure_when`): not part of an ordinary step's work.
+REPLAY = "mptrain_numerics_replay"
 
 
 def _uses(jaxpr: Any, order: list[Tap]) -> dict[Tap, int] | None:

@@ -38,7 +38,11 @@ def _recording(taps, compute_dtype, calls):
 
 
 def make_train_step(
-    loss_fn: LossFn, *, mesh: Mesh | None = None, per_layer: bool = False
+    loss_fn: LossFn,
+    *,
+    mesh: Mesh | None = None,
+    per_layer: bool = False,
+    measure_when: Callable[[train_state_lib.TrainState], jax.Array] | None = None,
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
@@ -48,7 +52,11 @@ def make_train_step(
     `sharding.state_shardings(mesh, state)` and the batch in `sharding.batch_sharding(mesh)`.
     `per_layer`: also record every module call's numerics (`mptrain.numerics`): the metrics get
     `numerics` (the table) and `numerics_origin` (where the first non-finite value appeared).
-    Off, the step is exactly the step without it.
+    Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with
+    `per_layer`): measure only on the steps it picks and on skipped steps, the only ones whose
+    table anyone reads; elsewhere the table is zeros and the step costs what it costs without
+    numerics. The table is then measured by differentiating once more, instrumented, in a
+    `lax.cond` branch: the same inputs, so the same values, non-finite ones included.
     """
 
     def train_step(state: train_state_lib.TrainState, batch: Any):
@@ -70,8 +78,10 @@ def make_train_step(
             calls = numerics.loss_calls(loss_fn, state, batch)
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
         grads_of = sharding.grad_fn(scaled_loss, policy.compute_dtype, mesh, numerics.combine)
+        inputs = (policy.cast_to_compute(batch), rng, state.model_state)
+        lazy = per_layer and measure_when is not None
         grads, table, (loss, model_state, aux) = grads_of(
-            state.params, taps, policy.cast_to_compute(batch), rng, state.model_state
+            state.params, None if lazy else taps, *inputs
         )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
@@ -103,8 +113,19 @@ def make_train_step(
             **precision.to_f32(aux),
         }
         if per_layer:
-            metrics["numerics"] = numerics.finish(table, calls, grads)
-            metrics["numerics_origin"] = numerics.origin(metrics["numerics"], calls)
+
+            def measure():  # non-finite counts of the param gradients need no unscaling
+                with jax.named_scope(numerics.REPLAY):  # the precision report leaves it out
+                    grads, table, _ = grads_of(state.params, taps, *inputs)
+                    return numerics.finish(table, calls, grads)
+
+            if lazy:
+                wanted = ~applied | measure_when(state)
+                table = jax.lax.cond(wanted, measure, lambda: jnp.zeros_like(taps))
+            else:
+                table = numerics.finish(table, calls, grads)
+            metrics["numerics"] = table
+            metrics["numerics_origin"] = numerics.origin(table, calls)
         return new_state, metrics
 
     return train_step

@@ -265,8 +265,16 @@ class Trainer:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
         log totals, which restart on the device after each log step."""
         per_layer = self.config.numerics.per_layer
-        recipe = step.make_train_step(self.loss_fn, mesh=self.mesh, per_layer=per_layer)
         schedule, log_every = self.schedule, self.config.log_every_steps
+        last = self.config.num_train_steps
+
+        def is_log_step(state):  # the tables read are those of log steps and skipped steps
+            return ((state.step + 1) % log_every == 0) | (state.step + 1 == last)
+
+        when = None if self.config.numerics.every_step else is_log_step
+        recipe = step.make_train_step(
+            self.loss_fn, mesh=self.mesh, per_layer=per_layer, measure_when=when
+        )
 
         def train_step(state, batch, totals: metrics_lib.LogTotals):
             totals = loss_scale_lib.select_tree(state.step % log_every == 0, totals.reset(), totals)

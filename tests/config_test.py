@@ -21,7 +21,7 @@ KEYS = {
     "optimizer.moment_rounding", "optimizer.accumulation_steps",
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
-    "numerics.per_layer",
+    "numerics.per_layer", "numerics.every_step",
 }  # fmt: skip
 
 

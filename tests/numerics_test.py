@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli, tiny_config
 
 import mptrain
-from mptrain import numerics
+from mptrain import audit, numerics
 
 
 def _poison(x, when):
@@ -62,24 +62,31 @@ class InjectingTrainer(mptrain.Trainer):
 
 @pytest.fixture(scope="module")
 def injected(tmp_path_factory):
-    """`run(site, direction) -> (origin index, origin direction)`, one compiled step."""
+    """`run(site, direction) -> (origin index, origin direction)`, one compiled step that, as
+    the trainer's, measures only the steps it picks (here step 0) and the skipped ones."""
     config = tiny_config(**{"model.num_layers": 2})
     trainer = InjectingTrainer(config, tmp_path_factory.mktemp("inject"))
     batch = trainer.build_datasets()[0].get_batch(0)
     clean = {**batch, "site": np.int32(-1), "direction": np.int32(-1)}
     state = trainer.init_state(batch)
-    step = jax.jit(mptrain.make_train_step(trainer.loss_fn, per_layer=True))
+    make = lambda **kw: jax.jit(mptrain.make_train_step(trainer.loss_fn, per_layer=True, **kw))
+    step = make(measure_when=lambda state: state.step == 0)
     state, metrics = step(state, clean)  # a clean step first: nothing to diagnose
     assert metrics["numerics_origin"].tolist() == [-1, -1] and bool(metrics["applied"])
+    assert np.asarray(metrics["numerics"]).any()  # step 0 was picked: measured
     calls = numerics.loss_calls(trainer.loss_fn, state, clean)
+    inject = lambda site, direction: {
+        **batch,
+        "site": np.int32(site),
+        "direction": np.int32(direction),
+    }
 
     def run(site, direction):
-        _, metrics = step(
-            state, {**batch, "site": np.int32(site), "direction": np.int32(direction)}
-        )
+        _, metrics = step(state, inject(site, direction))
         assert not bool(metrics["applied"])  # the injected step is skipped
         return tuple(metrics["numerics_origin"].tolist())
 
+    run.step, run.make, run.state, run.inject, run.trainer = step, make, state, inject, trainer
     return run, calls
 
 
@@ -92,15 +99,20 @@ def test_every_injection_site_is_named_with_its_direction(injected, direction):
     assert not wrong, wrong  # 100%: the exact call, and the direction
 
 
-@pytest.mark.parametrize("data, fsdp", [(1, 1), (2, 2)], ids=["one_device", "mesh_2x2"])
+@pytest.mark.parametrize(
+    "data, fsdp, every_step",
+    [(1, 1, False), (2, 2, False), (1, 1, True)],
+    ids=["one_device", "mesh_2x2", "every_step"],
+)
 def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
-    data, fsdp, tmp_path, caplog
+    data, fsdp, every_step, tmp_path, caplog
 ):
     # A loss scale of 1e9: the scaled gradient entering the fp16 logits layer overflows there;
     # on a mesh, each device's table is combined before the origin is looked for.
     caplog.set_level(logging.WARNING)
     overrides = ["--config.precision=fp16-mixed", "--config.numerics.per_layer=True"]
     overrides += [f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}"]
+    overrides += [f"--config.numerics.every_step={every_step}"]
     overrides += ["--config.loss_scale.init_scale=1e9", "--config.loss_scale.max_scale=1e10"]
     overrides += ["--config.max_consecutive_skips=6", "--config.num_train_steps=8"]
     code, _ = run_cli(tmp_path, *overrides)
@@ -114,6 +126,56 @@ def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
         head = next(row for row in table["layers"] if row["module"] == "head")
         assert head["grad_out_nonfinite"] == 0 and head["grad_in_nonfinite"] > 0
     assert "head (backward)" in caplog.text.split("training went non-finite")[-1]
+
+
+def test_every_log_step_writes_measured_amax_to_tensorboard(tmp_path):
+    # Log steps are measured by the replay: TensorBoard must get real numbers at each of them.
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    overrides = ["--config.numerics.per_layer=True", "--config.num_train_steps=5"]
+    code, _ = run_cli(tmp_path, *overrides, "--config.log_every_steps=2")
+    assert code == 0
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
+    events.Reload()
+    for direction in ("forward", "backward"):
+        series = events.Tensors(f"numerics/{direction}/head")
+        values = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in series}
+        assert sorted(values) == [2, 4, 5] and min(values.values()) > 0, (direction, values)
+
+
+def test_tables_measured_on_demand_are_the_tables_measured_always(injected):
+    # The trainer measures only log steps and skipped steps, by differentiating once more; the
+    # tables it gets must be those of measuring in every step's own gradient, the rest zeros.
+    run, calls = injected
+    always = run.make()
+    clean = run.inject(-1, -1)
+    new_state, metrics = run.step(run.state, clean)  # step 1: applied, not picked
+    assert bool(metrics["applied"]) and not np.asarray(metrics["numerics"]).any()
+    assert np.asarray(always(run.state, clean)[1]["numerics"]).any()
+    without = jax.jit(mptrain.make_train_step(run.trainer.loss_fn))(run.state, clean)[0]
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(without), strict=True):
+        np.testing.assert_array_equal(a, b)  # the update is the one without numerics, bit for bit
+    for site, direction in [(0, 0), (len(calls.paths) // 2, 1), (len(calls.paths) - 1, 1)]:
+        bad = run.inject(site, direction)
+        np.testing.assert_array_equal(
+            run.step(run.state, bad)[1]["numerics"], always(run.state, bad)[1]["numerics"]
+        )
+
+
+def test_the_precision_report_counts_an_ordinary_steps_matmuls(injected):
+    # The measuring replay runs on log and skipped steps only: the report leaves it out.
+    run, _ = injected
+    report = lambda **kw: audit.precision_report(
+        mptrain.make_train_step(run.trainer.loss_fn, **kw), run.state, run.inject(-1, -1)
+    )
+    without = report().matmul_flops
+    assert sum(without.values()) > 0
+    assert report(per_layer=True).matmul_flops == without  # the taps add no matmuls
+    assert (
+        report(per_layer=True, measure_when=lambda state: state.step == 0).matmul_flops == without
+    )
 
 
 def test_off_the_step_is_the_step_without_it(tmp_path, monkeypatch):
