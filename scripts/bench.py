@@ -375,6 +375,7 @@ def main(argv=None):
         "blocks": args.blocks,
         "block_steps": args.block_steps,
         "mptrain_file": mptrain.__file__,
+        **runpy.run_path(str(ROOT / "scripts/bench_overhead.py"))["git_info"](ROOT),
         "rows": rows,
     }
     checkpoint.write_json(args.out, result)

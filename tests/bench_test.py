@@ -58,6 +58,7 @@ def test_bench_writes_its_table_and_json(tmp_path, capsys):
         ]
     )
     result = json.loads(out.read_text())
+    assert "git_commit" in result and result["device"].startswith("cpu")
     assert [(r["model"], r["case"]) for r in result["rows"]] == [
         ("lm", "bf16-mixed"),
         ("resnet", "bf16-mixed"),
