@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import runpy
 import statistics
@@ -108,13 +109,18 @@ def sources(config):
 
 
 def make_hand(config, train_source):
-    """`(compiled step, state)` for `config`'s model and preset written in plain flax + optax."""
+    """`(compiled step, fresh, compile seconds)` for `config`'s model and preset written in plain
+    flax + optax; `fresh()` is a new step-0 state (the step donates the one it is given)."""
     policy = precision.get_policy(config.precision)
     compute, param_dtype = policy.compute_dtype, policy.param_dtype
     dynamic = config.loss_scale.kind == "dynamic"
     model = importlib.import_module(f"mptrain.models.{config.model.name}")
     model = model.create_model(config.model, compute)
     opt = config.optimizer
+    if opt.schedule != "cosine":
+        raise ValueError(
+            f"the hand-written step mirrors only a cosine schedule, not {opt.schedule!r}"
+        )
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, opt.learning_rate, opt.warmup_steps, config.num_train_steps
     )
@@ -166,10 +172,12 @@ def make_hand(config, train_source):
             loss = optax.softmax_cross_entropy_with_integer_labels(
                 logits.astype(jnp.float32), batch["targets"]
             ).mean()
-            return loss * state["scale"], (loss, model_state)
+            return (loss * state["scale"] if dynamic else loss), (loss, model_state)
 
         grads, (loss, model_state) = jax.grad(loss_fn, has_aux=True)(state["params"])
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / state["scale"], grads)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        if dynamic:  # without a scale, no pass over the gradients to unscale them
+            grads = jax.tree.map(lambda g: g / state["scale"], grads)
         params32 = cast(state["params"], jnp.float32)
         updates, opt_state = tx.update(grads, state["opt_state"], params32)
         new = {
@@ -192,10 +200,10 @@ def make_hand(config, train_source):
 
     sample = train_source.get_batch(0)
     init_rng, _ = jax.random.split(jax.random.key(config.seed))  # as mptrain splits it
-    state = jax.jit(init)(init_rng, sample["inputs"][:1])
+    fresh = functools.partial(jax.jit(init), init_rng, sample["inputs"][:1])
     started = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=0).lower(state, jax.device_put(sample)).compile()
-    return compiled, state, time.perf_counter() - started
+    compiled = jax.jit(step, donate_argnums=0).lower(fresh(), jax.device_put(sample)).compile()
+    return compiled, fresh, time.perf_counter() - started
 
 
 @contextlib.contextmanager
@@ -243,7 +251,8 @@ def measure(model: str, case: str, args) -> dict:
     config = load_config(model, case, args.size, getattr(args, f"{model}_config"))
     workdir = tempfile.TemporaryDirectory(prefix="bench_")
     with workdir, mptrain_sides(config, workdir.name) as (loop, bare, info, train):
-        hand_step, hand_state, hand_compile = make_hand(config, train)
+        hand_step, fresh, hand_compile = make_hand(config, train)
+        hand_state = fresh()
         hand_bytes = audit.state_bytes_per_param(hand_state["params"], hand_state["opt_state"])
         box = [hand_state]
 

@@ -38,15 +38,12 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-import optax
 
 import mptrain
 from mptrain import checkpoint, runtime
 from mptrain import data as data_lib
 from mptrain import trainer as trainer_lib
-from mptrain.models import transformer_lm
 
 
 class TimedSource:
@@ -84,44 +81,16 @@ def time_mptrain(config, sync) -> float:
 
 
 def make_hand_loop(config):
-    """The hand-written equivalent: `run(sync) -> ms/step`, jitted once, fresh state per run."""
-    model = transformer_lm.create_model(config.model, jnp.bfloat16)
-    opt = config.optimizer
-    if opt.schedule != "cosine":
-        raise ValueError(f"the hand loop mirrors only a cosine schedule, not {opt.schedule!r}")
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, opt.learning_rate, opt.warmup_steps, config.num_train_steps, end_value=0.0
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(opt.grad_clip_norm),
-        optax.adamw(schedule, opt.b1, opt.b2, opt.eps, weight_decay=opt.weight_decay),
-    )
-
-    def loss_fn(params, batch):
-        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)  # inside grad: fp32 grads
-        logits = model.apply({"params": params}, batch["inputs"], train=True)
-        labels = batch["targets"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    @jax.jit
-    def init(rng, inputs):
-        params = model.init({"params": rng, "dropout": rng}, inputs, train=False)["params"]
-        return params, tx.init(params)
-
-    def step(state, batch):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    step = jax.jit(step, donate_argnums=0)
+    """The hand-written equivalent (`make_hand` of bench.py, jitted once): `run(sync) ->
+    ms/step`, a fresh state per run; `run.blocks` for the alternated blocks."""
     train, _ = data_lib.create_sources(config)
+    make_hand = runpy.run_path(str(Path(__file__).with_name("bench.py")))["make_hand"]
+    step, fresh, _ = make_hand(config, train)
 
     def blocks():
         """A generator: send it a range of batch indices, it trains on them and answers with
         the seconds they took (the device drained at both ends)."""
-        init_rng, _ = jax.random.split(jax.random.key(config.seed))
-        state = init(init_rng, train.get_batch(0)["inputs"][:1])
+        state = fresh()
         indices = yield
         while True:
             jax.block_until_ready(state)
@@ -131,18 +100,14 @@ def make_hand_loop(config):
             jax.block_until_ready((state, loss))
             indices = yield time.perf_counter() - start
 
-    run_blocks = blocks
-
     def run(sync) -> float:
-        source = TimedSource(train, sync)
-        init_rng, _ = jax.random.split(jax.random.key(config.seed))  # as mptrain splits it
-        state = init(init_rng, source.source.get_batch(0)["inputs"][:1])
+        source, state = TimedSource(train, sync), fresh()
         for i in range(config.num_train_steps):
             state, loss = step(state, jax.device_put(source.get_batch(i)))
         jax.block_until_ready((state, loss))
         return source.ms_per_step()
 
-    run.blocks = run_blocks
+    run.blocks = blocks
     return run
 
 

@@ -27,7 +27,8 @@ def test_the_hand_written_side_trains_the_same_model(model, case, tmp_path):
     rounds stochastically with other random bits on each side: within one bf16 ulp)."""
     config = bench["load_config"](model, case, "tiny")
     with bench["mptrain_sides"](config, tmp_path) as (_, bare, info, train):
-        step, state, _ = bench["make_hand"](config, train)
+        step, fresh, _ = bench["make_hand"](config, train)
+        state = fresh()
         bare(range(3))
         for i in range(3):
             state, _ = step(state, jax.device_put(train.get_batch(i)))
