@@ -14,13 +14,29 @@ from conftest import tiny_config
 
 import mptrain
 
-# preset: loss of step 1, its grad norm, loss of step 2 (after one update), sum |params| after 1
+# preset: loss of step 1, its grad norm, loss of step 2 (after one update), sum |params| after 1.
+# Recorded on XLA:CPU. The bf16 rows moved when the embedding became a one-hot matmul (its
+# gradient is now a bf16 matmul with fp32 accumulation instead of a bf16 scatter-add).
 GOLDEN = {
-    "fp32": (5.9838714599609375, 5.220526218414307, 5.211019992828369, 2546.4013243317604),
-    "bf16-mixed": (5.98349666595459, 5.217504978179932, 5.210226535797119, 2546.4641833230853),
-    "fp16-mixed": (5.983922004699707, 5.220690727233887, 5.211082458496094, 2546.4300962165),
-    "bf16-pure": (5.98349666595459, 5.217504978179932, 5.210954189300537, 2546.420742034912),
+    "fp32": (5.9838714599609375, 5.220525741577148, 5.211020469665527, 2546.4013242423534),
+    "bf16-mixed": (5.98349666595459, 5.217421054840088, 5.2102274894714355, 2546.4641833230853),
+    "fp16-mixed": (5.983914852142334, 5.22080135345459, 5.211141586303711, 2546.4335757270455),
+    "bf16-pure": (5.98349666595459, 5.217421054840088, 5.210951328277588, 2546.420742034912),
 }
+
+
+def tolerance(preset: str) -> float:
+    """How far another machine may land from the recorded values, from its arithmetic.
+
+    XLA:CPU repeats fp32 and bf16 to the last bits (1e-6 leaves room for reordered sums); its
+    fp16 arithmetic depends on the CPU's vector instructions (two x86 hosts differed by 2e-5).
+    Elsewhere matmuls round differently: a GPU runs the default fp32 matmul in TF32 (10
+    mantissa bits) and fuses and orders 16-bit arithmetic its own way, so the values agree to
+    about 1e-2 there; the test then still catches a recipe that is wrong, not one that moved.
+    """
+    if jax.default_backend() != "cpu":
+        return 1e-2
+    return 5e-5 if preset == "fp16-mixed" else 1e-6
 
 
 def _batch():
@@ -40,4 +56,4 @@ def test_one_step_golden_values(preset, tmp_path):
         float(np.abs(np.asarray(p, np.float32)).sum()) for p in jax.tree.leaves(state.params)
     )
     found = (float(first["loss"]), float(first["grad_norm"]), float(second["loss"]), magnitude)
-    np.testing.assert_allclose(found, GOLDEN[preset], rtol=1e-6)
+    np.testing.assert_allclose(found, GOLDEN[preset], rtol=tolerance(preset))

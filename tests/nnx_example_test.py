@@ -43,16 +43,18 @@ def _example_trainer(tmp_path, **overrides):
     return NNXTrainer(config, tmp_path)
 
 
-def test_bf16_mixed_step_runs_its_matmuls_in_bf16(tmp_path):
+def test_bf16_mixed_step_runs_its_matmuls_in_bf16_and_scatters_nothing(tmp_path):
     trainer = _example_trainer(tmp_path)
     batch = trainer.build_datasets()[0].get_batch(0)
     state = trainer.init_state(batch)
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
     step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
-    dots = matmul_dtypes(step.lower(state, batch).as_text())
+    program = step.lower(state, batch).as_text()
+    dots = matmul_dtypes(program)
     assert len(dots) >= 10
     for operands, _ in dots:
         assert set(operands) == {"bf16"}, dots
+    assert "scatter" not in program  # the embedding is a one-hot matmul (see the example)
 
 
 def test_per_layer_numerics_on_an_nnx_model_record_nothing_and_harm_nothing(tmp_path):

@@ -14,8 +14,9 @@ from conftest import matmul_dtypes
 from mptrain.models import layers, transformer_lm
 
 NUM_LAYERS = 2
-# Per block: qkv, scores, probs @ v, attention out, mlp in, mlp out; plus the logits.
-NUM_MATMULS = 6 * NUM_LAYERS + 1
+# Per block: qkv, scores, probs @ v, attention out, mlp in, mlp out; plus the one-hot
+# embedding and the logits.
+NUM_MATMULS = 6 * NUM_LAYERS + 2
 
 
 def _model(dtype=jnp.float32, **kwargs):
@@ -209,9 +210,37 @@ def test_gradient_matmuls_are_bf16_too(params):
 
     program = jax.jit(jax.grad(loss_fn)).lower(params).as_text()
     dots = matmul_dtypes(program)
-    # The embedding gradient is a scatter, not a matmul: every matmul has two gradient matmuls.
-    assert len(dots) == 3 * NUM_MATMULS, dots
+    # Every matmul has two gradient matmuls, except the one-hot embedding's: the one-hot
+    # matrix is no param, so only the table's gradient (one_hot.T @ grad) is computed.
+    assert len(dots) == 3 * NUM_MATMULS - 1, dots
     assert all(operands == ("bf16", "bf16") for operands, _ in dots), dots
+    # Nothing is scattered (a GPU would add with atomics: slow in bf16, never deterministic);
+    # read on the lowered program, since XLA:CPU's optimizer rewrites 16-bit scatters.
+    assert "scatter" not in program
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_embed_is_an_exact_lookup(one_hot):
+    table = jax.random.normal(jax.random.key(0), (300, 8))
+    ids = jax.random.randint(jax.random.key(1), (2, 5), 0, 300)
+    rows = layers.embed(table, ids, jnp.bfloat16, one_hot=one_hot)
+    assert rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(rows, table.astype(jnp.bfloat16)[ids])
+    grad = jax.grad(lambda t: jnp.sum(layers.embed(t, ids, jnp.float32, one_hot) ** 2))(table)
+    np.testing.assert_allclose(grad, jax.grad(lambda t: jnp.sum(t[ids] ** 2))(table), rtol=1e-6)
+
+
+def test_embed_scatters_only_large_vocabularies_and_in_the_tables_dtype():
+    def program(vocab, table_dtype):
+        ids = jnp.zeros((2, 5), jnp.int32)
+        loss = lambda t: jnp.sum(layers.embed(t, ids, jnp.bfloat16).astype(jnp.float32))
+        table = jnp.zeros((vocab, 8), table_dtype)
+        return jax.jit(jax.grad(loss)).lower(table).as_text()
+
+    assert "scatter" not in program(layers.ONE_HOT_MAX_VOCAB, jnp.bfloat16)
+    large = [line for line in program(layers.ONE_HOT_MAX_VOCAB + 1, jnp.float32).splitlines()
+             if "scatter" in line]  # fmt: skip
+    assert large and all("bf16" not in line for line in large), large  # gathered, then cast
 
 
 @pytest.mark.parametrize("spec", ["ij,jk->ik", "bqhd,bkhd->bhqk", "aby,yz->abz"])

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import mptrain
+from mptrain.models import layers
 
 
 class Block(nnx.Module):
@@ -44,6 +45,7 @@ class ByteLM(nnx.Module):
     """`int[B, T]` bytes -> `float32[B, T, 256]` logits of the next byte."""
 
     def __init__(self, d_model, num_layers, num_heads, d_ff, max_len, dtype, *, rngs: nnx.Rngs):
+        self.dtype = dtype
         self.embed = nnx.Embed(256, d_model, dtype=dtype, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, d_model)))
         self.blocks = nnx.List(
@@ -53,7 +55,9 @@ class ByteLM(nnx.Module):
         self.head = nnx.Linear(d_model, 256, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
-        x = self.embed(tokens)
+        # The lookup as a one-hot matmul: nnx.Embed's own gather would be differentiated into
+        # a scatter-add, which a GPU runs with atomics (slow in bf16, never deterministic).
+        x = layers.embed(self.embed.embedding[...], tokens, self.dtype)
         x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
         for block in self.blocks:
             x = block(x)

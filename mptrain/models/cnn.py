@@ -5,7 +5,8 @@ Two 3x3 convolutions with ReLU and 2x2 max pooling, then a hidden dense layer an
 
 Mixed precision: params arrive already cast to the compute dtype ``dtype``; every convolution
 and dense layer is built with ``dtype=self.dtype`` so it runs in it. Max pooling does no
-arithmetic, so it is exact in any dtype. The fp32 island is the logits (``layers.logits_f32``):
+arithmetic, so it is exact in any dtype; it is a reshape and a max, whose gradient is a select,
+rather than ``nn.max_pool``, whose gradient is a select-and-scatter (atomics on a GPU). The fp32 island is the logits (``layers.logits_f32``):
 they leave the model as fp32, so the softmax and the loss never run in 16 bits.
 
 ``model_config`` keys: ``features`` (channels of each conv layer, default ``(32, 64)``),
@@ -27,6 +28,13 @@ from mptrain.models import layers
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.lecun_normal())
 
 
+def max_pool_2x2(x: jax.Array) -> jax.Array:
+    """2x2 max pooling with stride 2 (VALID: an odd last row or column is dropped)."""
+    b, h, w, c = x.shape
+    x = x[:, : h // 2 * 2, : w // 2 * 2]
+    return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
 class CNN(nn.Module):
     """``float[B, H, W, C]`` images -> ``float32[B, num_classes]`` logits."""
 
@@ -44,7 +52,7 @@ class CNN(nn.Module):
             x = nn.Conv(
                 features, (3, 3), dtype=self.dtype, kernel_init=_conv_init, name=f"conv_{i}"
             )(x)
-            x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = max_pool_2x2(nn.relu(x))
         x = x.reshape(x.shape[0], -1)
         x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, name="dense")(x))
         return layers.logits_f32(x, self.num_classes, self.dtype)

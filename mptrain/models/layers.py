@@ -20,6 +20,15 @@ where the model goes on after one, the helper ends with the cast back to ``dtype
   * ``cross_entropy`` and ``classification_metrics``: the loss, computed from fp32 logits, so the
     softmax and the log never run in 16 bits, whatever dtype the logits arrive in.
 
+Two helpers keep scatters out of the step, since a GPU runs a scatter-add with atomics: slow in
+16 bits and nondeterministic in any dtype, which would break bit-identical runs and resumes:
+
+  * ``embed`` (and the linen ``Embed``): a token lookup whose gradient is a matmul. For small
+    vocabularies it multiplies a one-hot matrix by the table; for large ones it gathers from the
+    table in whatever dtype it comes in and casts the rows after;
+  * ``cross_entropy`` picks each target's logit with a compare-and-select over the vocabulary
+    instead of ``take_along_axis``, whose gradient would be a scatter into the logits.
+
 ``kernel_init_as_matrix`` is no fp32 island: it makes conv kernel initialisation compile fast.
 ``Dtype`` is the models' annotation for a dtype.
 """
@@ -34,7 +43,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from mptrain import sharding
 
@@ -137,9 +145,16 @@ def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy in nats over integer ``targets``, computed from fp32 logits."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return jnp.mean(losses)
+    """Mean cross-entropy in nats over integer ``targets``, computed from fp32 logits.
+
+    ``logsumexp(logits) - logits[target]``, the target's logit taken by a select over the
+    vocabulary (exact: one term is non-zero), so the gradient is elementwise and XLA fuses it;
+    a gather (``take_along_axis``) would be differentiated into a scatter.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
 def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
@@ -148,6 +163,43 @@ def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, j
     loss = cross_entropy(logits, targets)
     accuracy = (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean()
     return {"loss": loss, "accuracy": accuracy}
+
+
+# A one-hot lookup costs 2 * vocab * features FLOPs per token each way, what an LM head of that
+# vocabulary costs; up to this size that is a few percent of a transformer step, and it buys a
+# deterministic, atomics-free gradient. Above it, a gather is cheaper.
+ONE_HOT_MAX_VOCAB = 4096
+
+
+def embed(table: jax.Array, ids: jax.Array, dtype: Dtype, one_hot: bool | None = None):
+    """Rows ``table[ids]`` in ``dtype``, differentiable in ``table`` without a scatter-add.
+
+    ``one_hot`` (default: vocabulary <= ``ONE_HOT_MAX_VOCAB``): ``one_hot(ids) @ table`` with
+    ``dtype`` operands. The forward pass is exact (each output sums one row times 1.0 and zeros)
+    and the table's gradient is the matmul ``one_hot.T @ grad``: no atomics, the same bits on
+    every run. Otherwise the rows are gathered from the table as it comes (fp32 when the step
+    keeps embeddings in fp32) and cast after, so the gradient accumulates in the table's dtype.
+    """
+    vocab = table.shape[0]
+    if one_hot if one_hot is not None else vocab <= ONE_HOT_MAX_VOCAB:
+        return jax.nn.one_hot(ids, vocab, dtype=dtype) @ table.astype(dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+class Embed(nn.Module):
+    """``nn.Embed``'s lookup (same param name, ``embedding``) through ``embed``: no scatter."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    embedding_init: Any = nn.initializers.normal(stddev=1.0)
+    one_hot: bool | None = None
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        shape = (self.num_embeddings, self.features)
+        table = self.param("embedding", self.embedding_init, shape)
+        return embed(table, ids, self.dtype, self.one_hot)
 
 
 def kernel_init_as_matrix(init: Any) -> Any:

@@ -134,7 +134,8 @@ class TransformerLM(nn.Module):
         if length > self.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
         init = nn.initializers.normal(stddev=0.02)
-        x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype, embedding_init=init)(tokens)
+        # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
+        x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
         positions = self.param("pos_embedding", init, (self.max_len, self.d_model))
         x = x + positions[:length].astype(self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
