@@ -63,6 +63,51 @@ def distributed_args(config) -> tuple[str, int, int] | None:
     return address, count, index
 
 
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover (a JAX without it: assume the worst)
+        return True
+    return xla_bridge.backends_are_initialized()
+
+
+def set_determinism(config) -> None:
+    """With `config.deterministic`, asks XLA for run-to-run deterministic GPU kernels.
+
+    The zoo's steps use no atomics (no scatters), so they repeat bit for bit without it; a
+    model that gathers from a table or max-pools with `nn.max_pool` is differentiated into
+    scatters, which a GPU adds with atomics in whatever order threads arrive. XLA's flag
+    (`--xla_gpu_deterministic_ops`) makes those deterministic, at a cost in speed. XLA reads
+    `XLA_FLAGS` once, when JAX starts its backends, so this must run before anything touches a
+    device; if a GPU backend is already up without the flag, that is a `ValueError` naming the
+    key. CPU and
+    TPU programs are deterministic as they are.
+    """
+    if not config.get("deterministic", False):
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops=false" in flags:
+        raise ValueError(f"deterministic=True contradicts XLA_FLAGS={flags!r}: drop one of them")
+    if "xla_gpu_deterministic_ops" in flags:
+        return
+    if not _backends_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
+    elif jax.default_backend() == "gpu":
+        raise ValueError(
+            "deterministic=True: JAX's GPU backend started before mptrain could set XLA's "
+            f"flag; start Python with XLA_FLAGS={DETERMINISTIC_FLAG} instead"
+        )
+
+
+def start_backend(config) -> None:
+    """What must happen before anything touches a device: XLA's flags, then jax.distributed."""
+    set_determinism(config)
+    initialize_distributed(config)
+
+
 def initialize_distributed(config) -> None:
     """Starts `jax.distributed` once, before anything touches a device.
 
@@ -121,7 +166,7 @@ def run(config, workdir: str | os.PathLike):
     from mptrain import config as config_lib
 
     try:
-        initialize_distributed(config)
+        start_backend(config)
     except ValueError as e:
         raise errors.ConfigError(f"config.{e}") from None
     config_lib.validate(config)

@@ -1,16 +1,19 @@
 """The config keys are part of the contract: they change only on purpose."""
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from mptrain import config as config_lib
-from mptrain import optim, sharding, train_state
+from mptrain import optim, runtime, sharding, train_state
 
 KEYS = {
     "seed", "precision", "trainer", "num_train_steps", "batch_size", "log_every_steps",
     "eval_every_steps", "eval_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
-    "max_consecutive_skips", "param_rounding",
+    "max_consecutive_skips", "param_rounding", "deterministic",
     "loss_scale.kind", "loss_scale.init_scale", "loss_scale.growth_interval",
     "loss_scale.growth_factor", "loss_scale.backoff_factor", "loss_scale.min_scale",
     "loss_scale.max_scale", "loss_scale.hysteresis",
@@ -115,3 +118,26 @@ def test_bad_distributed_settings_name_the_key(values, named):
     config.distributed.update(values)
     with pytest.raises(config_lib.ConfigError, match=re.escape(named)):
         config_lib.validate(config)
+
+
+def test_deterministic_sets_xlas_flag_before_the_backend_starts():
+    code = (
+        "import os, jax; from mptrain import config, runtime; c = config.base_config(); "
+        "c.deterministic = True; runtime.start_backend(c); print(jax.numpy.ones(2).sum()); "
+        "print(os.environ['XLA_FLAGS'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr  # XLA knows the flag on every backend
+    assert out.stdout.split() == ["2.0", runtime.DETERMINISTIC_FLAG]
+
+
+def test_deterministic_after_a_cpu_backend_started_changes_nothing():
+    import jax
+
+    jax.numpy.ones(1).block_until_ready()  # the backend is up: XLA_FLAGS is read already
+    before = os.environ.get("XLA_FLAGS")
+    config = config_lib.base_config()
+    config.deterministic = True
+    runtime.set_determinism(config)  # CPU programs are deterministic as they are
+    assert os.environ.get("XLA_FLAGS") == before
