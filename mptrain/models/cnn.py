@@ -6,8 +6,9 @@ Two 3x3 convolutions with ReLU and 2x2 max pooling, then a hidden dense layer an
 Mixed precision: params arrive already cast to the compute dtype ``dtype``; every convolution
 and dense layer is built with ``dtype=self.dtype`` so it runs in it. Max pooling does no
 arithmetic, so it is exact in any dtype; it is a reshape and a max, whose gradient is a select,
-rather than ``nn.max_pool``, whose gradient is a select-and-scatter (atomics on a GPU). The fp32 island is the logits (``layers.logits_f32``):
-they leave the model as fp32, so the softmax and the loss never run in 16 bits.
+rather than ``nn.max_pool``, whose gradient is a select-and-scatter (atomics on a GPU). The fp32
+island is the logits (``layers.logits_f32``): they leave the model as fp32, so the softmax and
+the loss never run in 16 bits.
 
 ``model_config`` keys: ``features`` (channels of each conv layer, default ``(32, 64)``),
 ``hidden`` (dense width, default 256), ``num_classes`` (default 10).
