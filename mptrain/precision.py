@@ -1,4 +1,4 @@
-"""Precision policies, dtype names, fp32 upcasting and stochastic rounding: one home for each.
+"""Precision policies, dtype names, fp32 upcasting and rounding rules: one home for each.
 
 A `Policy` says which dtype params are stored in, computed in, and returned in. It is a small
 frozen dataclass, hashable so that it can sit in a static field of the `TrainState` and be part
@@ -117,6 +117,29 @@ def get_policy(spec: str | Policy) -> Policy:
     if missing:
         raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
     return Policy(found["params"], found["compute"], found["output"])
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` rounded to the nearest value of the narrower float `dtype`, kept in `x`'s dtype.
+
+    The same numbers as `x.astype(dtype).astype(x.dtype)`, but that round trip is one XLA may
+    drop when it allows excess precision (XLA:GPU's default), and a trick that needs the rounded
+    value itself, such as Kahan's compensation, would then silently do nothing. Rounding with
+    `reduce_precision` is an operation of its own that no compiler pass removes.
+    """
+    info = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp < jnp.finfo(x.dtype).nexp:
+        # reduce_precision flushes the narrower type's subnormals to zero where a cast keeps
+        # them; they sit on one evenly spaced grid, so round them there (scaling by a power of
+        # two is exact, and jnp.round breaks ties to even as the cast does)
+        step = float(info.smallest_subnormal)
+        tiny = jnp.abs(x) < float(info.smallest_normal)
+        rounded = jnp.where(tiny, jnp.round(x / step) * step, rounded)
+    return rounded
 
 
 # --------------------------------------------------------------------------- stochastic rounding

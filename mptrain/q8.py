@@ -108,17 +108,24 @@ def zeros(shape: tuple[int, ...], kind: str, block_size: int = BLOCK_SIZE) -> Q8
 
 
 def _round_to_code(y: jax.Array, key: jax.Array | None) -> jax.Array:
-    """`y` (fp32, |y| <= 448) to e4m3: to nearest, or stochastically with `key`: up or down to
-    the neighbouring codes with probability given by the distance to each."""
-    if key is None:
-        return y.astype(_CODE)
+    """`y` (fp32, |y| <= 448) to e4m3: to nearest (ties to even), or stochastically with `key`:
+    up or down to the neighbouring codes with probability given by the distance to each.
+
+    Both round in fp32 onto the codes' grid, so the final cast is exact. Left to the cast, the
+    rounding could vanish where the codes are read back in the same program: XLA folds the
+    uint8 bitcasts away, and a compiler allowed excess precision may then skip the remaining
+    fp32 -> e4m3 -> fp32 round trip (XLA:GPU's default)."""
     magnitude = jnp.abs(y)
-    exponent = jnp.frexp(jnp.maximum(magnitude, 2.0**_CODE_MIN_EXPONENT))[1] - 1  # exact
-    # the spacing of codes around y: 2^(exponent - 3) in the normal range, 2^-9 below it
-    step = jnp.exp2(jnp.maximum(exponent - _MANTISSA_BITS, _CODE_MIN_EXPONENT))
-    noise = jax.random.uniform(key, y.shape, jnp.float32)
-    rounded = jnp.minimum(jnp.floor(magnitude / step + noise) * step, _CODE_MAX)
-    return (jnp.sign(y) * rounded).astype(_CODE)
+    # the spacing of codes around y: 2^(exponent - 3) in the normal range, 2^-9 below it; the
+    # power of two is y's own with the mantissa bits cleared, exact on every backend
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32) & jnp.uint32(0x7F800000)
+    power = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    step = jnp.maximum(power * 2.0**-_MANTISSA_BITS, 2.0**_CODE_MIN_EXPONENT)
+    if key is None:
+        steps = jnp.round(magnitude / step)  # ties to even, as a cast would
+    else:
+        steps = jnp.floor(magnitude / step + jax.random.uniform(key, y.shape, jnp.float32))
+    return (jnp.sign(y) * jnp.minimum(steps * step, _CODE_MAX)).astype(_CODE)
 
 
 def quantize(

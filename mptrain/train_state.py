@@ -138,12 +138,13 @@ class TrainState(train_state.TrainState):
         else:  # kahan: carry the part of each update that rounding dropped into the next one
             dtype = self.policy.param_dtype
             wanted = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates, compensation)
-            params = jax.tree.map(lambda p, w: (p + w).astype(dtype), params32, wanted)
+            # The new params are rounded explicitly and kept in fp32 for the compensation: a
+            # cast to 16 bits and back is a round trip a compiler allowed excess precision may
+            # skip (XLA:GPU's default), and the compensation would then always come out zero.
+            new = jax.tree.map(lambda p, w: precision.round_to(p + w, dtype), params32, wanted)
+            params = jax.tree.map(lambda n: n.astype(dtype), new)  # exact: already rounded
             compensation = jax.tree.map(
-                lambda new, old, w: (w - (new.astype(jnp.float32) - old)).astype(dtype),
-                params,
-                params32,
-                wanted,
+                lambda n, old, w: (w - (n - old)).astype(dtype), new, params32, wanted
             )
         return self.replace(
             params=params, opt_state=opt_state, param_compensation=compensation, **kwargs

@@ -1,23 +1,106 @@
-"""16-bit params and updates below their resolution: nearest loses them, the others do not."""
+"""16-bit params and updates below their resolution: nearest loses them, the others do not.
+
+The tricks are tested through the compiled step, as the trainer runs it, and once more with the
+program rewritten the way a compiler allowed excess precision may rewrite it (`drop_round_trips`):
+XLA:GPU does by default, XLA:CPU only in some places, so the rewrite makes the hazard the same on
+every backend instead of leaving it to the one the tests happen to run on.
+"""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.extend import core as jex
 
 import mptrain
 from mptrain import precision
 
+POLICIES = {jnp.bfloat16: "bf16-pure", jnp.float16: "params=float16,compute=float16,output=float32"}
 
-def _run(rounding, steps=200, lr=1e-4):
-    # w = 1.0 in bf16 has a spacing of 2**-7 = 0.0078; each sgd update is 1e-4 (grad of sum(w)
-    # is 1), far below half of that, so round-to-nearest never moves the weight.
+
+_TRIPS = {  # the two ways out of a dtype that a compiler may find a way back from
+    jex.primitives.convert_element_type_p: "convert",
+    jex.primitives.bitcast_convert_type_p: "bitcast",
+}
+_CALLS = (jex.primitives.jit_p, jex.primitives.closed_call_p)
+
+
+def drop_round_trips(fn):
+    """`fn` as a compiler allowed excess precision may compile it: a float round trip through a
+    narrower type (fp32 -> bf16 -> fp32) becomes the fp32 value it started from, which XLA:GPU
+    does by default, and a pair of bitcasts that undo each other goes too, as every backend's
+    simplifier does. Rewrites the traced program; jit the result to compile it."""
+
+    def run(jaxpr, consts, args):
+        # Every value travels as (value, came_from): came_from is (trip, (value, came_from)) of
+        # the value a narrowing convert or a bitcast made this one from, else None.
+        env = dict(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: (v.val, None) if isinstance(v, jex.Literal) else env[v]
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            trip = _TRIPS.get(eqn.primitive)
+            came_from = ins[0][1] if trip else None
+            if eqn.primitive in _CALLS:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                outs = run(inner.jaxpr, inner.consts, ins)
+            elif (
+                came_from
+                and came_from[0] == trip
+                and (came_from[1][0].dtype == eqn.outvars[0].aval.dtype)
+            ):
+                outs = [came_from[1]]  # the way back: the value from before the way out
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                outs = eqn.primitive.bind(*[x for x, _ in ins], **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+                narrowed = trip == "convert" and _narrower(outs[0].dtype, ins[0][0].dtype)
+                made = (trip, ins[0]) if narrowed or trip == "bitcast" else None
+                outs = [(x, made) for x in outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    def rewritten(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = run(closed.jaxpr, closed.consts, [(x, None) for x in jax.tree.leaves(args)])
+        return jax.tree.unflatten(jax.tree.structure(shapes), [x for x, _ in outs])
+
+    return rewritten
+
+
+def _narrower(a, b) -> bool:
+    floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+    return floats and jnp.finfo(a).bits < jnp.finfo(b).bits
+
+
+COMPILERS = {"jit": lambda f: f, "jit-dropping-round-trips": drop_round_trips}
+
+
+def test_dropping_round_trips_does_what_xla_gpu_may_do():
+    x = jnp.asarray([1.0 + 2**-9, 3.0], jnp.float32)  # the first is no bf16 value
+    trip = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    bits = lambda x: jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32), x.dtype
+    )
+    with jax.disable_jit():  # op by op, every cast rounds
+        np.testing.assert_array_equal(trip(x), [1.0, 3.0])
+    np.testing.assert_array_equal(jax.jit(drop_round_trips(trip))(x), x)
+    np.testing.assert_array_equal(jax.jit(drop_round_trips(lambda x: trip(bits(x))))(x), x)
+    explicit = lambda x: precision.round_to(x, jnp.bfloat16)
+    np.testing.assert_array_equal(jax.jit(drop_round_trips(explicit))(x), [1.0, 3.0])
+
+
+def _run(rounding, dtype=jnp.bfloat16, steps=200, compiler="jit"):
+    # w = 1.0 and each sgd update (the grad of sum(w) is 1) is eps/64: far below half of the
+    # spacing of 16-bit values around 1.0 (eps/2 below it), so round-to-nearest never moves w.
     state = mptrain.TrainState.create(
         apply_fn=None,
         params={"w": jnp.ones((4096,))},
-        tx=optax.sgd(lr),
-        policy="bf16-pure",
+        tx=optax.sgd(float(jnp.finfo(dtype).eps) / 64),
+        policy=POLICIES[dtype],
         param_rounding=rounding,
         rng=0,
     )
@@ -25,7 +108,8 @@ def _run(rounding, steps=200, lr=1e-4):
     def loss_fn(params, model_state, batch, rng):
         return jnp.sum(params["w"].astype(jnp.float32)), (model_state, {})
 
-    step = jax.jit(mptrain.make_train_step(loss_fn))
+    # compiled as the trainer compiles it: the whole step, the state donated
+    step = jax.jit(COMPILERS[compiler](mptrain.make_train_step(loss_fn)), donate_argnums=0)
     for _ in range(steps):
         state, _ = step(state, {})
     return state
@@ -36,16 +120,43 @@ def test_nearest_loses_small_updates():
     assert w.dtype == jnp.bfloat16 and np.all(np.asarray(w, np.float32) == 1.0)
 
 
-@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
-def test_stochastic_and_kahan_keep_small_updates(rounding):
-    state = _run(rounding)
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize(
+    "rounding, dtype",
+    [("stochastic", jnp.bfloat16), ("kahan", jnp.bfloat16), ("kahan", jnp.float16)],
+    ids=["stochastic-bf16", "kahan-bf16", "kahan-fp16"],
+)
+def test_stochastic_and_kahan_keep_small_updates(rounding, dtype, compiler):
+    state = _run(rounding, dtype, compiler=compiler)
+    eps = float(jnp.finfo(dtype).eps)
     w = np.asarray(state.params["w"], np.float32)
-    assert state.params["w"].dtype == jnp.bfloat16
-    expected = 1.0 - 200 * 1e-4  # 0.98
-    assert abs(w.mean() - expected) < 1e-3  # unbiased on average
-    if rounding == "kahan":  # the compensation holds what the bf16 params could not
+    assert state.params["w"].dtype == dtype
+    expected = 1.0 - 200 * eps / 64  # six 16-bit values below 1.0, where they are eps/2 apart
+    if rounding == "stochastic":  # unbiased: right on average (the noise of the mean is ~eps/50)
+        assert abs(w.mean() - expected) < eps / 8
+    else:  # each weight is the 16-bit value nearest the sum, and the compensation holds the rest
+        assert np.all(np.abs(w - expected) <= eps / 4)  # half the spacing below 1.0
         total = w + np.asarray(state.param_compensation["w"], np.float32)
-        np.testing.assert_allclose(total, expected, atol=5e-4)  # bf16 compensation
+        np.testing.assert_allclose(total, expected, atol=eps / 64)  # within one update
+
+
+@pytest.mark.parametrize("dtype", POLICIES)
+def test_kahan_rounds_explicitly_in_the_compiled_program(dtype):
+    """The rounding Kahan's compensation is computed from is a `reduce-precision` op, which no
+    compiler pass removes, rather than a cast round trip, which excess precision may remove."""
+    state = mptrain.TrainState.create(
+        apply_fn=None,
+        params={"w": jnp.ones((256,))},
+        tx=optax.sgd(1e-3),
+        policy=POLICIES[dtype],
+        param_rounding="kahan",
+    )
+    grads = {"w": jnp.ones((256,))}
+    hlo = jax.jit(lambda s, g: s.apply_gradients(grads=g)).lower(state, grads).compile().as_text()
+    info = jnp.finfo(dtype)
+    assert re.search(
+        rf"reduce-precision\(.*exponent_bits={info.nexp}, mantissa_bits={info.nmant}", hlo
+    )
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():

@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,3 +63,17 @@ def test_casting_touches_only_floating_leaves():
     np.testing.assert_array_equal(out["ids"], tree["ids"])
     assert policy.cast_to_param(out)["x"].dtype == jnp.float32
     assert policy.cast_to_output(out)["h"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_round_to_gives_the_numbers_of_a_cast(dtype):
+    info = jnp.finfo(dtype)
+    bits = np.random.default_rng(0).integers(0, 2**32, 200_000, dtype=np.uint64)
+    x = bits.astype(np.uint32).view(np.float32)  # every kind of fp32 number, nan and inf too
+    ties = (np.arange(-2000, 2000) + 0.5) * float(info.smallest_subnormal)  # among subnormals
+    x = np.concatenate([x, ties, [np.inf, -np.inf, 0.0, -0.0]], dtype=np.float32)
+    got = np.asarray(jax.jit(lambda x: precision.round_to(x, dtype))(x))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(dtype).astype(np.float32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert np.all(same), x[~same][:5]

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_trees_bytes_equal, plain_orbax_state, run_cli, tiny_config
+from param_rounding_test import COMPILERS
 
 import mptrain
 from mptrain import audit, optim, q8
@@ -49,16 +50,28 @@ def test_round_trip_error_is_bounded_in_every_block(kind, stochastic):
     assert np.all(err <= bound)
 
 
-def test_stochastic_codes_are_unbiased():
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("kind", q8.KINDS)
+def test_a_compiled_round_trip_rounds_as_the_op_by_op_one(kind, compiler, stochastic):
+    """Quantized and read back in one program, the codes must still round: XLA folds the uint8
+    bitcasts, and a compiler allowed excess precision may then skip a cast's rounding."""
+    values = _decades((8, 512))
+    values = np.abs(values) if kind == "sqrt" else values
+    key = jax.random.key(3) if stochastic else None
+    trip = lambda x: q8.dequantize(q8.quantize(x, kind, key=key))
+    with jax.disable_jit():  # op by op: every cast rounds
+        want = np.asarray(trip(values))
+    np.testing.assert_array_equal(jax.jit(COMPILERS[compiler](trip))(values), want)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_stochastic_codes_are_unbiased(compiler):
     x = jnp.full((256,), 0.0, jnp.float32).at[0].set(1.0).at[1:].set(0.3)  # 0.3: between codes
-    means = np.mean(
-        [
-            np.asarray(q8.dequantize(q8.quantize(x, "signed", key=jax.random.key(i))))
-            for i in range(400)
-        ],
-        axis=0,
-    )
-    nearest = np.asarray(q8.dequantize(q8.quantize(x, "signed")))
+    compiled = lambda fn: jax.jit(COMPILERS[compiler](fn))
+    trip = compiled(lambda x, key: q8.dequantize(q8.quantize(x, "signed", key=key)))
+    means = np.mean([np.asarray(trip(x, jax.random.key(i))) for i in range(400)], axis=0)
+    nearest = np.asarray(compiled(lambda x: q8.dequantize(q8.quantize(x, "signed")))(x))
     assert abs(nearest[1] - 0.3) > 3e-3  # rounded to nearest, 0.3 is off by 0.4% ...
     assert abs(means[1:].mean() - 0.3) < 3e-4  # ... stochastically, right on average
 
