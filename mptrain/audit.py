@@ -2,14 +2,17 @@
 
 `precision_report(fn, *args)` answers "is my step really running in bf16?": the FLOPs of every
 matmul and convolution by operand dtype (with the source lines of those not in the compute
-dtype), the collectives by op and dtype, the converts, the fp32 islands, the state's bytes per
-parameter and the unsafe-setup warnings. Its parts are usable alone: `collectives` reads a
-compiled program, `state_bytes_per_param` measures the persistent state from the arrays, and
-`setup_warnings` names each config choice that quietly loses training signal.
+dtype), the collectives by op and dtype, the converts, the fp32 islands, the GPU hazards (the
+scatters and 16-bit sums across devices that a GPU runs slowly or nondeterministically, see
+`hlo`), the state's bytes per parameter and the unsafe-setup warnings. Its parts are usable
+alone: `collectives` reads a compiled program, `state_bytes_per_param` measures the persistent
+state from the arrays, and `setup_warnings` names each config choice that quietly loses
+training signal.
 
-The FLOPs are counted on the program JAX traces (its jaxpr, backward pass included), not on the
-compiled one: that is the program the user wrote, and on CPU XLA rewrites every bf16 matmul as
-an fp32 one, which would hide exactly what the report is for.
+The FLOPs and the hazards are found in the program JAX traces (its jaxpr, backward pass
+included), not in the compiled one: that is the program the user wrote, and on CPU XLA rewrites
+every bf16 matmul, scatter and cross-device sum as an fp32 one, which would hide exactly what
+the report is for.
 """
 
 from __future__ import annotations
@@ -17,74 +20,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import loss_scale, numerics, optim, precision, train_state
+from mptrain import hlo, loss_scale, numerics, optim, precision, train_state
 
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\((.*)$"
-)
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-
-
-def _array_bytes(text: str) -> list[tuple[str, int]]:
-    """(dtype, bytes) of every array type written in `text`, e.g. `f32[128,64]{1,0}`."""
-    found = []
-    for dtype, dims in _ARRAY.findall(text):
-        size = np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)
-        bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
-        found.append((dtype, int(size) * bits // 8))
-    return found
-
-
-def _group_size(attributes: str) -> int | None:
-    """Devices per replica group, from any of XLA's ways to write them: listed
-    (`{{0,1},{2,3}}`), iota (`[2,2]<=[4]`) or mesh axes (`mesh['axis_0'=2,'axis_1'=4] ...
-    {'axis_1'}`); None when none of them is there (`{}`: all devices)."""
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
-    if listed:
-        return len(listed.group(1).split(","))
-    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", attributes)
-    if iota:
-        return int(iota.group(1))
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attributes)
-    if mesh:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2))]))
-    return None
-
-
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """`{op: {dtype: bytes}}` of the collectives in an HLO module's text (`compiled.as_text()`).
-
-    The bytes are those of the whole logical tensor each op handles: an all-reduce's operand, a
-    reduce-scatter's (unscattered) operand, an all-gather's (gathered) result; a combined op
-    counts each of its tensors. Async pairs count once (their `-start`); ops whose replica
-    groups hold one device each move nothing and are left out. The dtypes are HLO's (`f32`,
-    `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
-    """
-    found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match:
-            continue
-        result, op, operands = match.groups()
-        if _group_size(operands) == 1 and op != "collective-permute":
-            continue  # each device alone in its group: nothing moves
-        if op == "reduce-scatter":  # operands are printed as names: scale the result back up
-            parts = _group_size(operands) or 1
-            sizes = [(dtype, size * parts) for dtype, size in _array_bytes(result)]
-        else:
-            sizes = _array_bytes(result)
-        for dtype, size in sizes:
-            found[op][dtype] += size
-    return {op: dict(by_dtype) for op, by_dtype in found.items()}
+# The HLO reading lives in `hlo`; these names stay here for the code that calls them.
+COLLECTIVES = hlo.COLLECTIVES
+collectives = hlo.collectives
+Hazard = hlo.Hazard
 
 
 def _nbytes(x: Any) -> int:
@@ -209,13 +156,18 @@ _FRAMEWORK = tuple(f"mptrain/{m}.py" for m in ("step", "optim", "sharding", "los
 _FRAMEWORK += tuple(f"mptrain/{m}.py" for m in ("train_state", "precision", "metrics", "trainer"))
 
 
-def _where(eqn) -> str:
+def _where(eqn, outer: str = "?") -> str:
     """`file.py:line` of the first frame outside installed libraries that made `eqn` (for
-    backward ops, the line of the forward op), e.g. the model line that called a LayerNorm."""
+    backward ops, the line of the forward op), e.g. the model line that called a LayerNorm.
+
+    An op inside a library's own jit (`jnp.take`'s gather, and its scatter-add gradient) sees
+    only the library's frames: it gets `outer`, the place of the op that holds it."""
     from jax._src import source_info_util
 
     frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     frame = next((f for f in frames if not any(lib in f.file_name for lib in _LIBRARIES)), None)
+    if frame is None and outer != "?":
+        return outer
     frame = frame or (frames[0] if frames else None)
     if frame is None:
         return "?"
@@ -263,7 +215,8 @@ class PrecisionReport:
     {dtype: bytes}}` from the compiled program. `converts`: `{"float32->bfloat16": n}`.
     `islands`: `{file:line: sorted primitives}` that run in fp32 under a 16-bit compute dtype
     (softmax, norms, reductions, the loss). `state_bytes`: bytes per parameter by part of the
-    `TrainState` among the arguments. `warnings`: what quietly loses signal.
+    `TrainState` among the arguments. `warnings`: what quietly loses signal. `hazards`: every
+    scatter and 16-bit sum across devices (`Hazard`), the 16-bit ones first.
     """
 
     compute_dtype: str
@@ -274,6 +227,7 @@ class PrecisionReport:
     islands: dict[str, list[str]]
     state_bytes: dict[str, float]
     warnings: list[str]
+    hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
 
     @property
     def compute_fraction(self) -> float:
@@ -298,6 +252,10 @@ class PrecisionReport:
             lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
         if not self.collectives:
             lines.append("  none")
+        lines += ["", "GPU hazards (scatters; 16-bit sums across devices):"]
+        for h in self.hazards:
+            lines.append(f"  {h.kind:<16} {h.op:<22} {h.dtype:<9} x{h.count:<4} {h.where}")
+        lines += [] if self.hazards else ["  none"]
         lines += ["", "converts: " + (", ".join(f"{k} {v}" for k, v in self.converts.items()))]
         lines += ["", "fp32 islands:"]
         lines += [f"  {where}  {', '.join(ops)}" for where, ops in self.islands.items()]
@@ -338,7 +296,7 @@ def make_report(
     """The report from a traced program's jaxpr and its compilation (a run has both already).
 
     Under a 16-bit compute dtype a warning names the matmuls outside it when they take more
-    than 5% of the FLOPs.
+    than 5% of the FLOPs; every 16-bit hazard gets a warning naming its line and its fix.
     """
     from mptrain import train_state as train_state_lib
 
@@ -348,28 +306,44 @@ def make_report(
     by_line: dict[tuple[str, str], int] = collections.Counter()
     converts: dict[str, int] = collections.Counter()
     islands: dict[str, set] = collections.defaultdict(set)
+    hazards: dict[tuple[str, str, str, str], int] = collections.Counter()
 
-    def walk(jaxpr, times):
+    def walk(jaxpr, times, outer):
         for eqn in jaxpr.eqns:
             if numerics.REPLAY in str(eqn.source_info.name_stack):
                 continue  # measures log and skipped steps only: not an ordinary step's work
             name = eqn.primitive.name
             if name in ("dot_general", "conv_general_dilated"):
                 dtype = np.dtype(eqn.invars[0].aval.dtype).name
-                by_line[(_where(eqn), dtype)] += times * _matmul_flops(eqn)
+                by_line[(_where(eqn, outer), dtype)] += times * _matmul_flops(eqn)
             elif name == "convert_element_type":
                 old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
                 floats = jnp.issubdtype(old, jnp.floating) and jnp.issubdtype(new, jnp.floating)
                 if floats and np.dtype(old) != np.dtype(new):
                     converts[f"{np.dtype(old).name}->{np.dtype(new).name}"] += times
             elif name in _ISLAND_OPS and compute != "float32" and _is_f32(eqn.invars[0]):
-                where = _where(eqn)  # the model's and the loss's, not the optimizer's
+                where = _where(eqn, outer)  # the model's and the loss's, not the optimizer's
                 if not any(part in where for part in _FRAMEWORK):
                     islands[where].add(name)
+            elif name in hlo.SCATTERS:
+                dtype = np.dtype(eqn.invars[0].aval.dtype)  # the updates' dtype too
+                kind = hlo.scatter_kind(name, dtype, eqn.params)
+                hazards[(name, dtype.name, _where(eqn, outer), kind)] += times
+            elif name in hlo.TRACED_SUMS:  # one psum may sum several arrays
+                dtypes = {np.dtype(v.aval.dtype).name for v in eqn.invars}
+                for dtype in sorted(d for d in dtypes if hlo.is_16_bit(d)):
+                    hazards[(name, dtype, _where(eqn, outer), "16-bit")] += times
             for inner, more in _subjaxprs(eqn):
-                walk(inner, times * more)
+                walk(inner, times * more, _where(eqn, outer))
 
-    walk(getattr(jaxpr, "jaxpr", jaxpr), 1)
+    walk(getattr(jaxpr, "jaxpr", jaxpr), 1, "?")
+    text = compiled.as_text()
+    # A 16-bit sum in the compiled program that no traced psum explains came from XLA (a
+    # sharding's reduction, say): named by its op_name, as it has no source line.
+    traced = {dtype for op, dtype, _, _ in hazards if op in hlo.TRACED_SUMS}
+    for op, dtype, name in hlo.sixteen_bit_sums(text):
+        if dtype not in traced:
+            hazards[(op, dtype, name or "compiled program", "16-bit")] += 1
     flops: dict[str, int] = collections.Counter()
     for (_, dtype), value in by_line.items():
         flops[dtype] += value
@@ -377,12 +351,17 @@ def make_report(
         compute_dtype=compute,
         matmul_flops=dict(flops),
         matmuls=dict(by_line),
-        collectives=collectives(compiled.as_text()),
+        collectives=collectives(text),
         converts=dict(converts),
         islands={where: sorted(ops) for where, ops in sorted(islands.items())},
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
+        hazards=sorted(
+            (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),
+            key=lambda h: (hlo.KINDS.index(h.kind), -h.count, h.where),
+        ),
     )
+    report.warnings += [hlo.warning(h) for h in report.hazards if h.kind == "16-bit"]
     if compute != "float32" and report.compute_fraction < 0.95:
         where = "; ".join(f"{w} ({d}, {f:,} FLOPs)" for w, d, f in report.offenders()[:5])
         report.warnings.append(

@@ -1,8 +1,10 @@
-"""State bytes per parameter, measured from the arrays, and the unsafe-setup warnings."""
+"""State bytes per parameter, measured from the arrays, the unsafe-setup warnings, and the
+precision report: matmuls by dtype and line, and the GPU hazards (scatters, 16-bit sums)."""
 
 import logging
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from conftest import tiny_config
 
 import mptrain
-from mptrain import audit, metrics, optim
+from mptrain import audit, hlo, metrics, optim
 from mptrain import config as config_lib
 from mptrain.models import layers
 
@@ -115,11 +117,14 @@ class Fp32ReadoutTrainer(mptrain.Trainer):
         return layers.cross_entropy(mixed, batch["targets"]), (model_state, {})
 
 
-FP32_LINE = next(
-    i
-    for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
-    if "# the fp32 matmul" in line
-)
+def _line(marker):
+    """The number of this file's line that carries the comment `marker`."""
+    lines = Path(__file__).read_text().splitlines()
+    (number,) = [i for i, line in enumerate(lines, 1) if line.endswith(marker)]
+    return number
+
+
+FP32_LINE = _line("# the fp32 matmul")
 
 
 def test_an_fp32_matmul_is_counted_and_the_trainer_names_its_line(tmp_path, caplog):
@@ -155,3 +160,150 @@ def test_the_matmul_table_sums_to_a_hand_count_for_a_one_layer_mlp(tmp_path):
     assert sum(report.matmul_flops.values()) == 2 * macs
     assert report.matmul_flops == {"bfloat16": 2 * macs}
     assert f"{2 * macs:,}" in str(report) or str(2 * macs) in str(report)
+
+
+# ------------------------------------------------------------------------------- GPU hazards
+
+
+class TableLM(nn.Module):
+    """Looks tokens up in an embedding table, then a readout. `cast_rows`: gather from the
+    table in fp32 and cast the rows to bf16 (the table's gradient then accumulates in fp32);
+    otherwise from the bf16 table that the bf16-mixed step hands it."""
+
+    cast_rows: bool = False
+
+    @nn.compact
+    def __call__(self, ids, train=False):
+        embed = nn.Embed(256, 32)
+        if self.cast_rows:
+            table = embed.embedding.astype(jnp.float32)
+            rows = jnp.take(table, ids, axis=0).astype(jnp.bfloat16)  # the fp32 gather
+        else:
+            rows = embed(ids)  # the bf16 gather
+        return nn.Dense(256)(rows)
+
+
+class TableTrainer(mptrain.Trainer):
+    cast_rows = False
+
+    def build_model(self):
+        return TableLM(cast_rows=self.cast_rows)
+
+
+class CastRowsTrainer(TableTrainer):
+    cast_rows = True
+
+
+def _hazards(report, line=None):
+    """`{(op, dtype, kind)}` of the report's hazards (at this file's `line` if given)."""
+    at = f"audit_test.py:{line}"
+    return {(h.op, h.dtype, h.kind) for h in report.hazards if line is None or h.where.endswith(at)}
+
+
+def test_a_gather_from_a_bf16_table_is_named_as_a_bf16_scatter_add(tmp_path, caplog):
+    line = _line("# the bf16 gather")
+    config = tiny_config(num_train_steps=1, trainer=f"{__name__}:TableTrainer")
+    report = audit.precision_report(
+        *_step_and_args(TableTrainer(config, tmp_path), _lm_batch(config))
+    )
+    assert _hazards(report, line) == {("scatter-add", "bfloat16", "16-bit")}, report.hazards
+    (warning,) = [w for w in report.warnings if "scatter-add" in w]
+    assert f"audit_test.py:{line}: scatter-add on bfloat16" in warning and "float32" in warning
+    assert "GPU hazards" in str(report) and f"audit_test.py:{line}" in str(report)
+    caplog.set_level(logging.WARNING)
+    TableTrainer(config, tmp_path / "run").train_and_evaluate()  # warned at start-up
+    assert f"audit_test.py:{line}: scatter-add on bfloat16" in caplog.text
+    written = (tmp_path / "run" / "precision_report.txt").read_text()
+    assert "GPU hazards" in written and f"audit_test.py:{line}" in written
+
+
+def test_a_gather_from_an_fp32_table_is_listed_as_nondeterministic_and_not_warned(tmp_path):
+    line = _line("# the fp32 gather")
+    config = tiny_config()
+    report = audit.precision_report(
+        *_step_and_args(CastRowsTrainer(config, tmp_path), _lm_batch(config))
+    )
+    assert _hazards(report, line) == {("scatter-add", "float32", "nondeterministic")}
+    assert not [h for h in report.hazards if h.kind == "16-bit"], report.hazards
+    assert not [w for w in report.warnings if "scatter" in w], report.warnings
+
+
+class PoolNet(nn.Module):
+    """A bf16 conv, then max-pools: 3x3 windows with stride 2 overlap (as in ResNet's stem),
+    2x2 windows with stride 2 do not."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")  # the overlapping pool
+        x = nn.max_pool(x, (2, 2), (2, 2))  # the tiling pool
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+class PoolTrainer(mptrain.Trainer):
+    def build_model(self):
+        return PoolNet()
+
+
+def test_a_max_pool_shows_its_select_and_scatter(tmp_path):
+    data = {"inputs": np.ones((4, 16, 16, 3), np.float32), "targets": np.zeros(4, np.int32)}
+    report = audit.precision_report(*_step_and_args(PoolTrainer(tiny_config(), tmp_path), data))
+    overlapping, tiling = _line("# the overlapping pool"), _line("# the tiling pool")
+    assert _hazards(report, overlapping) == {("select_and_scatter_add", "bfloat16", "16-bit")}
+    assert _hazards(report, tiling) == {("select_and_scatter_add", "bfloat16", "deterministic")}
+    (warning,) = [w for w in report.warnings if "select_and_scatter" in w]
+    assert f"audit_test.py:{overlapping}" in warning and "pool in float32" in warning
+
+
+class SummingTrainer(mptrain.Trainer):
+    """Adds up the loss over the data-parallel devices in bf16, for the log."""
+
+    def loss_fn(self, params, model_state, batch, rng):
+        loss, (model_state, aux) = super().loss_fn(params, model_state, batch, rng)
+        total = jax.lax.psum(loss.astype(jnp.bfloat16), "data")  # the bf16 psum
+        return loss, (model_state, {**aux, "total": total.astype(jnp.float32)})
+
+
+@pytest.mark.parametrize("trainer_class", [mptrain.Trainer, SummingTrainer])
+def test_a_sum_across_devices_in_bf16_is_named_and_the_framework_sums_in_fp32(
+    trainer_class, tmp_path
+):
+    assert jax.device_count() >= 2, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    config = tiny_config(**{"mesh.data": 2})
+    report = audit.precision_report(
+        *_step_and_args(trainer_class(config, tmp_path), _lm_batch(config))
+    )
+    assert report.collectives["all-reduce"]  # the mesh step does sum across devices
+    sums = {h for h in report.hazards if h.op not in hlo.SCATTERS}
+    if trainer_class is mptrain.Trainer:
+        assert sums == set(), sums  # the framework's reductions are fp32
+        return
+    line = _line("# the bf16 psum")
+    (h,) = sums
+    assert (h.op, h.dtype, h.kind) == ("psum", "bfloat16", "16-bit")
+    assert h.where.endswith(f"audit_test.py:{line}")
+    (warning,) = [w for w in report.warnings if "across devices" in w]
+    assert f"audit_test.py:{line}: psum sums bfloat16 across devices" in warning
+
+
+def test_a_16_bit_all_reduce_in_the_compiled_program_is_named():
+    """XLA:CPU upcasts 16-bit all-reduces, so this reads a GPU-like program's text."""
+    text = (
+        "  %all-reduce.1 = bf16[1024]{0} all-reduce(bf16[1024]{0} %p), channel_id=1, "
+        'replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/dot_general"}\n'
+        "  %all-reduce.2 = f32[64]{0} all-reduce(f32[64]{0} %q), replica_groups={{0,1}}, "
+        "to_apply=%add\n"
+    )
+
+    class Compiled:
+        def as_text(self):
+            return text
+
+    jaxpr = jax.make_jaxpr(lambda x: x * 2)(jnp.ones(3))
+    report = audit.make_report(jaxpr, Compiled(), (), policy="bf16-mixed")
+    assert report.collectives == {"all-reduce": {"bf16": 2048, "f32": 256}}
+    assert report.hazards == [
+        audit.Hazard("all-reduce", "bfloat16", "jit(step)/dot_general", 1, "16-bit")
+    ]
+    (warning,) = report.warnings
+    assert "all-reduce sums bfloat16 across devices" in warning
