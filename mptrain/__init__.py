@@ -1,5 +1,6 @@
 """mptrain: a Flax training loop for mixed-precision training done right."""
 
+from mptrain.launch import run
 from mptrain.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -9,12 +10,10 @@ from mptrain.loss_scale import (
     select_tree,
 )
 from mptrain.precision import Policy, get_policy
-from mptrain.runtime import run
 from mptrain.step import make_eval_step, make_train_step
 from mptrain.train_state import TrainState
 from mptrain.trainer import Trainer
-
-__version__ = "0.1.0"
+from mptrain.version import __version__
 
 __all__ = [
     "DynamicLossScale",

@@ -39,7 +39,6 @@ saved shardings; the recipe above gives numpy arrays on any machine.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -52,7 +51,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mptrain import config as config_lib
-from mptrain import errors, fingerprints
+from mptrain import errors, files, fingerprints, version
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -67,58 +66,11 @@ class CheckpointMismatchError(ValueError):
     """A readable checkpoint whose arrays do not fit the state it is restored into."""
 
 
-def _json_default(obj: Any) -> Any:
-    """Lenient JSON: ConfigDicts, dtypes and numpy values as themselves, the rest as str()."""
-    if hasattr(obj, "to_dict"):  # ml_collections.ConfigDict / FrozenConfigDict
-        return obj.to_dict()
-    if isinstance(obj, np.dtype) or (isinstance(obj, type) and hasattr(obj, "dtype")):
-        return np.dtype(obj).name  # np.float32, jnp.bfloat16, np.dtype("int8") -> "int8"
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray | jax.Array):
-        return np.asarray(obj).tolist()
-    return str(obj)
-
-
-def to_jsonable(obj: Any) -> Any:
-    """`obj` turned into plain JSON types (dict, list, str, numbers, bool, None)."""
-    return json.loads(json.dumps(obj, default=_json_default))
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Writes `obj` as indented JSON, atomically: a reader sees the old file or the new one.
-
-    The text goes to a temporary file in the same directory, is flushed to disk, and replaces
-    `path` with `os.replace`. Values JSON cannot hold are written as their `str()`.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _summary(error: Exception, limit: int = 300) -> str:
     """The first line of an error, shortened: tensorstore errors carry a page-long spec."""
     lines = str(error).strip().splitlines() or [""]
     text = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + " ..."
     return f"{type(error).__name__}: {text}"
-
-
-def _mptrain_version() -> str:
-    import mptrain  # at call time: mptrain/__init__ may import this module
-
-    return mptrain.__version__
 
 
 class Checkpointer:
@@ -184,9 +136,9 @@ class Checkpointer:
         step = int(step)
         if not force and not self._manager.should_save(step):
             return
-        meta = dict(to_jsonable(meta))
+        meta = dict(files.to_jsonable(meta))
         meta.setdefault("step", step)
-        meta["mptrain_version"] = _mptrain_version()
+        meta["mptrain_version"] = version.__version__
         meta["fingerprint"] = fingerprints.fingerprint(state)
         meta["arrays"] = fingerprints.array_specs(state)
         if step in self._manager.all_steps():
@@ -354,7 +306,7 @@ def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) ->
         checkpointer = ocp.PyTreeCheckpointer()
         checkpointer.save(os.path.join(staging, "params"), params)
         checkpointer.close()
-        write_json(os.path.join(staging, "export.json"), sidecar)
+        files.write_json(os.path.join(staging, "export.json"), sidecar)
         if os.path.isdir(directory):  # an empty folder the user made for it
             os.rmdir(directory)
         os.rename(staging, directory)

@@ -66,6 +66,12 @@ class StorageError(StopTraining):
 # --------------------------------------------------------------------------- value checks
 
 
+def setting(section: Any, key: str, default: Any) -> Any:
+    """`section[key]`, or `default` when the key is missing or None (a config placeholder)."""
+    value = section.get(key, default)
+    return default if value is None else value
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 

@@ -45,7 +45,7 @@ def export(
     import ml_collections
     import numpy as np
 
-    from mptrain import checkpoint, fingerprints, runtime
+    from mptrain import checkpoint, fingerprints, launch
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
@@ -65,7 +65,7 @@ def export(
     config.mesh.data = config.mesh.fsdp = 1  # restored whole on one device
     for key in ("coordinator_address", "num_processes", "process_id"):
         config.distributed[key] = None
-    trainer = runtime.import_trainer(config.trainer)(config, workdir)
+    trainer = launch.import_trainer(config.trainer)(config, workdir)
     init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
     abstract = jax.eval_shape(init, *args)
     with checkpoint.Checkpointer(checkpoints) as checkpointer:

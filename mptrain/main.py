@@ -8,26 +8,12 @@ preempted (SIGTERM) after writing a checkpoint: run the same command to resume.
 
 from __future__ import annotations
 
-import contextlib
 import logging as std_logging
 import os
 import re
 import sys
 
 from mptrain import errors
-
-
-def _hide_accelerators_from_tensorflow() -> None:
-    # TensorFlow is only here for data and TensorBoard summaries; left alone it would grab the
-    # accelerators' memory that JAX needs.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        import tensorflow as tf
-    except ImportError:
-        return
-    for kind in ("GPU", "TPU"):
-        with contextlib.suppress(RuntimeError, ValueError):
-            tf.config.set_visible_devices([], kind)
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -101,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.get_absl_handler().addFilter(_QuietLibraries())
 
     from mptrain import config as config_lib
-    from mptrain import runtime
+    from mptrain import launch, runtime
 
     config = flag_values.config
     try:
-        runtime.initialize_distributed(config)  # before anything touches a device
+        runtime.start_backend(config)  # before anything touches a device
     except ValueError as e:
         _usage_error(f"config.{e}")
     import jax
@@ -114,12 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.set_verbosity(logging.WARNING)
     try:
         config_lib.validate(config)
-        runtime.import_trainer(config.trainer)
+        launch.import_trainer(config.trainer)
     except errors.ConfigError as e:
         _usage_error(str(e))
-    _hide_accelerators_from_tensorflow()
     try:
-        runtime.run(config, flag_values.workdir)
+        launch.run(config, flag_values.workdir)
     except errors.ConfigError as e:
         _usage_error(str(e))
     except errors.StopTraining as e:

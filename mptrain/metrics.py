@@ -1,104 +1,219 @@
-"""Metrics: the device-side log totals, TensorBoard and console writers, the progress line.
+"""Metrics: TensorBoard and console writers, the start-up lines, the progress line.
 
-This is the only module that imports `clu.metric_writers`. clu's writers pull in TensorFlow, so
-the import waits until `create_writer` is called, after `main.py` has hidden accelerators from
-TensorFlow.
+This is the only module that imports `clu.metric_writers`, and every clu import of mptrain goes
+through `import_clu`. Training needs no TensorFlow: `EventWriter` writes TensorBoard's event
+files with the `tensorboard` package's own record framing and protos, and `import_clu` keeps
+clu from importing TensorFlow for its own summary writer.
 """
 
 from __future__ import annotations
 
+import importlib
+import io
+import itertools
 import os
+import socket
 import sys
 import time
+import types
 from collections.abc import Mapping
 from typing import Any, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from flax import struct
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+from tensorboard.plugins.image import metadata as image_metadata
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.plugins.text import metadata as text_metadata
+from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.util import tensor_util
+
+_CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
 
 
-@struct.dataclass
-class LogTotals:
-    """What the train step adds up on the device between two log steps, so the host reads it
-    only on log steps: the sum and count of the applied steps' losses (for the mean loss since the
-    last log), and two values that span log intervals, the current run of non-finite steps and
-    the last finite loss (for the diagnostic when training cannot recover)."""
+def import_clu(name: str) -> types.ModuleType:
+    """`clu.<name>` (e.g. `"periodic_actions"`), imported without importing TensorFlow.
 
-    loss_sum: jax.Array
-    applied_steps: jax.Array
-    consecutive_skips: jax.Array
-    last_finite_loss: jax.Array
-    numerics: Any = None  # a `numerics.Log` when per-layer numerics are recorded
-
-    @classmethod
-    def zeros(cls, numerics: Any = None) -> LogTotals:
-        """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
-        zero_f, zero_i = np.float32(0), np.int32(0)
-        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
-
-    @classmethod
-    def on_devices(cls, sharding: Any, numerics: Any = None) -> LogTotals:
-        """Fresh totals made on the devices of `sharding` (a host NaN would not pass
-        `device_put`'s check that every process puts the same value)."""
-        return jax.jit(lambda: cls.zeros(numerics), out_shardings=sharding)()
-
-    def update(self, loss: jax.Array, applied: jax.Array) -> LogTotals:
-        """Adds one step: its (fp32) loss counts only if its update was applied."""
-        return self.replace(
-            loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
-            applied_steps=self.applied_steps + applied.astype(jnp.int32),
-            consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
-            last_finite_loss=jnp.where(applied, loss, self.last_finite_loss),
-        )
-
-    def reset(self) -> LogTotals:
-        """A new log interval: the sums restart; the values that span intervals stay."""
-        return self.replace(
-            loss_sum=jnp.zeros_like(self.loss_sum),
-            applied_steps=jnp.zeros_like(self.applied_steps),
-            numerics=None if self.numerics is None else self.numerics.reset(),
-        )
-
-    def to_scalars(self) -> dict[str, float]:
-        """Host floats from fetched totals; `loss` (the interval's mean) only if a step applied."""
-        values = {
-            "consecutive_skips": float(self.consecutive_skips),
-            "last_finite_loss": float(self.last_finite_loss),
-        }
-        if int(self.applied_steps):
-            values["loss"] = float(self.loss_sum) / int(self.applied_steps)
-        return values
-
-
-def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
-    """A message when training cannot recover from its non-finite steps, else None.
-
-    `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
-    `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
-    device) only after two non-finite steps in a row.
+    Importing any part of `clu.metric_writers` (`clu.periodic_actions` does too) runs that
+    package's `__init__`, which imports clu's TensorFlow summary writer and so TensorFlow:
+    seconds of start-up where it is installed, an ImportError where it is not (GPU images with
+    jax[cuda] seldom have it). So, before clu's first import, a stand-in goes under that
+    module's name whose `SummaryWriter(logdir)` is an `EventWriter`: clu's own writers then
+    write the same events, TensorFlow or not. A module already there (clu's own, imported
+    before mptrain, or a stopgap) is left alone; mptrain's writers never go through it.
     """
-    skips = int(values["consecutive_skips"])
-    if skips == 0:
-        return None
-    scale = values["loss_scale"]
-    min_scale = getattr(scaler, "min_scale", None)  # only a dynamic scaler moves
-    stuck = min_scale is not None and skips >= 2 and scale <= float(min_scale)
-    if skips < max_skips and not stuck:
-        return None
-    why = (
-        f"the dynamic loss scale is stuck at its minimum {scale:g}"
-        if skips < max_skips
-        else f"{skips} non-finite steps in a row (config.max_consecutive_skips={max_skips})"
-    )
-    return (
-        f"training went non-finite at step {step}: {why}; last finite loss "
-        f"{values['last_finite_loss']:.6g}, loss scale {scale:g}, "
-        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
-        "saved; lower the learning rate or check the data, then run again"
-    )
+    if _CLU_TF_WRITER not in sys.modules:
+        stand_in = types.ModuleType(_CLU_TF_WRITER, "mptrain's stand-in: no TensorFlow needed")
+        stand_in.SummaryWriter = _CluSummaryWriter
+        sys.modules[_CLU_TF_WRITER] = stand_in
+    return importlib.import_module(f"clu.{name}")
+
+
+class _CluSummaryWriter:
+    """clu's `SummaryWriter` in an mptrain process: building one builds an `EventWriter`.
+
+    A factory, not `EventWriter` itself, because clu binds this name while this module is
+    still being imported (`EventWriter` derives from clu's interface), before it exists.
+    """
+
+    def __new__(cls, logdir: str) -> EventWriter:
+        return EventWriter(logdir)
+
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("clu's SummaryWriter is mptrain.metrics.EventWriter here: subclass that")
+
+
+# At import, so the stand-in is in place before any other clu import (trainer's, a user's).
+_interface = import_clu("metric_writers.interface")
+_SERIAL = itertools.count()  # tells apart the files of one process opened in the same second
+# The plugin metadata TF2's `tf.summary.scalar`, `.text`, `.histogram` and `.image` attach.
+_SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
+_TEXT = text_metadata.create_summary_metadata(display_name=None, description=None)
+_HISTOGRAM = histogram_metadata.create_summary_metadata(display_name=None, description=None)
+_IMAGE = image_metadata.create_summary_metadata(display_name=None, description=None)
+_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
+
+
+def _value(tag: str, array: np.ndarray, metadata=None) -> summary_pb2.Summary.Value:
+    tensor = tensor_util.make_tensor_proto(array)
+    return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+
+
+def _histogram(data: Any, buckets: int) -> np.ndarray:
+    """`[buckets, 3]` rows of (left edge, right edge, count) over the finite values, with
+    equal-width buckets from min to max, as TF2's `tf.summary.histogram` stores them."""
+    data = np.asarray(data, np.float64).ravel()
+    data = data[np.isfinite(data)]
+    if not data.size:
+        return np.zeros((buckets, 3))
+    low, high = data.min(), data.max()
+    if low == high:  # one value: every edge on it, everything counted in the last bucket
+        counts, edges = np.zeros(buckets), np.full(buckets + 1, low)
+        counts[-1] = data.size
+    else:
+        counts, edges = np.histogram(data, bins=buckets, range=(low, high))
+    return np.stack([edges[:-1], edges[1:], counts], axis=1)
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image  # tensorboard depends on Pillow; only images need it
+
+    buffer = io.BytesIO()
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _flat_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings flattened to `{"a.b": value}`. Hparams hold bools, numbers and strings
+    only, so any other value (None, a tuple) is written as its `str`."""
+    flat = {}
+    for key, value in hparams.items():
+        if hasattr(value, "items"):  # a Mapping, or an ml_collections ConfigDict
+            flat |= _flat_hparams(value, f"{prefix}{key}.")
+        elif isinstance(value, np.generic):
+            flat[prefix + key] = value.item()
+        else:
+            flat[prefix + key] = (
+                value if isinstance(value, bool | int | float | str) else str(value)
+            )
+    return flat
+
+
+class EventWriter(_interface.MetricWriter):
+    """TensorBoard event files in `logdir`, written without TensorFlow, in the form TF2's
+    `tf.summary` writes: a scalar is a float32 tensor with the scalar plugin's metadata, so
+    TensorBoard and `EventAccumulator(...).Tensors(tag)` read these files as TensorFlow's.
+
+    Every call appends one event and flushes it to the OS: TensorBoard sees a running job's
+    values and a killed job loses none (`create_writer` keeps the writes off the train loop).
+    Texts, hparams, histograms, images and raw tensor summaries are written too; videos and
+    audio are not, and a call with them logs a warning that names them.
+    """
+
+    def __init__(self, logdir: str | os.PathLike):
+        os.makedirs(logdir, exist_ok=True)
+        name = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_SERIAL)}"
+        self.path = os.path.join(logdir, f"events.out.tfevents.{name}.v2")
+        self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (closed in close)
+        self._write(event_pb2.Event(file_version="brain.Event:2"))
+
+    def _write(self, event: event_pb2.Event) -> None:
+        event.wall_time = time.time()
+        self._records.write(event.SerializeToString())
+        self._records.flush()
+
+    def _write_values(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
+        if values:
+            self._write(event_pb2.Event(step=int(step), summary=summary_pb2.Summary(value=values)))
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+        values = [
+            _value(key, np.asarray(value, np.float32).reshape(()), _SCALAR)
+            for key, value in scalars.items()
+        ]
+        self._write_values(step, values)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]):
+        values = [_value(key, np.array(text, dtype=object), _TEXT) for key, text in texts.items()]
+        self._write_values(step, values)
+
+    def write_histograms(self, step: int, arrays: Mapping[str, Any], num_buckets=None):
+        buckets = num_buckets or {}
+        values = [
+            _value(key, _histogram(array, buckets.get(key) or _HISTOGRAM_BUCKETS), _HISTOGRAM)
+            for key, array in arrays.items()
+        ]
+        self._write_values(step, values)
+
+    def write_images(self, step: int, images: Mapping[str, Any]):
+        """`[N, H, W, C]` or `[H, W, C]` images, C = 1, 3 or 4; uint8, or floats in [0, 1]."""
+        values = []
+        for key, value in images.items():
+            array = np.asarray(value)
+            array = array[None] if array.ndim == 3 else array
+            if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"image {key!r}: want [N, H, W, C], C in 1, 3, 4; {array.shape}")
+            if array.dtype.kind == "f":
+                array = np.round(np.clip(array, 0.0, 1.0) * 255.0)
+            height, width = array.shape[1:3]
+            pngs = [_png(image) for image in array.astype(np.uint8)]
+            tensor = np.array([str(width).encode(), str(height).encode(), *pngs], dtype=object)
+            values.append(_value(key, tensor, _IMAGE))
+        self._write_values(step, values)
+
+    def write_summaries(self, step: int, values: Mapping[str, Any], metadata=None):
+        """Raw tensors; `metadata[key]` is a `SummaryMetadata` proto or its serialized bytes."""
+        protos = []
+        for key, value in values.items():
+            meta = (metadata or {}).get(key)
+            if isinstance(meta, bytes):
+                meta = summary_pb2.SummaryMetadata.FromString(meta)
+            protos.append(_value(key, np.asarray(value), meta))
+        self._write_values(step, protos)
+
+    def write_hparams(self, hparams: Mapping[str, Any]):
+        summary = hparams_summary.hparams_pb(_flat_hparams(hparams))
+        self._write(event_pb2.Event(step=0, summary=summary))
+
+    def _unsupported(self, kind: str, keys) -> None:
+        logging.warning("mptrain: EventWriter does not write %s; not written: %s", kind, list(keys))
+
+    def write_videos(self, step: int, videos: Mapping[str, Any]):
+        self._unsupported("videos", videos)
+
+    def write_audios(self, step: int, audios: Mapping[str, Any], *, sample_rate: int):
+        self._unsupported("audio", audios)
+
+    def flush(self):
+        if not self._records.closed:
+            self._records.flush()
+
+    def close(self):
+        if not self._records.closed:
+            self._records.close()
 
 
 def report_start(workdir, config, state, compiled_step, mesh, start: int, report) -> None:
@@ -106,7 +221,7 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
     mesh, any warmup cut, and the report's warnings (unsafe setups, matmuls outside the compute
     dtype)."""
-    from mptrain import audit, optim
+    from mptrain import audit, schedules
 
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "precision_report.txt"), "w") as f:
@@ -127,7 +242,7 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
         f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
         f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
     )
-    warmup = optim.warmup_steps(config)
+    warmup = schedules.warmup_steps(config)
     if warmup != config.optimizer.warmup_steps:
         logging.info(
             f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
@@ -140,12 +255,13 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
 
 
 def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):
-    """TensorBoard events in `workdir` and absl log lines; on other processes, nothing."""
-    from clu import metric_writers
-
+    """TensorBoard events (an `EventWriter`) in `workdir` and absl log lines, written from a
+    background thread so the train loop never waits on a disk; on other processes, nothing."""
+    metric_writers = import_clu("metric_writers")
     if not is_main_process:
         return metric_writers.MultiWriter([])
-    return metric_writers.create_default_writer(os.fspath(workdir), asynchronous=True)
+    writers = [metric_writers.LoggingWriter(), EventWriter(workdir)]
+    return metric_writers.AsyncMultiWriter(writers)
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,11 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
-from flax import struct
 from jax.extend import core as jex_core
-
-from mptrain import checkpoint
 
 _STATS = ("amax", "nonfinite", "underflow", "nonzero")
 _GROUPS = {  # (side, direction) -> the prefix of its columns
@@ -57,7 +52,7 @@ COLUMNS = (
     *(prefix + stat for prefix in _GROUPS.values() for stat in _STATS),
     "param_grad_nonfinite",  # the gradient of the call's module's parameters
 )
-_COL = {name: i for i, name in enumerate(COLUMNS)}
+COL = {name: i for i, name in enumerate(COLUMNS)}
 _MAX = np.array(["amax" in name for name in COLUMNS])  # combined by max, the rest by sum
 DIRECTIONS = ("forward", "backward")
 
@@ -102,7 +97,7 @@ class Calls:
         done: set[tuple[Tap, str]] = set()
 
         def group(tap: Tap, direction: str) -> jax.Array:
-            columns = [_COL[_GROUPS[tap[1], direction] + stat] for stat in _STATS]
+            columns = [COL[_GROUPS[tap[1], direction] + stat] for stat in _STATS]
             plan = plans.get(tap, Plan(()))
             sources = plan.forward_from if direction == "forward" else plan.backward_from
             if (tap, direction) not in done and sources:
@@ -165,7 +160,7 @@ def _tap_backward(index, side, tiny, measure, residuals, grads):
     backward = _stats([g for g in grads if g.dtype != jax.dtypes.float0], tiny)
     row = jnp.zeros((len(COLUMNS),), jnp.float32)
     for direction, values in zip(DIRECTIONS, (forward, backward), strict=True):
-        columns = [_COL[_GROUPS[side, direction] + stat] for stat in _STATS]
+        columns = [COL[_GROUPS[side, direction] + stat] for stat in _STATS]
         row = row.at[np.asarray(columns)].set(values)
     # the taps' cotangent: zeros, with this call's row filled in
     return grads, jnp.zeros_like(taps).at[index].set(row)
@@ -346,7 +341,7 @@ def finish(table: jax.Array, calls: Calls, grads: Any) -> jax.Array:
             subtree = subtree.get(name, {}) if isinstance(subtree, dict) else {}
         leaves = [x for x in jax.tree.leaves(subtree) if jnp.issubdtype(x.dtype, jnp.floating)]
         counts.append(sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves), 0.0))
-    return table.at[:, _COL["param_grad_nonfinite"]].set(jnp.stack(counts))
+    return table.at[:, COL["param_grad_nonfinite"]].set(jnp.stack(counts))
 
 
 def origin(table: jax.Array, calls: Calls) -> jax.Array:
@@ -358,7 +353,7 @@ def origin(table: jax.Array, calls: Calls) -> jax.Array:
     backward, the last (the backward pass runs them in reverse).
     """
     inside = jnp.asarray(calls.descendants())
-    col = lambda name: table[:, _COL[name]]
+    col = lambda name: table[:, COL[name]]
     forward = (col("in_nonfinite") == 0) & (col("out_nonfinite") > 0)
     backward = (col("grad_out_nonfinite") == 0) & (
         (col("grad_in_nonfinite") > 0) | (col("param_grad_nonfinite") > 0)
@@ -371,102 +366,3 @@ def origin(table: jax.Array, calls: Calls) -> jax.Array:
     index = jnp.where(forward_bad, jnp.where(first < len(order), first, -1), last)
     direction = jnp.where(index < 0, -1, jnp.where(forward_bad, 0, 1))
     return jnp.stack([index, direction]).astype(jnp.int32)
-
-
-def describe(step: int, index: int, direction: int, calls: Calls) -> str:
-    """`step 12: the first non-finite value appeared in block_0/mlp/fc_out (backward)`."""
-    if index < 0:
-        return f"step {step}: no module produced the non-finite value (the loss or the update)"
-    return (
-        f"step {step}: the first non-finite value appeared in {calls.paths[index]} "
-        f"({DIRECTIONS[direction]})"
-    )
-
-
-def as_rows(table: np.ndarray, calls: Calls) -> list[dict[str, Any]]:
-    """The table as JSON-ready rows, one per call, with the underflow shares worked out."""
-    rows = []
-    for path, values in zip(calls.paths, np.asarray(table, np.float64), strict=True):
-        row = {"module": path, **{name: float(v) for name, v in zip(COLUMNS, values, strict=True)}}
-        for side in ("in", "out", "grad_out", "grad_in"):
-            nonzero = row[f"{side}_nonzero"]
-            row[f"{side}_underflow_fraction"] = (
-                row[f"{side}_underflow"] / nonzero if nonzero else 0.0
-            )
-        rows.append(row)
-    return rows
-
-
-# --------------------------------------------------------------------------- across steps
-
-KEPT_TABLES = 20  # per-layer tables of the newest skipped steps kept on the device and on disk
-
-
-@struct.dataclass
-class Log:
-    """What the device keeps between two log steps (inside `metrics.LogTotals`): for every step
-    of the interval that was skipped, `(step, call, direction)` of its first non-finite value;
-    and the whole tables of the newest `KEPT_TABLES` skipped steps, across intervals."""
-
-    origins: jax.Array  # int32[log_every, 3], rows of -1 for steps that were applied
-    tables: jax.Array  # float32[KEPT_TABLES, calls, len(COLUMNS)]
-    table_steps: jax.Array  # int32[KEPT_TABLES], -1 where empty
-    skipped: jax.Array  # int32[]: skipped steps recorded so far
-
-    @classmethod
-    def zeros(cls, calls: int, log_every: int) -> Log:
-        return cls(
-            origins=np.full((log_every, 3), -1, np.int32),
-            tables=np.zeros((KEPT_TABLES, calls, len(COLUMNS)), np.float32),
-            table_steps=np.full((KEPT_TABLES,), -1, np.int32),
-            skipped=np.int32(0),
-        )
-
-    def record(self, step: jax.Array, applied: jax.Array, table: jax.Array, where) -> Log:
-        """Adds step `step`, whose update was `applied` or not, its table and its origin."""
-        skipped = ~applied
-        row = step % self.origins.shape[0]
-        entry = jnp.concatenate([step[None], where]).astype(jnp.int32)
-        slot = self.skipped % KEPT_TABLES
-        return Log(
-            origins=self.origins.at[row].set(jnp.where(skipped, entry, self.origins[row])),
-            tables=self.tables.at[slot].set(jnp.where(skipped, table, self.tables[slot])),
-            table_steps=self.table_steps.at[slot].set(
-                jnp.where(skipped, step, self.table_steps[slot])
-            ),
-            skipped=self.skipped + skipped.astype(jnp.int32),
-        )
-
-    def reset(self) -> Log:
-        """A new log interval: the origins restart, the tables stay."""
-        return self.replace(origins=jnp.full_like(self.origins, -1))
-
-
-def report(log: Log, table: np.ndarray, step: int, calls: Calls, writer, workdir) -> str | None:
-    """Host-side, on a log step, with `log` and the step's `table` fetched: logs a line for every
-    skipped step of the interval naming where its first non-finite value appeared, writes
-    `<workdir>/numerics/<step>.json` for the newest skipped steps (keeping `KEPT_TABLES`), and
-    the per-layer forward and backward amax under `numerics/` to `writer`. Returns the line of
-    the newest skipped step, if any (for the message when training stops)."""
-    origins = sorted(tuple(row) for row in np.asarray(log.origins).tolist())
-    lines = [describe(s, i, d, calls) for s, i, d in origins if s >= 0]
-    for line in lines:
-        logging.warning("mptrain: skipped %s", line)
-    if jax.process_index() == 0:
-        folder = os.path.join(workdir, "numerics")
-        for tab, tab_step in zip(np.asarray(log.tables), np.asarray(log.table_steps), strict=True):
-            path = os.path.join(folder, f"{int(tab_step)}.json")
-            if tab_step >= 0 and not os.path.exists(path):
-                checkpoint.write_json(path, {"step": int(tab_step), "layers": as_rows(tab, calls)})
-        kept = sorted(int(f[:-5]) for f in os.listdir(folder)) if os.path.isdir(folder) else []
-        for old in kept[:-KEPT_TABLES]:
-            os.remove(os.path.join(folder, f"{old}.json"))
-    seen: dict[str, int] = {}
-    scalars = {}
-    for path, row in zip(calls.paths, np.asarray(table), strict=True):
-        seen[path] = seen.get(path, 0) + 1
-        name = path if seen[path] == 1 else f"{path}#{seen[path]}"
-        scalars[f"numerics/forward/{name}"] = float(row[_COL["out_amax"]])
-        scalars[f"numerics/backward/{name}"] = float(row[_COL["grad_out_amax"]])
-    writer.write_scalars(step, scalars)
-    return lines[-1] if lines else None

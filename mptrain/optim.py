@@ -34,11 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mptrain import errors, precision, q8
+from mptrain import errors, precision, q8, schedules
 from mptrain.precision import BF16, F32, to_f32
 
 NAMES = ("adamw", "sgd")
-SCHEDULES = ("constant", "cosine", "linear")
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
 Q8 = "q8"  # the 8-bit block-quantized state "dtype"
 
@@ -228,62 +227,6 @@ def sgd(
 # --------------------------------------------------------------------------- from a config
 
 
-def _get(section: Any, key: str, default: Any) -> Any:
-    value = section.get(key, default)
-    return default if value is None else value
-
-
-def _updates(config: Any) -> int | None:
-    """Optimizer updates in the run: `num_train_steps // optimizer.accumulation_steps`."""
-    opt = config.optimizer
-    accumulation = errors.check_integer(
-        "optimizer.accumulation_steps", _get(opt, "accumulation_steps", 1), 1
-    )
-    steps = config.get("num_train_steps")
-    return None if steps is None else steps // accumulation
-
-
-def warmup_steps(config: Any) -> int:
-    """`optimizer.warmup_steps`, cut to half the run's updates when it would take all of them.
-
-    A run shorter than its warmup (a smoke test with a few steps) would otherwise never reach
-    its learning rate, and a decaying schedule would have nothing left to decay over.
-    """
-    warmup = errors.check_integer(
-        "optimizer.warmup_steps", _get(config.optimizer, "warmup_steps", 0), 0
-    )
-    total = _updates(config)
-    return warmup if total is None or warmup < total else total // 2
-
-
-def make_schedule(
-    name: str, learning_rate: float, warmup_steps: int, total_steps: int | None
-) -> optax.Schedule:
-    """Linear warmup from 0 over `warmup_steps`, then `name`'s shape until `total_steps`.
-
-    "constant" holds `learning_rate`; "cosine" and "linear" decay it to 0 at `total_steps`
-    (both counted in optimizer updates, which must outnumber the warmup).
-    """
-    name = errors.check_choice("optimizer.schedule", name, SCHEDULES)
-    if name == "constant":
-        after = optax.constant_schedule(learning_rate)
-    else:
-        if total_steps is None or total_steps <= warmup_steps:
-            raise ValueError(
-                f"optimizer.warmup_steps={warmup_steps}: optimizer.schedule={name!r} decays over "
-                f"the updates after warmup, and there are {total_steps}"
-            )
-        decay_steps = total_steps - warmup_steps
-        if name == "cosine":
-            after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=0.0)
-        else:
-            after = optax.linear_schedule(learning_rate, 0.0, decay_steps)
-    if warmup_steps == 0:
-        return after
-    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
-    return optax.join_schedules([warmup, after], [warmup_steps])
-
-
 def make_optimizer(
     config: Any, *, weight_decay_mask: Any = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -294,48 +237,54 @@ def make_optimizer(
     all of it wrapped in `optax.MultiSteps`. With accumulation the trainer's `step` counts
     micro-batches, while the optimizer's count (and so the schedule, `warmup_steps` included)
     counts applied updates: `num_train_steps // accumulation_steps` of them. The accumulator is
-    fp32. The warmup is `warmup_steps(config)`. `weight_decay_mask` is passed to the optimizer
-    as optax's `mask`.
+    fp32. The warmup is `schedules.warmup_steps(config)`. `weight_decay_mask` is passed to the
+    optimizer as optax's `mask`.
 
     Log the learning rate as `schedule(optimizer_count(state.opt_state))`. This is the one place
     that checks the `optimizer.*` keys: a bad value raises a `ValueError` that names the key and
     says what is valid (`config.validate` calls this).
     """
     opt = config.optimizer
-    name = errors.check_choice("optimizer.name", _get(opt, "name", "adamw"), NAMES)
+    name = errors.check_choice("optimizer.name", errors.setting(opt, "name", "adamw"), NAMES)
     lr = errors.check_number(
         "optimizer.learning_rate", opt.get("learning_rate"), 0.0, open_low=True
     )
     weight_decay = errors.check_number(
-        "optimizer.weight_decay", _get(opt, "weight_decay", 0.0), 0.0
+        "optimizer.weight_decay", errors.setting(opt, "weight_decay", 0.0), 0.0
     )
-    clip = errors.check_number("optimizer.grad_clip_norm", _get(opt, "grad_clip_norm", 0.0), 0.0)
+    clip = errors.check_number(
+        "optimizer.grad_clip_norm", errors.setting(opt, "grad_clip_norm", 0.0), 0.0
+    )
     mu_dtype = state_dtype(opt.get("mu_dtype"), "optimizer.mu_dtype")
     nu_dtype = state_dtype(opt.get("nu_dtype"), "optimizer.nu_dtype")
-    schedule_name = _get(opt, "schedule", "constant")
-    schedule = make_schedule(schedule_name, lr, warmup_steps(config), _updates(config))
+    schedule_name = errors.setting(opt, "schedule", "constant")
+    schedule = schedules.make_schedule(
+        schedule_name, lr, schedules.warmup_steps(config), schedules.updates(config)
+    )
 
     if name == "adamw":
         tx = adamw(
             schedule,
-            b1=errors.check_number("optimizer.b1", _get(opt, "b1", 0.9), 0.0, 1.0),
-            b2=errors.check_number("optimizer.b2", _get(opt, "b2", 0.999), 0.0, 1.0),
-            eps=errors.check_number("optimizer.eps", _get(opt, "eps", 1e-8), 0.0, open_low=True),
+            b1=errors.check_number("optimizer.b1", errors.setting(opt, "b1", 0.9), 0.0, 1.0),
+            b2=errors.check_number("optimizer.b2", errors.setting(opt, "b2", 0.999), 0.0, 1.0),
+            eps=errors.check_number(
+                "optimizer.eps", errors.setting(opt, "eps", 1e-8), 0.0, open_low=True
+            ),
             weight_decay=weight_decay,
             mu_dtype=mu_dtype,
             nu_dtype=nu_dtype,
             mask=weight_decay_mask,
             moment_rounding=errors.check_choice(
                 "optimizer.moment_rounding",
-                _get(opt, "moment_rounding", "stochastic"),
+                errors.setting(opt, "moment_rounding", "stochastic"),
                 MOMENT_ROUNDINGS,
             ),
-            seed=int(_get(config, "seed", 0)),
+            seed=int(errors.setting(config, "seed", 0)),
             q8_block_size=errors.check_integer(
-                "optimizer.q8_block_size", _get(opt, "q8_block_size", q8.BLOCK_SIZE), 1
+                "optimizer.q8_block_size", errors.setting(opt, "q8_block_size", q8.BLOCK_SIZE), 1
             ),
             q8_min_size=errors.check_integer(
-                "optimizer.q8_min_size", _get(opt, "q8_min_size", q8.MIN_SIZE), 1
+                "optimizer.q8_min_size", errors.setting(opt, "q8_min_size", q8.MIN_SIZE), 1
             ),
         )
     else:  # sgd
@@ -352,16 +301,16 @@ def make_optimizer(
         tx = sgd(
             schedule,
             momentum=errors.check_number(
-                "optimizer.momentum", _get(opt, "momentum", 0.0), 0.0, 1.0
+                "optimizer.momentum", errors.setting(opt, "momentum", 0.0), 0.0, 1.0
             ),
-            nesterov=bool(_get(opt, "nesterov", False)),
+            nesterov=bool(errors.setting(opt, "nesterov", False)),
             weight_decay=weight_decay,
             mu_dtype=mu_dtype,
             mask=weight_decay_mask,
         )
     if clip:
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)
-    accumulation = _get(opt, "accumulation_steps", 1)
+    accumulation = errors.setting(opt, "accumulation_steps", 1)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation, accumulator_dtype=jnp.float32)
         tx = _fp32_init(tx.gradient_transformation())

@@ -1,8 +1,8 @@
 """Process plumbing, apart from training logic: start-up, the workdir lock, preemption.
 
-`run(config, workdir)` is `mptrain.run`: it starts JAX's multi-process runtime if the config or
-the cluster asks for it, validates the config, imports the Trainer class that `config.trainer`
-names and trains. The trainer holds the lock and the flag for a whole run::
+`start_backend(config)` sets XLA's flags and starts JAX's multi-process runtime if the config or
+the cluster asks for it, before anything touches a device (`mptrain.run` and the CLI call it
+first). The trainer holds the lock and the flag for a whole run::
 
     with runtime.workdir_lock(workdir), runtime.PreemptionFlag() as preemption:
         ...  # set up; then loop, asking `preemption.reached(step)` before each step
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import os
 import signal
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -133,48 +131,6 @@ def initialize_distributed(config) -> None:
         jax.local_device_count(),
         jax.device_count(),
     )
-
-
-def import_trainer(spec: str):
-    """The `Trainer` subclass named `"package.module:Class"`; `ConfigError`s name the spec."""
-    from mptrain import trainer
-
-    module_name, sep, class_name = spec.partition(":")
-    if not sep or not module_name or not class_name:
-        raise errors.ConfigError(
-            f"config.trainer={spec!r}: expected 'package.module:Class', e.g. "
-            "'mptrain.trainer:Trainer'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise errors.ConfigError(f"config.trainer={spec!r}: cannot import: {e}") from None
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, trainer.Trainer)):
-        raise errors.ConfigError(
-            f"config.trainer={spec!r}: {module_name} has no Trainer subclass {class_name!r}"
-        )
-    return cls
-
-
-def run(config, workdir: str | os.PathLike):
-    """What `python -m mptrain.main` does, from Python: validate, build the trainer, train.
-
-    Returns the final `TrainState`; raises `errors.ConfigError` for a bad config and the
-    `errors.StopTraining` family when a run ends early.
-    """
-    from mptrain import config as config_lib
-
-    try:
-        start_backend(config)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None
-    config_lib.validate(config)
-    trainer_cls = import_trainer(config.trainer)
-    started = time.monotonic()
-    state = trainer_cls(config, Path(workdir)).train_and_evaluate()
-    logging.info("mptrain: done in %.1f s", time.monotonic() - started)
-    return state
 
 
 @contextlib.contextmanager

@@ -17,9 +17,7 @@ except on log, eval and checkpoint steps; the train step is compiled once, with 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,10 +32,12 @@ from absl import logging
 from mptrain import (
     audit,
     checkpoint,
-    curves,
     errors,
+    files,
+    loop,
     nnx_models,
     numerics,
+    numerics_log,
     optim,
     precision,
     runtime,
@@ -49,92 +49,6 @@ from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
 from mptrain import train_state as train_state_lib
 from mptrain.models import layers
-
-
-def _allow_transfers():
-    # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
-    # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
-    return jax.transfer_guard("allow")
-
-
-@dataclasses.dataclass
-class Run:
-    """Everything one run needs, built once by `Trainer.setup`. `state` is the live state: the
-    loop replaces it after every step, and hooks read it from here."""
-
-    state: train_state_lib.TrainState
-    start: int  # the step the run starts (or resumes) at
-    train_source: Any
-    eval_source: Any
-    train_step: Callable  # compiled: (state, batch, totals) -> (state, metrics, totals)
-    eval_step: Callable  # compiled: (state, batch) -> metrics
-    totals: metrics_lib.LogTotals  # on the devices
-    writer: Any
-    checkpointer: checkpoint.Checkpointer
-    progress: metrics_lib.ProgressLine
-    meta: dict = dataclasses.field(default_factory=dict)  # saved with every checkpoint
-    saved_step: int | None = None  # the newest checkpoint's step
-    hooks: list = dataclasses.field(default_factory=list)
-    calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
-    workdir: Path = Path(".")
-    max_skips: int = 25  # config.max_consecutive_skips
-    started: float = dataclasses.field(default_factory=time.monotonic)
-
-    def report(self, step_no: int, metrics, totals, done: int) -> None:
-        """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
-        training cannot recover."""
-        with _allow_transfers():
-            metrics, totals = jax.device_get((metrics, totals))
-            values = metrics_lib.scalars(metrics) | totals.to_scalars()
-            self.writer.write_scalars(step_no, values)
-            self.progress.update(step_no, values)
-            curves.append(self.workdir, step_no, values)
-            where = None
-            if self.calls is not None:
-                table = metrics["numerics"]
-                where = numerics.report(
-                    totals.numerics, table, step_no, self.calls, self.writer, self.workdir
-                )
-            diagnostic = metrics_lib.nonfinite_diagnostic(
-                step_no, values, self.state.loss_scale, self.max_skips
-            )
-        if diagnostic:
-            self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
-
-    def finish(self, last_eval: dict | None, config: ml_collections.ConfigDict) -> None:
-        """Host-side, after the last step: the picture, and the summary on stdout."""
-        curves.draw(self.workdir, f"{config.model.name}, {config.precision}")
-        if jax.process_index() == 0:
-            seconds = time.monotonic() - self.started
-            print(curves.summary(self.workdir, self.state, last_eval, seconds, config), flush=True)
-
-    def save(self, step_no: int) -> None:
-        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run."""
-        with _allow_transfers():
-            try:
-                self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
-            except OSError as e:
-                raise errors.StorageError(
-                    f"could not write the checkpoint for step {step_no} in "
-                    f"{self.checkpointer.directory}: {e.strerror or e}; the checkpoints already "
-                    f"there are intact (steps {self.checkpointer.all_steps()})"
-                ) from e
-        self.saved_step = step_no
-
-    def stop(self, done: int, error: errors.StopTraining) -> None:
-        """Saves step `done` unless it is saved already, then raises `error`."""
-        if self.saved_step != done:
-            self.save(done)
-        self.checkpointer.wait()
-        raise error
-
-    def __enter__(self) -> Run:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.checkpointer.close()  # waits for pending saves
-        self.writer.flush()
-        self.writer.close()
 
 
 class Trainer:
@@ -166,19 +80,16 @@ class Trainer:
 
         return data.create_sources(self.config)
 
-    def build_hooks(self, run: Run) -> list:
+    def build_hooks(self, run: loop.Run) -> list:
         """Host-side. clu periodic actions called with the step after every step; they read the
         live state as `run.state`. Extend via `super()`."""
-        from clu import periodic_actions
+        periodic_actions = metrics_lib.import_clu("periodic_actions")
 
         cfg, last = self.config, [self.config.num_train_steps]
 
         def evaluate(step: int, t: float) -> None:  # clu passes these by name
-            values = self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
-            run.writer.write_scalars(step, values)
-            run.progress.update(step, values)
-            curves.append(run.workdir, step, values)
-            curves.draw(run.workdir, f"{cfg.model.name}, {cfg.precision}")
+            self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
+            run.record(step, self.last_eval, draw=True)
 
         return [
             periodic_actions.ReportProgress(
@@ -232,7 +143,7 @@ class Trainer:
     def init_state(self, sample_batch: Any = None) -> train_state_lib.TrainState:
         """Host-side. The step-0 state, created on the mesh directly in its shardings;
         `sample_batch` gives the input shapes (default: batch 0 of `build_datasets`)."""
-        with _allow_transfers():
+        with loop.allow_transfers():
             if sample_batch is None:
                 sample_batch = self.build_datasets()[0].get_batch(0)
             init, args = self.make_init(sample_batch)
@@ -276,17 +187,13 @@ class Trainer:
             self.loss_fn, mesh=self.mesh, per_layer=per_layer, measure_when=when
         )
 
-        def train_step(state, batch, totals: metrics_lib.LogTotals):
+        def train_step(state, batch, totals: loop.LogTotals):
             totals = loss_scale_lib.select_tree(state.step % log_every == 0, totals.reset(), totals)
             new_state, metrics = recipe(state, batch)
             shardings = sharding.state_shardings(self.mesh, state)
             new_state = jax.lax.with_sharding_constraint(new_state, shardings)
             metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
-            if per_layer:
-                origin, table = metrics.pop("numerics_origin"), metrics["numerics"]
-                log = totals.numerics.record(state.step, metrics["applied"], table, origin)
-                totals = totals.replace(numerics=log)
-            return new_state, metrics, totals.update(metrics["loss"], metrics["applied"])
+            return new_state, metrics, totals.add(state.step, metrics)
 
         return train_step
 
@@ -299,23 +206,23 @@ class Trainer:
         `source` defaults to the eval source of `build_datasets`, `eval_step` to a freshly
         jitted `make_eval_step(self.eval_fn)` (a run passes its own, compiled once)."""
         if source is None:
-            with _allow_transfers():
+            with loop.allow_transfers():
                 source = self.build_datasets()[1]
         eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn))
         n, sums = self.config.eval_steps, None
         for i in range(n):
             metrics = eval_step(state, self.device_batch(source, i))
             sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
-        with _allow_transfers():
+        with loop.allow_transfers():
             return {f"eval_{k}": float(v) / n for k, v in jax.device_get(sums).items()}
 
-    def setup(self, train_source: Any, eval_source: Any) -> Run:
+    def setup(self, train_source: Any, eval_source: Any) -> loop.Run:
         """Host-side. Builds everything a run needs, once: the state (restored from the newest
         valid checkpoint if there is one), the compiled train and eval steps, the writer, the
         checkpointer and the hooks. Writes `config.json`. Use the `Run` as a context manager."""
         cfg, workdir = self.config, self.workdir
         state = self.init_state(train_source.get_batch(0))
-        with _allow_transfers():
+        with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
@@ -324,12 +231,12 @@ class Trainer:
             )
             start = int(state.step)
             if jax.process_index() == 0:
-                checkpoint.write_json(workdir / "config.json", config_lib.to_dict(cfg))
+                files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             calls = None
             if cfg.numerics.per_layer:
                 calls = numerics.loss_calls(self.loss_fn, state, train_source.get_batch(0))
-            log = calls and numerics.Log.zeros(len(calls.paths), cfg.log_every_steps)
-            totals = metrics_lib.LogTotals.on_devices(sharding.replicated(self.mesh), log)
+            log = calls and numerics_log.Log.zeros(len(calls.paths), cfg.log_every_steps)
+            totals = loop.LogTotals.on_devices(sharding.replicated(self.mesh), log)
         # Compile everything up front: the loop then never stops to compile. The one trace of
         # the step is compiled and read by the precision report.
         traced = jax.jit(self.make_train_step(), donate_argnums=0)
@@ -338,7 +245,8 @@ class Trainer:
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
         eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
-        run = Run(
+        run = loop.Run(
+            config=cfg,
             state=state,
             start=start,
             train_source=train_source,
@@ -348,12 +256,9 @@ class Trainer:
             totals=totals,
             writer=metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0),
             checkpointer=checkpointer,
-            progress=metrics_lib.ProgressLine(cfg.num_train_steps),
-            meta={"config": config_lib.to_dict(cfg), "policy": str(self.policy)},
             saved_step=saved_step,
             calls=calls,
             workdir=workdir,
-            max_skips=cfg.max_consecutive_skips,
         )
         run.hooks = self.build_hooks(run)
         metrics_lib.report_start(workdir, cfg, state, train_step, self.mesh, start, report)
@@ -367,17 +272,17 @@ class Trainer:
         in use, unwritable, or holds checkpoints of an incompatible run, `StorageError` when a
         checkpoint cannot be written.
         """
-        with _allow_transfers():  # data problems surface before anything touches the workdir
+        with loop.allow_transfers():  # data problems surface before anything touches the workdir
             sources = self.build_datasets()
         with runtime.workdir_lock(self.workdir), runtime.PreemptionFlag() as preemption:
             with preemption.starting_up():  # nothing to save yet: SIGTERM exits at once
                 run = self.setup(*sources)
             with run:
                 self.train(run, preemption)
-                run.finish(self.last_eval, self.config)
+                run.finish(self.last_eval)
         return run.state
 
-    def train(self, run: Run, preemption: runtime.PreemptionFlag) -> None:
+    def train(self, run: loop.Run, preemption: runtime.PreemptionFlag) -> None:
         """Host-side. The loop: heed SIGTERM, step, report the last log step, run the hooks."""
         cfg, totals, pending, done = self.config, run.totals, None, run.start
         for step_no in range(run.start, cfg.num_train_steps):

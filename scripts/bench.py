@@ -49,7 +49,7 @@ import numpy as np
 import optax
 
 import mptrain
-from mptrain import audit, checkpoint, precision, runtime
+from mptrain import audit, files, precision, runtime
 from mptrain import config as config_lib
 from mptrain import data as data_lib
 from mptrain import trainer as trainer_lib
@@ -387,7 +387,7 @@ def main(argv=None):
         **runpy.run_path(str(ROOT / "scripts/bench_overhead.py"))["git_info"](ROOT),
         "rows": rows,
     }
-    checkpoint.write_json(args.out, result)
+    files.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -41,8 +41,8 @@ import jax
 import ml_collections
 
 import mptrain
-from mptrain import checkpoint, runtime
 from mptrain import data as data_lib
+from mptrain import files, runtime
 from mptrain import trainer as trainer_lib
 
 
@@ -267,7 +267,7 @@ def main(argv=None):
         **summary,
         "per_pair": rows,
     }
-    checkpoint.write_json(args.out, result)
+    files.write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

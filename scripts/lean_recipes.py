@@ -25,8 +25,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from mptrain import checkpoint
 from mptrain import config as config_lib
+from mptrain import files
 from mptrain import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def step_timer(overrides: dict):
     batch = trainer.device_batch(source, 0)
     holder = {"state": trainer.init_state(source.get_batch(0))}
     step = jax.jit(trainer.make_train_step(), donate_argnums=0)
-    totals = trainer_lib.metrics_lib.LogTotals.zeros()
+    totals = trainer_lib.loop.LogTotals.zeros()
 
     def run(n: int) -> float:
         jax.block_until_ready(holder["state"])
@@ -165,7 +165,7 @@ def main(argv=None):
             f"{row['recipe']:34s} {row['eval_loss']:9.4f} {vs:>13s} "
             f"{row['bytes_per_param']:11.3f} {row['step_time_vs_bf16_mixed']:9.3f}"
         )
-    checkpoint.write_json(
+    files.write_json(
         args.out,
         {
             "jax": jax.__version__,

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere: the mptrain of this checkout
 
-from mptrain import checkpoint  # noqa: E402
+from mptrain import files, loop  # noqa: E402
 
 # name: (config overrides of configs/lm_bf16.py, sequences per device, meshes as fsdp sizes)
 MODELS = {
@@ -69,7 +69,7 @@ def _plan(model: str, fsdp: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mptrain import audit, metrics, sharding
+    from mptrain import audit, sharding
     from mptrain import trainer as trainer_lib
 
     devices = jax.device_count()
@@ -84,7 +84,7 @@ def _plan(model: str, fsdp: str) -> dict:
                                 sharding=batch_sharding)
         for k in ("inputs", "targets")
     }  # fmt: skip
-    totals = jax.eval_shape(metrics.LogTotals.zeros)
+    totals = jax.eval_shape(loop.LogTotals.zeros)
     started = time.monotonic()
     step = jax.jit(trainer.make_train_step(), donate_argnums=0)
     compiled = step.lower(state, batch, totals).compile()
@@ -161,7 +161,7 @@ def main() -> None:
         rows += [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         print(f"... {devices} devices compiled ({time.monotonic() - started:.0f} s)", flush=True)
     _print_table(rows)
-    checkpoint.write_json(args.out, rows)
+    files.write_json(args.out, rows)
     print(f"wrote {args.out} in {time.monotonic() - started:.0f} s")
 
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import assert_trees_bytes_equal
 
 import mptrain
-from mptrain import checkpoint, fingerprints
+from mptrain import checkpoint, files, fingerprints
 
 # When a read fails, orbax abandons its other reads, and their errors surface later as
 # "exception ignored" reports (coroutines never awaited, callbacks on a closed event loop). They
@@ -447,9 +447,9 @@ def test_meta_is_lenient_json(tmp_path, states):
 
 def test_write_json_is_atomic(tmp_path):
     path = tmp_path / "run" / "config.json"
-    checkpoint.write_json(path, {"a": 1, "when": object})
+    files.write_json(path, {"a": 1, "when": object})
     assert json.loads(path.read_text())["a"] == 1
-    checkpoint.write_json(path, {"a": 2})
+    files.write_json(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 2}
 
     class Unprintable:
@@ -457,7 +457,7 @@ def test_write_json_is_atomic(tmp_path):
             raise RuntimeError("cannot print")
 
     with pytest.raises(RuntimeError, match="cannot print"):
-        checkpoint.write_json(path, {"a": 3, "bad": Unprintable()})
+        files.write_json(path, {"a": 3, "bad": Unprintable()})
     assert json.loads(path.read_text()) == {"a": 2}  # the old file, whole
     assert os.listdir(path.parent) == ["config.json"]  # no temporary files left behind
 

@@ -4,13 +4,13 @@ import runpy
 
 from conftest import ROOT, plain_orbax_state, run_cli_process
 
-from mptrain import runtime
+from mptrain import launch
 from mptrain import trainer as trainer_lib
 
 
 def test_the_config_names_a_trainer_subclass():
     config = runpy.run_path(str(ROOT / "examples" / "custom_trainer" / "config.py"))["get_config"]()
-    cls = runtime.import_trainer(config.trainer)
+    cls = launch.import_trainer(config.trainer)
     assert issubclass(cls, trainer_lib.Trainer) and cls is not trainer_lib.Trainer
     assert cls.loss_fn is not trainer_lib.Trainer.loss_fn
 

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import mptrain
-from mptrain import optim
+from mptrain import optim, schedules
 
 
 def _params(seed=0):
@@ -253,10 +253,10 @@ def test_unknown_name_lists_the_valid_ones():
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_a_run_shorter_than_its_warmup_warms_up_over_half_of_it(schedule):
     config = _config(schedule=schedule, warmup_steps=100)  # 100 updates in all
-    assert optim.warmup_steps(config) == 50
+    assert schedules.warmup_steps(config) == 50
     _, lr = optim.make_optimizer(config)
     assert float(lr(25)) == pytest.approx(0.5e-3) and float(lr(50)) == pytest.approx(1e-3)
-    assert optim.warmup_steps(_config(warmup_steps=99)) == 99  # shorter than the run: kept
+    assert schedules.warmup_steps(_config(warmup_steps=99)) == 99  # shorter than the run: kept
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,9 @@ Meant for datasets that fit in RAM (MNIST: 55 MB, CIFAR-10: 180 MB as uint8).
   augment:     ``True`` for random 4-pixel-padded crops plus horizontal flips on the training
                batches (the usual CIFAR augmentation; default ``False``).
 
+Needs the extra ``pip install 'mptrain[tfds]'`` (TensorFlow and TensorFlow Datasets): this
+is the only module of mptrain that imports them, so other data train without TensorFlow.
+
 Nothing is downloaded: training machines are often offline, and a surprise multi-gigabyte fetch
 is worse than a clear error. Prepare a dataset once with ``tfds build <dataset> --data_dir=DIR``;
 a missing dataset raises `mptrain.config.ConfigError` (exit code 2 from the CLI) saying so.
@@ -28,6 +31,8 @@ Images become ``float32`` as ``(pixel / 255 - mean) / std`` per channel, with th
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import numpy as np
@@ -71,13 +76,46 @@ def _not_prepared(dataset: str, split: str, data_dir: str | None, location: str)
     )
 
 
+def import_tfds():
+    """`tensorflow_datasets`, imported on first use, with TensorFlow kept off the accelerators.
+
+    These are the only TensorFlow imports of mptrain, and they come with the extra
+    `mptrain[tfds]`; without it the tfds source is a config error, raised before anything
+    touches the workdir.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads: INFO is noise
+    try:
+        import tensorflow as tf
+    except ImportError as e:
+        raise _needs_the_extra(e) from None
+    # TensorFlow is here only to read the data; left alone it would grab the accelerators'
+    # memory that JAX needs. (It refuses once earlier TensorFlow use in this process has set up
+    # its devices; nothing can be done then, so that is no error here.)
+    for kind in ("GPU", "TPU"):
+        with contextlib.suppress(RuntimeError, ValueError):
+            tf.config.set_visible_devices([], kind)
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise _needs_the_extra(e) from None
+    return tfds
+
+
+def _needs_the_extra(error: ImportError) -> config_lib.ConfigError:
+    cause = (str(error).splitlines() or [type(error).__name__])[0]
+    return config_lib.ConfigError(
+        f"config.data.name='tfds' needs TensorFlow Datasets, which cannot be imported here "
+        f"({cause}); install it with: pip install 'mptrain[tfds]'"
+    )
+
+
 def load_split(dataset: str, split: str, data_dir: str | None = None) -> dict[str, np.ndarray]:
     """Host-side: one split as ``{"image": uint8[N, H, W, C], "label": int32[N]}``, in file order.
 
     Raises `ConfigError` when the dataset name is unknown or the data are not prepared; the
     check costs a fraction of a second and writes nothing (no download, no directories).
     """
-    import tensorflow_datasets as tfds
+    tfds = import_tfds()
 
     try:
         builder = tfds.builder(dataset, data_dir=data_dir)
@@ -231,6 +269,7 @@ def create_sources(config: Any) -> tuple[ImageSource, ImageSource]:
 
     Both splits are read here, before anything compiles, so a missing dataset fails at once.
     """
+    import_tfds()  # a missing extra first: it is the reason whatever else is set
     data = config.data
     dataset = getattr(data, "dataset", None)
     if not isinstance(dataset, str) or not dataset:

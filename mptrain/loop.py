@@ -1,0 +1,207 @@
+"""One run's live pieces, built once by `Trainer.setup`: the state, the compiled steps, the
+writer, the checkpointer, and what the loop does on the host between steps (report a log step,
+save, stop); and `LogTotals`, what the step adds up on the device between two log steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import struct
+
+from mptrain import checkpoint, curves, errors, numerics, numerics_log
+from mptrain import config as config_lib
+from mptrain import metrics as metrics_lib
+from mptrain import train_state as train_state_lib
+
+
+def allow_transfers():
+    # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
+    # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
+    return jax.transfer_guard("allow")
+
+
+@struct.dataclass
+class LogTotals:
+    """What the train step adds up on the device between two log steps, so the host reads it
+    only on log steps: the sum and count of the applied steps' losses (for the mean loss since the
+    last log), and two values that span log intervals, the current run of non-finite steps and
+    the last finite loss (for the diagnostic when training cannot recover)."""
+
+    loss_sum: jax.Array
+    applied_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite_loss: jax.Array
+    numerics: Any = None  # a `numerics_log.Log` when per-layer numerics are recorded
+
+    @classmethod
+    def zeros(cls, numerics: Any = None) -> LogTotals:
+        """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
+        zero_f, zero_i = np.float32(0), np.int32(0)
+        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
+
+    @classmethod
+    def on_devices(cls, sharding: Any, numerics: Any = None) -> LogTotals:
+        """Fresh totals made on the devices of `sharding` (a host NaN would not pass
+        `device_put`'s check that every process puts the same value)."""
+        return jax.jit(lambda: cls.zeros(numerics), out_shardings=sharding)()
+
+    def add(self, step: jax.Array, metrics: dict[str, jax.Array]) -> LogTotals:
+        """Adds step `step`'s metrics: its (fp32) loss counts only if its update was applied;
+        with per-layer numerics, its table and where it first went non-finite are logged."""
+        loss, applied, log = metrics["loss"], metrics["applied"], self.numerics
+        if log is not None:
+            log = log.record(step, applied, metrics["numerics"], metrics["numerics_origin"])
+        return self.replace(
+            numerics=log,
+            loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
+            applied_steps=self.applied_steps + applied.astype(jnp.int32),
+            consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
+            last_finite_loss=jnp.where(applied, loss, self.last_finite_loss),
+        )
+
+    def reset(self) -> LogTotals:
+        """A new log interval: the sums restart; the values that span intervals stay."""
+        return self.replace(
+            loss_sum=jnp.zeros_like(self.loss_sum),
+            applied_steps=jnp.zeros_like(self.applied_steps),
+            numerics=None if self.numerics is None else self.numerics.reset(),
+        )
+
+    def to_scalars(self) -> dict[str, float]:
+        """Host floats from fetched totals; `loss` (the interval's mean) only if a step applied."""
+        values = {
+            "consecutive_skips": float(self.consecutive_skips),
+            "last_finite_loss": float(self.last_finite_loss),
+        }
+        if int(self.applied_steps):
+            values["loss"] = float(self.loss_sum) / int(self.applied_steps)
+        return values
+
+
+def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
+    """A message when training cannot recover from its non-finite steps, else None.
+
+    `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
+    `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
+    device) only after two non-finite steps in a row.
+    """
+    skips = int(values["consecutive_skips"])
+    if skips == 0:
+        return None
+    scale = values["loss_scale"]
+    min_scale = getattr(scaler, "min_scale", None)  # only a dynamic scaler moves
+    stuck = min_scale is not None and skips >= 2 and scale <= float(min_scale)
+    if skips < max_skips and not stuck:
+        return None
+    why = (
+        f"the dynamic loss scale is stuck at its minimum {scale:g}"
+        if skips < max_skips
+        else f"{skips} non-finite steps in a row (config.max_consecutive_skips={max_skips})"
+    )
+    return (
+        f"training went non-finite at step {step}: {why}; last finite loss "
+        f"{values['last_finite_loss']:.6g}, loss scale {scale:g}, "
+        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
+        "saved; lower the learning rate or check the data, then run again"
+    )
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run needs, built once by `Trainer.setup`. `state` is the live state: the
+    loop replaces it after every step, and hooks read it from here."""
+
+    config: ml_collections.ConfigDict
+    state: train_state_lib.TrainState
+    start: int  # the step the run starts (or resumes) at
+    train_source: Any
+    eval_source: Any
+    train_step: Callable  # compiled: (state, batch, totals) -> (state, metrics, totals)
+    eval_step: Callable  # compiled: (state, batch) -> metrics
+    totals: LogTotals  # on the devices
+    writer: Any
+    checkpointer: checkpoint.Checkpointer
+    saved_step: int | None = None  # the newest checkpoint's step
+    hooks: list = dataclasses.field(default_factory=list)
+    calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
+    workdir: Path = Path(".")
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        cfg = self.config
+        self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
+        self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
+        self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves
+
+    def report(self, step_no: int, metrics, totals, done: int) -> None:
+        """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
+        training cannot recover."""
+        with allow_transfers():
+            metrics, totals = jax.device_get((metrics, totals))
+            values = metrics_lib.scalars(metrics) | totals.to_scalars()
+            self.record(step_no, values)
+            where = None
+            if self.calls is not None:
+                table = metrics["numerics"]
+                where = numerics_log.report(
+                    totals.numerics, table, step_no, self.calls, self.writer, self.workdir
+                )
+            diagnostic = nonfinite_diagnostic(
+                step_no, values, self.state.loss_scale, self.config.max_consecutive_skips
+            )
+        if diagnostic:
+            self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
+
+    def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
+        """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
+        (`draw`: redraw `curves.png` too)."""
+        self.writer.write_scalars(step_no, values)
+        self.progress.update(step_no, values)
+        curves.append(self.workdir, step_no, values)
+        if draw:
+            curves.draw(self.workdir, self.title)
+
+    def finish(self, last_eval: dict | None) -> None:
+        """Host-side, after the last step: the picture, and the summary on stdout."""
+        curves.draw(self.workdir, self.title)
+        if jax.process_index() == 0:
+            seconds = time.monotonic() - self.started
+            summary = curves.summary(self.workdir, self.state, last_eval, seconds, self.config)
+            print(summary, flush=True)
+
+    def save(self, step_no: int) -> None:
+        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run."""
+        with allow_transfers():
+            try:
+                self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
+            except OSError as e:
+                raise errors.StorageError(
+                    f"could not write the checkpoint for step {step_no} in "
+                    f"{self.checkpointer.directory}: {e.strerror or e}; the checkpoints already "
+                    f"there are intact (steps {self.checkpointer.all_steps()})"
+                ) from e
+        self.saved_step = step_no
+
+    def stop(self, done: int, error: errors.StopTraining) -> None:
+        """Saves step `done` unless it is saved already, then raises `error`."""
+        if self.saved_step != done:
+            self.save(done)
+        self.checkpointer.wait()
+        raise error
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.checkpointer.close()  # waits for pending saves
+        self.writer.flush()
+        self.writer.close()

@@ -1,0 +1,171 @@
+"""Training needs no TensorFlow (issue 17): mptrain's own TensorBoard writer, clu importable
+without TensorFlow, and TensorFlow only for tfds data, as the extra `mptrain[tfds]`.
+
+The processes started here get a `sitecustomize` (through PYTHONPATH) that runs before anything
+else, as on a machine set up that way: it can make TensorFlow unimportable, and it reports at
+exit which TensorFlow modules the process loaded.
+"""
+
+import importlib.util
+import io
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, TINY, run_cli_process
+from PIL import Image
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.util import tensor_util
+
+from mptrain import metrics
+
+_BLOCK_TENSORFLOW = """
+import sys
+sys.modules["tensorflow"] = sys.modules["tensorflow_datasets"] = None  # as if not installed
+"""
+_REPORT_TENSORFLOW = """
+import atexit
+import sys
+
+def _report():
+    loaded = sorted(
+        name for name, module in sys.modules.items()
+        if name.split(".")[0] in ("tensorflow", "tensorflow_datasets") and module is not None
+    )
+    sys.stderr.write(f"\\nTENSORFLOW MODULES LOADED: {len(loaded)} {loaded[:3]}\\n")
+
+atexit.register(_report)
+"""
+_NONE_LOADED = "TENSORFLOW MODULES LOADED: 0 []"
+
+
+@pytest.fixture
+def prelude(tmp_path, monkeypatch):
+    """`prelude(code)`: `code` runs first in every Python process this test starts."""
+
+    def install(code: str) -> None:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(code)
+        paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+
+    return install
+
+
+def _series(workdir: Path, tag: str) -> dict[int, np.ndarray]:
+    """`{step: value}` of `tag`, read by TensorBoard's own reader from the event files."""
+    found = {}
+    for path in sorted(workdir.glob("events.out.tfevents.*")):
+        events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
+        events.Reload()
+        if tag in events.Tags()["tensors"]:
+            for event in events.Tensors(tag):
+                found[event.step] = tensor_util.make_ndarray(event.tensor_proto)
+    return found
+
+
+def test_the_tiny_default_trains_and_writes_events_without_tensorflow(tmp_path, prelude):
+    prelude(_BLOCK_TENSORFLOW + _REPORT_TENSORFLOW)
+    workdir = tmp_path / "run"
+    result = run_cli_process(TINY, f"--workdir={workdir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _NONE_LOADED in result.stderr
+    log_steps, eval_steps = [2, 4, 6, 8], [4, 8]  # the tiny config logs every 2, evals every 4
+    for tag, steps in (("loss", log_steps), ("loss_scale", log_steps), ("eval_loss", eval_steps)):
+        series = _series(workdir, tag)
+        assert sorted(series) == steps, (tag, series)
+        assert all(v.dtype == np.float32 and v.shape == () for v in series.values()), tag
+        assert all(np.isfinite(v) and v > 0 for v in series.values()), (tag, series)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None, reason="needs TensorFlow installed"
+)
+def test_a_text_data_run_does_not_import_installed_tensorflow(tmp_path, prelude):
+    prelude(_REPORT_TENSORFLOW)
+    workdir = tmp_path / "run"
+    result = run_cli_process(TINY, f"--workdir={workdir}", "--config.num_train_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _NONE_LOADED in result.stderr, result.stderr[-300:]
+    assert sorted(_series(workdir, "loss")) == [2]
+
+
+def test_tfds_data_without_the_extra_is_a_one_line_config_error(tmp_path, prelude):
+    prelude(_BLOCK_TENSORFLOW)
+    workdir = tmp_path / "run"
+    result = run_cli_process(
+        f"--config={ROOT / 'configs' / 'mnist_cnn.py'}:tiny", f"--workdir={workdir}"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("mptrain: error:")]
+    assert len(error) == 1, result.stderr[-3000:]
+    assert "data.name='tfds'" in error[0] and "pip install 'mptrain[tfds]'" in error[0]
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()
+
+
+def test_event_writer_round_trips_through_tensorboards_reader(tmp_path, caplog):
+    writer = metrics.EventWriter(tmp_path)
+    writer.write_scalars(3, {"loss": np.float32(1.5), "finite": True, "norm": jnp.asarray(2.0)})
+    writer.write_scalars(5, {"loss": 0.25})
+    writer.write_texts(3, {"note": "héllo"})
+    writer.write_hparams({"lr": 0.1, "model": {"name": "mlp", "layers": np.int32(2)}, "x": None})
+    writer.write_histograms(3, {"w": np.arange(100.0), "one": [7.0, np.nan]}, {"w": 4})
+    writer.write_images(3, {"img": np.full((2, 3, 4, 3), 0.5, np.float32)})
+    writer.write_videos(3, {"clip": np.zeros((1, 2, 3, 4, 3))})
+    writer.close()
+
+    assert _series(tmp_path, "loss") == {3: 1.5, 5: 0.25}
+    assert _series(tmp_path, "finite") == {3: 1.0} and _series(tmp_path, "norm") == {3: 2.0}
+    events = event_accumulator.EventAccumulator(writer.path, size_guidance={"tensors": 0})
+    events.Reload()
+    assert events.SummaryMetadata("loss").plugin_data.plugin_name == "scalars"  # as TF2 writes
+
+    assert _series(tmp_path, "note")[3] == "héllo".encode()
+    assert events.SummaryMetadata("note").plugin_data.plugin_name == "text"
+
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["lr"].number_value == 0.1 and hparams["model.layers"].number_value == 2
+    assert hparams["model.name"].string_value == "mlp" and hparams["x"].string_value == "None"
+
+    histogram = _series(tmp_path, "w")[3]  # rows of (left edge, right edge, count)
+    np.testing.assert_allclose(histogram[:, 0], [0, 24.75, 49.5, 74.25])
+    np.testing.assert_allclose(histogram[:, 1], [24.75, 49.5, 74.25, 99])
+    np.testing.assert_array_equal(histogram[:, 2], [25, 25, 25, 25])
+    one = _series(tmp_path, "one")[3]  # one finite value: counted in the last of 30 buckets
+    assert one.shape == (30, 3) and one[-1, 2] == 1 and one[:, 2].sum() == 1
+
+    width, height, *pngs = _series(tmp_path, "img")[3]
+    assert (width, height, len(pngs)) == (b"4", b"3", 2)
+    pixels = np.asarray(Image.open(io.BytesIO(pngs[0])))
+    assert pixels.shape == (3, 4, 3) and (pixels == 128).all()
+    assert events.SummaryMetadata("img").plugin_data.plugin_name == "images"
+
+    assert "does not write videos" in caplog.text and "clip" in caplog.text
+
+
+def test_create_writer_does_not_go_through_clus_summary_writer(tmp_path, monkeypatch):
+    # The GPU machines' stopgap makes clu's SummaryWriter a no-op; mptrain's events must not care.
+    class NoOp:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    for name in ("metric_writers", "metric_writers.summary_writer", "metric_writers.utils"):
+        monkeypatch.setattr(metrics.import_clu(name), "SummaryWriter", NoOp)
+    writer = metrics.create_writer(tmp_path / "main")
+    writer.write_scalars(1, {"loss": 2.0})
+    writer.close()
+    assert _series(tmp_path / "main", "loss") == {1: 2.0}
+
+    other = metrics.create_writer(tmp_path / "other", is_main_process=False)
+    other.write_scalars(1, {"loss": 2.0})
+    other.close()
+    assert not (tmp_path / "other").exists()
