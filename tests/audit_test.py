@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import needs_devices, tiny_config
 
 import mptrain
 from mptrain import audit, hlo, loop, optim
@@ -264,11 +264,11 @@ class SummingTrainer(mptrain.Trainer):
         return loss, (model_state, {**aux, "total": total.astype(jnp.float32)})
 
 
+@needs_devices(2)
 @pytest.mark.parametrize("trainer_class", [mptrain.Trainer, SummingTrainer])
 def test_a_sum_across_devices_in_bf16_is_named_and_the_framework_sums_in_fp32(
     trainer_class, tmp_path
 ):
-    assert jax.device_count() >= 2, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     config = tiny_config(**{"mesh.data": 2})
     report = audit.precision_report(
         *_step_and_args(trainer_class(config, tmp_path), _lm_batch(config))

@@ -18,7 +18,7 @@ import optax
 # interrupt a save the way a crash would.
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_bytes_equal
+from conftest import assert_trees_bytes_equal, needs_devices
 
 import mptrain
 from mptrain import checkpoint, files, fingerprints
@@ -223,7 +223,7 @@ def test_plain_orbax_reads_state_as_numpy(tmp_path, bf16_state):
         assert array.tobytes() == want[name].tobytes(), name
 
 
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs XLA_FLAGS fake devices (make test)")
+@needs_devices(2)
 def test_sharded_state_restores_onto_target_shardings(tmp_path, states):
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs_devices
 
 from mptrain import config as config_lib
 from mptrain import optim, runtime, sharding, train_state
@@ -82,7 +83,12 @@ def _one_rule(build):
     [
         ({"optimizer.eps": 0.0}, "optimizer.eps=0.0", optim.make_optimizer),
         ({"optimizer.learning_rate": 0.0}, "optimizer.learning_rate=0.0", optim.make_optimizer),
-        ({"mesh.data": 4, "batch_size": 6}, "batch_size=6", sharding.mesh_shape),
+        pytest.param(
+            {"mesh.data": 4, "batch_size": 6},
+            "batch_size=6",
+            sharding.mesh_shape,
+            marks=needs_devices(4),
+        ),
     ],
 )
 def test_validate_reports_the_rule_of_the_object_it_builds(overrides, named, build):

@@ -1,5 +1,10 @@
-"""Shared test helpers. Tests run on CPU with fake devices (see the Makefile's XLA_FLAGS)."""
+"""Shared test helpers. `make test` runs on CPU with 8 fake devices (the Makefile's XLA_FLAGS);
+`make test-gpu` runs the same suite on a GPU machine, where a test that needs more devices than
+there are is skipped with a reason naming the counts (`needs_devices`), and processes started
+with several fake devices run on the CPU there too.
+"""
 
+import importlib.util
 import os
 import re
 import runpy
@@ -10,8 +15,11 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
+from jax.extend import core as jex
 
 import mptrain
 from mptrain import config as config_lib
@@ -33,6 +41,34 @@ for _key, _value in _CACHE.items():
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# A GPU runs fp32 matmuls in TF32 (10 mantissa bits) by default. The tests compare the recipe's
+# numbers with references and with each other, not the hardware's shortcuts: full fp32 there.
+if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def needs_devices(count: int):
+    """Marks a test that builds a mesh of `count` devices: skipped, with a reason naming both
+    counts, where JAX has fewer (one GPU, say)."""
+    have = jax.device_count()
+    reason = f"needs {count} devices; JAX has {have} {jax.default_backend()} device(s)"
+    return pytest.mark.skipif(have < count, reason=reason)
+
+
+needs_tfds = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow_datasets") is None,
+    reason="needs the extra mptrain[tfds] (TensorFlow Datasets), not installed here",
+)
+
+
+def fake_cpu_env(devices: int) -> dict[str, str]:
+    """The environment of a process with `devices` fake CPU devices. With more than one, the
+    process runs on the CPU even where there is an accelerator: such tests are about meshes and
+    processes, and one GPU cannot be eight devices."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if devices > 1:
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
 
 
 def load_config(name: str, arg: str | None = "tiny", **overrides):
@@ -83,7 +119,7 @@ def run_cli(workdir, *overrides, capsys=None, config=TINY):
 def run_cli_process(*args, devices: int = 1, timeout: int = 300, module: str = "mptrain.main"):
     """`python -m mptrain.main ARGS` (or another `module`) in a fresh process from the
     repository root (so that `examples` is importable), with `devices` fake CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = fake_cpu_env(devices)
     command = [sys.executable, "-m", module, *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -97,7 +133,7 @@ def start_processes(workdir, *overrides, processes=2, devices=2, config=TINY):
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = fake_cpu_env(devices)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "mptrain.main", config, f"--workdir={workdir}", *overrides]
     command += [
@@ -153,3 +189,63 @@ def matmul_dtypes(lowered_text: str) -> list[tuple[tuple[str, ...], str]]:
             (result,) = _TYPE.findall(match.group(3))
             found.append((operands, result))
     return found
+
+
+# ----------------------------------------------------------------- what XLA:GPU may compile
+
+_TRIPS = {  # the two ways out of a dtype that a compiler may find a way back from
+    jex.primitives.convert_element_type_p: "convert",
+    jex.primitives.bitcast_convert_type_p: "bitcast",
+}
+_CALLS = (jex.primitives.jit_p, jex.primitives.closed_call_p)
+
+
+def drop_round_trips(fn):
+    """`fn` as a compiler allowed excess precision may compile it: a float round trip through a
+    narrower type (fp32 -> bf16 -> fp32) becomes the fp32 value it started from, which XLA:GPU
+    does by default, and a pair of bitcasts that undo each other goes too, as every backend's
+    simplifier does. Rewrites the traced program; jit the result to compile it."""
+
+    def run(jaxpr, consts, args):
+        # Every value travels as (value, came_from): came_from is (trip, (value, came_from)) of
+        # the value a narrowing convert or a bitcast made this one from, else None.
+        env = dict(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        read = lambda v: (v.val, None) if isinstance(v, jex.Literal) else env[v]
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            trip = _TRIPS.get(eqn.primitive)
+            came_from = ins[0][1] if trip else None
+            if eqn.primitive in _CALLS:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                outs = run(inner.jaxpr, inner.consts, ins)
+            elif (
+                came_from
+                and came_from[0] == trip
+                and (came_from[1][0].dtype == eqn.outvars[0].aval.dtype)
+            ):
+                outs = [came_from[1]]  # the way back: the value from before the way out
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                outs = eqn.primitive.bind(*[x for x, _ in ins], **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+                narrowed = trip == "convert" and _narrower(outs[0].dtype, ins[0][0].dtype)
+                made = (trip, ins[0]) if narrowed or trip == "bitcast" else None
+                outs = [(x, made) for x in outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [read(v) for v in jaxpr.outvars]
+
+    def rewritten(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = run(closed.jaxpr, closed.consts, [(x, None) for x in jax.tree.leaves(args)])
+        return jax.tree.unflatten(jax.tree.structure(shapes), [x for x, _ in outs])
+
+    return rewritten
+
+
+def _narrower(a, b) -> bool:
+    floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
+    return floats and jnp.finfo(a).bits < jnp.finfo(b).bits
+
+
+COMPILERS = {"jit": lambda f: f, "jit-dropping-round-trips": drop_round_trips}

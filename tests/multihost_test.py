@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import (
     assert_trees_bytes_equal,
+    needs_devices,
     plain_orbax_state,
     start_processes,
     tiny_config,
@@ -42,6 +43,7 @@ def two_process_run(tmp_path_factory):
     return workdir
 
 
+@needs_devices(4)
 def test_two_processes_train_like_one_process_with_four_devices(two_process_run, tmp_path):
     mptrain.run(tiny_config(precision="fp32", **{"mesh.data": 2, "mesh.fsdp": 2}), tmp_path)
     one, two = plain_orbax_state(tmp_path, 8), plain_orbax_state(two_process_run, 8)

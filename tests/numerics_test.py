@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_cli, tiny_config
+from conftest import needs_devices, run_cli, tiny_config
 
 import mptrain
 from mptrain import audit, numerics
@@ -101,8 +101,11 @@ def test_every_injection_site_is_named_with_its_direction(injected, direction):
 
 @pytest.mark.parametrize(
     "data, fsdp, every_step",
-    [(1, 1, False), (2, 2, False), (1, 1, True)],
-    ids=["one_device", "mesh_2x2", "every_step"],
+    [
+        pytest.param(1, 1, False, id="one_device"),
+        pytest.param(2, 2, False, id="mesh_2x2", marks=needs_devices(4)),
+        pytest.param(1, 1, True, id="every_step"),
+    ],
 )
 def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
     data, fsdp, every_step, tmp_path, caplog

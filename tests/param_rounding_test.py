@@ -13,70 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.extend import core as jex
+from conftest import COMPILERS, drop_round_trips
 
 import mptrain
 from mptrain import precision
 
 POLICIES = {jnp.bfloat16: "bf16-pure", jnp.float16: "params=float16,compute=float16,output=float32"}
-
-
-_TRIPS = {  # the two ways out of a dtype that a compiler may find a way back from
-    jex.primitives.convert_element_type_p: "convert",
-    jex.primitives.bitcast_convert_type_p: "bitcast",
-}
-_CALLS = (jex.primitives.jit_p, jex.primitives.closed_call_p)
-
-
-def drop_round_trips(fn):
-    """`fn` as a compiler allowed excess precision may compile it: a float round trip through a
-    narrower type (fp32 -> bf16 -> fp32) becomes the fp32 value it started from, which XLA:GPU
-    does by default, and a pair of bitcasts that undo each other goes too, as every backend's
-    simplifier does. Rewrites the traced program; jit the result to compile it."""
-
-    def run(jaxpr, consts, args):
-        # Every value travels as (value, came_from): came_from is (trip, (value, came_from)) of
-        # the value a narrowing convert or a bitcast made this one from, else None.
-        env = dict(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        read = lambda v: (v.val, None) if isinstance(v, jex.Literal) else env[v]
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            trip = _TRIPS.get(eqn.primitive)
-            came_from = ins[0][1] if trip else None
-            if eqn.primitive in _CALLS:
-                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                outs = run(inner.jaxpr, inner.consts, ins)
-            elif (
-                came_from
-                and came_from[0] == trip
-                and (came_from[1][0].dtype == eqn.outvars[0].aval.dtype)
-            ):
-                outs = [came_from[1]]  # the way back: the value from before the way out
-            else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                outs = eqn.primitive.bind(*[x for x, _ in ins], **params)
-                outs = outs if eqn.primitive.multiple_results else [outs]
-                narrowed = trip == "convert" and _narrower(outs[0].dtype, ins[0][0].dtype)
-                made = (trip, ins[0]) if narrowed or trip == "bitcast" else None
-                outs = [(x, made) for x in outs]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
-
-    def rewritten(*args):
-        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = run(closed.jaxpr, closed.consts, [(x, None) for x in jax.tree.leaves(args)])
-        return jax.tree.unflatten(jax.tree.structure(shapes), [x for x, _ in outs])
-
-    return rewritten
-
-
-def _narrower(a, b) -> bool:
-    floats = jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating)
-    return floats and jnp.finfo(a).bits < jnp.finfo(b).bits
-
-
-COMPILERS = {"jit": lambda f: f, "jit-dropping-round-trips": drop_round_trips}
 
 
 def test_dropping_round_trips_does_what_xla_gpu_may_do():

@@ -9,8 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_bytes_equal, plain_orbax_state, run_cli, tiny_config
-from param_rounding_test import COMPILERS
+from conftest import (
+    COMPILERS,
+    assert_trees_bytes_equal,
+    needs_devices,
+    plain_orbax_state,
+    run_cli,
+    tiny_config,
+)
 
 import mptrain
 from mptrain import audit, optim, q8
@@ -190,8 +196,8 @@ def test_a_resumed_q8_run_equals_the_uninterrupted_one(tmp_path):
     assert_trees_bytes_equal(plain_orbax_state(straight, 8), state)
 
 
+@needs_devices(8)
 def test_a_q8_checkpoint_from_a_4x2_mesh_resumes_on_one_device(tmp_path):
-    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     overrides = {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8"}
     overrides |= {"optimizer.q8_min_size": 1024, "num_train_steps": 4}
     wide = mptrain.Trainer(tiny_config(**overrides, **{"mesh.data": 4, "mesh.fsdp": 2}), tmp_path)

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import needs_devices, tiny_config
 
 import mptrain
 from mptrain import audit, sharding
@@ -26,10 +26,10 @@ def _compiled_step(precision, data, fsdp, tmp_path):
     return step.lower(state, batch).compile().as_text(), n_params
 
 
+@needs_devices(8)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("data, fsdp", [(8, 1), (4, 2)])
 def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, fsdp, tmp_path):
-    assert jax.device_count() >= 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     program, n_params = _compiled_step(precision, data, fsdp, tmp_path)
     found = audit.collectives(program)
     reductions = {**found.get("all-reduce", {}), **found.get("reduce-scatter", {})}
@@ -49,6 +49,7 @@ def _state_bytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@needs_devices(8)
 def test_start_up_under_fsdp_8_holds_an_eighth_of_the_state_per_device(tmp_path):
     peaks = {}
     for fsdp in (1, 8):

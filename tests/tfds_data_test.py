@@ -7,7 +7,7 @@ and the loading path under `tfds.testing.mock_data`.
 import ml_collections
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
+from conftest import needs_tfds
 
 from mptrain import config as config_lib
 from mptrain.data import tfds as tfds_data
@@ -105,8 +105,11 @@ def test_augmentation_crops_the_padded_image_and_flips_it():
     assert not np.array_equal(plain["inputs"], batch["inputs"])
 
 
+@needs_tfds
 @pytest.mark.parametrize(("dataset", "shape"), [("mnist", (28, 28, 1)), ("cifar10", (32, 32, 3))])
 def test_create_sources_under_mock_data(dataset, shape, tmp_path):
+    import tensorflow_datasets as tfds
+
     with tfds.testing.mock_data(num_examples=64):
         train, evaluation = tfds_data.create_sources(_config(dataset, str(tmp_path)))
     assert len(train) == len(evaluation) == 64
@@ -118,6 +121,7 @@ def test_create_sources_under_mock_data(dataset, shape, tmp_path):
     assert abs(float(np.mean(train.get_batch(0)["inputs"]))) < 3  # normalised, not 0..255
 
 
+@needs_tfds
 def test_missing_data_says_how_to_prepare_it_and_writes_nothing(tmp_path):
     data_dir = tmp_path / "absent"
     with pytest.raises(config_lib.ConfigError) as error:
@@ -128,6 +132,7 @@ def test_missing_data_says_how_to_prepare_it_and_writes_nothing(tmp_path):
     assert not data_dir.exists()
 
 
+@needs_tfds
 def test_unknown_dataset_and_missing_name_are_config_errors(tmp_path):
     with pytest.raises(config_lib.ConfigError, match="'mnistt': not a TensorFlow Datasets name"):
         tfds_data.create_sources(_config("mnistt", str(tmp_path)))

@@ -9,6 +9,7 @@ import pytest
 from conftest import (
     TraceCountingTrainer,
     assert_trees_bytes_equal,
+    needs_devices,
     plain_orbax_state,
     run_cli,
     run_cli_process,
@@ -102,8 +103,8 @@ def test_cli_exit_codes_in_a_subprocess(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@needs_devices(4)
 def test_data_parallel_and_fsdp_mesh_gives_the_same_result(straight_run, tmp_path):
-    assert jax.device_count() >= 4, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     trainer = trainer_lib.Trainer(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2}), tmp_path)
     state = trainer.train_and_evaluate()
     kernel = max(jax.tree.leaves(state.params), key=lambda x: x.size)
@@ -118,6 +119,7 @@ def test_data_parallel_and_fsdp_mesh_gives_the_same_result(straight_run, tmp_pat
         assert np.mean(np.abs(x - y)) < 1e-4 and np.max(np.abs(x - y)) < 2e-2
 
 
+@needs_devices(3)
 def test_batch_that_does_not_divide_over_the_mesh_is_a_config_error(tmp_path):
     config = tiny_config(**{"mesh.data": 3, "batch_size": 8})
     with pytest.raises(mptrain.config.ConfigError, match="batch_size=8"):
@@ -138,6 +140,7 @@ def test_init_state_and_evaluate_work_on_their_own(precision, rounding, tmp_path
     assert not (tmp_path / "run").exists()  # neither touched the workdir
 
 
+@needs_devices(4)
 def test_init_state_is_created_in_its_shardings(tmp_path):
     trainer = trainer_lib.Trainer(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2}), tmp_path)
     state = trainer.init_state()

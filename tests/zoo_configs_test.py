@@ -2,6 +2,7 @@
 batch statistics in fp32 through training, resuming and skipped steps, and missing data exits 2.
 """
 
+import contextlib
 import logging
 import os
 import runpy
@@ -9,11 +10,11 @@ import runpy
 import jax
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 from conftest import (
     ROOT,
     assert_trees_bytes_equal,
     load_config,
+    needs_tfds,
     plain_orbax_state,
     run_cli,
     run_cli_process,
@@ -59,13 +60,24 @@ TWO_STEP_RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(TWO_STEP_RUNS))
+TFDS_CONFIGS = ("mnist_cnn", "cifar10_resnet")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=needs_tfds) if n in TFDS_CONFIGS else n for n in TWO_STEP_RUNS],
+)
 def test_two_steps_of_every_tiny_config_run(name, tmp_path, caplog):
     overrides, logged = TWO_STEP_RUNS[name]
     path = ROOT / "examples" / "custom_trainer" / "config.py"
     path = path if name == "custom_trainer" else ROOT / "configs" / f"{name}.py"
     caplog.set_level(logging.INFO)
-    with tfds.testing.mock_data(num_examples=64):
+    mock = contextlib.nullcontext()
+    if name in TFDS_CONFIGS:
+        import tensorflow_datasets as tfds
+
+        mock = tfds.testing.mock_data(num_examples=64)
+    with mock:
         code, err = run_cli(
             tmp_path, "--config.num_train_steps=2", *overrides, config=f"--config={path}:tiny"
         )
@@ -83,7 +95,10 @@ def test_lm_configs_differ_only_in_precision_and_loss_scale():
     assert full.model.d_model > load_config("default").model.d_model
 
 
+@needs_tfds
 def test_mnist_cnn_tiny_trains_on_mock_data(tmp_path):
+    import tensorflow_datasets as tfds
+
     with tfds.testing.mock_data(num_examples=64):
         state = mptrain.run(load_config("mnist_cnn"), tmp_path)
     assert int(state.step) == 4 and int(state.skipped_steps) == 0  # every update applied
@@ -108,7 +123,10 @@ class RecordingTrainer(trainer_lib.Trainer):
         return train, evaluation
 
 
+@needs_tfds
 def test_cifar10_resnet_tiny_fp16_keeps_fp32_batch_stats_and_resumes_them(tmp_path):
+    import tensorflow_datasets as tfds
+
     # One test, not a shared fixture: pytest-xdist would build a module fixture once per worker.
     with tfds.testing.mock_data(num_examples=64):
         straight = mptrain.run(resnet_config(), tmp_path / "straight")
@@ -131,7 +149,10 @@ def test_cifar10_resnet_tiny_fp16_keeps_fp32_batch_stats_and_resumes_them(tmp_pa
     )
 
 
+@needs_tfds
 def test_a_skipped_fp16_step_leaves_the_batch_stats_untouched(tmp_path):
+    import tensorflow_datasets as tfds
+
     trainer = trainer_lib.Trainer(resnet_config(), tmp_path)
     with tfds.testing.mock_data(num_examples=64):
         source, _ = trainer.build_datasets()
@@ -148,6 +169,7 @@ def test_a_skipped_fp16_step_leaves_the_batch_stats_untouched(tmp_path):
     assert_trees_bytes_equal(jax.device_get(after.params), jax.device_get(state.params))
 
 
+@needs_tfds
 def test_missing_dataset_exits_2_with_how_to_prepare_it(tmp_path):
     data_dir = tmp_path / "tfds"
     result = run_cli_process(
