@@ -216,7 +216,8 @@ class PrecisionReport:
     `islands`: `{file:line: sorted primitives}` that run in fp32 under a 16-bit compute dtype
     (softmax, norms, reductions, the loss). `state_bytes`: bytes per parameter by part of the
     `TrainState` among the arguments. `warnings`: what quietly loses signal. `hazards`: every
-    scatter and 16-bit sum across devices (`Hazard`), the 16-bit ones first.
+    scatter and 16-bit sum across devices (`Hazard`), the 16-bit ones first. `casting`: the
+    policy's `keep_fp32` rule and the params it hands to the model in fp32.
     """
 
     compute_dtype: str
@@ -228,6 +229,7 @@ class PrecisionReport:
     state_bytes: dict[str, float]
     warnings: list[str]
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
+    casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
 
     @property
     def compute_fraction(self) -> float:
@@ -242,7 +244,9 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         total = sum(self.matmul_flops.values()) or 1
-        lines = [f"precision report (compute dtype {self.compute_dtype})", "", "matmul FLOPs:"]
+        lines = [f"precision report (compute dtype {self.compute_dtype})"]
+        lines += [f"casting rule: {self.casting}"] if self.casting else []
+        lines += ["", "matmul FLOPs:"]
         for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {dtype:<10} {flops:>18,}  {100 * flops / total:6.2f}%")
         for where, dtype, flops in self.offenders():
@@ -356,6 +360,7 @@ def make_report(
         islands={where: sorted(ops) for where, ops in sorted(islands.items())},
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
+        casting=policy.describe_rules(states[0].params) if states else "",
         hazards=sorted(
             (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),
             key=lambda h: (hlo.KINDS.index(h.kind), -h.count, h.where),

@@ -20,6 +20,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0  # seeds init, dropout and the data order; batch i is a pure function of (seed, i)
     # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "params=..,compute=..,output=.."
     c.precision = "bf16-mixed"
+    # regex over "/"-joined param paths: matching params reach the model in fp32, the rest in
+    # the compute dtype. None: embedding tables and norm scales/biases under 16-bit compute
+    # (precision.DEFAULT_KEEP_FP32); "": cast every param
+    c.keep_fp32 = config_dict.placeholder(str)
     c.trainer = "mptrain.trainer:Trainer"  # "package.module:Class" of the Trainer to run
     c.num_train_steps = 1000  # batches to train on in total (a resumed run counts from 0)
     c.batch_size = 32  # global batch size, over all devices and hosts
@@ -146,7 +150,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     try:
         _check_run_keys(config)
         runtime.distributed_args(config)
-        policy = precision.get_policy(_get(config, "precision"))
+        policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
         section = "loss_scale."
         loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))

@@ -237,6 +237,7 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
         f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
         f"bytes/param, mesh {dict(mesh.shape)}"
     )
+    logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
     logging.info(
         f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
         f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "

@@ -280,7 +280,7 @@ def loss_calls(loss_fn: Callable, state: Any, batch: Any) -> Calls:
     def loss(params, batch):
         return loss_fn(params, state.model_state, batch, jax.random.key(0))
 
-    return discover(loss, policy.cast_to_compute(state.params), policy.cast_to_compute(batch))
+    return discover(loss, policy.cast_params(state.params), policy.cast_to_compute(batch))
 
 
 _EMPTY_TAPS = (0, len(COLUMNS))

@@ -4,11 +4,19 @@ A `Policy` says which dtype params are stored in, computed in, and returned in. 
 frozen dataclass, hashable so that it can sit in a static field of the `TrainState` and be part
 of a jit cache key. Casting only ever touches floating-point leaves: token ids, labels and masks
 pass through with their integer or boolean dtype intact.
+
+Its casting rule, `keep_fp32`, is a regular expression over "/"-joined param paths: params it
+matches are handed to the model in fp32 when the step casts the others to the compute dtype.
+Under 16-bit compute the default keeps embedding tables and normalisation scales and biases,
+as torch's autocast leaves them alone: a model then gathers rows from the fp32 table and casts
+the rows, so a gather's gradient accumulates in fp32 (a 16-bit scatter-add is slow and
+nondeterministic on GPUs), and a norm's few parameters keep their full precision.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -56,17 +64,76 @@ def to_f32(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
+# A flax/NNX embedding table (`.../embedding`, `pos_embedding`), and the scale and bias of a
+# module whose name says it normalises (`LayerNorm_0`, `ln_attn`, `bn1`, `proj_bn`, `stem_bn`).
+DEFAULT_KEEP_FP32 = (
+    r"(?i)(embedding$|(^|/)([^/]*norm[^/]*|([^/]*_)?(ln|bn)(\d*|_[^/]*))/(scale|bias)$)"
+)
+
+
+def path_name(path: tuple) -> str:
+    """A pytree path as "/"-joined names, e.g. `block_0/attn/qkv/kernel`."""
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(name) for name in names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """Where each kind of value lives: master params, the forward/backward pass, and outputs."""
+    """Where each kind of value lives: master params, the forward/backward pass, and outputs;
+    and which params the step hands to the model in fp32 (`keep_fp32`, a regex over param
+    paths; None: the default rules under 16-bit compute, none under fp32; "": none)."""
 
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    keep_fp32: str | None = None
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            object.__setattr__(self, field.name, np.dtype(getattr(self, field.name)))
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, np.dtype(getattr(self, name)))
+        rule = self.keep_fp32
+        if rule is None:
+            rule = "" if self.compute_dtype == F32 else DEFAULT_KEEP_FP32
+        if not isinstance(rule, str):
+            raise ValueError(f"keep_fp32={rule!r}: must be a regular expression (a string)")
+        try:
+            re.compile(rule)
+        except re.error as e:
+            raise ValueError(f"keep_fp32={rule!r}: not a regular expression: {e}") from None
+        object.__setattr__(self, "keep_fp32", rule)
+
+    def kept_fp32(self, path: str) -> bool:
+        """Whether the param at `path` ("/"-joined) is handed to the model in fp32."""
+        return bool(self.keep_fp32) and re.search(self.keep_fp32, path) is not None
+
+    def compute_dtypes(self, params: Any) -> Any:
+        """Per param leaf, the dtype the model gets it in: fp32 where `keep_fp32` matches, the
+        compute dtype for other floating leaves, its own dtype for the rest."""
+
+        def one(path, x):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return np.dtype(x.dtype)
+            return F32 if self.kept_fp32(path_name(path)) else self.compute_dtype
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def kept_fp32_paths(self, params: Any) -> list[str]:
+        """The paths of the floating params `keep_fp32` matches, in tree order."""
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        names = [path_name(p) for p, x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+        return [name for name in names if self.kept_fp32(name)]
+
+    def describe_rules(self, params: Any) -> str:
+        """One line: the casting rule and the params it keeps in fp32 for compute."""
+        kept = self.kept_fp32_paths(params)
+        shown = ", ".join(kept[:6]) + (f", ... ({len(kept) - 6} more)" if len(kept) > 6 else "")
+        return f"keep_fp32={self.keep_fp32!r}: {len(kept)} params in fp32 for compute" + (
+            f" ({shown})" if kept else ""
+        )
+
+    def cast_params(self, params: Any) -> Any:
+        """`params` as the model gets them: `compute_dtypes` applied."""
+        return jax.tree.map(lambda x, d: x.astype(d), params, self.compute_dtypes(params))
 
     def cast_to_param(self, tree: Any) -> Any:
         return _cast_floating(tree, self.param_dtype)
@@ -84,15 +151,16 @@ class Policy:
         )
 
 
-def get_policy(spec: str | Policy) -> Policy:
-    """Parses a preset name or the explicit `params=...,compute=...,output=...` form."""
+def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
+    """Parses a preset name or the explicit `params=...,compute=...,output=...` form; with
+    `keep_fp32` (a regex) that casting rule instead of the default one."""
     if isinstance(spec, Policy):
-        return spec
+        return spec if keep_fp32 is None else dataclasses.replace(spec, keep_fp32=keep_fp32)
     if not isinstance(spec, str):
         raise ValueError(f"precision={spec!r}: must be a string ({type(spec).__name__} given)")
     text = spec.strip().lower()
     if text in PRESETS:
-        return Policy(*(DTYPES[name] for name in PRESETS[text]))
+        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32)
     if "=" not in text:
         raise ValueError(
             f"precision={spec!r}: unknown; valid presets are {', '.join(PRESETS)}, or the "
@@ -116,7 +184,7 @@ def get_policy(spec: str | Policy) -> Policy:
     missing = [k for k in ("params", "compute", "output") if k not in found]
     if missing:
         raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
-    return Policy(found["params"], found["compute"], found["output"])
+    return Policy(found["params"], found["compute"], found["output"], keep_fp32)
 
 
 # --------------------------------------------------------------------------- rounding

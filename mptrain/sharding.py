@@ -210,11 +210,12 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
 
 
 def grad_fn(
-    loss_fn: Callable, compute_dtype: Any, mesh: Mesh | None, combine: Callable | None = None
+    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None
 ) -> Callable:
     """`(params, probes, batch, rng, *rest) -> (grads, probe_grads, aux)`: the fp32 gradient of
     `loss_fn`'s first output with respect to fp32 `params`, which
-    `loss_fn(params, probes, batch, rng, *rest)` receives cast to `compute_dtype`, and with
+    `loss_fn(params, probes, batch, rng, *rest)` receives cast as `policy` says (the compute
+    dtype, fp32 for params its `keep_fp32` rule matches: `Policy.compute_dtypes`), and with
     respect to `probes` (None, or float32 arrays that the loss reads only to be differentiated:
     the per-layer numerics' taps); `aux` is the loss's second output.
 
@@ -225,16 +226,11 @@ def grad_fn(
     by `combine(probe_grads, axes)`; `rng` is folded with the device's index, so dropout masks
     differ between devices.
     """
-    compute_dtype = np.dtype(compute_dtype)
-
-    def cast(x):
-        return x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
     if mesh is None or mesh.size == 1:
 
         def single(params, probes, batch, rng, *rest):
             def loss(params, probes):
-                return loss_fn(jax.tree.map(cast, params), probes, batch, rng, *rest)
+                return loss_fn(policy.cast_params(params), probes, batch, rng, *rest)
 
             (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
             return grads, probe_grads, aux
@@ -247,8 +243,9 @@ def grad_fn(
         def local(params, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
             gathers = jax.tree.map(
-                lambda s: _gather(s, compute_dtype, mesh),
+                lambda s, dtype: _gather(s, dtype, mesh),
                 specs,
+                policy.compute_dtypes(params),
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
 

@@ -66,7 +66,9 @@ def make_train_step(
         def scaled_loss(params, taps, batch, rng, model_state):
             # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
             # cast *inside* the differentiated function, so jax.grad carries the cotangent back
-            # through it, gradients arrive in fp32 and the master copy never leaves fp32.
+            # through it, gradients arrive in fp32 and the master copy never leaves fp32. The
+            # params `policy.keep_fp32` names (embedding tables, norms) arrive in fp32: a gather
+            # from an fp32 table has an fp32 gradient, not a 16-bit scatter-add.
             with _recording(taps, policy.compute_dtype, calls):
                 loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
             # Scale in fp32: fp16 tops out at 65504, so a scaled fp16 loss would overflow.
@@ -77,7 +79,7 @@ def make_train_step(
         if per_layer:  # a zero row per module call; its gradient is the numerics table
             calls = numerics.loss_calls(loss_fn, state, batch)
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
-        grads_of = sharding.grad_fn(scaled_loss, policy.compute_dtype, mesh, numerics.combine)
+        grads_of = sharding.grad_fn(scaled_loss, policy, mesh, numerics.combine)
         inputs = (policy.cast_to_compute(batch), rng, state.model_state)
         lazy = per_layer and measure_when is not None
         grads, table, (loss, model_state, aux) = grads_of(
@@ -139,7 +141,7 @@ def make_eval_step(
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
         metrics = metric_fn(
-            policy.cast_to_compute(state.params),
+            policy.cast_params(state.params),
             state.model_state,
             policy.cast_to_compute(batch),
         )

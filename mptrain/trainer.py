@@ -57,7 +57,7 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path):
         self.config = config
         self.workdir = Path(workdir)
-        self.policy = precision.get_policy(config.precision)
+        self.policy = precision.get_policy(config.precision, config.keep_fp32)
         self.mesh = sharding.create_mesh(config)  # 1x1 on one device
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()

@@ -12,8 +12,9 @@ from mptrain import config as config_lib
 from mptrain import optim, runtime, sharding, train_state
 
 KEYS = {
-    "seed", "precision", "trainer", "num_train_steps", "batch_size", "log_every_steps",
-    "eval_every_steps", "eval_steps", "checkpoint_every_steps", "max_checkpoints_to_keep",
+    "seed", "precision", "keep_fp32", "trainer", "num_train_steps", "batch_size",
+    "log_every_steps", "eval_every_steps", "eval_steps", "checkpoint_every_steps",
+    "max_checkpoints_to_keep",
     "max_consecutive_skips", "param_rounding", "deterministic",
     "loss_scale.kind", "loss_scale.init_scale", "loss_scale.growth_interval",
     "loss_scale.growth_factor", "loss_scale.backoff_factor", "loss_scale.min_scale",

@@ -77,3 +77,69 @@ def test_round_to_gives_the_numbers_of_a_cast(dtype):
         want = x.astype(dtype).astype(np.float32)
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     assert np.all(same), x[~same][:5]
+
+
+def _zoo_params(name, **model):
+    from mptrain import config as config_lib
+    from mptrain import trainer as trainer_lib
+
+    config = config_lib.base_config()
+    config.model.name = name
+    config.model.update(model)
+    trainer = trainer_lib.Trainer(config, "/nonexistent")
+    shape = (2, 8) if name == "transformer_lm" else (2, 32, 32, 3)
+    dtype = jnp.int32 if name == "transformer_lm" else jnp.float32
+    variables = jax.eval_shape(
+        trainer.init_variables, jax.random.key(0), {"inputs": jnp.zeros(shape, dtype)}
+    )
+    return variables["params"]
+
+
+LM = {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32, "max_len": 8}
+RESNET = {"stage_sizes": (1, 1), "width": 8, "num_classes": 10}
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "fp16-mixed", "bf16-pure"])
+def test_the_default_rule_keeps_embeddings_and_norms_in_fp32(spec):
+    policy = precision.get_policy(spec)
+    lm = _zoo_params("transformer_lm", **LM)
+    assert policy.kept_fp32_paths(lm) == [
+        "Embed_0/embedding",
+        "block_0/ln_attn/bias",
+        "block_0/ln_attn/scale",
+        "block_0/ln_mlp/bias",
+        "block_0/ln_mlp/scale",
+        "ln_final/bias",
+        "ln_final/scale",
+        "pos_embedding",
+    ]
+    dtypes = {precision.path_name(p): d for p, d in jax.tree_util.tree_flatten_with_path(
+        policy.compute_dtypes(lm))[0]}  # fmt: skip
+    assert dtypes["Embed_0/embedding"] == np.float32
+    assert dtypes["block_0/attn/qkv/kernel"] == policy.compute_dtype
+    kept = policy.kept_fp32_paths(_zoo_params("resnet", **RESNET))
+    assert kept and all(p.endswith(("/scale", "/bias")) and "bn" in p for p in kept), kept
+    assert not [p for p in kept if "conv" in p.split("/")[-2]]
+
+
+def test_fp32_compute_and_an_empty_rule_cast_everything():
+    lm = _zoo_params("transformer_lm", **LM)
+    assert precision.get_policy("fp32").kept_fp32_paths(lm) == []
+    everything = precision.get_policy("bf16-mixed", keep_fp32="")
+    assert everything.kept_fp32_paths(lm) == []
+    cast = jax.eval_shape(everything.cast_params, lm)
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype("bfloat16")}
+    heads = precision.get_policy("bf16-mixed", keep_fp32=r"^head/")
+    assert heads.kept_fp32_paths(lm) == ["head/kernel"]
+    assert "1 params in fp32 for compute (head/kernel)" in heads.describe_rules(lm)
+
+
+def test_a_bad_rule_names_the_key():
+    from mptrain import config as config_lib
+
+    with pytest.raises(ValueError, match=r"keep_fp32='\(': not a regular expression"):
+        precision.get_policy("bf16-mixed", keep_fp32="(")
+    config = config_lib.base_config()
+    config.keep_fp32 = "[a-"
+    with pytest.raises(config_lib.ConfigError, match=r"config\.keep_fp32="):
+        config_lib.validate(config)

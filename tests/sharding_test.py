@@ -7,6 +7,7 @@ from conftest import needs_devices, tiny_config
 
 import mptrain
 from mptrain import audit, sharding
+from mptrain import precision as precision_lib
 
 
 def _compiled_step(precision, data, fsdp, tmp_path):
@@ -22,15 +23,22 @@ def _compiled_step(precision, data, fsdp, tmp_path):
         in_shardings=(shardings, sharding.batch_sharding(trainer.mesh)),
         out_shardings=(shardings, None),
     )
-    n_params = sum(x.size for x in jax.tree.leaves(state.params))
-    return step.lower(state, batch).compile().as_text(), n_params
+    kept = set(state.policy.kept_fp32_paths(state.params))
+    sizes = {precision_lib.path_name(p): x.size for p, x in _leaves(state.params)}
+    n_kept = sum(n for path, n in sizes.items() if path in kept)
+    return step.lower(state, batch).compile().as_text(), sum(sizes.values()), n_kept
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 @needs_devices(8)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("data, fsdp", [(8, 1), (4, 2)])
 def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, fsdp, tmp_path):
-    program, n_params = _compiled_step(precision, data, fsdp, tmp_path)
+    program, n_params, n_kept = _compiled_step(precision, data, fsdp, tmp_path)
+    assert 0 < n_kept < n_params / 2  # the embeddings and norms the casting rule keeps
     found = audit.collectives(program)
     reductions = {**found.get("all-reduce", {}), **found.get("reduce-scatter", {})}
     assert set(reductions) == {"f32"}, found  # no 16-bit sum across devices, no per-leaf preds
@@ -38,9 +46,10 @@ def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, 
     grads = found["reduce-scatter"]["f32"] if fsdp > 1 else found["all-reduce"]["f32"]
     assert grads >= 4 * n_params
     if fsdp > 1:
-        # XLA:CPU has no bf16 all-gather; mptrain moves bf16 params as their 16 bits (uint16)
-        wanted = "f16" if precision == "fp16-mixed" else "u16"
-        assert found["all-gather"] == {wanted: 2 * n_params}, found  # every param, 2 bytes each
+        # XLA:CPU has no bf16 all-gather; mptrain moves bf16 params as their 16 bits (uint16).
+        # Every param is gathered, 2 bytes each, but those the casting rule keeps, in fp32.
+        wanted = {"f16" if precision == "fp16-mixed" else "u16": 2 * (n_params - n_kept)}
+        assert found["all-gather"] == {**wanted, "f32": 4 * n_kept}, found
     else:
         assert "all-gather" not in found
 

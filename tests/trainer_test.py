@@ -1,6 +1,7 @@
 """The Trainer end to end on the tiny default config: resume, determinism, presets, metrics."""
 
 import glob
+import logging
 import os
 
 import jax
@@ -90,6 +91,15 @@ def test_every_preset_runs_the_tiny_default_from_the_cli(preset, tmp_path):
     assert int(state["step"]) == 3
     kernel = jax.tree.leaves(state["params"])[0]
     assert kernel.dtype == (np.dtype("bfloat16") if preset == "bf16-pure" else np.float32)
+
+
+def test_the_start_up_lines_and_the_report_name_the_casting_rule(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    mptrain.run(tiny_config(num_train_steps=1), tmp_path)
+    assert "casting rule keep_fp32=" in caplog.text
+    assert "8 params in fp32 for compute (Embed_0/embedding, " in caplog.text
+    report = (tmp_path / "precision_report.txt").read_text()
+    assert "casting rule: keep_fp32=" in report and "Embed_0/embedding" in report
 
 
 def test_cli_exit_codes_in_a_subprocess(tmp_path):

@@ -29,15 +29,32 @@ Two helpers keep scatters out of the step, since a GPU runs a scatter-add with a
   * ``cross_entropy`` picks each target's logit with a compare-and-select over the vocabulary
     instead of ``take_along_axis``, whose gradient would be a scatter into the logits.
 
+Attention, shared by the zoo's transformer and the NNX example, comes in two implementations:
+
+  * ``causal_attention(q, k, v, "cudnn")``: cuDNN's fused flash attention through
+    ``jax.nn.dot_product_attention``. It never writes the ``[B, H, L, L]`` scores to memory:
+    on an H100 the GPT-2-small-shaped LM's step fell from 97.6 to 27.6 ms and its temporaries
+    from 19.9 to 6.1 GiB. jax only calls cuDNN when asked by name (its default is XLA's
+    materialising path);
+  * ``causal_attention(q, k, v, "materialized")``: fp32 scores from ``einsum_f32_out``, an fp32
+    softmax, probabilities cast back to ``dtype``, all of it held for the backward pass. Not
+    ``jax.nn.dot_product_attention(implementation="xla")``: its fp32-result einsums are
+    differentiated into fp32 matmuls, while ``einsum_f32_out`` keeps them 16-bit.
+
+``choose_attention`` picks one of them: ``"auto"`` takes cuDNN wherever it can run (a CUDA GPU
+of compute capability 8.0 or newer with cuDNN, bf16/fp16 compute, no attention dropout, a head
+size cuDNN takes) and says why when it cannot. ``Backend`` is what it knows of the machine.
+
 ``kernel_init_as_matrix`` is no fp32 island: it makes conv kernel initialisation compile fast.
 ``Dtype`` is the models' annotation for a dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
