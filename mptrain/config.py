@@ -33,6 +33,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 500  # save every this many steps, and always at the last step
     c.max_checkpoints_to_keep = 3  # older checkpoints are deleted
     c.max_consecutive_skips = 25  # stop (exit 3) after this many non-finite steps in a row
+    # steps per dispatch: k > 1 runs k steps in one compiled call (a scan over k stacked
+    # batches), with the same results as k single steps, for steps shorter than the host's
+    # dispatch; logging, eval, checkpoints and SIGTERM act between calls, so the step counts
+    # and intervals above must be multiples of it
+    c.steps_per_call = 1
     # how fp32 updates land on 16-bit params: "auto" (stochastic for bf16 params, else nearest)
     # | "nearest" | "stochastic" (bf16 only) | "kahan"
     c.param_rounding = "auto"
@@ -77,6 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.name = "text"  # module under mptrain.data; its own keys sit beside it
+    c.data.prefetch = 2  # calls' batches made on the devices ahead, by a thread (0: none)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # devices along the data-parallel axis (-1: all that fsdp leaves)
@@ -131,6 +137,14 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
         raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
+    k = errors.check_integer("steps_per_call", _get(config, "steps_per_call"), 1)
+    for key in ("num_train_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config[key] % k:
+            raise ValueError(
+                f"steps_per_call={k}: {key}={config[key]} is not a multiple of it; logging, eval "
+                "and checkpoints act between calls of steps_per_call steps"
+            )
+    errors.check_integer("data.prefetch", _get(config, "data.prefetch"), 0)
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():

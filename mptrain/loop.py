@@ -6,6 +6,8 @@ save, stop); and `LogTotals`, what the step adds up on the device between two lo
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -135,6 +137,7 @@ class Run:
     calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
     workdir: Path = Path(".")
     started: float = dataclasses.field(default_factory=time.monotonic)
+    pending: tuple | None = None  # the newest log step's (step, metrics, totals), not yet read
 
     def __post_init__(self):
         cfg = self.config
@@ -160,6 +163,24 @@ class Run:
             )
         if diagnostic:
             self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
+
+    def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
+        """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the
+        previous log step, whose values are read only now, after the next call is queued, so
+        the device never waits for the host; then runs the hooks for each of those steps."""
+        self.report_pending(done)
+        cfg = self.config
+        if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
+            self.pending = (done, metrics, totals)
+        for step_no in range(first + 1, done + 1):  # clu's actions want every step
+            for hook in self.hooks:
+                hook(step_no)
+
+    def report_pending(self, done: int) -> None:
+        """Host-side. Reports the newest log step if it is not reported yet."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.report(*pending, done)
 
     def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
         """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
@@ -205,3 +226,89 @@ class Run:
         self.checkpointer.close()  # waits for pending saves
         self.writer.flush()
         self.writer.close()
+
+
+def call_boundary(step: int, steps_per_call: int) -> int:
+    """`step`, where a run starts or resumes, if calls of `steps_per_call` steps can start there;
+    else a `ConfigError` naming the key."""
+    if step % steps_per_call:
+        raise errors.ConfigError(
+            f"config.steps_per_call={steps_per_call}: the run resumes at step {step}, which is "
+            "not a call boundary; use a steps_per_call that divides it"
+        )
+    return step
+
+
+def steps(train_step: Callable, count: int) -> Callable:
+    """`train_step(state, batch, totals)` run `count` times in one call, over `count` batches
+    stacked on a leading axis (a `lax.scan`: one dispatch, one program). Returns the last
+    step's metrics; the totals add up all of them. With `count == 1`, `train_step` itself."""
+    if count == 1:
+        return train_step
+
+    def run_steps(state, batches, totals):
+        def body(carry, batch):
+            state, totals = carry
+            state, metrics, totals = train_step(state, batch, totals)
+            return (state, totals), metrics
+
+        (state, totals), metrics = jax.lax.scan(body, (state, totals), batches)
+        return state, jax.tree.map(lambda m: m[-1], metrics), totals
+
+    return run_steps
+
+
+class Prefetcher:
+    """Batches made on the devices ahead of the step, in order, by one background thread.
+
+    `fetch(i)` puts the batch (or stack of batches) that starts at step `i` on the devices;
+    iterating yields `fetch(i)` for each `i` in `starts`. With `depth > 0` a thread keeps up to
+    `depth` of them ready, so the host's batch building and the copy overlap the running step;
+    with 0 each is made when asked for. Either way batch `i` is the same arrays, so prefetching
+    changes no result. An error in the thread is raised where the batch is asked for.
+    """
+
+    def __init__(self, fetch: Callable[[int], Any], starts: range, depth: int):
+        self.fetch, self.starts, self.depth = fetch, starts, depth
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _fill(self) -> None:
+        for i in self.starts:
+            try:
+                item = (self.fetch(i), None)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = (None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[1] is not None:
+                return
+
+    def __iter__(self):
+        if self.depth == 0:
+            yield from (self.fetch(i) for i in self.starts)
+            return
+        self._thread = threading.Thread(target=self._fill, name="mptrain-prefetch", daemon=True)
+        self._thread.start()
+        for _ in self.starts:
+            batch, error = self._queue.get()
+            if error is not None:
+                raise error
+            yield batch
+
+    def close(self) -> None:
+        """Stops the thread (a run that ends early leaves batches unasked for)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

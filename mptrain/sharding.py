@@ -74,9 +74,10 @@ def create_mesh(config) -> Mesh:
     return Mesh(devices, AXES)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """The leading (batch) dimension split over every device of the mesh."""
-    return NamedSharding(mesh, PartitionSpec(AXES))
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+    """The leading (batch) dimension split over every device of the mesh; `stacked`: the
+    second one, under a leading axis of batches for consecutive steps."""
+    return NamedSharding(mesh, PartitionSpec(None, AXES) if stacked else PartitionSpec(AXES))
 
 
 def process_rows(mesh: Mesh, global_rows: int) -> slice:
@@ -91,24 +92,39 @@ def process_rows(mesh: Mesh, global_rows: int) -> slice:
     return rows
 
 
-def device_batch(mesh: Mesh, source: Any, index: int, global_rows: int) -> Any:
-    """Batch `index` of `source` on the mesh, its rows split over all the devices.
+def device_batch(
+    mesh: Mesh, source: Any, index: int, global_rows: int, count: int | None = None
+) -> Any:
+    """Batch `index` of `source` on the mesh, its rows split over all the devices; with
+    `count`, batches `index .. index + count - 1` stacked on a new leading axis.
 
     With several processes each builds only its own rows, through `get_batch(index, rows=)`
     when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
     """
-    if jax.process_count() == 1:
-        return jax.device_put(source.get_batch(index), batch_sharding(mesh))
-    rows = process_rows(mesh, global_rows)
-    if "rows" in inspect.signature(source.get_batch).parameters:
-        local = source.get_batch(index, rows=rows)
+    several = jax.process_count() > 1
+    rows = process_rows(mesh, global_rows) if several else slice(None)
+    takes_rows = "rows" in inspect.signature(source.get_batch).parameters
+
+    def local(i):
+        if not several:
+            return source.get_batch(i)
+        if takes_rows:
+            return source.get_batch(i, rows=rows)
+        return jax.tree.map(lambda x: x[rows], source.get_batch(i))
+
+    if count is None:
+        batch, lead = local(index), ()
     else:
-        local = jax.tree.map(lambda x: x[rows], source.get_batch(index))
+        batches = [local(i) for i in range(index, index + count)]
+        batch, lead = jax.tree.map(lambda *xs: np.stack(xs), *batches), (count,)
+    where = batch_sharding(mesh, stacked=count is not None)
+    if not several:
+        return jax.device_put(batch, where)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(
-            batch_sharding(mesh), x, (global_rows, *x.shape[1:])
+            where, x, (*lead, global_rows, *x.shape[len(lead) + 1 :])
         ),
-        local,
+        batch,
     )
 
 

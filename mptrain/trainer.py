@@ -197,9 +197,10 @@ class Trainer:
 
         return train_step
 
-    def device_batch(self, source: Any, index: int) -> Any:
-        """Host-side. Batch `index` of `source` on the mesh (see `sharding.device_batch`)."""
-        return sharding.device_batch(self.mesh, source, index, self.config.batch_size)
+    def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
+        """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
+        `index` on, stacked (see `sharding.device_batch`)."""
+        return sharding.device_batch(self.mesh, source, index, self.config.batch_size, count)
 
     def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
         """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`;
@@ -229,7 +230,7 @@ class Trainer:
             state, saved_step = checkpoint.resume(
                 checkpointer, state, self.policy, config_lib.to_dict(cfg)
             )
-            start = int(state.step)
+            start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
             if jax.process_index() == 0:
                 files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             calls = None
@@ -239,8 +240,9 @@ class Trainer:
             totals = loop.LogTotals.on_devices(sharding.replicated(self.mesh), log)
         # Compile everything up front: the loop then never stops to compile. The one trace of
         # the step is compiled and read by the precision report.
-        traced = jax.jit(self.make_train_step(), donate_argnums=0)
-        traced = traced.trace(state, self.device_batch(train_source, start), totals)
+        traced = jax.jit(loop.steps(self.make_train_step(), k), donate_argnums=0)
+        batches = self.device_batch(train_source, start, k if k > 1 else None)
+        traced = traced.trace(state, batches, totals)
         train_step = traced.lower().compile()
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
@@ -283,20 +285,17 @@ class Trainer:
         return run.state
 
     def train(self, run: loop.Run, preemption: runtime.PreemptionFlag) -> None:
-        """Host-side. The loop: heed SIGTERM, step, report the last log step, run the hooks."""
-        cfg, totals, pending, done = self.config, run.totals, None, run.start
-        for step_no in range(run.start, cfg.num_train_steps):
-            if preemption.reached(done):
-                logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
-                run.stop(done, errors.Preempted(done))
-            batch = self.device_batch(run.train_source, step_no)
-            run.state, metrics, totals = run.train_step(run.state, batch, totals)
-            done = step_no + 1
-            if pending is not None:  # the last log step's values, read after this dispatch
-                run.report(*pending, done)
-            is_log_step = done % cfg.log_every_steps == 0 or done == cfg.num_train_steps
-            pending = (done, metrics, totals) if is_log_step else None
-            for hook in run.hooks:
-                hook(done)
-        if pending is not None:
-            run.report(*pending, done)
+        """Host-side. The loop: heed SIGTERM, step, report and run the hooks (`Run.stepped`).
+        Each call runs `config.steps_per_call` steps on batches the prefetcher made ahead."""
+        cfg, totals, done, k = self.config, run.totals, run.start, self.config.steps_per_call
+        calls = range(run.start, cfg.num_train_steps, k)
+        fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
+        with loop.Prefetcher(fetch, calls, cfg.data.prefetch) as batches:
+            for first, batch in zip(calls, batches, strict=True):
+                if preemption.reached(done):
+                    logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
+                    run.stop(done, errors.Preempted(done))
+                run.state, metrics, totals = run.train_step(run.state, batch, totals)
+                done = first + k
+                run.stepped(first, done, metrics, totals)
+        run.report_pending(done)

@@ -105,6 +105,34 @@ def plain_orbax_state(workdir, step):
     return state
 
 
+def event_series(workdir, tag: str) -> dict[int, np.ndarray]:
+    """`{step: value}` of `tag` in a workdir's event files, read by TensorBoard's own reader
+    (`EventAccumulator`); a scalar is a 0-d array."""
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    found = {}
+    for path in sorted(Path(workdir).glob("events.out.tfevents.*")):
+        events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
+        events.Reload()
+        if tag in events.Tags()["tensors"]:
+            for event in events.Tensors(tag):
+                found[event.step] = tensor_util.make_ndarray(event.tensor_proto)
+    return found
+
+
+def event_tags(workdir) -> set[str]:
+    """Every tag in a workdir's event files."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    tags = set()
+    for path in Path(workdir).glob("events.out.tfevents.*"):
+        events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
+        events.Reload()
+        tags |= set(events.Tags()["tensors"]) | set(events.Tags()["scalars"])
+    return tags
+
+
 def run_cli(workdir, *overrides, capsys=None, config=TINY):
     """`python -m mptrain.main` in-process: (exit code, stderr)."""
     argv = ["mptrain", config, f"--workdir={workdir}", *overrides]

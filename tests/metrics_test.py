@@ -9,16 +9,14 @@ exit which TensorFlow modules the process loaded.
 import importlib.util
 import io
 import os
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, run_cli_process
+from conftest import ROOT, TINY, event_series, run_cli_process
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
-from tensorboard.util import tensor_util
 
 from mptrain import metrics
 
@@ -56,18 +54,6 @@ def prelude(tmp_path, monkeypatch):
     return install
 
 
-def _series(workdir: Path, tag: str) -> dict[int, np.ndarray]:
-    """`{step: value}` of `tag`, read by TensorBoard's own reader from the event files."""
-    found = {}
-    for path in sorted(workdir.glob("events.out.tfevents.*")):
-        events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
-        events.Reload()
-        if tag in events.Tags()["tensors"]:
-            for event in events.Tensors(tag):
-                found[event.step] = tensor_util.make_ndarray(event.tensor_proto)
-    return found
-
-
 def test_the_tiny_default_trains_and_writes_events_without_tensorflow(tmp_path, prelude):
     prelude(_BLOCK_TENSORFLOW + _REPORT_TENSORFLOW)
     workdir = tmp_path / "run"
@@ -76,7 +62,7 @@ def test_the_tiny_default_trains_and_writes_events_without_tensorflow(tmp_path, 
     assert _NONE_LOADED in result.stderr
     log_steps, eval_steps = [2, 4, 6, 8], [4, 8]  # the tiny config logs every 2, evals every 4
     for tag, steps in (("loss", log_steps), ("loss_scale", log_steps), ("eval_loss", eval_steps)):
-        series = _series(workdir, tag)
+        series = event_series(workdir, tag)
         assert sorted(series) == steps, (tag, series)
         assert all(v.dtype == np.float32 and v.shape == () for v in series.values()), tag
         assert all(np.isfinite(v) and v > 0 for v in series.values()), (tag, series)
@@ -91,7 +77,7 @@ def test_a_text_data_run_does_not_import_installed_tensorflow(tmp_path, prelude)
     result = run_cli_process(TINY, f"--workdir={workdir}", "--config.num_train_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert _NONE_LOADED in result.stderr, result.stderr[-300:]
-    assert sorted(_series(workdir, "loss")) == [2]
+    assert sorted(event_series(workdir, "loss")) == [2]
 
 
 def test_tfds_data_without_the_extra_is_a_one_line_config_error(tmp_path, prelude):
@@ -119,13 +105,15 @@ def test_event_writer_round_trips_through_tensorboards_reader(tmp_path, caplog):
     writer.write_videos(3, {"clip": np.zeros((1, 2, 3, 4, 3))})
     writer.close()
 
-    assert _series(tmp_path, "loss") == {3: 1.5, 5: 0.25}
-    assert _series(tmp_path, "finite") == {3: 1.0} and _series(tmp_path, "norm") == {3: 2.0}
+    assert event_series(tmp_path, "loss") == {3: 1.5, 5: 0.25}
+    assert event_series(tmp_path, "finite") == {3: 1.0} and event_series(tmp_path, "norm") == {
+        3: 2.0
+    }
     events = event_accumulator.EventAccumulator(writer.path, size_guidance={"tensors": 0})
     events.Reload()
     assert events.SummaryMetadata("loss").plugin_data.plugin_name == "scalars"  # as TF2 writes
 
-    assert _series(tmp_path, "note")[3] == "héllo".encode()
+    assert event_series(tmp_path, "note")[3] == "héllo".encode()
     assert events.SummaryMetadata("note").plugin_data.plugin_name == "text"
 
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
@@ -133,14 +121,14 @@ def test_event_writer_round_trips_through_tensorboards_reader(tmp_path, caplog):
     assert hparams["lr"].number_value == 0.1 and hparams["model.layers"].number_value == 2
     assert hparams["model.name"].string_value == "mlp" and hparams["x"].string_value == "None"
 
-    histogram = _series(tmp_path, "w")[3]  # rows of (left edge, right edge, count)
+    histogram = event_series(tmp_path, "w")[3]  # rows of (left edge, right edge, count)
     np.testing.assert_allclose(histogram[:, 0], [0, 24.75, 49.5, 74.25])
     np.testing.assert_allclose(histogram[:, 1], [24.75, 49.5, 74.25, 99])
     np.testing.assert_array_equal(histogram[:, 2], [25, 25, 25, 25])
-    one = _series(tmp_path, "one")[3]  # one finite value: counted in the last of 30 buckets
+    one = event_series(tmp_path, "one")[3]  # one finite value: counted in the last of 30 buckets
     assert one.shape == (30, 3) and one[-1, 2] == 1 and one[:, 2].sum() == 1
 
-    width, height, *pngs = _series(tmp_path, "img")[3]
+    width, height, *pngs = event_series(tmp_path, "img")[3]
     assert (width, height, len(pngs)) == (b"4", b"3", 2)
     pixels = np.asarray(Image.open(io.BytesIO(pngs[0])))
     assert pixels.shape == (3, 4, 3) and (pixels == 128).all()
@@ -163,7 +151,7 @@ def test_create_writer_does_not_go_through_clus_summary_writer(tmp_path, monkeyp
     writer = metrics.create_writer(tmp_path / "main")
     writer.write_scalars(1, {"loss": 2.0})
     writer.close()
-    assert _series(tmp_path / "main", "loss") == {1: 2.0}
+    assert event_series(tmp_path / "main", "loss") == {1: 2.0}
 
     other = metrics.create_writer(tmp_path / "other", is_main_process=False)
     other.write_scalars(1, {"loss": 2.0})

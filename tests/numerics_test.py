@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs_devices, run_cli, tiny_config
+from conftest import event_series, needs_devices, run_cli, tiny_config
 
 import mptrain
 from mptrain import audit, numerics
@@ -133,18 +133,11 @@ def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
 
 def test_every_log_step_writes_measured_amax_to_tensorboard(tmp_path):
     # Log steps are measured by the replay: TensorBoard must get real numbers at each of them.
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
-
     overrides = ["--config.numerics.per_layer=True", "--config.num_train_steps=5"]
     code, _ = run_cli(tmp_path, *overrides, "--config.log_every_steps=2")
     assert code == 0
-    (path,) = tmp_path.glob("events.out.tfevents.*")
-    events = event_accumulator.EventAccumulator(str(path), size_guidance={"tensors": 0})
-    events.Reload()
     for direction in ("forward", "backward"):
-        series = events.Tensors(f"numerics/{direction}/head")
-        values = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in series}
+        values = event_series(tmp_path, f"numerics/{direction}/head")
         assert sorted(values) == [2, 4, 5] and min(values.values()) > 0, (direction, values)
 
 

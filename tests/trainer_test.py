@@ -1,6 +1,5 @@
 """The Trainer end to end on the tiny default config: resume, determinism, presets, metrics."""
 
-import glob
 import logging
 import os
 
@@ -10,6 +9,7 @@ import pytest
 from conftest import (
     TraceCountingTrainer,
     assert_trees_bytes_equal,
+    event_tags,
     needs_devices,
     plain_orbax_state,
     run_cli,
@@ -66,19 +66,8 @@ def test_workdir_layout(straight_run):
     assert {"state", "meta"} <= set(os.listdir(workdir / "checkpoints" / "8"))
 
 
-def _event_tags(workdir):
-    from tensorboard.backend.event_processing import event_accumulator
-
-    tags = set()
-    for path in glob.glob(str(workdir / "events.out.tfevents.*")):
-        acc = event_accumulator.EventAccumulator(path, size_guidance={"tensors": 0})
-        acc.Reload()
-        tags |= set(acc.Tags()["tensors"]) | set(acc.Tags()["scalars"])
-    return tags
-
-
 def test_tensorboard_events_hold_the_training_signals(straight_run):
-    tags = _event_tags(straight_run[0])
+    tags = event_tags(straight_run[0])
     wanted = {"loss", "eval_loss", "loss_scale", "skipped_steps", "grad_norm", "learning_rate"}
     assert wanted | {"steps_per_sec"} <= tags
 
