@@ -87,17 +87,25 @@ def make_train_step(
         )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
+        # The global norm (for clipping and the metrics) says whether every gradient is finite:
+        # a NaN or an inf anywhere makes it non-finite, and so does a sum of squares beyond
+        # fp32's range (gradients above ~1e19), from which no update is safe either. One
+        # reduction the step needs anyway, instead of a pass per leaf (DeepSpeed's fp16
+        # optimizer detects overflow from the norm too).
         grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
         updated = state.apply_gradients(
             grads=grads, model_state=_like(model_state, state.model_state)
         )
-        # Finite gradients can still produce a non-finite update (a huge learning rate, 16-bit
-        # params at their range's edge); such a step is skipped too, but it is not an overflow
-        # of the scaled gradients, so the loss scale does not back off for it. Both are counted
-        # at once: one reduction (one all-reduce on a mesh), not one per leaf.
-        bad_grads, bad_params = sharding.count_nonfinite((grads, updated.params), mesh)
-        finite = bad_grads == 0
-        applied = finite & (bad_params == 0)
+        applied = finite
+        if policy.param_dtype == precision.F16:
+            # fp16 params at their range's edge can overflow from a finite update; such a step
+            # is skipped too, but the scaled gradients did not overflow, so the loss scale does
+            # not back off. (bf16 and fp32 params share fp32's range: an update from gradients
+            # that passed the check above cannot reach it.) Checking the new params costs a
+            # pass over them before the select, so only fp16 params pay for it.
+            (bad_params,) = sharding.count_nonfinite((updated.params,), mesh)
+            applied = finite & (bad_params == 0)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
         new_state = loss_scale_lib.select_tree(applied, updated, state).replace(

@@ -202,7 +202,8 @@ def _hazards(report, line=None):
 
 def test_a_gather_from_a_bf16_table_is_named_as_a_bf16_scatter_add(tmp_path, caplog):
     line = _line("# the bf16 gather")
-    config = tiny_config(num_train_steps=1, trainer=f"{__name__}:TableTrainer")
+    # Every param cast (keep_fp32=""): the default rule would hand the model its table in fp32.
+    config = tiny_config(num_train_steps=1, trainer=f"{__name__}:TableTrainer", keep_fp32="")
     report = audit.precision_report(
         *_step_and_args(TableTrainer(config, tmp_path), _lm_batch(config))
     )
