@@ -36,6 +36,9 @@ def get_config(arg: str | None = None):
     c.model.d_ff = 512  # hidden width of each MLP
     c.model.max_len = 128  # longest sequence the position table covers
     c.model.dropout_rate = 0.0
+    # "auto": cuDNN's fused flash attention on a CUDA GPU with 16-bit compute and no dropout,
+    # else materialized | "cudnn" (an error where it cannot run) | "materialized" (fp32 scores)
+    c.model.attention = "auto"
 
     c.data.name = "text"
     c.data.seq_len = 128  # bytes per training window

@@ -41,10 +41,10 @@ def base_config() -> ml_collections.ConfigDict:
     # how fp32 updates land on 16-bit params: "auto" (stochastic for bf16 params, else nearest)
     # | "nearest" | "stochastic" (bf16 only) | "kahan"
     c.param_rounding = "auto"
-    # True: XLA's deterministic GPU kernels (--xla_gpu_deterministic_ops, set before JAX starts)
-    # so a model whose gradient scatters (a gather from a table, nn.max_pool) repeats bit for
-    # bit on a GPU, at a cost in speed. The zoo's steps scatter nothing and need no flag.
-    c.deterministic = False
+    # True: XLA's deterministic GPU kernels (--xla_gpu_deterministic_ops, set before JAX starts),
+    # so runs and resumes repeat bit for bit on a GPU: cuDNN's fused attention backward and any
+    # scatter (a gather's gradient) otherwise add with atomics. False trades that for speed.
+    c.deterministic = True
 
     c.loss_scale = ml_collections.ConfigDict()
     c.loss_scale.kind = "auto"  # "auto" (dynamic for fp16 compute) | "none" | "static" | "dynamic"

@@ -73,30 +73,36 @@ def _backends_started() -> bool:
 
 
 def set_determinism(config) -> None:
-    """With `config.deterministic`, asks XLA for run-to-run deterministic GPU kernels.
+    """With `config.deterministic` (the default), asks XLA for run-to-run deterministic GPU
+    kernels, so that on a GPU, too, two runs and a resumed run repeat bit for bit.
 
-    The zoo's steps use no atomics (no scatters), so they repeat bit for bit without it; a
-    model that gathers from a table or max-pools with `nn.max_pool` is differentiated into
-    scatters, which a GPU adds with atomics in whatever order threads arrive. XLA's flag
+    A GPU adds with atomics, in whatever order its threads arrive, where a step scatters (the
+    gradient of a gather from a table, or of `nn.max_pool`; the zoo's steps scatter nothing)
+    and in the backward pass of cuDNN's fused attention. XLA's flag
     (`--xla_gpu_deterministic_ops`) makes those deterministic, at a cost in speed. XLA reads
     `XLA_FLAGS` once, when JAX starts its backends, so this must run before anything touches a
-    device; if a GPU backend is already up without the flag, that is a `ValueError` naming the
-    key. CPU and
-    TPU programs are deterministic as they are.
+    device; a GPU backend already up without the flag gets a warning (this run's kernels may
+    not repeat), and an XLA_FLAGS that turns the flag off is a `ValueError` naming the key. CPU
+    and TPU programs are deterministic as they are.
     """
     if not config.get("deterministic", False):
         return
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops=false" in flags:
-        raise ValueError(f"deterministic=True contradicts XLA_FLAGS={flags!r}: drop one of them")
+        raise ValueError(
+            f"deterministic=True contradicts XLA_FLAGS={flags!r}: drop one of them (or set "
+            "config.deterministic=False)"
+        )
     if "xla_gpu_deterministic_ops" in flags:
         return
     if not _backends_started():
         os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
     elif jax.default_backend() == "gpu":
-        raise ValueError(
-            "deterministic=True: JAX's GPU backend started before mptrain could set XLA's "
-            f"flag; start Python with XLA_FLAGS={DETERMINISTIC_FLAG} instead"
+        logging.warning(
+            "mptrain: config.deterministic=True, but JAX's GPU backend started before mptrain "
+            "could set XLA's flag: this run's GPU kernels may not repeat bit for bit. Start "
+            "Python with XLA_FLAGS=%s, or set config.deterministic=False to say so",
+            DETERMINISTIC_FLAG,
         )
 
 

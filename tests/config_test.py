@@ -148,3 +148,19 @@ def test_deterministic_after_a_cpu_backend_started_changes_nothing():
     config.deterministic = True
     runtime.set_determinism(config)  # CPU programs are deterministic as they are
     assert os.environ.get("XLA_FLAGS") == before
+
+
+def test_deterministic_warns_when_a_gpu_backend_started_first(monkeypatch, caplog):
+    import jax
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(runtime, "_backends_started", lambda: True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    runtime.set_determinism(config_lib.base_config())  # the default asks for determinism
+    assert "may not repeat bit for bit" in caplog.text and "XLA_FLAGS" not in os.environ
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    with pytest.raises(ValueError, match="deterministic=True contradicts XLA_FLAGS"):
+        runtime.set_determinism(config_lib.base_config())
+    config = config_lib.base_config()
+    config.deterministic = False
+    runtime.set_determinism(config)  # asked for speed: XLA_FLAGS is the user's own

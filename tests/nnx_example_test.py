@@ -1,5 +1,6 @@
 """NNX models: examples/nnx_trainer trains from the CLI under every preset, runs its matmuls in
-the compute dtype, resumes byte-identically; an NNX module's non-param state is model_state."""
+the compute dtype, resumes byte-identically, picks its attention by the zoo's rule; an NNX
+module's non-param state is model_state."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +10,11 @@ import pytest
 from conftest import (
     ROOT,
     assert_trees_bytes_equal,
+    cudnn_as_xla,
     load_config,
     matmul_dtypes,
     plain_orbax_state,
+    pretend_gpu,
     run_cli,
     run_cli_process,
 )
@@ -120,3 +123,30 @@ def test_nnx_rngs_held_by_the_module_are_refused_with_a_clear_error():
 
     with pytest.raises(ValueError, match="nnx.Rngs"):
         nnx_models.wrap(Dropping(nnx.Rngs(0)))
+
+
+def test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params(monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from examples.nnx_trainer.trainer import ByteLM
+
+    dims = (32, 2, 4, 64, 16)  # d_model, layers, heads (of 8), d_ff, max_len
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    materialized = ByteLM(*dims, jnp.bfloat16, "materialized", rngs=nnx.Rngs(0))
+    pretend_gpu(monkeypatch)
+    asked = cudnn_as_xla(monkeypatch)
+    fused = ByteLM(*dims, jnp.bfloat16, "auto", rngs=nnx.Rngs(0))  # cuDNN on the pretend H100
+    assert [block.attention for block in fused.blocks] == ["cudnn", "cudnn"]
+    # The same params under the same names as before the choice existed, whichever runs.
+    params = nnx.state(fused, nnx.Param)
+    assert_trees_bytes_equal(params, nnx.state(materialized, nnx.Param))
+    assert params["blocks"][0]["qkv"]["kernel"].shape == (32, 96)
+    assert params["blocks"][1]["out"]["kernel"].shape == (32, 32)
+    logits = jax.jit(lambda m, t: m(t))(fused, tokens)
+    assert asked == ["cudnn", "cudnn"]  # both blocks went through layers.causal_attention
+    want = jax.jit(lambda m, t: m(t))(materialized, tokens)
+    np.testing.assert_allclose(logits, want, atol=0.1)
+    # An fp32 model takes the materialised path even on a GPU.
+    fp32 = ByteLM(*dims, jnp.float32, "auto", rngs=nnx.Rngs(0))
+    assert [block.attention for block in fp32.blocks] == ["materialized", "materialized"]

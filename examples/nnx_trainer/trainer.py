@@ -8,6 +8,7 @@ policies, loss scaling, skipped steps and checkpoints work as for linen models. 
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 import mptrain
@@ -16,10 +17,12 @@ from mptrain.models import layers
 
 class Block(nnx.Module):
     """Pre-norm causal self-attention and MLP. The matmuls run in `dtype` (the policy's
-    compute dtype, as for the linen zoo); LayerNorm statistics and the softmax run in fp32."""
+    compute dtype, as for the linen zoo); LayerNorm statistics and the softmax statistics run
+    in fp32. `attention` ("cudnn" | "materialized") picks the implementation in
+    `layers.causal_attention`, the one the linen transformer calls too."""
 
-    def __init__(self, d_model: int, num_heads: int, d_ff: int, dtype, *, rngs: nnx.Rngs):
-        self.num_heads = num_heads
+    def __init__(self, d_model, num_heads, d_ff, dtype, attention, *, rngs: nnx.Rngs):
+        self.num_heads, self.attention = num_heads, attention
         linear = lambda i, o: nnx.Linear(i, o, dtype=dtype, rngs=rngs)
         self.ln_attn = nnx.LayerNorm(d_model, dtype=jnp.float32, rngs=rngs)
         self.qkv, self.out = linear(d_model, 3 * d_model), linear(d_model, d_model)
@@ -28,28 +31,32 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         dtype = x.dtype
-        batch, length, width = x.shape
+        batch, length, _ = x.shape
         q, k, v = jnp.split(self.qkv(self.ln_attn(x).astype(dtype)), 3, axis=-1)
-        heads = lambda t: t.reshape(batch, length, self.num_heads, -1)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)).astype(jnp.float32)
-        scores = scores / jnp.sqrt(width // self.num_heads)
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(dtype)
-        attended = jnp.einsum("bhqk,bkhd->bqhd", probs, heads(v)).reshape(x.shape)
-        x = x + self.out(attended)
+        heads = lambda t: t.reshape(batch, length, self.num_heads, -1)  # [B, L, H, D]
+        attended = layers.causal_attention(heads(q), heads(k), heads(v), self.attention)
+        x = x + self.out(attended.reshape(x.shape))
         h = jax.nn.gelu(self.fc_in(self.ln_mlp(x).astype(dtype)))
         return x + self.fc_out(h)
 
 
 class ByteLM(nnx.Module):
-    """`int[B, T]` bytes -> `float32[B, T, 256]` logits of the next byte."""
+    """`int[B, T]` bytes -> `float32[B, T, 256]` logits of the next byte.
 
-    def __init__(self, d_model, num_layers, num_heads, d_ff, max_len, dtype, *, rngs: nnx.Rngs):
+    `attention`: "auto" | "cudnn" | "materialized", resolved and logged here, once, by the
+    zoo's rule (`layers.choose_attention`): cuDNN's fused kernel where it can run."""
+
+    def __init__(self, d_model, num_layers, num_heads, d_ff, max_len, dtype, attention, *, rngs):
         self.dtype = dtype
+        choice = layers.choose_attention(attention, dtype=dtype, head_dim=d_model // num_heads)
+        logging.info("mptrain: attention: %s", choice)
         self.embed = nnx.Embed(256, d_model, dtype=dtype, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, d_model)))
         self.blocks = nnx.List(
-            [Block(d_model, num_heads, d_ff, dtype, rngs=rngs) for _ in range(num_layers)]
+            [
+                Block(d_model, num_heads, d_ff, dtype, choice.implementation, rngs=rngs)
+                for _ in range(num_layers)
+            ]
         )
         self.ln_final = nnx.LayerNorm(d_model, dtype=jnp.float32, rngs=rngs)
         self.head = nnx.Linear(d_model, 256, dtype=dtype, rngs=rngs)
@@ -69,4 +76,5 @@ class NNXTrainer(mptrain.Trainer):
     def build_model(self):  # host-side: an NNX module, built with the run's seed
         m, rngs = self.config.model, nnx.Rngs(self.config.seed)
         dims = (m.d_model, m.num_layers, m.num_heads, m.d_ff, m.max_len)
-        return ByteLM(*dims, self.policy.compute_dtype, rngs=rngs)
+        attention = m.get("attention", "auto")  # configs without the key: "auto"
+        return ByteLM(*dims, self.policy.compute_dtype, attention, rngs=rngs)

@@ -8,10 +8,30 @@ Mixed-precision contract: the framework passes parameters already cast to the co
     makes flax cast its input and kernel to that dtype, and every fp32 island ends with an explicit
     cast back, so an fp32 tensor never silently promotes the next matmul to fp32;
   * the fp32 islands are the LayerNorm statistics (``layers.layer_norm_f32``), the attention
-    softmax, and the logits: the attention scores and the logits use ``dtype`` operands with fp32
-    results (``layers.einsum_f32_out``, and ``layers.dot_general_f32_out`` in the head's
-    ``nn.Dense``), so they never round to 16 bits before the softmax / the loss. Their custom
-    gradient keeps the backward matmuls in ``dtype`` too (see ``layers``).
+    softmax, and the logits: the logits use ``dtype`` operands with fp32 results
+    (``layers.dot_general_f32_out`` in the head's ``nn.Dense``), so they never round to 16 bits
+    before the loss, and its custom gradient keeps the backward matmuls in ``dtype`` too.
+
+Attention (``attention``, config key ``model.attention``) has two implementations, both with
+``dtype`` operands and fp32 softmax statistics (``layers.causal_attention``):
+
+  * ``"cudnn"``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``). It walks the
+    keys block by block, keeping each query row's running max and running sum of exponentials
+    in fp32 inside the kernel, and rescales the partial output when the max grows; it never
+    writes the ``[B, H, L, L]`` scores or probabilities to memory. For the backward pass it
+    stores only the fp32 log-sum-exp per row (``[B, H, L]``) and recomputes the probabilities
+    from it. Its result is ``dtype``;
+  * ``"materialized"``: the scores come out of ``layers.einsum_f32_out`` in fp32 (16-bit
+    operands, fp32 accumulation), are masked and go through an explicit fp32 softmax; the
+    probabilities are cast to ``dtype`` for the matmul with the values. The ``[B, H, L, L]``
+    tensors are held for the backward pass, whose matmuls the custom gradient keeps 16-bit.
+
+``"auto"`` (the default) runs cuDNN where it can: a CUDA GPU with cuDNN, bf16/fp16 compute, no
+attention dropout, a head size cuDNN takes; the materialised path elsewhere (CPU, TPU, fp32,
+``dropout_rate > 0``). ``create_model`` logs the choice and why (``layers.choose_attention``).
+Parameter names are the same either way. XLA counts cuDNN's attention among its GPU kernels
+whose results may vary from run to run; ``config.deterministic`` makes XLA ask cuDNN for its
+deterministic backward pass.
 
 ``param_dtype`` is left at flax's default (fp32), so ``model.init`` creates fp32 master params.
 
@@ -19,18 +39,22 @@ On CPU, XLA runs a bf16 x bf16 -> bf16 matmul as convert-to-fp32, fp32 matmul, c
 bf16 compute is emulated there and costs about as much as fp32. (Giving every matmul, forward and
 backward, fp32 accumulation would reach XLA:CPU's native bf16 kernels, but in jax 0.10.2 some of
 the resulting backward matmuls fail at run time with "Unsupported element type for
-DotThunk::Execute: BF16 x BF16 = F32"; so only the two forward matmuls above use it.)
+DotThunk::Execute: BF16 x BF16 = F32"; so only the materialised attention scores and the
+logits use it.)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
+from mptrain import errors
 from mptrain.models import layers
 
 
@@ -44,11 +68,15 @@ def _dense(features: int, dtype: layers.Dtype, name: str, **kwargs: Any) -> nn.D
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; softmax in fp32, everything else in ``dtype``."""
+    """Multi-head causal self-attention; fp32 softmax statistics, everything else in ``dtype``.
+
+    ``attention``: ``"auto" | "cudnn" | "materialized"`` (see the module docstring).
+    """
 
     num_heads: int
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -56,17 +84,16 @@ class CausalSelfAttention(nn.Module):
         if d_model % self.num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
         head_dim = d_model // self.num_heads
+        choice = layers.choose_attention(
+            self.attention, dtype=self.dtype, head_dim=head_dim, dropout_rate=self.dropout_rate
+        )
         qkv = _dense(3 * d_model, self.dtype, "qkv")(x)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
-        q = q * jnp.asarray(head_dim**-0.5, self.dtype)
-        # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
-        scores = layers.einsum_f32_out("bqhd,bkhd->bhqk", q, k)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # end of the fp32 island
-        probs = nn.Dropout(self.dropout_rate)(probs, deterministic=not train)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        dropout = None
+        if choice.implementation == "materialized":
+            dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
+        out = layers.causal_attention(q, k, v, choice.implementation, dropout=dropout)
         return _dense(d_model, self.dtype, "out")(out.reshape(batch, length, d_model))
 
 
@@ -92,14 +119,16 @@ class Block(nn.Module):
     d_ff: int
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
-        h = CausalSelfAttention(self.num_heads, self.dtype, self.dropout_rate, name="attn")(
-            h, train=train
+        attn = CausalSelfAttention(
+            self.num_heads, self.dtype, self.dropout_rate, self.attention, name="attn"
         )
+        h = attn(h, train=train)
         x = x + drop(h, deterministic=not train)
         h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
         h = MLP(self.d_ff, self.dtype, self.dropout_rate, name="mlp")(h, train=train)
@@ -111,7 +140,8 @@ class TransformerLM(nn.Module):
 
     ``dtype`` is the compute dtype; params are created in fp32 (flax's ``param_dtype``
     default). Positions are learned, up to ``max_len``. Dropout needs a ``"dropout"`` rng when
-    called with ``train=True`` and ``dropout_rate > 0``.
+    called with ``train=True`` and ``dropout_rate > 0``. ``attention``: ``"auto" | "cudnn" |
+    "materialized"`` (see the module docstring).
     """
 
     vocab_size: int = 256
@@ -122,6 +152,7 @@ class TransformerLM(nn.Module):
     max_len: int = 128
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -140,9 +171,15 @@ class TransformerLM(nn.Module):
         x = x + positions[:length].astype(self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
         for i in range(self.num_layers):
-            x = Block(self.num_heads, self.d_ff, self.dtype, self.dropout_rate, name=f"block_{i}")(
-                x, train=train
+            block = Block(
+                self.num_heads,
+                self.d_ff,
+                self.dtype,
+                self.dropout_rate,
+                self.attention,
+                name=f"block_{i}",
             )
+            x = block(x, train=train)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
         head = _dense(self.vocab_size, self.dtype, "head", dot_general=layers.dot_general_f32_out)
@@ -164,8 +201,22 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
     ``model_config`` keys: ``d_model, num_layers, num_heads, d_ff, max_len`` and optionally
-    ``vocab_size`` (default 256: bytes) and ``dropout_rate`` (default 0.0).
+    ``vocab_size`` (default 256: bytes), ``dropout_rate`` (default 0.0) and ``attention``
+    (default ``"auto"``). The attention implementation is resolved here, once, and logged; a bad
+    value, or an explicit ``"cudnn"`` that cannot run here, is a ``ConfigError`` (a
+    ``ValueError``) naming ``config.model.attention``.
     """
+    dropout_rate = getattr(model_config, "dropout_rate", 0.0)
+    try:
+        choice = layers.choose_attention(
+            getattr(model_config, "attention", "auto"),
+            dtype=compute_dtype,
+            head_dim=model_config.d_model // model_config.num_heads,
+            dropout_rate=dropout_rate,
+        )
+    except ValueError as e:  # a bad model.attention: a config error (exit 2), not a crash
+        raise errors.ConfigError(f"config.{e}") from None
+    logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
         vocab_size=getattr(model_config, "vocab_size", 256),
         d_model=model_config.d_model,
@@ -174,5 +225,6 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
         d_ff=model_config.d_ff,
         max_len=model_config.max_len,
         dtype=compute_dtype,
-        dropout_rate=getattr(model_config, "dropout_rate", 0.0),
+        dropout_rate=dropout_rate,
+        attention=choice.implementation,
     )
