@@ -23,7 +23,7 @@ from conftest import (
 import mptrain
 from mptrain import trainer as trainer_lib
 
-CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16"]
+CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16", "lm_gpt2s"]
 
 
 def resnet_config(**overrides):
@@ -54,6 +54,7 @@ TWO_STEP_RUNS = {
     ),
     "lm_bf16": ([], "warming up over 1 instead"),  # warmup_steps=2 does not fit in 2 steps
     "lm_fp16": ([], "warming up over 1 instead"),
+    "lm_gpt2s": ([], None),  # no warmup, as the PyTorch peer it is measured against
     "mnist_cnn": ([], None),
     "cifar10_resnet": ([], None),
     "custom_trainer": ([], None),
