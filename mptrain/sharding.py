@@ -101,31 +101,27 @@ def device_batch(
     With several processes each builds only its own rows, through `get_batch(index, rows=)`
     when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
     """
-    several = jax.process_count() > 1
-    rows = process_rows(mesh, global_rows) if several else slice(None)
-    takes_rows = "rows" in inspect.signature(source.get_batch).parameters
-
-    def local(i):
-        if not several:
-            return source.get_batch(i)
-        if takes_rows:
-            return source.get_batch(i, rows=rows)
-        return jax.tree.map(lambda x: x[rows], source.get_batch(i))
-
-    if count is None:
-        batch, lead = local(index), ()
-    else:
-        batches = [local(i) for i in range(index, index + count)]
-        batch, lead = jax.tree.map(lambda *xs: np.stack(xs), *batches), (count,)
     where = batch_sharding(mesh, stacked=count is not None)
-    if not several:
-        return jax.device_put(batch, where)
+    indices = [index] if count is None else range(index, index + count)
+    if jax.process_count() == 1:  # the common case, on the hot path: nothing else to work out
+        batches = [source.get_batch(i) for i in indices]
+        return jax.device_put(batches[0] if count is None else _stack(batches), where)
+    rows = process_rows(mesh, global_rows)
+    if "rows" in inspect.signature(source.get_batch).parameters:
+        batches = [source.get_batch(i, rows=rows) for i in indices]
+    else:
+        batches = [jax.tree.map(lambda x: x[rows], source.get_batch(i)) for i in indices]
+    batch, lead = (batches[0], ()) if count is None else (_stack(batches), (count,))
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(
             where, x, (*lead, global_rows, *x.shape[len(lead) + 1 :])
         ),
         batch,
     )
+
+
+def _stack(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
