@@ -82,7 +82,10 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.name = "text"  # module under mptrain.data; its own keys sit beside it
-    c.data.prefetch = 2  # calls' batches made on the devices ahead, by a thread (0: none)
+    # calls' batches made on the devices ahead by a thread (0: none). None: 2 on an
+    # accelerator; 0 on a CPU, whose cores run the step itself (a thread making batches there
+    # took 5% of a small step)
+    c.data.prefetch = config_dict.placeholder(int)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # devices along the data-parallel axis (-1: all that fsdp leaves)
@@ -144,7 +147,8 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
                 f"steps_per_call={k}: {key}={config[key]} is not a multiple of it; logging, eval "
                 "and checkpoints act between calls of steps_per_call steps"
             )
-    errors.check_integer("data.prefetch", _get(config, "data.prefetch"), 0)
+    if _get(config, "data.prefetch") is not None:
+        errors.check_integer("data.prefetch", config.data.prefetch, 0)
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():

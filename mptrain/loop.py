@@ -258,6 +258,14 @@ def steps(train_step: Callable, count: int) -> Callable:
     return run_steps
 
 
+def prefetch_depth(setting: int | None) -> int:
+    """`config.data.prefetch`, with None resolved: 2 on an accelerator, where the host makes the
+    next batches while the device runs the step; 0 on a CPU, where the host runs the step."""
+    if setting is not None:
+        return setting
+    return 0 if jax.default_backend() == "cpu" else 2
+
+
 class Prefetcher:
     """Batches made on the devices ahead of the step, in order, by one background thread.
 

@@ -291,7 +291,7 @@ class Trainer:
         cfg, totals, done, k = self.config, run.totals, run.start, self.config.steps_per_call
         calls = range(run.start, cfg.num_train_steps, k)
         fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
-        with loop.Prefetcher(fetch, calls, cfg.data.prefetch) as batches:
+        with loop.Prefetcher(fetch, calls, loop.prefetch_depth(cfg.data.prefetch)) as batches:
             for first, batch in zip(calls, batches, strict=True):
                 if preemption.reached(done):
                     logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
