@@ -26,7 +26,6 @@ follow applied updates and never drift on skips.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,6 +42,23 @@ Q8 = "q8"  # the 8-bit block-quantized state "dtype"
 
 
 # --------------------------------------------------------------------------- transformations
+
+
+class Gated(optax.GradientTransformationExtraArgs):
+    """A transformation whose `update(updates, state, params, apply=flag)` returns its old state
+    where `flag` (a bool scalar) is False: a step the trainer skips. Its parts select before
+    they compute the updates from their new state (the moments, the count), so each state
+    leaf is read once and written in place. A select after a whole optax update instead reads
+    each old leaf twice, in the update and in the select, and XLA copies every donated moment
+    to keep it for the second read: a kernel per leaf, every step. `make_optimizer` returns
+    one when every stateful part gates (not with gradient accumulation)."""
+
+
+def _keep(apply: Any, new: Any, old: Any) -> Any:
+    """`new` where `apply` (None: always), else `old`; leafwise, 8-bit moments included."""
+    if apply is None:
+        return new
+    return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
 
 
 def state_dtype(dtype: Any, key: str) -> np.dtype | str:
@@ -127,15 +143,12 @@ def scale_by_adam(
             nu=jax.tree.map(zeros(nu_dtype, "sqrt"), params),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, apply=None, **extra):
+        del params, extra
         grads = to_f32(updates)
         mu = optax.tree.update_moment(grads, _load(state.mu), b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, _load(state.nu), b2, 2)
         count = optax.safe_increment(state.count)
-        mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(nu, b2, count)
-        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         key = jax.random.fold_in(jax.random.key(seed), count)
         mu_key, nu_key = jax.random.split(key)
         new_state = optax.ScaleByAdamState(
@@ -143,9 +156,56 @@ def scale_by_adam(
             mu=_store(mu, mu_dtype, moment_rounding, mu_key, state.mu),
             nu=_store(nu, nu_dtype, moment_rounding, nu_key, state.nu),
         )
+        new_state = _keep(apply, new_state, state)  # see `Gated`
+        # fp32 moments: the step is computed from the kept ones (the same numbers when applied);
+        # stored in fewer bits, from the fp32 values before their rounding, as always
+        mu = new_state.mu if mu_dtype == F32 else mu
+        nu = new_state.nu if nu_dtype == F32 else nu
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return Gated(init_fn, update_fn)
+
+
+def _trace(momentum: float, nesterov: bool, dtype: Any) -> Gated:
+    """`optax.trace` (momentum, its buffer stored in `dtype`, the same `TraceState`), gated."""
+
+    def init_fn(params):
+        return optax.TraceState(
+            trace=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype), params)
+        )
+
+    def update_fn(updates, state, params=None, *, apply=None, **extra):
+        del params, extra
+        grads = to_f32(updates)
+        new = jax.tree.map(lambda g, t: g + momentum * t.astype(jnp.float32), grads, state.trace)
+        kept = _keep(apply, jax.tree.map(lambda t: t.astype(dtype), new), state.trace)
+        new = kept if dtype == F32 else new
+        updates = jax.tree.map(lambda g, t: g + momentum * t, grads, new) if nesterov else new
+        return updates, optax.TraceState(trace=kept)
+
+    return Gated(init_fn, update_fn)
+
+
+def _scale_by_schedule(learning_rate: float | optax.Schedule) -> optax.GradientTransformation:
+    """`optax.scale_by_learning_rate` (the same `ScaleByScheduleState`), its count gated."""
+    if not callable(learning_rate):
+        return optax.scale_by_learning_rate(learning_rate)  # stateless
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, *, apply=None, **extra):
+        del params, extra
+        count = _keep(apply, optax.safe_increment(state.count), state.count)
+        scale = -learning_rate(state.count)
+        updates = jax.tree.map(lambda u: (scale * u).astype(u.dtype), updates)
+        return updates, optax.ScaleByScheduleState(count=count)
+
+    return Gated(init_fn, update_fn)
 
 
 def _with_fp32_params(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -193,10 +253,12 @@ def adamw(
         q8_block_size=q8_block_size,
         q8_min_size=q8_min_size,
     )
-    return optax.chain(
-        adam,
-        _with_fp32_params(optax.add_decayed_weights(weight_decay, mask)),
-        optax.scale_by_learning_rate(learning_rate),
+    return Gated(
+        *optax.chain(
+            adam,
+            _with_fp32_params(optax.add_decayed_weights(weight_decay, mask)),
+            _scale_by_schedule(learning_rate),
+        )
     )
 
 
@@ -218,10 +280,10 @@ def sgd(
     """
     parts = []
     if momentum:
-        parts.append(optax.trace(momentum, nesterov, state_dtype(mu_dtype, "mu_dtype")))
+        parts.append(_trace(momentum, nesterov, state_dtype(mu_dtype, "mu_dtype")))
     parts.append(_with_fp32_params(optax.add_decayed_weights(weight_decay, mask)))
-    parts.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*parts)
+    parts.append(_scale_by_schedule(learning_rate))
+    return Gated(*optax.chain(*parts))
 
 
 # --------------------------------------------------------------------------- from a config
@@ -308,8 +370,8 @@ def make_optimizer(
             mu_dtype=mu_dtype,
             mask=weight_decay_mask,
         )
-    if clip:
-        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+    if clip:  # stateless: the chain still gates
+        tx = Gated(*optax.chain(optax.clip_by_global_norm(clip), tx))
     accumulation = errors.setting(opt, "accumulation_steps", 1)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation, accumulator_dtype=jnp.float32)
@@ -325,37 +387,3 @@ def _fp32_init(inner: optax.GradientTransformation) -> optax.GradientTransformat
     from quietly becoming bf16.
     """
     return optax.GradientTransformation(lambda params: inner.init(to_f32(params)), inner.update)
-
-
-# --------------------------------------------------------------------------- inspecting state
-
-
-def _is_counter(path, value) -> bool:
-    del path
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.integer) and jnp.ndim(value) == 0
-
-
-def optimizer_count(opt_state: Any) -> jax.Array:
-    """The optimizer's applied-update count (int32), the one the learning-rate schedule reads.
-
-    Prefers the count of a `ScaleByScheduleState` (the schedule's own), else the first integer
-    scalar named `count` (e.g. Adam's). Works inside `jit` and through `optax.MultiSteps`, whose
-    inner counts advance once per applied update.
-    """
-    found = optax.tree_utils.tree_get_all_with_path(opt_state, "count", _is_counter)
-    if not found:
-        raise ValueError(
-            "opt_state holds no integer 'count'; build the optimizer with a schedule "
-            "(mptrain.optim.make_optimizer does) so the applied updates are counted"
-        )
-    for path, value in found:
-        last = path[-1] if path else None
-        if getattr(last, "tuple_name", None) == "ScaleByScheduleState":
-            return jnp.asarray(value, jnp.int32)
-    return jnp.asarray(found[0][1], jnp.int32)
-
-
-def current_learning_rate(opt_state: Any, schedule: Callable[[Any], Any]) -> jax.Array:
-    """`schedule` at the optimizer's applied-update count: the rate the next update will use."""
-    return jnp.asarray(schedule(optimizer_count(opt_state)), jnp.float32)

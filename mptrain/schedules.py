@@ -1,4 +1,4 @@
-"""Learning-rate schedules, counted in applied optimizer updates.
+"""Learning-rate schedules, counted in applied optimizer updates, and that count.
 
 The optimizer's count advances only on applied updates (a skipped step keeps the old
 `opt_state`), and with gradient accumulation once per `optimizer.accumulation_steps`
@@ -7,8 +7,11 @@ micro-batches; so do these schedules, and a warmup longer than a short run is cu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from mptrain import errors
@@ -65,3 +68,37 @@ def make_schedule(
         return after
     warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
     return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+# --------------------------------------------------------------------------- reading the count
+
+
+def _is_counter(path, value) -> bool:
+    del path
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.integer) and jnp.ndim(value) == 0
+
+
+def optimizer_count(opt_state: Any) -> jax.Array:
+    """The optimizer's applied-update count (int32), the one the learning-rate schedule reads.
+
+    Prefers the count of a `ScaleByScheduleState` (the schedule's own), else the first integer
+    scalar named `count` (e.g. Adam's). Works inside `jit` and through `optax.MultiSteps`, whose
+    inner counts advance once per applied update.
+    """
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "count", _is_counter)
+    if not found:
+        raise ValueError(
+            "opt_state holds no integer 'count'; build the optimizer with a schedule "
+            "(mptrain.optim.make_optimizer does) so the applied updates are counted"
+        )
+    for path, value in found:
+        last = path[-1] if path else None
+        if getattr(last, "tuple_name", None) == "ScaleByScheduleState":
+            return jnp.asarray(value, jnp.int32)
+    return jnp.asarray(found[0][1], jnp.int32)
+
+
+def current_learning_rate(opt_state: Any, schedule: Callable[[Any], Any]) -> jax.Array:
+    """`schedule` at the optimizer's applied-update count: the rate the next update will use."""
+    return jnp.asarray(schedule(optimizer_count(opt_state)), jnp.float32)

@@ -94,21 +94,25 @@ def make_train_step(
         # optimizer detects overflow from the norm too).
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        updated = state.apply_gradients(
-            grads=grads, model_state=_like(model_state, state.model_state)
-        )
-        applied = finite
-        if policy.param_dtype == precision.F16:
+        model_state = _like(model_state, state.model_state)
+        # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
+        # schedule does not drift) and model_state bit-identical; only the counters move.
+        if policy.param_dtype != precision.F16:
+            applied = finite  # known before the update: the update keeps what it skips
+            updated = state.apply_gradients(grads=grads, apply=applied)
+            model_state = loss_scale_lib.select_tree(applied, model_state, state.model_state)
+            updated = updated.replace(model_state=model_state)
+        else:
             # fp16 params at their range's edge can overflow from a finite update; such a step
             # is skipped too, but the scaled gradients did not overflow, so the loss scale does
             # not back off. (bf16 and fp32 params share fp32's range: an update from gradients
             # that passed the check above cannot reach it.) Checking the new params costs a
             # pass over them before the select, so only fp16 params pay for it.
+            updated = state.apply_gradients(grads=grads, model_state=model_state)
             (bad_params,) = sharding.count_nonfinite((updated.params,), mesh)
             applied = finite & (bad_params == 0)
-        # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
-        # schedule does not drift) and model_state bit-identical; only the counters move.
-        new_state = loss_scale_lib.select_tree(applied, updated, state).replace(
+            updated = loss_scale_lib.select_tree(applied, updated, state)
+        new_state = updated.replace(
             step=state.step + 1,
             loss_scale=scaler.adjust(finite),
             skipped_steps=state.skipped_steps + jnp.where(applied, 0, 1).astype(jnp.int32),

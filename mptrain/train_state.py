@@ -16,7 +16,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from mptrain import errors, precision
+from mptrain import errors, optim, precision
 from mptrain import loss_scale as loss_scale_lib
 
 ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
@@ -117,14 +117,19 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+    def apply_gradients(self, *, grads, apply=None, **kwargs) -> TrainState:
         """Applies one optax update from fp32 `grads`; does not advance `step` (the caller does).
 
         The update is computed and added in fp32, then rounded once to the param dtype by the
         chosen rounding, so 16-bit params never see 16-bit arithmetic on the update path.
+        `apply` (a bool scalar; None: always): where False, params, optimizer state and
+        compensation come back bit-identical. An `optim.Gated` optimizer keeps its own state
+        (one read of each old leaf, see there); any other is selected after its update.
         """
         params32 = precision.to_f32(self.params)
-        updates, opt_state = self.tx.update(grads, self.opt_state, params32)
+        gated = apply is not None and isinstance(self.tx, optim.Gated)
+        extra = {"apply": apply} if gated else {}
+        updates, opt_state = self.tx.update(grads, self.opt_state, params32, **extra)
         updates = precision.to_f32(updates)
         compensation = self.param_compensation
         if self.param_rounding == "nearest":
@@ -146,6 +151,11 @@ class TrainState(train_state.TrainState):
             compensation = jax.tree.map(
                 lambda n, old, w: (w - (n - old)).astype(dtype), new, params32, wanted
             )
+        if apply is not None:
+            keep = lambda new, old: loss_scale_lib.select_tree(apply, new, old)
+            params = keep(params, self.params)
+            compensation = keep(compensation, self.param_compensation)
+            opt_state = opt_state if gated else keep(opt_state, self.opt_state)
         return self.replace(
             params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
         )

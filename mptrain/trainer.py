@@ -41,6 +41,7 @@ from mptrain import (
     optim,
     precision,
     runtime,
+    schedules,
     sharding,
     step,
 )
@@ -193,7 +194,7 @@ class Trainer:
             new_state, metrics = recipe(state, batch)
             shardings = sharding.state_shardings(self.mesh, state)
             new_state = jax.lax.with_sharding_constraint(new_state, shardings)
-            metrics["learning_rate"] = schedule(optim.optimizer_count(state.opt_state))
+            metrics["learning_rate"] = schedule(schedules.optimizer_count(state.opt_state))
             return new_state, metrics, totals.add(state.step, metrics)
 
         return train_step

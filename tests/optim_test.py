@@ -76,7 +76,7 @@ def test_adamw_in_fp32_matches_optax_adamw(mask):
     for name in ("w", "b"):
         np.testing.assert_allclose(ours[name], ref[name], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(ours_state[0].nu["w"], ref_state[0].nu["w"], rtol=1e-6)
-    assert int(optim.optimizer_count(ours_state)) == 5
+    assert int(schedules.optimizer_count(ours_state)) == 5
 
 
 def test_bf16_params_keep_fp32_moments_unless_asked():
@@ -155,8 +155,8 @@ def test_schedule_without_warmup_starts_at_the_learning_rate():
 def test_learning_rate_follows_the_optimizer_count():
     tx, lr = optim.make_optimizer(_config(schedule="linear", warmup_steps=4))
     _, state = _run(tx, _params(), 3)
-    assert int(optim.optimizer_count(state)) == 3
-    assert float(optim.current_learning_rate(state, lr)) == pytest.approx(0.75e-3)
+    assert int(schedules.optimizer_count(state)) == 3
+    assert float(schedules.current_learning_rate(state, lr)) == pytest.approx(0.75e-3)
 
 
 def test_optimizer_count_prefers_the_schedule_count():
@@ -164,10 +164,10 @@ def test_optimizer_count_prefers_the_schedule_count():
         optax.ScaleByAdamState(count=jnp.int32(7), mu={}, nu={}),
         optax.ScaleByScheduleState(count=jnp.int32(3)),
     )
-    assert int(optim.optimizer_count(state)) == 3
-    assert int(optim.optimizer_count(state[:1])) == 7
+    assert int(schedules.optimizer_count(state)) == 3
+    assert int(schedules.optimizer_count(state[:1])) == 7
     with pytest.raises(ValueError, match="no integer 'count'"):
-        optim.optimizer_count({"count": jnp.zeros((3,))})
+        schedules.optimizer_count({"count": jnp.zeros((3,))})
 
 
 def test_clipping_bounds_the_global_norm():
@@ -196,10 +196,10 @@ def test_accumulation_applies_one_update_per_k_micro_batches():
     params = state.params
     for i in range(3):
         state = _apply(state, _grads(params, i))
-        assert int(optim.optimizer_count(state.opt_state)) == 0
+        assert int(schedules.optimizer_count(state.opt_state)) == 0
     jax.tree.map(np.testing.assert_array_equal, state.params, params)
     state = _apply(state, _grads(params, 3))
-    assert int(optim.optimizer_count(state.opt_state)) == 1
+    assert int(schedules.optimizer_count(state.opt_state)) == 1
     assert not np.array_equal(state.params["w"], params["w"])
 
 
@@ -216,15 +216,15 @@ def test_skipped_step_does_not_advance_the_optimizer_count():
     good = {"x": jnp.ones((4, 64))}
     bad = {"x": jnp.full((4, 64), jnp.nan)}
     state, _ = train_step(state, good)
-    assert int(optim.optimizer_count(state.opt_state)) == 1
-    logged = float(optim.current_learning_rate(state.opt_state, lr))
+    assert int(schedules.optimizer_count(state.opt_state)) == 1
+    logged = float(schedules.current_learning_rate(state.opt_state, lr))
     state, metrics = train_step(state, bad)
     assert not bool(metrics["grads_finite"])
     assert int(state.step) == 2 and int(state.skipped_steps) == 1
-    assert int(optim.optimizer_count(state.opt_state)) == 1
-    assert float(optim.current_learning_rate(state.opt_state, lr)) == logged
+    assert int(schedules.optimizer_count(state.opt_state)) == 1
+    assert float(schedules.current_learning_rate(state.opt_state, lr)) == logged
     state, _ = train_step(state, good)
-    assert int(optim.optimizer_count(state.opt_state)) == 2
+    assert int(schedules.optimizer_count(state.opt_state)) == 2
 
 
 @pytest.mark.parametrize(
@@ -272,3 +272,46 @@ def test_sgd_rejects_a_second_moment_dtype_other_than_the_default():
     optim.make_optimizer(_config(name="sgd", nu_dtype="float32"))
     with pytest.raises(ValueError, match=r"optimizer\.nu_dtype='bfloat16'"):
         optim.make_optimizer(_config(name="sgd", nu_dtype="bfloat16"))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optim.adamw(optax.linear_schedule(1e-3, 0.0, 10), weight_decay=0.1),
+        lambda: optim.adamw(1e-3, mu_dtype="bfloat16", nu_dtype="bfloat16"),
+        lambda: optim.adamw(1e-3, mu_dtype="q8", nu_dtype="q8", q8_min_size=64),
+        lambda: optim.sgd(optax.constant_schedule(0.1), momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw", "adamw-bf16", "adamw-q8", "sgd-nesterov"],
+)
+def test_a_gated_optimizer_keeps_its_state_where_a_step_is_not_applied(make):
+    from conftest import assert_trees_bytes_equal
+
+    tx = make()
+    assert isinstance(tx, optim.Gated)
+    params = {"w": jnp.linspace(-1.0, 1.0, 256).reshape(16, 16), "b": jnp.ones((16,))}
+    grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
+    state = tx.init(params)
+    state = jax.jit(tx.update)(grads, state, params)[1]  # non-zero moments and counts
+    plain = jax.jit(tx.update)(grads, state, params)
+    applied = jax.jit(lambda *a: tx.update(*a, apply=jnp.bool_(True)))(grads, state, params)
+    skipped = jax.jit(lambda *a: tx.update(*a, apply=jnp.bool_(False)))(grads, state, params)
+    assert_trees_bytes_equal(applied, plain)  # applied: what the update computes without it
+    assert_trees_bytes_equal(skipped[1], state)  # skipped: the old state, bit for bit
+
+
+def test_the_step_copies_no_optimizer_state(tmp_path):
+    # A select after a plain optax update reads every old moment twice, and XLA copies each
+    # donated one to keep it: a kernel per leaf, every step. Gated optimizers select first.
+    if jax.default_backend() != "cpu":
+        pytest.skip("reads XLA:CPU's compiled program; a GPU's copy insertion may differ")
+    from conftest import tiny_config
+
+    trainer = mptrain.Trainer(tiny_config(), tmp_path)
+    source = trainer.build_datasets()[0]
+    state = trainer.init_state(source.get_batch(0))
+    step = jax.jit(mptrain.make_train_step(trainer.loss_fn), donate_argnums=0)
+    program = step.lower(state, source.get_batch(0)).compile().as_text()
+    entry = program[program.index("\nENTRY") :]
+    copies = [line for line in entry.splitlines() if " copy(%state" in line and "[]" not in line]
+    assert not copies, copies  # of the donated state's arrays; scalars (counters) aside
