@@ -1,8 +1,8 @@
 """Per-step cost of mptrain's train loop against the same model written by hand in flax + optax.
 
-DESIGN.md promises that a loop built with mptrain costs at most 2% more per step than the hand-
-written one. This script measures both in one process, alternating them (mptrain, hand, mptrain,
-hand, ...), and reports the median of the per-pair ratios mptrain / hand.
+docs/design.md promises that a loop built with mptrain costs at most a few per cent more per step
+than the hand-written one. This script measures both in one process, alternating them (mptrain,
+hand, mptrain, hand, ...), and reports the median of the per-pair ratios mptrain / hand.
 
 - mptrain: the real loop, `Trainer(config, workdir).train_and_evaluate()` on a fresh temp workdir,
   with eval and checkpoints only at the last step (outside the timed window).

@@ -8,7 +8,7 @@ from mptrain import loss_scale
 
 
 def _reference_adjust(s, finite):
-    """The DESIGN.md rule, in plain Python, as the oracle."""
+    """The rule of docs/design.md (Megatron-LM's and DeepSpeed's), in plain Python: the oracle."""
     s = dict(s)
     if finite:
         s["counter"] += 1
