@@ -6,20 +6,22 @@ Layout, under the directory given to `Checkpointer` (the trainer uses `<workdir>
     <step>/meta/    JSON: step, config, policy, mptrain version, the state's fingerprint and
                     the dtype and shape of every array leaf
 
-Saving is atomic: orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only
-after every file is written. A save that dies half-way therefore leaves a `*.orbax-checkpoint-tmp`
-folder, which orbax never lists as a step; `Checkpointer` deletes such leftovers when it opens the
-directory (and orbax replaces a leftover of the same step when that step is saved again).
+Saving is atomic: orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` once
+every file is written, so a save that died leaves such a folder, never listed as a step. To
+anyone but the run that owns the directory it may be a save in progress: that run deletes them
+(`resume` calls `remove_leftovers`); readers such as export open it `read_only` and never write
+or delete there. A save that fails on storage (full, read-only, denied), whichever layer says
+so and whenever (an async save's failure shows at `wait`, the next `save` or `close`), is one
+`errors.StorageError` naming the checkpoint and the cause; older checkpoints stay intact.
 
-Restoring validates what it reads. `fingerprint(state)`, a sha256 over every array leaf's path,
-dtype, shape and two position-aware sums of its elements' bits (computed on the devices, shard
-by shard, so a sharded state is never gathered to a host), is stored in `meta` at save time and
-recomputed on the restored arrays.
-A checkpoint is rejected, with a warning naming the step and the reason, when orbax cannot read
-it (missing, truncated or mangled files), when the fingerprint differs (bytes flipped on disk)
-or when its params hold a NaN or an inf; `restore` then tries the next older one. A checkpoint
-whose arrays do not match the requested state (another model, optimizer or precision policy) is
-not corrupt but a mistake, and raises `CheckpointMismatchError` instead of being skipped.
+Restoring validates what it reads: `meta` holds `fingerprint(state)`, a sha256 over every array
+leaf's path, dtype, shape and two position-aware sums of its elements' bits (computed on the
+devices, shard by shard, so a sharded state is never gathered to a host), recomputed on the
+restored arrays. A checkpoint is skipped, with a warning naming the step and the reason, when
+orbax cannot read it (missing, truncated or mangled files), its meta is corrupt, the fingerprint
+differs (bytes flipped on disk) or its params hold a NaN or an inf; `restore` then tries the
+next older one. A checkpoint whose arrays do not fit the requested state (another model,
+optimizer or precision policy) is not corrupt but a mistake: `CheckpointMismatchError`.
 
 Reading a `state` item with plain orbax, without mptrain installed: the TrainState was saved as
 nested dicts keyed by field name (`params`, `opt_state`, `loss_scale`, `rng`, `step`, ...;
@@ -39,10 +41,11 @@ saved shardings; the recipe above gives numpy arrays on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from typing import Any
 
 import jax
@@ -66,11 +69,15 @@ class CheckpointMismatchError(ValueError):
     """A readable checkpoint whose arrays do not fit the state it is restored into."""
 
 
+# Each orbax thread that sees a write fail logs it (a hundred lines of traceback) before orbax
+# raises it to its caller; `Checkpointer` and `save_standalone` raise it as one line.
+files.quiet_storage_failures("/orbax/")
+
+
 def _summary(error: Exception, limit: int = 300) -> str:
     """The first line of an error, shortened: tensorstore errors carry a page-long spec."""
-    lines = str(error).strip().splitlines() or [""]
-    text = lines[0] if len(lines[0]) <= limit else lines[0][:limit] + " ..."
-    return f"{type(error).__name__}: {text}"
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:limit]}{' ...' if len(first) > limit else ''}"
 
 
 class Checkpointer:
@@ -78,8 +85,9 @@ class Checkpointer:
 
     `max_to_keep`: how many of the newest checkpoints to keep (None: all). `async_save`: when
     True, `save` returns once the arrays are copied off the device and the files are written in
-    the background; call `wait()` (or `close()`) before relying on them. Every process of a
-    multi-host job must call `save` and `restore` together.
+    the background; call `wait()` (or `close()`) before relying on them. `read_only`: for
+    readers of another run's directory; nothing is created, pruned or written. Every process of
+    a multi-host job must call `save` and `restore` together.
     """
 
     def __init__(
@@ -88,21 +96,20 @@ class Checkpointer:
         *,
         max_to_keep: int | None = 3,
         async_save: bool = False,
+        read_only: bool = False,
     ):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep={max_to_keep}; must be None (keep all) or >= 1")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.async_save = async_save
+        self.async_save, self.read_only = async_save, read_only
+        # (orbax's read_only option warns at every open; this manager writes nothing either)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
             enable_async_checkpointing=async_save,
-            create=True,
+            create=not read_only,
         )
-        if jax.process_index() == 0:
-            # orbax's own `cleanup_tmp_directories` does this in a background thread; doing it
-            # here, before the manager opens, leaves the directory tidy when __init__ returns.
-            for name in _remove_tmp_dirs(self.directory):
-                logging.warning("Removed %s/%s, left by an interrupted save", self.directory, name)
+        self._pending: int | None = None  # a saved step not known to be written yet
+        self._failed = False  # whether a StorageError was raised
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def __enter__(self) -> Checkpointer:
@@ -112,11 +119,8 @@ class Checkpointer:
         self.close()
 
     def all_steps(self) -> list[int]:
-        """Checkpoint steps, oldest first, not yet validated.
-
-        Those found on disk when this Checkpointer opened plus those it saved since (an async
-        one may still be in flight; see `wait`); never a save that died before its final rename.
-        """
+        """Checkpoint steps, oldest first, not yet validated: those on disk when this opened and
+        those saved since (an async one may be in flight); never a save that died unfinished."""
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -130,9 +134,11 @@ class Checkpointer:
         `meta` gets `step`, `mptrain_version`, `fingerprint` and `arrays` (each leaf's dtype and
         shape) added; values JSON cannot hold are stored as their `str()`. `force=False` lets
         orbax's save policy skip the step (the trainer passes True: it decides when to save).
-        Blocks until the files are durable unless the Checkpointer was made with
-        `async_save=True`.
+        Blocks until the files are durable unless `async_save`; a storage failure raises
+        `errors.StorageError`.
         """
+        if self.read_only:
+            raise ValueError(f"{self.directory} is open read-only: a reader never writes there")
         step = int(step)
         if not force and not self._manager.should_save(step):
             return
@@ -141,29 +147,44 @@ class Checkpointer:
         meta["mptrain_version"] = version.__version__
         meta["fingerprint"] = fingerprints.fingerprint(state)
         meta["arrays"] = fingerprints.array_specs(state)
-        if step in self._manager.all_steps():
-            # Re-saving a step happens after resuming past a rejected checkpoint: the fresh
-            # state must replace the bad one, or every later resume would reject it again.
-            logging.info("Replacing the checkpoint at step %d in %s", step, self.directory)
-            self._manager.wait_until_finished()
-            self._manager.delete(step)
+        self.wait()  # a failure of the previous save is told as that step's
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
-        self._manager.save(step, args=args, force=True)
-        if not self.async_save:
-            self._manager.wait_until_finished()
+        with self._writing(step):
+            if step in self._manager.all_steps():
+                # Re-saving a step happens after resuming past a rejected checkpoint: the fresh
+                # state must replace the bad one, or every later resume would reject it again.
+                logging.info("Replacing the checkpoint at step %d in %s", step, self.directory)
+                self._manager.delete(step)
+            self._pending = step
+            self._manager.save(step, args=args, force=True)
+            if not self.async_save:
+                self._manager.wait_until_finished()
+                self._pending = None
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """A storage failure of saving `step` (None: what is pending) as one StorageError."""
+        try:
+            yield
+        except Exception as e:
+            where = f"{self.directory}/{step}"
+            what = self.directory if step is None else f"the checkpoint of step {step} ({where})"
+            kept = [s for s in self.all_steps() if s != step]
+            error = files.storage_error(e, what, f"; the older ones are intact (steps {kept})")
+            if error is None:
+                raise
+            self._pending, self._failed = None, True
+            raise error from e
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
-        """Restores the newest valid checkpoint, or checkpoint `step`, into `abstract_state`.
-
-        `abstract_state` is the target pytree: a freshly created state, or its `jax.eval_shape`
-        (whose leaves may carry shardings). The restored state has the target's pytree classes,
-        dtypes and, where given, shardings. Returns `(state, meta)`, or None when the directory
-        holds no checkpoint. Unusable checkpoints are skipped with a warning; if every one is
-        unusable, or the given `step` is, raises `InvalidCheckpointError` (starting over would
-        silently discard the run). Raises `CheckpointMismatchError` when a checkpoint's arrays
-        do not match the target's, and FileNotFoundError when `step` does not exist.
+        """Restores the newest valid checkpoint, or checkpoint `step`, into `abstract_state`: a
+        fresh state or its `jax.eval_shape` (leaves may carry shardings), whose pytree classes,
+        dtypes and shardings the result takes. Returns `(state, meta)`, or None when there is no
+        checkpoint. Unusable ones are skipped with a warning; if all are, or the given `step` is,
+        `InvalidCheckpointError` (starting over would silently discard the run). Arrays that do
+        not fit the target: `CheckpointMismatchError`; a `step` not there: FileNotFoundError.
         """
         self.wait()
         self._manager.reload()  # the directory may have changed behind the manager's back
@@ -187,24 +208,26 @@ class Checkpointer:
                     "Skipping checkpoint at step %d in %s: %s", candidate, self.directory, e
                 )
         if reasons:
+            why = "; ".join(reasons)
             raise InvalidCheckpointError(
-                f"none of the {len(reasons)} checkpoints in {self.directory} is usable ("
-                + "; ".join(reasons)
-                + "); move them away to start over"
+                f"none of the {len(reasons)} checkpoints in {self.directory} is usable ({why}); "
+                "move them away to start over"
             )
         return None
 
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong."""
+        path = os.path.join(self.directory, str(step), META_ITEM)
         try:
             meta = self._manager.restore(
                 step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
             )[META_ITEM]
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
-            raise InvalidCheckpointError(f"cannot read meta: {_summary(e)}") from e
-        if not isinstance(meta, dict) or "fingerprint" not in meta:
-            raise InvalidCheckpointError("meta holds no fingerprint")
-        _check_specs(step, meta.get("arrays"), fingerprints.array_specs(abstract_state))
+            raise InvalidCheckpointError(f"cannot read {path}: {_summary(e)}") from e
+        problem = _meta_problem(meta, step)
+        if problem:
+            raise InvalidCheckpointError(f"{path} is corrupt: {problem}")
+        _check_specs(step, meta["arrays"], fingerprints.array_specs(abstract_state))
         try:
             state = self._manager.restore(
                 step,
@@ -225,16 +248,49 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves (and deletions of old steps) are done."""
-        self._manager.wait_until_finished()
+        with self._writing(self._pending):
+            self._manager.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
-        """Waits for pending work and releases orbax's threads."""
-        self._manager.close()
+        """Waits, then releases orbax's threads (a failure raised already is not raised again)."""
+        told = self._failed
+        try:
+            with self._writing(self._pending):
+                self._manager.close()
+        except errors.StorageError:
+            if not told:
+                raise
+
+    def remove_leftovers(self) -> list[str]:
+        """Deletes the leftovers of interrupted saves (`<step>.orbax-checkpoint-tmp*`): only for
+        the run that holds the directory, to anyone else they may be its saves in progress."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return []
+        removed = []
+        for name in sorted(os.listdir(self.directory)):
+            if re.fullmatch(rf"\d+{re.escape(TMP_SUFFIX)}.*", name):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                logging.warning("Removed %s/%s, left by an interrupted save", self.directory, name)
+                removed.append(name)
+        return removed
 
 
-def _check_specs(step: int, saved: Any, wanted: dict[str, str]) -> None:
-    if not isinstance(saved, dict):
-        raise InvalidCheckpointError("meta holds no array specs")
+# What a meta holds; without it a meta is corrupt, skipped like corrupt arrays (not a KeyError).
+_META = dict(step=int, fingerprint=str, arrays=dict, config=dict | None, policy=str | None)
+
+
+def _meta_problem(meta: Any, step: int) -> str | None:
+    """Why a checkpoint's meta is unusable, or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    for key, kind in _META.items():
+        if isinstance(value := meta.get(key), bool) or not isinstance(value, kind):
+            return f"{key} is {str(value)[:40]!r}" if key in meta else f"it holds no {key}"
+    return f"it says step {meta['step']}" if meta["step"] != step else None
+
+
+def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
     if saved == wanted:
         return
     diffs = [
@@ -249,25 +305,12 @@ def _check_specs(step: int, saved: Any, wanted: dict[str, str]) -> None:
     )
 
 
-def _remove_tmp_dirs(directory: str | os.PathLike) -> list[str]:
-    """Deletes leftovers of interrupted saves (`*.orbax-checkpoint-tmp*`) in `directory`."""
-    directory = os.fspath(directory)
-    removed = []
-    if not os.path.isdir(directory):
-        return removed
-    for name in sorted(os.listdir(directory)):
-        if re.fullmatch(rf"\d+{re.escape(TMP_SUFFIX)}.*", name):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-            removed.append(name)
-    return removed
-
-
 def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, int | None]:
     """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
-
-    A checkpoint of another model, optimizer or precision policy is a `WorkdirError`; a config
-    key that changed since the checkpoint (say, the learning rate) is allowed and logged.
-    """
+    For the run that holds the directory: once the checkpoint is accepted it removes leftovers
+    of interrupted saves. Another model, optimizer or precision is refused, and so is a
+    `num_train_steps` below the checkpoint's step (`ConfigError`s, the directory untouched);
+    other changed keys (learning rate, intervals, ...) are allowed and logged."""
     try:
         restored = checkpointer.restore(state)
     except CheckpointMismatchError as e:
@@ -277,19 +320,45 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
         ) from None
     except InvalidCheckpointError as e:
         raise errors.WorkdirError(str(e)) from None
-    if restored is None:
-        return state, None
-    state, meta = restored
-    saved_policy = meta.get("policy")
-    if saved_policy is not None and saved_policy != str(policy):
-        raise errors.WorkdirError(
-            f"the checkpoint at step {meta.get('step')} was trained with precision "
-            f"'{saved_policy}', the config asks for '{policy}'; resuming would recast "
-            "the master params. Use another --workdir, or the old precision"
+    step = None
+    if restored is not None:
+        state, meta = restored
+        step = int(meta["step"])
+        _check_resumable(meta, str(policy), config, f"{checkpointer.directory}/{step}")
+    checkpointer.remove_leftovers()
+    return state, step
+
+
+def _check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
+    """Raises `ConfigError` when `config` cannot continue the checkpoint at `where`. A model key
+    that only one of the two configs has (another mptrain version's) is not a difference."""
+    saved, new = (meta.get("config") or {}).get("model"), config.get("model")
+    both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
+    changed = config_lib.changes(meta.get("config") or {}, config)
+    model = [key for key in changed if key.startswith("model.") and key.split(".")[1] in both]
+    step, wanted, problem = meta["step"], config.get("num_train_steps"), None
+    if meta.get("policy") not in (None, policy):
+        problem = (
+            f"config.precision={config.get('precision')!r}: the checkpoint {where} was trained "
+            f"with precision '{meta['policy']}', the config asks for '{policy}'; resuming would "
+            "recast the master params. Resume with the old precision"
         )
-    for key, (old, new) in config_lib.changes(meta.get("config") or {}, config).items():
+    elif model:
+        (old, new), more = changed[model[0]], len(model) - 1
+        problem = (
+            f"config.{model[0]}={new!r}: the checkpoint {where} was trained with {model[0]}="
+            f"{old!r}{f' (and {more} more model keys)' if more else ''}; its weights would be "
+            f"misread by another model. Resume with --config.{model[0]}={old!r}"
+        )
+    elif isinstance(wanted, int) and wanted < step:
+        problem = (
+            f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "
+            f"resume with num_train_steps >= {step}"
+        )
+    if problem:
+        raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
+    for key, (old, new) in changed.items():
         logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
-    return state, int(meta["step"])
 
 
 # --------------------------------------------------------------------------- export
@@ -297,12 +366,14 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
 
 def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) -> None:
     """Writes `params` (numpy arrays) as a plain orbax checkpoint in `directory/params`, and
-    `sidecar` as `directory/export.json`; all or nothing (written beside, then renamed)."""
+    `sidecar` as `directory/export.json`; all or nothing (written beside, then renamed), with
+    the modes the umask gives. A storage failure is one `errors.StorageError` line."""
     directory = os.path.abspath(directory)
     parent = os.path.dirname(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    staging = os.path.join(parent, f".export-{secrets.token_hex(4)}")
     try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(staging)  # 0777 less the umask: mkdtemp's 0700 would hide the export
         checkpointer = ocp.PyTreeCheckpointer()
         checkpointer.save(os.path.join(staging, "params"), params)
         checkpointer.close()
@@ -310,9 +381,12 @@ def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) ->
         if os.path.isdir(directory):  # an empty folder the user made for it
             os.rmdir(directory)
         os.rename(staging, directory)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        error = files.storage_error(e, f"the export at {directory}")
+        if error is None:
+            raise
+        raise error from e
 
 
 def load_standalone(directory: str | os.PathLike) -> Any:

@@ -1,11 +1,16 @@
 """The base config, every key commented, and `validate(config)` with errors that name the key.
 
 Config files under `configs/` start from `base_config()` and change what they need; `main.py`
-loads them locked, so a misspelt `--config.foo=...` override fails instead of being ignored.
+loads them locked, so a misspelt `--config.foo=...` override fails instead of being ignored,
+and `validate` holds the keys a file sets to the same rule: each is a key of `base_config()`,
+or, beside `model.name` and `data.name`, one the named module declares in its `CONFIG_KEYS`
+(unless the Trainer class builds that section itself: then its keys are the class's own).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import ml_collections
@@ -78,17 +83,23 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.accumulation_steps = 1  # >1: average gradients over this many batches
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "transformer_lm"  # module under mptrain.models; its own keys sit beside it
+    # module under mptrain.models; its own keys sit beside it (the module's CONFIG_KEYS; a
+    # Trainer whose build_model is its own reads what it likes here)
+    c.model.name = "transformer_lm"
 
     c.data = ml_collections.ConfigDict()
-    c.data.name = "text"  # module under mptrain.data; its own keys sit beside it
+    # module under mptrain.data; its own keys sit beside it (the module's CONFIG_KEYS; a Trainer
+    # whose build_datasets is its own reads what it likes here)
+    c.data.name = "text"
     # calls' batches made on the devices ahead by a thread (0: none). None: 2 on an
     # accelerator; 0 on a CPU, whose cores run the step itself (a thread making batches there
     # took 5% of a small step)
     c.data.prefetch = config_dict.placeholder(int)
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # devices along the data-parallel axis (-1: all that fsdp leaves)
+    # devices along the data-parallel axis; -1: all that fsdp leaves, so by default every
+    # device of every process trains data parallel
+    c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
 
     c.numerics = ml_collections.ConfigDict()
@@ -135,8 +146,7 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     """The keys that no object below owns: the run's length, intervals and names."""
     for key in _POSITIVE_INTS:
         errors.check_integer(key, _get(config, key), 1)
-    if isinstance(config.seed, bool) or not isinstance(_get(config, "seed"), int):
-        raise ValueError(f"seed={config.seed!r}: must be an integer")
+    errors.check_integer("seed", _get(config, "seed"), 0)
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
         raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
@@ -155,18 +165,92 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"{key}={value!r}: must name a module (a Python identifier)")
 
 
+def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """`(dotted key, value)` of every setting in `section`, sections walked into."""
+    for key, value in section.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+_DEFAULT_TRAINER = "mptrain.trainer:Trainer"
+_HOOKS = {"model": "build_model", "data": "build_datasets"}
+
+
+def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`{"model": module, "data": module}` for the sections the run builds with mptrain's own
+    modules (`mptrain.models.<model.name>`, `mptrain.data.<data.name>`): those whose hook the
+    Trainer class named by `config.trainer` inherits from `mptrain.trainer.Trainer`. A section
+    whose hook the class overrides is the class's own, free-form and unchecked here; so is every
+    section when the class cannot be imported (`launch.import_trainer` says why next)."""
+    from mptrain import data, models
+
+    own = set(_HOOKS)
+    if config.trainer != _DEFAULT_TRAINER:
+        module_name, _, class_name = config.trainer.partition(":")
+        try:  # the user's module: whatever it raises is import_trainer's to report
+            cls = getattr(importlib.import_module(module_name), class_name)
+            for section, hook in _HOOKS.items():
+                owner = next(k for k in cls.__mro__ if hook in vars(k))
+                if f"{owner.__module__}:{owner.__qualname__}" != _DEFAULT_TRAINER:
+                    own.discard(section)
+        except Exception:
+            return {}
+    found = {}
+    if "model" in own:
+        found["model"] = models.import_model(config.model.name)
+    if "data" in own:
+        found["data"] = data.import_source(config.data.name)
+    return found
+
+
+def _check_keys(config: ml_collections.ConfigDict, zoo: dict[str, Any]) -> None:
+    """Every key set is one of `base_config()` or one its model or data module declares
+    (`CONFIG_KEYS`). A key another module of the zoo declares passes: a config file's setting
+    for the model it names, left over when `model.name` is changed (`unused_settings` warns)."""
+    valid = dict(flat_items(base_config()))
+    valid |= {f"{s}.{key}": None for s, module in zoo.items() for key in module.CONFIG_KEYS}
+    elsewhere = {section: _elsewhere(section) for section in zoo}
+    for key, value in flat_items(config):
+        section, _, leaf = key.rpartition(".")
+        top = key.split(".")[0]
+        if key in valid or (top in _HOOKS and top not in zoo) or leaf in elsewhere.get(section, ()):
+            continue
+        near = [k for k in valid if k.rpartition(".")[0] == section] or list(valid)
+        where = (
+            f"not a key of {section}.name={config[section].name!r}"
+            if section in zoo
+            else "not a config key"
+        )
+        raise ValueError(f"{key}={value!r}: {where}; {errors.did_you_mean(key, near)}")
+
+
+def _elsewhere(section: str) -> set[str]:
+    """The keys that any module of the zoo declares for `section` ("model" or "data")."""
+    from mptrain import data, models
+
+    package = {"model": models, "data": data}[section]
+    return {key for module in package.modules().values() for key in module.CONFIG_KEYS}
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
     """Raises `ConfigError` naming the first bad key and value; returns None when all is well.
 
-    One validation path: besides the run's own keys, it builds the objects a run is made of
-    (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape) and turns
-    their `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects.
+    One validation path: besides the run's own keys and the key set itself (a misspelt key in
+    a config file is an error, as it is on the command line), it builds the objects a run is
+    made of (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape,
+    the data's example shapes and the model, initialised abstractly on them) and turns their
+    `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects;
+    nothing here reads a dataset or touches the workdir.
     """
-    from mptrain import loss_scale, optim, precision, runtime, sharding, train_state
+    from mptrain import data, loss_scale, models, optim, precision, runtime, sharding, train_state
 
     section = ""
     try:
         _check_run_keys(config)
+        zoo = _zoo(config)
+        _check_keys(config, zoo)
         runtime.distributed_args(config)
         policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
@@ -175,20 +259,70 @@ def validate(config: ml_collections.ConfigDict) -> None:
         section = ""
         optim.make_optimizer(config)
         sharding.mesh_shape(config)
+        example = data.check_config(config) if "data" in zoo else None
+        if "model" in zoo:
+            models.check_config(config, policy.compute_dtype, example)
+    except ConfigError:  # already says `config.<key>=...`
+        raise
     except ValueError as e:
         raise ConfigError(f"config.{section}{e}") from None
 
 
+def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
+    """What a valid config sets that cannot take effect in this run, one line each, for the
+    start-up log: leftovers of a config written for another setup (a loss scale under a
+    precision that scales nothing, a model key of another model after `model.name` changed),
+    which `validate` lets pass so that switching one key on the command line stays possible.
+    """
+    from mptrain import loss_scale, precision
+
+    found, defaults = [], base_config()
+    policy = precision.get_policy(config.precision, config.keep_fp32)
+    kind = loss_scale.resolve_kind(config.loss_scale.kind, policy)
+    unused = [
+        f"loss_scale.{key}={config.loss_scale[key]!r}"
+        for key in loss_scale.USES["dynamic"]
+        if key not in loss_scale.USES[kind] and config.loss_scale[key] != defaults.loss_scale[key]
+    ]
+    if unused:
+        asked = f"loss_scale.kind={config.loss_scale.kind!r}"
+        why = {
+            "none": f"{asked} scales no loss"
+            + (f" under {policy.compute_dtype.name} compute" if asked.endswith("'auto'") else ""),
+            "static": f"a static loss scale ({asked}) uses init_scale only",
+        }[kind]
+        found.append(f"{', '.join(unused)}: no effect, {why}")
+    if config.numerics.every_step and not config.numerics.per_layer:
+        found.append(
+            "numerics.every_step=True: no effect without numerics.per_layer=True (it says when "
+            "the per-layer tables are measured, and none are)"
+        )
+    for section, module in _zoo(config).items():
+        for key, value in flat_items(config[section], f"{section}."):
+            leaf = key.partition(".")[2]
+            if leaf not in (*module.CONFIG_KEYS, *defaults[section]):
+                found.append(
+                    f"{key}={value!r}: no effect, {section}.name={config[section].name!r} reads "
+                    "no such key"
+                )
+    return found
+
+
 def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts."""
+    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts.
+    A tuple equals the list with its items (a config read back from JSON has lists)."""
     found = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             found |= changes(a, b, f"{prefix}{key}.")
-        elif a != b:
+        elif _listed(a) != _listed(b):
             found[f"{prefix}{key}"] = (a, b)
     return found
+
+
+def _listed(value: Any) -> Any:
+    return [_listed(v) for v in value] if isinstance(value, tuple | list) else value
 
 
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

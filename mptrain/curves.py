@@ -2,8 +2,9 @@
 
 The trainer appends each log step's and each evaluation's numbers to
 `<workdir>/history.jsonl` (process 0 only; a resumed run appends to it, and for a step written
-twice the later line wins), and redraws `<workdir>/curves.png` from it at each evaluation and at
-the end: train and eval loss, the learning rate, the loss scale and the skipped steps.
+twice the later line wins; a line a crash cut short is skipped, and the next one starts on a
+line of its own), and redraws `<workdir>/curves.png` from it at each evaluation and at the end:
+train and eval loss, the learning rate, the loss scale and the skipped steps.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> Non
     if jax.process_index() != 0:
         return
     row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
-    with open(Path(workdir) / HISTORY, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    with open(Path(workdir) / HISTORY, "a+b") as f:  # writes go to the end, reads anywhere
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - 1, 0))
+        cut_short = size > 0 and f.read(1) != b"\n"  # a crash mid-line: end that line first
+        f.write(b"\n" * cut_short + json.dumps(row).encode() + b"\n")
 
 
 def load(workdir: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
@@ -40,9 +44,11 @@ def load(workdir: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a crash
                 continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                continue
             for key in KEYS:
-                if key in row:
-                    series[key][int(row["step"])] = row[key]
+                if isinstance(row.get(key), int | float):
+                    series[key][row["step"]] = row[key]
     return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in series.items()}
 
 

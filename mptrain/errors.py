@@ -13,7 +13,9 @@ it: `optimizer.eps=0.0: must be > 0`. `config.validate` builds those objects and
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 EXIT_OK = 0
@@ -72,6 +74,13 @@ def setting(section: Any, key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def settings(section: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Each key of `defaults` as `section` (a ConfigDict, or any object with attributes) sets
+    it, its default where it is missing or None."""
+    found = {key: getattr(section, key, None) for key in defaults}
+    return {key: default if found[key] is None else found[key] for key, default in defaults.items()}
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -84,9 +93,9 @@ def check_number(
     if not _is_number(value) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r}: must be a finite number")
     if (value <= low if open_low else value < low) or value >= high:
-        bound = f"{'>' if open_low else '>='} {low:g}" if low > -math.inf else ""
-        bound += (" and " if bound else "") + (f"< {high:g}" if high < math.inf else "")
-        raise ValueError(f"{key}={value!r}: must be {bound}")
+        bounds = [f"{'>' if open_low else '>='} {low:g}"] if low > -math.inf else []
+        bounds += [f"< {high:g}"] if high < math.inf else []
+        raise ValueError(f"{key}={value!r}: must be {' and '.join(bounds)}")
     return float(value)
 
 
@@ -95,6 +104,27 @@ def check_integer(key: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{key}={value!r}: must be an integer >= {low}")
     return value
+
+
+def check_integers(key: str, value: Any, low: int) -> tuple[int, ...]:
+    """`value` as a tuple when it is a non-empty sequence of integers >= `low` (layer widths,
+    blocks per stage); else a `ValueError` naming `key`."""
+    items = tuple(value) if isinstance(value, list | tuple) else None
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in items):
+        raise ValueError(f"{key}={value!r}: must be a non-empty tuple of integers >= {low}")
+    return items
+
+
+def did_you_mean(name: str, valid: Iterable[str], *, list_all: bool = False) -> str:
+    """`"did you mean 'x'?"` naming the entry of `valid` closest to `name`; all of them as well
+    with `list_all`, or when none is close."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else ""
+    if list_all or not close:
+        listed = f"valid: {', '.join(valid) or 'none'}"
+        hint = f"{hint} ({listed})" if hint else listed
+    return hint
 
 
 def check_choice(key: str, value: Any, valid: tuple[str, ...]) -> str:

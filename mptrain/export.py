@@ -10,7 +10,13 @@ checkpoint (restores into numpy without mptrain), with every floating leaf cast 
 except those whose path (`block_0/ln_attn/scale`) matches `--keep_fp32`; and `export.json`, the
 sidecar (source workdir, step and fingerprint, the run's config and policy, the dtype of every
 leaf). Bad usage (a missing workdir, a step with no checkpoint, an unknown dtype, an `--out`
-that is not empty, a bad regex) exits 2 with one line and writes nothing.
+that is not empty, a bad regex) and a workdir it cannot use (a corrupt `config.json`, no usable
+checkpoint) exit 2 with one line and write nothing; an `--out` it cannot write (full, read-only,
+denied) exits 1 with one line naming it and the cause.
+
+It only reads the workdir, which may belong to a run still training: it never writes or deletes
+there (a half-written checkpoint is that run's save in progress, not a leftover) and exports
+the newest checkpoint that is finished and valid.
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ def export(
 ) -> dict[str, Any]:
     """Exports the params of `workdir`'s checkpoint to `out` (see the module doc); returns the
     sidecar. Raises `errors.ConfigError` for bad arguments, `errors.WorkdirError` for a workdir
-    with no usable checkpoint; nothing is written then."""
+    it cannot use (nothing is written then), `errors.StorageError` when `out` cannot be
+    written."""
     import jax
     import ml_collections
     import numpy as np
 
     from mptrain import checkpoint, fingerprints, launch
+    from mptrain import config as config_lib
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
@@ -61,14 +69,23 @@ def export(
     config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
     if not config_path.is_file() or not checkpoints.is_dir():
         raise errors.WorkdirError(f"--workdir={workdir}: not an mptrain run (no config.json)")
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh.data = config.mesh.fsdp = 1  # restored whole on one device
-    for key in ("coordinator_address", "num_processes", "process_id"):
-        config.distributed[key] = None
+    try:
+        saved = json.loads(config_path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+        saved["mesh"] = {**saved.get("mesh", {}), "data": 1, "fsdp": 1}  # whole, on one device
+        saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
+        config = ml_collections.ConfigDict(saved)
+        config_lib.validate(config)
+    except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
+        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise errors.WorkdirError(
+            f"--workdir={workdir}: {config_path} is unusable: {reason}"
+        ) from None
     trainer = launch.import_trainer(config.trainer)(config, workdir)
     init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
     abstract = jax.eval_shape(init, *args)
-    with checkpoint.Checkpointer(checkpoints) as checkpointer:
+    with checkpoint.Checkpointer(checkpoints, read_only=True) as checkpointer:
         try:
             restored = checkpointer.restore(abstract, step)
         except FileNotFoundError as e:
@@ -127,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         sidecar = export(args.workdir, args.out, args.dtype, args.step, args.keep_fp32)
-    except (errors.ConfigError, errors.WorkdirError) as e:
+    except (errors.ConfigError, errors.WorkdirError, errors.StorageError) as e:
         sys.stderr.write(f"mptrain.export: error: {e}\n")
-        return errors.EXIT_USAGE
+        return e.exit_code
     print(
         f"mptrain.export: step {sidecar['source']['step']} of {args.workdir}: "
         f"{sidecar['params']:,} params as {args.dtype} ({len(sidecar['kept_fp32'])} kept in "

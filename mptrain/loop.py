@@ -6,6 +6,7 @@ save, stop); and `LogTotals`, what the step adds up on the device between two lo
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -21,6 +22,7 @@ from flax import struct
 
 from mptrain import checkpoint, curves, errors, numerics, numerics_log
 from mptrain import config as config_lib
+from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
 from mptrain import train_state as train_state_lib
 
@@ -94,7 +96,10 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
 
     `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
     `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
-    device) only after two non-finite steps in a row.
+    device) only after two non-finite steps in a row. The advice fits the case: a dynamic scale
+    stuck at its minimum or a static one is a loss-scale overflow, and a run none of whose
+    steps was finite from step 0 on never applied an update, so its learning rate is not the
+    cause.
     """
     skips = int(values["consecutive_skips"])
     if skips == 0:
@@ -106,15 +111,51 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
         return None
     why = (
         f"the dynamic loss scale is stuck at its minimum {scale:g}"
-        if skips < max_skips
+        if stuck
         else f"{skips} non-finite steps in a row (config.max_consecutive_skips={max_skips})"
     )
-    return (
-        f"training went non-finite at step {step}: {why}; last finite loss "
-        f"{values['last_finite_loss']:.6g}, loss scale {scale:g}, "
-        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was "
-        "saved; lower the learning rate or check the data, then run again"
+    last = values["last_finite_loss"]
+    seen = (
+        f"last finite loss {last:.6g}" if math.isfinite(last) else "no step of this run was finite"
     )
+    never = not math.isfinite(last) and skips == step  # from step 0: the params are the init's
+    return (
+        f"training went non-finite at step {step}: {why}; {seen}, loss scale {scale:g}, "
+        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was saved; "
+        f"{_remedy(scaler, scale, stuck, never)}, then run again"
+    )
+
+
+def _remedy(scaler, scale: float, stuck: bool, never: bool) -> str:
+    """What to change, for `nonfinite_diagnostic`: what is true of this scaler and history."""
+    causes = "lower the learning rate or check the data"
+    if never:
+        causes = (
+            "check the data and the model's initialization (no update was applied, so the "
+            "learning rate is not the cause)"
+        )
+    if stuck and scale > 1:
+        return (
+            "the gradients overflow even at the smallest loss scale allowed: lower "
+            "config.loss_scale.min_scale, or train in bf16 (precision=bf16-mixed) without one"
+        )
+    if stuck:
+        return (
+            f"the gradients are not finite even at a loss scale of {scale:g}, so no loss scale "
+            f"mends them: {causes}, or train in bf16 (precision=bf16-mixed: fp32's range)"
+        )
+    if isinstance(scaler, loss_scale_lib.DynamicLossScale):
+        return (
+            f"the dynamic loss scale was still backing off (its minimum is "
+            f"{float(scaler.min_scale):g}): raise config.max_consecutive_skips, or lower "
+            "config.loss_scale.init_scale"
+        )
+    if isinstance(scaler, loss_scale_lib.StaticLossScale) and scale > 1:
+        return (
+            f"the static loss scale {scale:g} may be what overflows: lower "
+            f"config.loss_scale.init_scale or use config.loss_scale.kind=dynamic; else {causes}"
+        )
+    return causes
 
 
 @dataclasses.dataclass

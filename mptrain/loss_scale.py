@@ -10,6 +10,7 @@ is the same scaler, not one with its settings quietly reset to defaults.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -242,6 +243,46 @@ class DynamicLossScale(_Scaler):
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 KINDS = ("auto", "none", "static", "dynamic")
+# The settings (by their `config.loss_scale` names) that each kind of scaler uses; a setting of
+# another kind cannot take effect (`config.unused_settings` warns of those changed).
+USES = {
+    "none": (),
+    "static": ("init_scale",),
+    "dynamic": (
+        "init_scale",
+        "growth_interval",
+        "growth_factor",
+        "backoff_factor",
+        "min_scale",
+        "max_scale",
+        "hysteresis",
+    ),
+}
+
+
+def resolve_kind(kind: str, policy: precision.Policy | str | None) -> str:
+    """`kind` with "auto" resolved: dynamic for fp16 compute, none for bf16/fp32 compute."""
+    kind = errors.check_choice("kind", kind, KINDS)
+    if kind != "auto":
+        return kind
+    if policy is None:
+        raise ValueError("kind='auto': needs the precision policy")
+    return "dynamic" if precision.get_policy(policy).compute_dtype == precision.F16 else "none"
+
+
+def _check_start(init_scale: Any, settings: dict[str, Any]) -> None:
+    """A dynamic scale starts within `[min_scale, max_scale]`: above the max, every step would
+    be scaled past the range the rule keeps it in (the scale only clamps when it next moves)."""
+    defaults = inspect.signature(DynamicLossScale).parameters
+    value = lambda name: settings.get(name, defaults[name].default)
+    scale = defaults["scale"].default if init_scale is None else init_scale
+    low, high = value("min_scale"), value("max_scale")
+    numbers = all(isinstance(v, int | float) for v in (scale, low, high))
+    if numbers and not low <= scale <= high:
+        raise ValueError(
+            f"init_scale={scale!r}: outside [min_scale, max_scale] = [{low:g}, {high:g}], "
+            "where the dynamic scale stays; set it within, or widen the range"
+        )
 
 
 def create_loss_scale(
@@ -251,14 +292,10 @@ def create_loss_scale(
 
     `hparams` are `init_scale` plus the `DynamicLossScale` settings, by the names of the
     `config.loss_scale` keys. They are checked whatever the kind, so a bad value is reported now
-    rather than on the day the kind changes; the chosen kind then uses what it needs.
+    rather than on the day the kind changes; the chosen kind then uses what it needs (`USES`).
+    A dynamic scale must start within `[min_scale, max_scale]`.
     """
-    kind = errors.check_choice("kind", kind, KINDS)
-    if kind == "auto":
-        if policy is None:
-            raise ValueError("kind='auto': needs the precision policy")
-        compute = precision.get_policy(policy).compute_dtype
-        kind = "dynamic" if compute == precision.F16 else "none"
+    kind = resolve_kind(kind, policy)
     names = {n for n, _ in DynamicLossScale._fields} - {"counter", "hysteresis_left", "loss_scale"}
     kwargs = {k: v for k, v in hparams.items() if k in names and v is not None}
     init_scale = hparams.get("init_scale")
@@ -271,4 +308,7 @@ def create_loss_scale(
         raise ValueError("init_" + message if message.startswith("scale=") else message) from None
     if kind == "static":
         return StaticLossScale(2.0**15 if init_scale is None else init_scale)
-    return dynamic if kind == "dynamic" else NoOpLossScale()
+    if kind == "dynamic":
+        _check_start(init_scale, kwargs)
+        return dynamic
+    return NoOpLossScale()

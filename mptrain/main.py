@@ -41,7 +41,94 @@ def _usage_error(message: str) -> None:
     sys.exit(errors.EXIT_USAGE)
 
 
+class _BadConfigFile(Exception):
+    """A config file that cannot be a config, or an override naming no key of it (not a
+    ValueError: absl would wrap it in a message of its own)."""
+
+
+def _checked_config_file(parser, argv: list[str]):
+    """config_flags' loader of `--config=FILE[:ARG]` (`parser`), with what it leaves unchecked
+    checked before any override is applied: the file has a `get_config`, which returns a
+    ConfigDict, and each `--config.KEY=VALUE` names a key of it (else the closest is named)."""
+    import ml_collections
+    from absl import flags
+
+    from mptrain import config as config_lib
+
+    overrides = [a[len("--config.") :].split("=")[0] for a in argv[1:] if a.startswith("--config.")]
+
+    class Checked(flags.ArgumentParser):
+        def flag_type(self):
+            return parser.flag_type()
+
+        def parse(self, path):
+            quiet = lambda record: "returned None" not in record.getMessage()  # said below
+            std_logging.getLogger("absl").addFilter(quiet)
+            # config_flags loads every file as module `config_config` into the module of that
+            # name it finds: a second main() in one process would see the first file's names
+            sys.modules.pop("config_config", None)
+            try:
+                config = parser.parse(path)
+            except AttributeError as e:
+                if getattr(e, "name", None) != "get_config":
+                    raise
+                raise _BadConfigFile(
+                    f"--config={path}: the file defines no get_config(arg=None), the function "
+                    "that returns its config"
+                ) from None
+            finally:
+                std_logging.getLogger("absl").removeFilter(quiet)
+            if not isinstance(config, ml_collections.ConfigDict):
+                getattr(config, "keys", None)  # a file config_flags could not load raises here
+                what = "None (no return?)" if config is None else f"a {type(config).__name__}"
+                raise _BadConfigFile(
+                    f"--config={path}: get_config() returned {what}, not an ml_collections."
+                    "ConfigDict; build it from mptrain.config.base_config() and return it"
+                )
+            for key in overrides:
+                section = config
+                for part in key.split("."):
+                    if not isinstance(section, ml_collections.ConfigDict):
+                        break  # an index into a value: config_flags' to judge
+                    if part not in section:
+                        valid = [k for k, _ in config_lib.flat_items(config)]
+                        raise _BadConfigFile(
+                            f"--config.{key}: config.{key} is not a key of {path}; "
+                            f"{errors.did_you_mean(key, valid)}"
+                        )
+                    section = section[part]
+            return config
+
+    return Checked()
+
+
+def _usage(flag_values) -> str:
+    flags = "\n".join(f"  --{name}: {flag_values[name].help}" for name in ("config", "workdir"))
+    return (
+        "usage: python -m mptrain.main --config=FILE[:ARG] --workdir=DIR [--config.KEY=VALUE ...]"
+        "\n\nTrains what a config file describes. Exit codes: 0 done, 1 storage or other "
+        "failure, 2 bad usage or config, 3 training went non-finite for good, 75 preempted "
+        "(run the same command again to resume).\n"
+        f"\nflags:\n{flags}\n  --config.KEY=VALUE: sets one key of the config, e.g. "
+        "--config.num_train_steps=200 --config.optimizer.learning_rate=3e-4\n"
+        "\nconfig keys: every key of mptrain.config.base_config() is commented in "
+        "mptrain/config.py; the keys beside model.name and data.name are their module's "
+        "CONFIG_KEYS (mptrain/models/<name>.py, mptrain/data/<name>.py). A config file's "
+        "get_config(arg) builds on base_config(): see configs/default.py.\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mptrain import runtime
+
+    runtime.catch_stop_signals()  # first: a stop signal from here on is exit 75 and one line
+    try:
+        return _main(argv)
+    finally:
+        runtime.release_stop_signals()
+
+
+def _main(argv: list[str] | None) -> int:
     from absl import flags, logging
     from ml_collections import config_flags
 
@@ -57,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     flags.DEFINE_string(
         "workdir", None, "Directory for checkpoints and logs.", flag_values=flag_values
     )
+    flag_values["config"].parser = _checked_config_file(flag_values["config"].parser, argv)
+    if any(arg in ("--help", "-h", "--helpfull", "-?") for arg in argv[1:]):
+        sys.stdout.write(_usage(flag_values))
+        return errors.EXIT_OK
     for arg in argv[1:]:
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":", 1)[0]
@@ -66,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = flag_values(argv)
         if flag_values.config is not None:
             flag_values.config.keys()  # config_flags loads lazily: surface its errors here
+    except _BadConfigFile as e:
+        _usage_error(str(e))
     except (AttributeError, KeyError) as e:  # an override names a key the config lacks
         detail = str(e).replace("\\n", " ").replace("\n", " ").replace("\\'", "'").strip("'\" ")
         overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
@@ -86,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.use_absl_handler()
     logging.get_absl_handler().addFilter(_QuietLibraries())
 
-    from mptrain import config as config_lib
     from mptrain import launch, runtime
 
     config = flag_values.config
@@ -98,12 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if jax.process_index() != 0:  # process 0 tells the story; the others speak up on trouble
         logging.set_verbosity(logging.WARNING)
-    try:
-        config_lib.validate(config)
-        launch.import_trainer(config.trainer)
-    except errors.ConfigError as e:
-        _usage_error(str(e))
-    try:
+    try:  # validates the config (every key, before the workdir is touched), then trains
         launch.run(config, flag_values.workdir)
     except errors.ConfigError as e:
         _usage_error(str(e))

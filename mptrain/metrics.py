@@ -219,24 +219,32 @@ class EventWriter(_interface.MetricWriter):
 def report_start(workdir, config, state, compiled_step, mesh, start: int, report) -> None:
     """Writes `<workdir>/precision_report.txt` (process 0) and logs how a run starts: precision,
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
-    mesh, any warmup cut, and the report's warnings (unsafe setups, matmuls outside the compute
-    dtype)."""
+    mesh (`4 devices: data 4 x fsdp 1`), settings that cannot take effect, any warmup cut, and
+    the report's warnings (unsafe setups, matmuls outside the compute dtype)."""
     from mptrain import audit, schedules
+    from mptrain import config as config_lib
 
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "precision_report.txt"), "w") as f:
             f.write(str(report))
     with jax.transfer_guard("allow"):
         scale = float(state.loss_scale.loss_scale)
-    per_param = audit.state_bytes_per_param(state.params, state.opt_state)
+    # Kahan's compensation buffer is persistent state per param as much as the moments are
+    per_param = audit.state_bytes_per_param(
+        state.params, (state.opt_state, state.param_compensation)
+    )
     on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
     memory = compiled_step.memory_analysis()
+    used = f"{mesh.size}" + (f" of {jax.device_count()}" if mesh.size < jax.device_count() else "")
     logging.info(
         f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
         f"{type(state.loss_scale).__name__} (scale {scale:g}), "
         f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
-        f"bytes/param, mesh {dict(mesh.shape)}"
+        f"bytes/param, mesh {used} devices: data {mesh.shape['data']} x fsdp "
+        f"{mesh.shape['fsdp']}"
     )
+    for unused in config_lib.unused_settings(config):
+        logging.warning("mptrain: %s", unused)
     logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
     logging.info(
         f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "

@@ -9,6 +9,7 @@ log lines, `<workdir>/numerics/<step>.json` files and TensorBoard series (`repor
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import jax
@@ -93,7 +94,9 @@ def report(log: Log, table: np.ndarray, step: int, calls: Calls, writer, workdir
     skipped step of the interval naming where its first non-finite value appeared, writes
     `<workdir>/numerics/<step>.json` for the newest skipped steps (keeping `KEPT_TABLES`), and
     the per-layer forward and backward amax under `numerics/` to `writer`. Returns the line of
-    the newest skipped step, if any (for the message when training stops)."""
+    the newest skipped step, if any (for the message when training stops). Only `<step>.json`
+    files count as tables; the temporaries an interrupted write left there are this run's (or an
+    earlier run's of the same workdir) and are removed."""
     origins = sorted(tuple(row) for row in np.asarray(log.origins).tolist())
     lines = [describe(s, i, d, calls) for s, i, d in origins if s >= 0]
     for line in lines:
@@ -104,9 +107,11 @@ def report(log: Log, table: np.ndarray, step: int, calls: Calls, writer, workdir
             path = os.path.join(folder, f"{int(tab_step)}.json")
             if tab_step >= 0 and not os.path.exists(path):
                 files.write_json(path, {"step": int(tab_step), "layers": as_rows(tab, calls)})
-        kept = sorted(int(f[:-5]) for f in os.listdir(folder)) if os.path.isdir(folder) else []
-        for old in kept[:-KEPT_TABLES]:
-            os.remove(os.path.join(folder, f"{old}.json"))
+        files.remove_temporaries(folder)
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        kept = sorted((int(name[:-5]), name) for name in names if re.fullmatch(r"\d+\.json", name))
+        for _, name in kept[:-KEPT_TABLES]:
+            os.remove(os.path.join(folder, name))
     seen: dict[str, int] = {}
     scalars = {}
     for path, row in zip(calls.paths, np.asarray(table), strict=True):

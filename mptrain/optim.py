@@ -68,7 +68,10 @@ def state_dtype(dtype: Any, key: str) -> np.dtype | str:
         return F32
     if isinstance(dtype, str) and dtype == Q8:
         return Q8
-    return precision.parse_dtype(dtype, key)
+    try:
+        return precision.parse_dtype(dtype, key)
+    except ValueError as e:  # its list of dtypes lacks the one that is not a dtype: q8
+        raise ValueError(f"{e}, or {Q8!r} (8-bit block-quantized)") from None
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, kind: str, block: int, min_size: int) -> Any:

@@ -81,7 +81,12 @@ def path_name(path: tuple) -> str:
 class Policy:
     """Where each kind of value lives: master params, the forward/backward pass, and outputs;
     and which params the step hands to the model in fp32 (`keep_fp32`, a regex over param
-    paths; None: the default rules under 16-bit compute, none under fp32; "": none)."""
+    paths; None: the default rules under 16-bit compute, none under fp32; "": none).
+
+    `output_dtype` is the dtype of the model outputs that the loss and the evaluation see: the
+    Trainer's default `loss_fn` and `eval_fn` pass the logits through `cast_to_output` (a no-op
+    for the zoo's fp32 logits under `output=float32`, the presets' choice); a `loss_fn` of
+    your own applies it where it means to."""
 
     param_dtype: np.dtype
     compute_dtype: np.dtype

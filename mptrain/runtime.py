@@ -6,6 +6,10 @@ first). The trainer holds the lock and the flag for a whole run::
 
     with runtime.workdir_lock(workdir), runtime.PreemptionFlag() as preemption:
         ...  # set up; then loop, asking `preemption.reached(step)` before each step
+
+SIGTERM and SIGINT are `preemption`'s (re-exported here: `PreemptionFlag`, `catch_stop_signals`,
+`release_stop_signals`). jax is imported inside the functions that use it, so that this module
+loads in milliseconds.
 """
 
 from __future__ import annotations
@@ -13,16 +17,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import signal
 import socket
-import sys
-import threading
 from pathlib import Path
 
-import jax
 from absl import logging
 
-from mptrain import errors
+from mptrain import errors, preemption
+from mptrain.preemption import (  # noqa: F401  (re-exported: runtime.PreemptionFlag, ...)
+    EXIT_INTERRUPTED,
+    STOP_SIGNALS,
+    PreemptionFlag,
+    catch_stop_signals,
+    release_stop_signals,
+)
 
 DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id")
 
@@ -87,6 +94,8 @@ def set_determinism(config) -> None:
     """
     if not config.get("deterministic", False):
         return
+    import jax
+
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops=false" in flags:
         raise ValueError(
@@ -119,6 +128,8 @@ def initialize_distributed(config) -> None:
     cluster environment it knows reports several processes; otherwise not at all (one
     process). On CPU the processes' collectives go through gloo.
     """
+    import jax
+
     if jax.distributed.is_initialized():
         return
     args = distributed_args(config)
@@ -130,6 +141,8 @@ def initialize_distributed(config) -> None:
     else:
         address, count, index = args
         jax.distributed.initialize(address, num_processes=count, process_id=index)
+    if jax.process_count() > 1:
+        preemption.forward_sigint()  # SIGTERM is JAX's now; SIGINT goes to it too
     logging.info(
         "mptrain: process %d of %d, %d local devices of %d",
         jax.process_index(),
@@ -146,6 +159,8 @@ def workdir_lock(workdir: Path):
     The lock is an flock, so the kernel drops it when the process dies, even under kill -9. Only
     process 0 of a multi-process job takes it (the others write nothing but checkpoint shards).
     """
+    import jax
+
     if jax.process_index() != 0:
         yield
         return
@@ -171,77 +186,3 @@ def workdir_lock(workdir: Path):
         yield
     finally:
         handle.close()  # closing releases the lock
-
-
-class PreemptionFlag:
-    """Turns SIGTERM into a stop that every process takes at the same step.
-
-    One process: a Python handler sets `requested` (main thread only). Python runs signal
-    handlers only between bytecodes, so a SIGTERM that lands while XLA compiles would wait for
-    the compiler; the wakeup fd is written by the C-level handler at once, and a watcher thread
-    that reads it exits with 75 straight away while `starting_up()` says nothing is unsaved.
-
-    Several processes: the SIGTERM may reach any one of them, and all must checkpoint the same
-    step. JAX's coordination service owns SIGTERM there (its preemption notifier, started by
-    `jax.distributed.initialize`): it passes the notice to every process and agrees on the
-    first step that all of them can still reach. `reached(step)` asks it; until a notice
-    arrives that is a local check, not a round trip to the coordinator.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self.exit_now_ok = False
-        self._previous = None
-        self._several = False
-
-    def reached(self, step: int) -> bool:
-        """Call before every step, with the number of steps done: True when the run must stop
-        (checkpoint `step` and exit 75) on this process, and then on all of them."""
-        if self._several:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.requested
-
-    def _handle(self, signum, frame):
-        del signum, frame
-        self.requested = True
-
-    def _watch(self, read_fd: int) -> None:
-        while data := os.read(read_fd, 64):
-            if signal.SIGTERM in data:
-                self.requested = True
-                if self.exit_now_ok:
-                    sys.stderr.write(
-                        "mptrain: preempted (SIGTERM) while starting up; nothing new to save, "
-                        "run the same command again to resume\n"
-                    )
-                    sys.stderr.flush()
-                    os._exit(errors.Preempted.exit_code)
-        os.close(read_fd)
-
-    @contextlib.contextmanager
-    def starting_up(self):
-        """Within this block a SIGTERM ends the process at once: there is nothing to save."""
-        self.exit_now_ok = True
-        try:
-            yield
-        finally:
-            self.exit_now_ok = False
-
-    def __enter__(self):
-        self._several = jax.process_count() > 1
-        if not self._several and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-            read_fd, self._write_fd = os.pipe()
-            os.set_blocking(self._write_fd, False)
-            self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, args=(read_fd,), daemon=True).start()
-        return self
-
-    def __exit__(self, *exc_info):
-        self.exit_now_ok = False
-        if self._previous is not None:
-            signal.set_wakeup_fd(self._previous_fd)
-            os.close(self._write_fd)  # the watcher reads EOF and ends
-            signal.signal(signal.SIGTERM, self._previous)

@@ -26,7 +26,15 @@ def updates(config: Any) -> int | None:
         "optimizer.accumulation_steps", errors.setting(opt, "accumulation_steps", 1), 1
     )
     steps = config.get("num_train_steps")
-    return None if steps is None else steps // accumulation
+    if steps is None:
+        return None
+    if isinstance(steps, int) and 0 < steps < accumulation:
+        raise ValueError(
+            f"optimizer.accumulation_steps={accumulation}: more micro-batches per update than "
+            f"the run's num_train_steps={steps}, so no update would ever be applied; use at "
+            f"most {steps}"
+        )
+    return steps // accumulation
 
 
 def warmup_steps(config: Any) -> int:

@@ -42,8 +42,9 @@ _BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.Contex
 
 
 def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
-    """`(data, fsdp)` with -1 resolved; a `ValueError` naming the key when it does not fit the
-    devices or does not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
+    """`(data, fsdp)` with -1 resolved (the default `mesh.data=-1`: every device of every
+    process, data parallel); a `ValueError` naming the key when it does not fit the devices or
+    does not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     data, fsdp = config.mesh.data, config.mesh.fsdp
     for key, value in (("mesh.data", data), ("mesh.fsdp", fsdp)):
@@ -51,19 +52,31 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
             raise ValueError(f"{key}={value!r}: must be a positive integer or -1 (all the rest)")
     if data == -1 and fsdp == -1:
         raise ValueError("mesh.data=-1: mesh.data and mesh.fsdp cannot both be -1")
-    if fsdp == -1:
-        fsdp = num_devices // data if num_devices % data == 0 else 0
-    if data == -1:
-        data = num_devices // fsdp if num_devices % fsdp == 0 else 0
-    if data * fsdp == 0 or data * fsdp > num_devices:
+    for key, value, other, rest in (
+        ("mesh.data", data, fsdp, "mesh.fsdp"),
+        ("mesh.fsdp", fsdp, data, "mesh.data"),
+    ):
+        if value != -1 and other == -1 and num_devices % value:
+            fits = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+            raise ValueError(
+                f"{key}={value}: does not divide the {num_devices} devices, so {rest}=-1 (all "
+                f"the devices {key} leaves) is no whole number; use one of "
+                f"{', '.join(map(str, fits))}"
+            )
+    data = num_devices // fsdp if data == -1 else data
+    fsdp = num_devices // data if fsdp == -1 else fsdp
+    devices = data * fsdp
+    if devices > num_devices:
         raise ValueError(
-            f"mesh.data={config.mesh.data}, mesh.fsdp={config.mesh.fsdp}: the mesh needs more "
-            f"devices than the {num_devices} there are"
+            f"mesh.data={config.mesh.data}, mesh.fsdp={config.mesh.fsdp}: a mesh of {devices} "
+            f"devices, more than the {num_devices} there are"
         )
-    if config.batch_size % (data * fsdp):
+    if config.batch_size % devices:
+        every = " (mesh.data=-1: every device)" if config.mesh.data == -1 else ""
         raise ValueError(
             f"batch_size={config.batch_size}: the global batch must divide evenly over the "
-            f"{data}x{fsdp} mesh ({data * fsdp} devices)"
+            f"{data}x{fsdp} mesh of {devices} devices{every}; make it a multiple of {devices}, "
+            "or set mesh.data and mesh.fsdp to use fewer devices"
         )
     return data, fsdp
 

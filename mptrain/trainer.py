@@ -125,6 +125,7 @@ class Trainer:
             variables, batch["inputs"], train=True, rngs={"dropout": rng}, mutable=mutable
         )
         logits, new_state = out if mutable else (out, model_state)
+        logits = self.policy.cast_to_output(logits)  # the loss sees the policy's output dtype
         return layers.cross_entropy(logits, batch["targets"]), (new_state, {})
 
     def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
@@ -138,7 +139,7 @@ class Trainer:
             loss, (_, aux) = self.loss_fn(params, model_state, batch, jax.random.key(0))
             return {"loss": loss, **aux}
         logits = self.model.apply({"params": params, **model_state}, batch["inputs"], train=False)
-        return layers.classification_metrics(logits, batch["targets"])
+        return layers.classification_metrics(self.policy.cast_to_output(logits), batch["targets"])
 
     # ---- drivers --------------------------------------------------------------------------
 

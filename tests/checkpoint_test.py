@@ -388,7 +388,7 @@ def test_every_checkpoint_invalid_raises(tmp_path, states):
         _restore(tmp_path, states[0], step=1)
 
 
-def test_interrupted_save_is_not_listed_and_is_cleaned(tmp_path, states, monkeypatch):
+def test_interrupted_save_is_not_listed_and_only_its_owner_cleans_it(tmp_path, states, monkeypatch):
     ckpt = _save(tmp_path, states[:2])
 
     # Die where a killed process would: every file written, the final rename not yet done.
@@ -404,13 +404,26 @@ def test_interrupted_save_is_not_listed_and_is_cleaned(tmp_path, states, monkeyp
     assert ckpt.all_steps() == [1, 2]
 
     ckpt.close()
-    with checkpoint.Checkpointer(tmp_path) as reopened:
-        assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # the leftover is gone
-        assert reopened.all_steps() == [1, 2]
-        _, meta = reopened.restore(jax.eval_shape(lambda: states[2]))
+    # To a reader, and to anyone who just opens the directory, it may be a save in progress:
+    # only the owner's explicit call removes it.
+    with checkpoint.Checkpointer(tmp_path, read_only=True) as reader:
+        _, meta = reader.restore(jax.eval_shape(lambda: states[2]))
         assert meta["step"] == 2
+        with pytest.raises(ValueError, match="read-only"):
+            reader.save(3, states[2], {})
+    with checkpoint.Checkpointer(tmp_path) as reopened:
+        assert sorted(os.listdir(tmp_path)) == ["1", "2", *leftovers]
+        assert reopened.remove_leftovers() == leftovers
+        assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+        assert reopened.all_steps() == [1, 2]
         reopened.save(3, states[2], {})
         assert reopened.all_steps() == [1, 2, 3]
+
+
+def test_a_reader_creates_nothing(tmp_path):
+    with checkpoint.Checkpointer(tmp_path / "absent", read_only=True) as reader:
+        assert reader.all_steps() == []
+    assert not (tmp_path / "absent").exists()
 
 
 # --- helpers -----------------------------------------------------------------------------------

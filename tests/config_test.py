@@ -30,6 +30,21 @@ KEYS = {
 }  # fmt: skip
 
 
+# The keys beside `model.name` and `data.name` that each module of the zoo reads (its
+# CONFIG_KEYS): a config file may set these and no others for the module it names.
+MODULE_KEYS = {
+    "model.transformer_lm": {
+        "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len", "dropout_rate",
+        "attention",
+    },
+    "model.mlp": {"hidden", "num_layers", "num_classes"},
+    "model.cnn": {"features", "hidden", "num_classes"},
+    "model.resnet": {"stage_sizes", "width", "num_classes", "bn_momentum"},
+    "data.text": {"seq_len", "max_bytes", "eval_fraction"},
+    "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
+}  # fmt: skip
+
+
 def _flat(d, prefix=""):
     for key, value in d.items():
         if isinstance(value, dict):
@@ -42,10 +57,19 @@ def test_base_config_keys_are_pinned():
     assert set(_flat(config_lib.to_dict(config_lib.base_config()))) == KEYS
 
 
+def test_the_model_and_data_modules_keys_are_pinned():
+    from mptrain import data, models
+
+    found = {f"model.{name}": set(m.CONFIG_KEYS) for name, m in models.modules().items()}
+    found |= {f"data.{name}": set(m.CONFIG_KEYS) for name, m in data.modules().items()}
+    assert found == MODULE_KEYS
+
+
 def test_base_config_is_valid():
     config_lib.validate(config_lib.base_config())
 
 
+@pytest.mark.default_mesh  # reads base_config's own source
 def test_every_key_is_commented_in_the_source():
     import inspect
 

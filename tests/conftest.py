@@ -309,3 +309,37 @@ def cudnn_as_xla(monkeypatch):
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", reference)
     return asked
+
+
+def checkpoint_steps_on_disk(workdir) -> list[int]:
+    """The steps of `<workdir>/checkpoints/<step>` folders, read without orbax (opening a
+    Checkpointer would delete the leftovers of an interrupted save that a test looks for)."""
+    folder = Path(workdir) / "checkpoints"
+    return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if folder.is_dir() else []
+
+
+_BASE_CONFIG = config_lib.base_config
+
+
+def _on_one_device():
+    config = _BASE_CONFIG()
+    config.mesh.data = 1
+    return config
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_device_by_default():
+    """In this process, a config trains on one device unless its test sets a mesh: `make test`
+    gives the process 8 fake CPU devices for the tests that build meshes, and the default mesh
+    (every device) would shard every in-process run 8 ways. The default itself is tested in
+    fresh processes with exact device counts, and by tests marked `default_mesh`. Session-wide,
+    so that module fixtures get it too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config_lib, "base_config", _on_one_device)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _default_mesh_when_marked(request, monkeypatch):
+    if request.node.get_closest_marker("default_mesh"):
+        monkeypatch.setattr(config_lib, "base_config", _BASE_CONFIG)

@@ -1,32 +1,34 @@
-"""kill -9 at random moments, again and again: the run still ends exactly where it should.
+"""kill -9, or Ctrl-C, at random moments, again and again: the run still ends exactly where it
+should.
 
-Slow (each trial starts a fresh process): `make test-slow` runs it; `make test` skips it.
+Slow (each trial starts a fresh process): `make test-slow` runs them; `make test` skips them.
 """
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import ROOT, assert_trees_bytes_equal, plain_orbax_state
+from conftest import ROOT, assert_trees_bytes_equal, checkpoint_steps_on_disk, plain_orbax_state
 
 TRIALS = 20
 STEPS = 400
 
 
-def _command(workdir):
+def _command(workdir, steps=STEPS, checkpoint_every=3):
     return [
         sys.executable,
         "-m",
         "mptrain.main",
         f"--config={ROOT / 'configs' / 'default.py'}:tiny",
         f"--workdir={workdir}",
-        f"--config.num_train_steps={STEPS}",
+        f"--config.num_train_steps={steps}",
         "--config.optimizer.schedule=constant",
-        "--config.checkpoint_every_steps=3",  # saves are frequent, so kills land inside them
+        f"--config.checkpoint_every_steps={checkpoint_every}",  # often: kills land in saves
         "--config.log_every_steps=5",
         "--config.eval_every_steps=50",
     ]
@@ -64,3 +66,55 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
     done = subprocess.run(_command(straight), cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_trees_bytes_equal(plain_orbax_state(straight, STEPS), plain_orbax_state(crashed, STEPS))
+
+
+# Each Ctrl-C lands a random number of steps (0 to 30) into a run, at a random moment of a step
+# or of a save (one every 3 steps), so a trial moves the run on by 15 steps on average on any
+# machine: 20 trials stay well short of STORM_STEPS.
+STORM_STEPS = 800
+
+
+def _wait_for_training(workdir, proc, runs_before: int) -> None:
+    """Until this process's event file appears: its writer is made last thing before the loop."""
+    deadline = time.monotonic() + 120
+    while len(list(workdir.glob("events.out.tfevents.*"))) <= runs_before:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
+    rng = random.Random(1)
+    stopped, env = tmp_path / "stopped", _env()
+    command = _command(stopped, STORM_STEPS)
+    lines = []  # the line each Ctrl-C ended a run with
+    while len(lines) < TRIALS:
+        runs_before = len(list(stopped.glob("events.out.tfevents.*")))
+        start = max(checkpoint_steps_on_disk(stopped), default=0)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        _wait_for_training(stopped, proc, runs_before)
+        target = start + rng.randint(0, 30)
+        while max(checkpoint_steps_on_disk(stopped), default=0) < target and proc.poll() is None:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.15))  # somewhere in a step or a save
+        assert proc.poll() is None, "the run finished: raise STORM_STEPS"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 75 and "Traceback" not in err, err[-3000:]
+        lines.append(err.strip().splitlines()[-1])
+        assert "run the same command again to resume" in lines[-1]
+        assert not list((stopped / "checkpoints").glob("*tmp*"))  # no save left half-done
+    steps = [int(m.group(1)) for m in map(re.compile(r"at step (\d+);").search, lines) if m]
+    assert len(steps) >= TRIALS // 2, lines  # most landed in the loop, not in the start-up
+    final = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    # The uninterrupted run saves only at its end: saving changes nothing of the training.
+    straight = tmp_path / "straight"
+    once = _command(straight, STORM_STEPS, checkpoint_every=STORM_STEPS)
+    done = subprocess.run(once, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trees_bytes_equal(
+        plain_orbax_state(straight, STORM_STEPS), plain_orbax_state(stopped, STORM_STEPS)
+    )
+    print(f"Ctrl-C storm: stopped at steps {steps}; {len(lines) - len(steps)} while starting up")

@@ -2,9 +2,14 @@
 orbax, and bad usage that writes nothing."""
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+from absl import logging
 from conftest import plain_orbax_state, run_cli, run_cli_process
 
 from mptrain import checkpoint, export
@@ -73,3 +78,99 @@ def test_bad_usage_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_pa
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".export-*"))
+
+
+@pytest.fixture
+def export_cli(capfd):
+    """`python -m mptrain.export ARGS` in this process: (exit code, stderr). The export turns
+    absl's verbosity down to warnings; it is put back after the test."""
+    verbosity = logging.get_verbosity()
+
+    def run(*args):
+        capfd.readouterr()
+        code = export.main(list(args))
+        return code, capfd.readouterr().err
+
+    yield run
+    logging.set_verbosity(verbosity)
+
+
+def _one_line(err: str, *named: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert all(name in lines[0] for name in named), (lines[0], named)
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"seed": 0, "model": {"na', "line 1 column 23"),  # cut short
+        ("", "Expecting value"),
+        ("[1, 2, 3]", "a JSON list, not an object"),
+        ('{"seed": 0}', "num_train_steps: missing"),  # an object, but no config
+    ],
+)
+def test_a_corrupt_config_json_is_exit_2_naming_it(finished_run, tmp_path, export_cli, text, says):
+    workdir = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    (workdir / "config.json").write_text(text)
+    code, err = export_cli(f"--workdir={workdir}", f"--out={tmp_path / 'out'}")
+    assert code == 2
+    _one_line(err, f"{workdir / 'config.json'}", says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_reads_a_workdir_without_writing_or_deleting_there(finished_run, tmp_path):
+    # A save in progress, as a run holding the workdir would have it: the export must neither
+    # mistake it for a leftover nor export it.
+    workdir = Path(shutil.copytree(finished_run, tmp_path / "run"))
+    shutil.copytree(
+        workdir / "checkpoints" / "4", workdir / "checkpoints" / f"6{checkpoint.TMP_SUFFIX}"
+    )
+    before = {p: p.read_bytes() if p.is_file() else None for p in sorted(workdir.rglob("*"))}
+    sidecar = export.export(workdir, tmp_path / "out")
+    assert sidecar["source"]["step"] == 4
+    after = {p: p.read_bytes() if p.is_file() else None for p in sorted(workdir.rglob("*"))}
+    assert after == before
+
+
+@pytest.fixture(params=["read-only filesystem", "disk full", "permission denied"])
+def unwritable(request, tmp_path):
+    """A folder the export cannot be written into: on a read-only tmpfs, or a tmpfs of 64 KiB
+    (where this process may mount one, as root can), or without write permission (where the
+    process is not root, which writes anywhere)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    if request.param != "permission denied":
+        options = "ro,size=64k" if request.param == "read-only filesystem" else "size=64k"
+        mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)]
+        if shutil.which("mount") is None or subprocess.run(mount, capture_output=True).returncode:
+            pytest.skip("cannot mount a filesystem here (needs root)")
+        yield folder, request.param
+        subprocess.run(["umount", str(folder)], check=True)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a folder whatever its permissions")
+        folder.chmod(0o555)
+        yield folder, request.param
+        folder.chmod(0o755)
+
+
+def test_an_out_that_cannot_be_written_is_exit_1_naming_it(finished_run, unwritable):
+    folder, says = unwritable
+    out = folder / "export"
+    result = run_cli_process(f"--workdir={finished_run}", f"--out={out}", module="mptrain.export")
+    assert result.returncode == 1, result.stderr[-3000:]
+    _one_line(result.stderr, str(out), says)
+    assert not list(folder.iterdir())  # nothing half-written left there
+
+
+def test_an_export_gets_the_modes_the_umask_gives(finished_run, tmp_path):
+    previous = os.umask(0o022)
+    try:
+        export.export(finished_run, tmp_path / "out")
+    finally:
+        os.umask(previous)
+    made = [tmp_path / "out", *(tmp_path / "out").rglob("*")]
+    assert {p.stat().st_mode & 0o777 for p in made if p.is_dir()} == {0o755}
+    assert {p.stat().st_mode & 0o777 for p in made if p.is_file()} == {0o644}

@@ -4,6 +4,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,13 +19,19 @@ from conftest import (
     TINY,
     TraceCountingTrainer,
     assert_trees_bytes_equal,
+    checkpoint_steps_on_disk,
+    fake_cpu_env,
     plain_orbax_state,
     run_cli,
+    run_cli_process,
+    start_processes,
     tiny_config,
+    wait_for_processes,
 )
 
 import mptrain
-from mptrain import checkpoint, errors
+from mptrain import checkpoint, errors, loop
+from mptrain import loss_scale as loss_scale_lib
 from mptrain import main as main_lib
 from mptrain import trainer as trainer_lib
 
@@ -75,6 +82,9 @@ def test_runaway_non_finite_steps_exit_3_with_a_diagnostic(tmp_path, capsys):
     )
     assert code == 3
     assert "4 non-finite steps in a row" in err and "loss scale 1e+30" in err
+    # no step was ever finite: no "last finite loss nan", and the advice fits a static scale
+    assert "no step of this run was finite" in err and "nan" not in err
+    assert "config.loss_scale.init_scale" in err and "learning rate is not the cause" in err
     step = checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step()
     assert step in (4, 5)  # seen at the log step 4, read after step 5 was dispatched
     state = plain_orbax_state(tmp_path, step)  # the last good state: the untouched init
@@ -92,6 +102,42 @@ def test_a_dynamic_scale_stuck_at_its_minimum_exits_3(tmp_path, capsys):
         capsys=capsys,
     )
     assert code == 3 and "stuck at its minimum" in err
+    # a loss-scale overflow: the advice is the scale's floor, not the learning rate
+    assert "lower config.loss_scale.min_scale" in err and "lower the learning rate" not in err
+    assert "no step of this run was finite" in err and "nan" not in err
+
+
+def _diagnostic(scaler, skips, scale, last=2.5, step=100, max_skips=25):
+    values = {
+        "consecutive_skips": skips,
+        "loss_scale": scale,
+        "last_finite_loss": last,
+        "skipped_steps": skips,
+    }
+    return loop.nonfinite_diagnostic(step, values, scaler, max_skips)
+
+
+def test_the_exit_3_diagnostic_says_what_is_true_of_each_case():
+    dynamic = loss_scale_lib.DynamicLossScale(scale=2.0**15, min_scale=1.0)
+    assert _diagnostic(dynamic, 0, 2.0**15) is None
+    assert _diagnostic(dynamic, 3, 2.0**12) is None  # still backing off, within the budget
+    # backed off to a minimum of 1 and still overflowing: the gradients themselves
+    stuck = _diagnostic(dynamic, 3, 1.0)
+    assert "stuck at its minimum 1" in stuck and "last finite loss 2.5" in stuck
+    assert "not finite even at a loss scale of 1" in stuck and "lower the learning rate" in stuck
+    # out of skips while the scale still falls: its budget, not the learning rate
+    falling = _diagnostic(dynamic, 25, 2.0**-10 * 2.0**15)
+    assert "still backing off" in falling and "config.max_consecutive_skips" in falling
+    # no loss scale: divergence after finite steps; or never finite from step 0 (the init)
+    none = loss_scale_lib.NoOpLossScale()
+    diverged = _diagnostic(none, 25, 1.0)
+    assert "last finite loss 2.5" in diverged and "lower the learning rate" in diverged
+    never = _diagnostic(none, 25, 1.0, last=float("nan"), step=25)
+    assert "no step of this run was finite" in never and "nan" not in never
+    assert "learning rate is not the cause" in never and "initialization" in never
+    # a resumed run none of whose steps was finite: the params were trained, the rate may be it
+    resumed = _diagnostic(none, 25, 1.0, last=float("nan"), step=125)
+    assert "no step of this run was finite" in resumed and "lower the learning rate" in resumed
 
 
 class _SigtermAt(trainer_lib.Trainer):
@@ -128,41 +174,196 @@ def test_sigterm_checkpoints_then_resume_is_exact(moment, stopped_at, tmp_path):
     assert int(straight.step) == 8
 
 
-def _start_cli(workdir):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+# The command-line runs below: `_start_cli(workdir)` trains "forever" (until a signal);
+# `_start_cli(workdir, *FINITE)` is the command that `finished_cli_run` ran without a stop.
+LAST = 120
+FINITE = (
+    f"--config.num_train_steps={LAST}",
+    "--config.optimizer.schedule=constant",
+    "--config.checkpoint_every_steps=10",
+    "--config.log_every_steps=5",
+    "--config.eval_every_steps=40",
+)
+FOREVER = ("--config.num_train_steps=100000", "--config.checkpoint_every_steps=20")
+RESUME = "run the same command again to resume"
+
+
+def _start_cli(workdir, *overrides):
     cmd = [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={workdir}"]
-    cmd += ["--config.num_train_steps=100000", "--config.checkpoint_every_steps=20"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    cmd += list(overrides or FOREVER)
+    return subprocess.Popen(cmd, cwd=ROOT, env=fake_cpu_env(1), stderr=subprocess.PIPE, text=True)
 
 
-def _sigterm(proc):
+def _signal(proc, signum=signal.SIGTERM):
     sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     return proc.returncode, time.monotonic() - sent, err
 
 
-def _wait_for(condition, proc, seconds=180):
+def _wait_for(condition, proc, seconds=180, every=0.1):
     deadline = time.monotonic() + seconds
     while not condition():
         assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
+        time.sleep(every)
+
+
+def _leftovers(workdir) -> list[str]:
+    return [n for n in os.listdir(Path(workdir) / "checkpoints") if not n.isdigit()]
+
+
+def _stopped_at(err: str) -> int:
+    """The step of the one line a stop by signal ends with: `mptrain: preempted (...) at step
+    N; checkpoint written, run the same command again to resume`."""
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and [line for line in lines if RESUME in line] == lines[-1:]
+    return int(re.search(r"at step (\d+);", lines[-1]).group(1))
+
+
+@pytest.fixture(scope="module")
+def finished_cli_run(tmp_path_factory):
+    """The FINITE command's workdir, run without interruption."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    done = run_cli_process(TINY, f"--workdir={workdir}", *FINITE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir
+
+
+def _resumes_to_the_same_state(workdir, finished, *overrides):
+    done = run_cli_process(TINY, f"--workdir={workdir}", *(overrides or FINITE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_trees_bytes_equal(plain_orbax_state(finished, LAST), plain_orbax_state(workdir, LAST))
 
 
 def test_sigterm_to_the_cli_exits_75_within_seconds(tmp_path):
     # While starting up (restoring, compiling): nothing to save, so it exits at once.
     proc = _start_cli(tmp_path)
     _wait_for(lambda: (tmp_path / "config.json").exists(), proc)
-    code, took, err = _sigterm(proc)
+    code, took, err = _signal(proc)
     assert code == 75 and took < 10, err[-2000:]
-    assert "run the same command again to resume" in err
+    assert RESUME in err and "Traceback" not in err
     # In the middle of training: it finishes the step, checkpoints it, and exits.
     proc = _start_cli(tmp_path)
-    steps = lambda: checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps()
     _wait_for(lambda: (tmp_path / "checkpoints" / "20").exists(), proc)
-    code, took, err = _sigterm(proc)
+    code, took, err = _signal(proc)
     assert code == 75 and took < 10, err[-2000:]
-    assert max(steps()) > 20
+    assert _stopped_at(err) == max(checkpoint_steps_on_disk(tmp_path)) > 20
+
+
+def test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact(tmp_path, finished_cli_run):
+    proc = _start_cli(tmp_path, *FINITE)
+    _wait_for(lambda: 10 in checkpoint_steps_on_disk(tmp_path), proc, every=0.01)
+    code, took, err = _signal(proc, signal.SIGINT)
+    assert code == 75 and took < 10, err[-2000:]
+    step = _stopped_at(err)
+    assert 10 <= step < LAST and checkpoint_steps_on_disk(tmp_path)[-1] == step
+    assert not _leftovers(tmp_path)
+    _resumes_to_the_same_state(tmp_path, finished_cli_run)
+
+
+def test_ctrl_c_during_a_save_lets_it_finish_then_stops(tmp_path, finished_cli_run):
+    # Saves every 2 steps take about half of the run; the test catches one in flight by its
+    # folder (orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete).
+    every_2 = (*FINITE, "--config.checkpoint_every_steps=2")
+    proc = _start_cli(tmp_path, *every_2)
+    _wait_for(lambda: 2 in checkpoint_steps_on_disk(tmp_path), proc, every=0.005)
+    in_flight = []
+    while not in_flight:
+        assert proc.poll() is None
+        in_flight = [n for n in os.listdir(tmp_path / "checkpoints") if "tmp" in n]
+    saving = int(in_flight[0].split(".")[0])
+    code, _, err = _signal(proc, signal.SIGINT)
+    assert code == 75, err[-2000:]
+    # the save in flight was completed (a signal at its very end lets one more step run)
+    assert _stopped_at(err) in (saving, saving + 2) and saving in checkpoint_steps_on_disk(tmp_path)
+    assert not _leftovers(tmp_path)
+    int(plain_orbax_state(tmp_path, saving)["step"])  # complete: plain orbax reads it
+    _resumes_to_the_same_state(tmp_path, finished_cli_run, *every_2)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (Linux's /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize(
+    "name, moment",
+    [("SIGINT", "handlers installed"), ("SIGTERM", "handlers installed"), ("SIGINT", "compiling")],
+)
+def test_a_signal_while_starting_up_exits_75_at_once_with_one_line(name, moment, tmp_path):
+    # "handlers installed": as soon as the process catches SIGTERM (Python alone catches only
+    # SIGINT), that is before validation, the dataset build and the workdir; "compiling":
+    # config.json is written right before the steps compile.
+    workdir = tmp_path / "run"
+    proc = _start_cli(workdir)
+    if moment == "compiling":
+        _wait_for(lambda: (workdir / "config.json").exists(), proc, every=0.01)
+    else:
+        _wait_for(lambda: _catches(proc.pid, signal.SIGTERM), proc, every=0.002)
+    code, took, err = _signal(proc, signal.Signals[name])
+    assert code == 75 and took < 10, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"mptrain: preempted ({name}) while starting up; nothing new to save, {RESUME}"
+    )
+    if moment == "handlers installed":
+        assert not workdir.exists()  # it stopped before touching anything
+
+
+def test_a_second_ctrl_c_exits_at_once_with_130_and_the_run_still_resumes(
+    tmp_path, finished_cli_run
+):
+    proc = _start_cli(tmp_path, *FINITE)
+    _wait_for(lambda: 10 in checkpoint_steps_on_disk(tmp_path), proc, every=0.01)
+    proc.send_signal(signal.SIGINT)  # the first starts a checkpoint of the steps done ...
+    time.sleep(0.002)
+    code, took, err = _signal(proc, signal.SIGINT)  # ... which the second does not wait for
+    assert code == 130 and took < 5, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("mptrain: SIGINT again: stopped at once")
+    _resumes_to_the_same_state(tmp_path, finished_cli_run)
+
+
+_FORKED_WORKER = """
+import multiprocessing, os, signal, time
+from mptrain import runtime
+runtime.catch_stop_signals()
+runtime.PreemptionFlag().__enter__()  # as in the loop: a stop signal checkpoints, then exits 75
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(3,))
+worker.start()
+os.killpg(0, signal.SIGINT)  # Ctrl-C: to the whole process group, the worker too
+time.sleep(0.5)
+print("still running after one Ctrl-C", flush=True)
+"""
+
+
+def test_a_forked_worker_does_not_turn_one_ctrl_c_into_two():
+    # A child forked without exec inherits the wakeup fd: unless it is reset there, its own
+    # SIGINT reaches the parent's watcher as a second Ctrl-C (exit 130 at once).
+    cmd = [sys.executable, "-c", _FORKED_WORKER]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, start_new_session=True)
+    assert done.returncode == 0 and "still running" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multihost")
+def test_ctrl_c_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
+    # JAX's preemption notifier owns SIGTERM there; a SIGINT is passed on to it, so both
+    # processes agree on the step, checkpoint it and exit 75.
+    mesh = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.precision=fp32")
+    procs = start_processes(tmp_path, *mesh, *FOREVER)
+    deadline = time.monotonic() + 300
+    while 20 not in checkpoint_steps_on_disk(tmp_path):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGINT)
+    results = wait_for_processes(procs)
+    assert [code for code, _ in results] == [75, 75], "\n".join(e[-3000:] for _, e in results)
+    (step,) = {_stopped_at(err) for _, err in results}
+    assert step > 20 and checkpoint_steps_on_disk(tmp_path)[-1] == step
 
 
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path, capsys):

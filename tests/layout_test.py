@@ -22,10 +22,13 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 def _imports(path: Path) -> set[str]:
     """The mptrain modules `path` imports, anywhere in it: `from mptrain import x` names module
-    `mptrain.x` when there is one, else the package itself (which `import mptrain` names too)."""
+    `mptrain.x` when there is one, else the package itself (which `import mptrain` names too);
+    a string that is exactly a module's name is a lazy import (the package's `__getattr__`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and node.value in MODULES:
+            found.add(node.value)
+        elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "mptrain"}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module.split(".")[0] != "mptrain":

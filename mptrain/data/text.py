@@ -24,12 +24,18 @@ from typing import Any
 
 import numpy as np
 
+from mptrain import errors
+
 # Directory names never entered when walking the stdlib (see the module docstring).
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 )
 SEPARATOR = b"\n"
 DEFAULT_EVAL_FRACTION = 0.01
+# The keys this source reads under `config.data` (besides `name` and `prefetch`), with their
+# defaults: bytes per window, the corpus cut to its first max_bytes (None: all of it), and the
+# fraction of it held out at the end for eval.
+CONFIG_KEYS = {"seq_len": 128, "max_bytes": None, "eval_fraction": DEFAULT_EVAL_FRACTION}
 
 # Full concatenated corpus per root directory; slices of it are handed out (read-only).
 _CORPUS_CACHE: dict[str, np.ndarray] = {}
@@ -173,21 +179,79 @@ class TextSource:
         )
 
 
+def _settings(data_config: Any) -> tuple[int, int | None, float]:
+    """`(seq_len, max_bytes, eval_fraction)` of a `config.data`, each checked by its key."""
+    keys = errors.settings(data_config, CONFIG_KEYS)
+    seq_len = errors.check_integer("data.seq_len", keys["seq_len"], 1)
+    max_bytes = keys["max_bytes"]
+    if max_bytes is not None:
+        errors.check_integer("data.max_bytes", max_bytes, 1)
+    fraction = errors.check_number(
+        "data.eval_fraction", keys["eval_fraction"], 0.0, 1.0, open_low=True
+    )
+    return seq_len, max_bytes, fraction
+
+
+def _check_sizes(total: int, seq_len: int, fraction: float, max_bytes: int | None) -> None:
+    """Both sides of the split of `total` bytes hold at least one window (seq_len + 1 bytes: the
+    inputs and the byte after them); else a `ValueError` naming the key to change."""
+
+    def sides(n: int) -> tuple[int, int]:
+        held_out = round(n * fraction)  # as `split_corpus` cuts
+        return n - held_out, held_out
+
+    need = seq_len + 1
+    if min(sides(total)) >= need:
+        return
+    train, held_out = sides(total)
+    split = f"{train} train and {held_out} eval bytes (data.eval_fraction={fraction:g})"
+    if max_bytes is None:
+        raise ValueError(
+            f"data.seq_len={seq_len}: the corpus's {total} bytes split into {split}; each side "
+            f"needs one window of seq_len + 1 = {need} bytes"
+        )
+    least = max(2 * need, int(need / min(fraction, 1 - fraction)) - 2)
+    while min(sides(least)) < need:
+        least += 1
+    raise ValueError(
+        f"data.max_bytes={max_bytes}: splits into {split}; each side needs one window of "
+        f"data.seq_len + 1 = {need} bytes, so max_bytes must be at least {least}"
+    )
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """What `config.validate` calls: the keys of `config.data` checked as `create_sources` reads
+    them, without reading the corpus (a `max_bytes` too small for one window on either side of
+    the split is caught here; the corpus itself is 12 MB). Returns the abstract shapes of one
+    example, `{"inputs", "targets"}: int32[1, seq_len]`, for the model to be tried on."""
+    import jax
+
+    seq_len, max_bytes, fraction = _settings(config.data)
+    if max_bytes is not None:
+        _check_sizes(max_bytes, seq_len, fraction, max_bytes)
+    example = jax.ShapeDtypeStruct((1, seq_len), np.int32)
+    return {"inputs": example, "targets": example}
+
+
 def build_text_sources(
     data_config: Any, *, batch_size: int, seed: int, eval_batch_size: int | None = None
 ) -> tuple[TextSource, TextSource]:
-    """Host-side: ``(train, eval)`` sources from a config with the keys below.
+    """Host-side: ``(train, eval)`` sources from a config with the keys of `CONFIG_KEYS`.
 
     ``data_config`` keys (an ``ml_collections.ConfigDict`` or anything with attributes):
       seq_len:       bytes per window (the model's ``max_len`` must be at least this).
       max_bytes:     truncate the corpus first (``None``: whole corpus).
       eval_fraction: fraction held out at the end of the corpus for eval (default 0.01).
+    A bad value is a `ValueError` naming its key (``data.seq_len=0: ...``); a corpus too small
+    for the split an `errors.ConfigError`, raised before anything touches the workdir.
     """
-    corpus = load_corpus(getattr(data_config, "max_bytes", None))
-    train, evaluation = split_corpus(
-        corpus, getattr(data_config, "eval_fraction", DEFAULT_EVAL_FRACTION)
-    )
-    seq_len = data_config.seq_len
+    seq_len, max_bytes, fraction = _settings(data_config)
+    corpus = load_corpus(max_bytes)
+    try:
+        _check_sizes(len(corpus), seq_len, fraction, max_bytes)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.{e}") from None
+    train, evaluation = split_corpus(corpus, fraction)
     eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
     return (
         TextSource(train, seq_len, batch_size, seed),

@@ -16,6 +16,7 @@ Meant for datasets that fit in RAM (MNIST: 55 MB, CIFAR-10: 180 MB as uint8).
                overridden with ``--config.data.data_dir=DIR``.
   augment:     ``True`` for random 4-pixel-padded crops plus horizontal flips on the training
                batches (the usual CIFAR augmentation; default ``False``).
+(`CONFIG_KEYS` holds these keys, bar ``name``, with their defaults.)
 
 Needs the extra ``pip install 'mptrain[tfds]'`` (TensorFlow and TensorFlow Datasets): this
 is the only module of mptrain that imports them, so other data train without TensorFlow.
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import config as config_lib
+from mptrain import errors
 
 # Per-channel mean and standard deviation of each dataset's training split, on the [0, 1] pixel
 # scale. (The CIFAR-10 std often quoted as (0.2023, 0.1994, 0.2010) is not the per-channel std
@@ -53,6 +54,32 @@ NORMALIZATION_SAMPLE = 10_000  # training images measured for datasets not in NO
 # Examples per chunk while reading a split. (Not batch_size=-1: it needs a second full copy while
 # converting, and under tfds.testing.mock_data it aborts the process.)
 _READ_BATCH = 4096
+
+
+CONFIG_KEYS = {
+    "dataset": None,
+    "train_split": "train",
+    "eval_split": "test",
+    "data_dir": None,
+    "augment": False,
+}
+
+
+def check_config(config: Any) -> None:
+    """What `config.validate` calls: the keys' types, checked without TensorFlow (reading a
+    split takes seconds; `create_sources` does it, before the workdir is touched, and turns a
+    missing extra, an unknown dataset or an unprepared split into a `ConfigError`)."""
+    keys = errors.settings(config.data, CONFIG_KEYS)
+    if not isinstance(keys["dataset"], str) or not keys["dataset"].strip():
+        raise ValueError(
+            f"data.dataset={keys['dataset']!r}: name a TensorFlow Datasets dataset, e.g. 'mnist'"
+        )
+    for key in ("train_split", "eval_split", "data_dir"):  # data_dir: None is TFDS's default
+        value = keys[key]
+        if (value is not None or key != "data_dir") and not (isinstance(value, str) and value):
+            raise ValueError(f"data.{key}={value!r}: must be a non-empty string")
+    if not isinstance(keys["augment"], bool):
+        raise ValueError(f"data.augment={keys['augment']!r}: must be True or False")
 
 
 def _base_name(dataset: str) -> str:
@@ -101,9 +128,9 @@ def import_tfds():
     return tfds
 
 
-def _needs_the_extra(error: ImportError) -> config_lib.ConfigError:
+def _needs_the_extra(error: ImportError) -> errors.ConfigError:
     cause = (str(error).splitlines() or [type(error).__name__])[0]
-    return config_lib.ConfigError(
+    return errors.ConfigError(
         f"config.data.name='tfds' needs TensorFlow Datasets, which cannot be imported here "
         f"({cause}); install it with: pip install 'mptrain[tfds]'"
     )
@@ -120,30 +147,30 @@ def load_split(dataset: str, split: str, data_dir: str | None = None) -> dict[st
     try:
         builder = tfds.builder(dataset, data_dir=data_dir)
     except tfds.core.DatasetNotFoundError:
-        raise config_lib.ConfigError(
+        raise errors.ConfigError(
             f"config.data.dataset={dataset!r}: not a TensorFlow Datasets name; see "
             "https://www.tensorflow.org/datasets/catalog/overview"
         ) from None
     try:
         ds = builder.as_dataset(split=split, batch_size=_READ_BATCH, shuffle_files=False)
     except AssertionError:  # how tfds says "not prepared" when download is off
-        raise config_lib.ConfigError(
+        raise errors.ConfigError(
             _not_prepared(dataset, split, data_dir, builder.data_dir)
         ) from None
     except (ValueError, KeyError) as e:  # an unknown split, or a malformed slice
-        raise config_lib.ConfigError(f"config.data: split {split!r} of {dataset!r}: {e}") from None
+        raise errors.ConfigError(f"config.data: split {split!r} of {dataset!r}: {e}") from None
     images, labels = [], []
     for chunk in tfds.as_numpy(ds):
         missing = {"image", "label"} - set(chunk)
         if missing:
-            raise config_lib.ConfigError(
+            raise errors.ConfigError(
                 f"config.data.dataset={dataset!r}: examples have {sorted(chunk)}, not the "
                 "'image' and 'label' features an image classification source needs"
             )
         images.append(np.asarray(chunk["image"], np.uint8))
         labels.append(np.asarray(chunk["label"], np.int32))
     if not images:
-        raise config_lib.ConfigError(f"config.data: split {split!r} of {dataset!r} is empty")
+        raise errors.ConfigError(f"config.data: split {split!r} of {dataset!r} is empty")
     return {"image": np.concatenate(images), "label": np.concatenate(labels)}
 
 
@@ -273,7 +300,7 @@ def create_sources(config: Any) -> tuple[ImageSource, ImageSource]:
     data = config.data
     dataset = getattr(data, "dataset", None)
     if not isinstance(dataset, str) or not dataset:
-        raise config_lib.ConfigError(
+        raise errors.ConfigError(
             f"config.data.dataset={dataset!r}: name a TensorFlow Datasets dataset, e.g. 'mnist'"
         )
     data_dir = getattr(data, "data_dir", None)

@@ -1,1 +1,86 @@
-"""Models whose numerically sensitive parts run in fp32 ("fp32 islands")."""
+"""Models whose numerically sensitive parts run in fp32 ("fp32 islands").
+
+Each module here with a `create_model(model_config, compute_dtype)` is a model `config.model.name`
+can name (`layers` holds their shared parts). It declares `CONFIG_KEYS`: the keys it reads under
+`config.model`, with their defaults (`name` is the base config's), and its `create_model` rejects a
+bad value with a `ConfigError` naming the key, before any parameter exists.
+"""
+
+import contextlib
+import importlib
+import logging as std_logging
+import pkgutil
+import re
+from typing import Any
+
+from mptrain import errors
+
+
+def modules() -> dict[str, Any]:
+    """The models of the zoo: `{name: module}` of the modules here with a `create_model`."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "create_model"):
+            found[info.name] = module
+    return found
+
+
+def import_model(name: Any):
+    """`mptrain.models.<name>`; a `ValueError` naming `model.name` and the valid names if none."""
+    valid = modules()
+    if name not in valid:
+        raise ValueError(
+            f"model.name={name!r}: no such model in mptrain.models; "
+            f"{errors.did_you_mean(str(name), valid, list_all=True)}"
+        )
+    return valid[name]
+
+
+class _BelowWarnings(std_logging.Filter):
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Holds back INFO lines (the attention choice): the Trainer logs them when it builds."""
+    from absl import logging
+
+    logger, below = logging.get_absl_logger(), _BelowWarnings()
+    logger.addFilter(below)
+    try:
+        yield
+    finally:
+        logger.removeFilter(below)
+
+
+def check_config(config, compute_dtype: Any, example: Any = None) -> None:
+    """What `config.validate` calls: the model of `config.model` built as the Trainer builds it,
+    then, given `example` (one example of the data: arrays or `jax.ShapeDtypeStruct`s), its
+    variables initialised abstractly (`jax.eval_shape`: shapes only, a fraction of a second),
+    so that a model that cannot take the data's batches fails here too, as a `ValueError`
+    naming the model key (`model.max_len=32: ...`) or else the two names."""
+    import jax
+
+    module = import_model(config.model.name)
+    with _quiet():
+        model = module.create_model(config.model, compute_dtype)
+    if example is None:
+        return
+
+    def init(inputs):
+        rng = jax.random.key(0)
+        return model.init({"params": rng, "dropout": rng}, inputs, train=False)
+
+    try:
+        jax.eval_shape(init, example["inputs"])
+    except (ValueError, TypeError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if re.match(r"^[a-z_]+=", message) and message.split("=")[0] in module.CONFIG_KEYS:
+            raise ValueError(f"model.{message}") from None
+        inputs = example["inputs"]
+        raise ValueError(
+            f"model.name={config.model.name!r}: cannot take the batches of data.name="
+            f"{config.data.name!r} (inputs {inputs.dtype}{list(inputs.shape)}): {message}"
+        ) from None

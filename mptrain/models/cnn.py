@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mptrain import errors
 from mptrain.models import layers
 
 # flax's default (LeCun normal), drawn as a matrix: the same distribution, compiled much faster.
@@ -59,11 +60,23 @@ class CNN(nn.Module):
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 
+# The keys `create_model` reads under `config.model`, with their defaults.
+CONFIG_KEYS = {"features": (32, 64), "hidden": 256, "num_classes": 10}
+
+
 def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> CNN:
-    """Host-side: a `CNN` from the keys in the module doc."""
+    """Host-side: a `CNN` from the keys in the module doc; a bad value is a `ConfigError`
+    naming its key."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    try:
+        features = errors.check_integers("model.features", keys["features"], 1)
+        errors.check_integer("model.hidden", keys["hidden"], 1)
+        errors.check_integer("model.num_classes", keys["num_classes"], 1)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.{e}") from None
     return CNN(
-        features=tuple(getattr(model_config, "features", (32, 64))),
-        hidden=getattr(model_config, "hidden", 256),
-        num_classes=getattr(model_config, "num_classes", 10),
+        features=features,
+        hidden=keys["hidden"],
+        num_classes=keys["num_classes"],
         dtype=compute_dtype,
     )

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mptrain import errors
 from mptrain.models import layers
 
 
@@ -37,11 +38,18 @@ class MLP(nn.Module):
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 
+# The keys `create_model` reads under `config.model`, with their defaults.
+CONFIG_KEYS = {"hidden": 256, "num_layers": 2, "num_classes": 10}
+
+
 def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> MLP:
-    """Host-side: an `MLP` from the keys in the module doc."""
-    return MLP(
-        hidden=getattr(model_config, "hidden", 256),
-        num_layers=getattr(model_config, "num_layers", 2),
-        num_classes=getattr(model_config, "num_classes", 10),
-        dtype=compute_dtype,
-    )
+    """Host-side: an `MLP` from the keys in the module doc; a bad value is a `ConfigError`
+    naming its key."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    try:
+        errors.check_integer("model.hidden", keys["hidden"], 1)
+        errors.check_integer("model.num_layers", keys["num_layers"], 0)
+        errors.check_integer("model.num_classes", keys["num_classes"], 1)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.{e}") from None
+    return MLP(**keys, dtype=compute_dtype)

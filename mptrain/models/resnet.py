@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mptrain import errors
 from mptrain.models import layers
 
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.he_normal())  # He et al., 2015 (fan-in)
@@ -94,12 +95,25 @@ class ResNet(nn.Module):
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 
+# The keys `create_model` reads under `config.model`, with their defaults: ResNet-18.
+CONFIG_KEYS = {"stage_sizes": (2, 2, 2, 2), "width": 64, "num_classes": 10, "bn_momentum": 0.9}
+
+
 def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> ResNet:
-    """Host-side: a `ResNet` from the keys in the module doc."""
+    """Host-side: a `ResNet` from the keys in the module doc; a bad value is a `ConfigError`
+    naming its key."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    try:
+        stage_sizes = errors.check_integers("model.stage_sizes", keys["stage_sizes"], 1)
+        errors.check_integer("model.width", keys["width"], 1)
+        errors.check_integer("model.num_classes", keys["num_classes"], 1)
+        errors.check_number("model.bn_momentum", keys["bn_momentum"], 0.0, 1.0)
+    except ValueError as e:
+        raise errors.ConfigError(f"config.{e}") from None
     return ResNet(
-        stage_sizes=tuple(getattr(model_config, "stage_sizes", (2, 2, 2, 2))),
-        width=getattr(model_config, "width", 64),
-        num_classes=getattr(model_config, "num_classes", 10),
+        stage_sizes=stage_sizes,
+        width=keys["width"],
+        num_classes=keys["num_classes"],
         dtype=compute_dtype,
-        bn_momentum=getattr(model_config, "bn_momentum", 0.9),
+        bn_momentum=keys["bn_momentum"],
     )

@@ -163,7 +163,11 @@ class TransformerLM(nn.Module):
             )
         length = tokens.shape[1]
         if length > self.max_len:
-            raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+            raise ValueError(  # names the config key, for `models.check_config` to report
+                f"max_len={self.max_len}: shorter than the input (sequence length {length} "
+                f"exceeds max_len={self.max_len}); raise it, or shorten the data's sequences "
+                "(data.seq_len)"
+            )
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
@@ -197,34 +201,65 @@ def bits_per_byte(loss_nats: float) -> float:
     return float(loss_nats) / float(np.log(2.0))
 
 
+# The keys `create_model` reads under `config.model`, with their defaults (those of
+# `TransformerLM`): bytes as the vocabulary, a 2-block model of width 128 over 128 positions.
+CONFIG_KEYS = {
+    "vocab_size": 256,
+    "d_model": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "d_ff": 512,
+    "max_len": 128,
+    "dropout_rate": 0.0,
+    "attention": "auto",
+}
+
+
+def _settings(model_config: Any) -> dict[str, Any]:
+    """The keys of `CONFIG_KEYS` as `model_config` sets them; a `ValueError` names a bad one."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+        errors.check_integer(f"model.{key}", keys[key], 1)
+    d_model, heads = keys["d_model"], keys["num_heads"]
+    if d_model % heads:
+        divisors = [h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]
+        raise ValueError(
+            f"model.num_heads={heads}: must divide model.d_model={d_model} (each head takes an "
+            f"equal share of the width), e.g. {', '.join(map(str, divisors))}"
+        )
+    errors.check_number("model.dropout_rate", keys["dropout_rate"], 0.0, 1.0)
+    return keys
+
+
 def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
-    ``model_config`` keys: ``d_model, num_layers, num_heads, d_ff, max_len`` and optionally
-    ``vocab_size`` (default 256: bytes), ``dropout_rate`` (default 0.0) and ``attention``
-    (default ``"auto"``). The attention implementation is resolved here, once, and logged; a bad
-    value, or an explicit ``"cudnn"`` that cannot run here, is a ``ConfigError`` (a
-    ``ValueError``) naming ``config.model.attention``.
+    ``model_config`` keys (`CONFIG_KEYS`, with their defaults): ``d_model, num_layers,
+    num_heads, d_ff, max_len``, ``vocab_size`` (256: bytes), ``dropout_rate`` (0.0) and
+    ``attention`` (``"auto"``). The attention implementation is resolved here, once, and
+    logged. A bad value (a size below 1, heads that do not divide ``d_model``, an unknown
+    ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
+    ``ValueError``) naming its key, e.g. ``config.model.num_heads``.
     """
-    dropout_rate = getattr(model_config, "dropout_rate", 0.0)
     try:
+        keys = _settings(model_config)
         choice = layers.choose_attention(
-            getattr(model_config, "attention", "auto"),
+            keys["attention"],
             dtype=compute_dtype,
-            head_dim=model_config.d_model // model_config.num_heads,
-            dropout_rate=dropout_rate,
+            head_dim=keys["d_model"] // keys["num_heads"],
+            dropout_rate=keys["dropout_rate"],
         )
-    except ValueError as e:  # a bad model.attention: a config error (exit 2), not a crash
+    except ValueError as e:  # a bad model key: a config error (exit 2), not a crash
         raise errors.ConfigError(f"config.{e}") from None
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
-        vocab_size=getattr(model_config, "vocab_size", 256),
-        d_model=model_config.d_model,
-        num_layers=model_config.num_layers,
-        num_heads=model_config.num_heads,
-        d_ff=model_config.d_ff,
-        max_len=model_config.max_len,
+        vocab_size=keys["vocab_size"],
+        d_model=keys["d_model"],
+        num_layers=keys["num_layers"],
+        num_heads=keys["num_heads"],
+        d_ff=keys["d_ff"],
+        max_len=keys["max_len"],
         dtype=compute_dtype,
-        dropout_rate=dropout_rate,
+        dropout_rate=keys["dropout_rate"],
         attention=choice.implementation,
     )

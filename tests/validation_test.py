@@ -1,0 +1,238 @@
+"""Every key is validated once, before the workdir is touched, with one line that names it.
+
+Each bad setting below is one `python -m mptrain.main` on the tiny default: exit 2, one line
+naming `config.<key>=<value>` and what would be valid, no traceback, no workdir. Then the
+settings that cannot take effect (applied, rejected or warned about), and the default mesh.
+"""
+
+import logging
+import runpy
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import ROOT, TINY, load_config, run_cli, run_cli_process, tiny_config
+
+import mptrain
+from mptrain import config as config_lib
+from mptrain import main as main_lib
+from mptrain import sharding
+from mptrain.models import layers
+
+
+def _one_line_exit_2(workdir, err, code, *named):
+    """The contract of a bad config: exit 2, one line naming it, no traceback, no workdir."""
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for text in named:
+        assert text in err, err
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        # model and data keys, each built by its own module
+        (
+            ["--config.data.seq_len=64"],
+            ["config.model.max_len=32: shorter than the input", "data.seq_len"],
+        ),
+        (["--config.model.num_heads=3"], ["config.model.num_heads=3: must divide", "d_model=32"]),
+        (["--config.model.d_model=0"], ["config.model.d_model=0: must be an integer >= 1"]),
+        (["--config.seed=-1"], ["config.seed=-1: must be an integer >= 0"]),
+        (["--config.data.max_bytes=100"], ["config.data.max_bytes=100:", "at least 3298"]),
+        (["--config.data.max_bytes=-5"], ["config.data.max_bytes=-5: must be an integer >= 1"]),
+        (["--config.data.eval_fraction=1.5"], ["config.data.eval_fraction=1.5: must be > 0"]),
+        (["--config.data.seq_len=0"], ["config.data.seq_len=0: must be an integer >= 1"]),
+        (
+            ["--config.model.name=trnsformer_lm"],
+            ["config.model.name='trnsformer_lm'", "valid: cnn, mlp, resnet, transformer_lm"],
+        ),
+        (["--config.data.name=txt"], ["config.data.name='txt'", "valid: text, tfds"]),
+        # rejected rather than silently useless
+        (
+            [
+                "--config.precision=fp16-mixed",
+                "--config.loss_scale.init_scale=1e9",
+                "--config.loss_scale.max_scale=1024.0",
+            ],
+            ["config.loss_scale.init_scale=1000000000.0: outside [min_scale, max_scale]"],
+        ),
+        # messages that now say what is wrong
+        (
+            ["--config.optimizer.accumulation_steps=20"],
+            ["config.optimizer.accumulation_steps=20:", "num_train_steps=8"],
+        ),
+        (
+            ["--config.optimizer.learnin_rate=5.0"],
+            ["--config.optimizer.learnin_rate:", "did you mean 'optimizer.learning_rate'?"],
+        ),
+        (["--config.model.num_head=4"], ["did you mean 'model.num_heads'?"]),
+        (["--config.optimizer.mu_dtype=q9"], ["config.optimizer.mu_dtype='q9'", "'q8'"]),
+    ],
+)
+def test_a_bad_setting_exits_2_with_one_line_naming_it(overrides, named, tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", *overrides, capsys=capsys)
+    _one_line_exit_2(tmp_path / "run", err, code, *named)
+
+
+def test_the_accumulation_error_blames_accumulation_not_warmup(tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", "--config.optimizer.accumulation_steps=20", capsys=capsys)
+    assert code == 2 and "warmup_steps" not in err
+
+
+@pytest.mark.parametrize(
+    "key, value", [("optimizer.learning_rate", -1.0), ("optimizer.grad_clip_norm", -1.0)]
+)
+def test_a_lower_bound_alone_has_no_dangling_and(key, value, tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", f"--config.{key}={value}", capsys=capsys)
+    assert code == 2 and err.strip().endswith(
+        f"config.{key}={value}: must be " + ("> 0" if key.endswith("rate") else ">= 0")
+    ), err
+
+
+def test_a_misspelt_override_has_no_stray_quote(tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", "--config.optimizer.learnin_rate=5.0", capsys=capsys)
+    assert code == 2 and "learnin_rate'" not in err and 'instead of "' not in err
+
+
+def test_an_fsdp_that_does_not_divide_the_devices_says_so(tmp_path, capsys):
+    config = tiny_config(**{"mesh.data": -1, "mesh.fsdp": 3, "batch_size": 12})
+    with pytest.raises(ValueError, match="mesh.fsdp=3: does not divide the 4 devices") as info:
+        sharding.mesh_shape(config, num_devices=4)
+    assert "more devices" not in str(info.value) and "1, 2, 4" in str(info.value)
+    code, err = run_cli(
+        tmp_path / "run", "--config.mesh.data=-1", "--config.mesh.fsdp=3", capsys=capsys
+    )
+    named = f"config.mesh.fsdp=3: does not divide the {jax.device_count()} devices"
+    _one_line_exit_2(tmp_path / "run", err, code, named)
+
+
+# ------------------------------------------------------------------------------- config files
+
+
+BAD_FILES = {
+    "returns_none": ("def get_config(arg=None):\n    return None\n", "returned None"),
+    "returns_a_list": ("def get_config(arg=None):\n    return [1]\n", "returned a list"),
+    "returns_a_dict": (
+        "def get_config(arg=None):\n    return {'seed': 1}\n",
+        "returned a dict, not an ml_collections.ConfigDict",
+    ),
+    "no_get_config": ("SEED = 1\n", "defines no get_config"),
+    "misspelt_key": (
+        "from mptrain import config\n\ndef get_config(arg=None):\n"
+        "    c = config.base_config()\n    c.optimizer.learnin_rate = 5.0\n    return c\n",
+        "config.optimizer.learnin_rate=5.0: not a config key; did you mean "
+        "'optimizer.learning_rate'?",
+    ),
+    "misspelt_model_key": (
+        "from mptrain import config\n\ndef get_config(arg=None):\n"
+        "    c = config.base_config()\n    c.model.num_head = 4\n    return c\n",
+        "config.model.num_head=4: not a key of model.name='transformer_lm'; did you mean "
+        "'model.num_heads'?",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+@pytest.mark.parametrize("overrides", [[], ["--config.num_train_steps=2"]])
+def test_a_bad_config_file_exits_2_with_one_line(name, overrides, tmp_path, capsys):
+    source, named = BAD_FILES[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    code, err = run_cli(tmp_path / "run", *overrides, capsys=capsys, config=f"--config={path}")
+    _one_line_exit_2(tmp_path / "run", err, code, named)
+
+
+def test_a_custom_trainers_own_sections_are_its_own():
+    path = ROOT / "examples" / "custom_trainer" / "config.py"
+    config = runpy.run_path(str(path))["get_config"]("tiny")
+    config_lib.validate(config)  # model.name='gru_forecaster', data.length: the subclass's
+    config.trainer = "mptrain.trainer:Trainer"  # the zoo's builders would find no such model
+    with pytest.raises(config_lib.ConfigError, match="model.name='gru_forecaster'"):
+        config_lib.validate(config)
+
+
+def test_help_prints_the_flags_and_where_the_keys_are(capsys):
+    assert main_lib.main(["mptrain", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--config" in out and "--workdir" in out and "--config.KEY=VALUE" in out
+    assert "mptrain/config.py" in out and "CONFIG_KEYS" in out
+
+
+def test_validating_the_tiny_config_takes_under_a_second():
+    config = load_config("default")
+    config_lib.validate(config)  # imports and jax's first trace are paid once per process
+    started = time.perf_counter()
+    config_lib.validate(config)
+    assert time.perf_counter() - started < 1.0
+
+
+# ------------------------------------------------------------ settings that cannot take effect
+
+
+def test_the_output_dtype_is_what_the_loss_sees(tmp_path):
+    losses = {}
+    for output in ("f32", "f16"):
+        config = tiny_config(precision=f"p=f32,c=bf16,o={output}")
+        trainer = mptrain.Trainer(config, tmp_path)
+        batch = trainer.build_datasets()[0].get_batch(0)
+        state = trainer.init_state(batch)
+        params = state.policy.cast_params(state.params)
+        batch = state.policy.cast_to_compute(batch)
+        loss, _ = trainer.loss_fn(params, {}, batch, jax.random.key(0))
+        losses[output] = float(loss)
+        logits = trainer.model.apply({"params": params}, batch["inputs"])
+    assert logits.dtype == jnp.float32  # the model's own output: fp32 logits
+    assert losses["f16"] == float(
+        layers.cross_entropy(logits.astype(jnp.float16), batch["targets"])
+    )
+    assert losses["f16"] != losses["f32"]
+
+
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        ({"loss_scale.init_scale": 1024.0}, "loss_scale.init_scale=1024.0: no effect"),
+        (
+            {"precision": "fp16-mixed", "loss_scale.kind": "static", "loss_scale.hysteresis": 2},
+            "loss_scale.hysteresis=2: no effect",
+        ),
+        ({"numerics.every_step": True}, "numerics.every_step=True: no effect"),
+        ({"data.name": "tfds", "data.dataset": "mnist"}, "data.seq_len=32: no effect"),
+    ],
+)
+def test_a_setting_without_effect_is_warned_about(overrides, warned):
+    config = config_lib.override(tiny_config(), overrides)
+    config_lib.validate(config)  # valid: a leftover of a config written for another setup
+    found = config_lib.unused_settings(config)
+    assert [line for line in found if line.startswith(warned)], found
+    assert config_lib.unused_settings(tiny_config()) == []
+
+
+def test_a_key_of_another_model_after_a_name_change_is_warned_about():
+    config = load_config("mnist_cnn", **{"model.name": "mlp"})  # as mnist_cnn.py's doc says
+    config_lib.validate(config)
+    (found,) = config_lib.unused_settings(config)
+    assert found.startswith("model.features=(4, 8): no effect, model.name='mlp' reads no such key")
+
+
+def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    overrides = ["--config.precision=bf16-pure", "--config.param_rounding=kahan"]
+    code, err = run_cli(tmp_path, *overrides, "--config.num_train_steps=2")
+    assert code == 0, err
+    # bf16 params 2 + their bf16 compensation 2 + fp32 Adam moments 4 + 4
+    assert "12.0 state bytes/param" in caplog.text
+    report = (tmp_path / "precision_report.txt").read_text()
+    assert "compensation" in report
+
+
+@pytest.mark.default_mesh
+def test_the_default_mesh_trains_on_every_device(tmp_path):
+    assert config_lib.base_config().mesh.data == -1 and config_lib.base_config().mesh.fsdp == 1
+    assert sharding.mesh_shape(tiny_config(), num_devices=4) == (4, 1)
+    result = run_cli_process(TINY, f"--workdir={tmp_path}", devices=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh 4 devices: data 4 x fsdp 1" in result.stderr
