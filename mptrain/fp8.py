@@ -1,0 +1,161 @@
+"""fp8 matmuls with their scaling state as train state (the building block of `fp8-mixed`).
+
+A selected matmul `x @ kernel` runs with both operands quantized to e4m3 forward and the
+incoming gradient quantized to e5m2 backward, each with a per-tensor scale, accumulating in
+fp32: `dot_general` on f8 operands, which XLA lowers to cuBLASLt's fp8 GEMM on Hopper and
+emulates with converts elsewhere. This is flax's "direct" fp8 dot (`Fp8DirectDotGeneralOp`)
+rather than its quantize-dequantize pattern, so that the program itself says f8 and the
+precision audit counts the FLOPs by fp8 dtype without knowing what a GPU compiler will fuse.
+
+What flax leaves to the user, and this module settles:
+
+- **Where the new amaxes go.** The three amaxes a step measures (input, kernel, output
+  gradient) leave the differentiated function as the *cotangent of a probe*: a zero `f32[3]`
+  input that the matmul ignores forward and whose "gradient" is `[amax_x, amax_k, amax_g]`.
+  The step reads them next to the parameter gradients, so they follow the same paths: max-
+  combined over accumulation micro-batches (`combine`), all-reduced across devices (XLA takes
+  the max of a sharded tensor globally), dropped with the rest of a skipped step.
+- **Where the scaling state lives.** `Meta` (amax history and scales) is a plain pytree of
+  fp32 arrays: checkpointed, resumed and selected on skip like any other train state.
+
+Scales divide: `q = clip(x / scale)`, `x ~ q * scale`. Delayed scaling takes the scale from
+the history of earlier steps' amaxes (`update`), so a step's scale is known before the step;
+current scaling (`Recipe.current`) takes it from the tensor itself, one extra reduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
+E5M2 = jnp.float8_e5m2  # gradients: more range
+MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
+# The order of the three tensors in a probe, an amax vector and a `Meta`'s rows.
+TENSORS = ("x", "kernel", "grad")
+DTYPES = (E4M3, E4M3, E5M2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How scales are chosen. `history`: amaxes kept per tensor (delayed scaling reads their
+    max); `margin`: the scale leaves `2**margin` of headroom below the format's max;
+    `current`: scale each tensor by its own amax at use instead of the history's."""
+
+    history: int = 1024
+    margin: int = 0
+    current: bool = False
+
+
+def init_meta(recipe: Recipe = Recipe()) -> dict[str, jax.Array]:
+    """The scaling state of one matmul: no amax seen yet, scales of 1."""
+    return {
+        "amax_history": jnp.zeros((len(TENSORS), recipe.history), jnp.float32),
+        "scale": jnp.ones((len(TENSORS),), jnp.float32),
+    }
+
+
+def probe() -> jax.Array:
+    """The zero input whose cotangent carries a step's amaxes out (see the module doc)."""
+    return jnp.zeros((len(TENSORS),), jnp.float32)
+
+
+def scale_for(amax: jax.Array, fp8_max: float, margin: int, previous: jax.Array) -> jax.Array:
+    """The scale that maps `amax` to `fp8_max / 2**margin`; `previous` where `amax` is zero or
+    not finite (nothing measured yet, or a step about to be skipped)."""
+    scale = amax * (2.0**margin / fp8_max)
+    usable = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(usable, scale, previous).astype(jnp.float32)
+
+
+def update(meta: dict[str, jax.Array], amaxes: jax.Array, recipe: Recipe) -> dict:
+    """`meta` after a step that measured `amaxes` (`f32[3]`): the history rolls by one with
+    the new amaxes in front, and each scale comes from its history's max (delayed scaling)."""
+    history = jnp.roll(meta["amax_history"], 1, axis=1).at[:, 0].set(amaxes)
+    maxima = jnp.max(history, axis=1)
+    fp8_max = jnp.array([MAX[d] for d in DTYPES], jnp.float32)
+    scale = scale_for(maxima, fp8_max, recipe.margin, meta["scale"])
+    return {"amax_history": history, "scale": scale}
+
+
+def combine(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Two micro-batches' amax vectors as one batch's: the max (exact, order-free)."""
+    return jnp.maximum(a, b)
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """`x / scale`, clipped to the format's range (saturating, not inf), in `dtype`."""
+    bound = MAX[dtype]
+    return jnp.clip(x.astype(jnp.float32) / scale, -bound, bound).astype(dtype)
+
+
+def saturated(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """How many elements of `x` the scale clips (int32)."""
+    return jnp.sum(jnp.abs(x.astype(jnp.float32)) > MAX[dtype] * scale, dtype=jnp.int32)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a @ b` for 2-D f8 operands, accumulated and returned in fp32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _matmul(x, kernel, scale, amax_probe, current):
+    del amax_probe
+    return _forward(x, kernel, scale, current)[0]
+
+
+def _scales(x, kernel, scale, current):
+    if not current:
+        return scale
+    measured = jnp.stack([_amax(x), _amax(kernel)])
+    fp8_max = jnp.array([MAX[E4M3], MAX[E4M3]], jnp.float32)
+    return scale.at[:2].set(scale_for(measured, fp8_max, 0, scale[:2]))
+
+
+def _forward(x, kernel, scale, current):
+    scale = _scales(x, kernel, scale, current)
+    xq, kq = quantize(x, scale[0], E4M3), quantize(kernel, scale[1], E4M3)
+    y = (_dot(xq, kq) * (scale[0] * scale[1])).astype(x.dtype)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))  # residuals are arrays
+    return y, (xq, kq, scale, _amax(x), _amax(kernel), dtypes)
+
+
+def _matmul_fwd(x, kernel, scale, amax_probe, current):
+    del amax_probe
+    return _forward(x, kernel, scale, current)
+
+
+def _matmul_bwd(current, residuals, dy):
+    xq, kq, scale, amax_x, amax_k, (x_like, k_like) = residuals
+    x_dtype, k_dtype = x_like.dtype, k_like.dtype
+    amax_g = _amax(dy)
+    g_scale = scale_for(amax_g, MAX[E5M2], 0, scale[2]) if current else scale[2]
+    gq = quantize(dy, g_scale, E5M2)
+    dx = (_dot(gq, kq.T) * (g_scale * scale[1])).astype(x_dtype)
+    dk = (_dot(xq.T, gq) * (scale[0] * g_scale)).astype(k_dtype)
+    amaxes = jnp.stack([amax_x, amax_k, amax_g])
+    return dx, dk, jnp.zeros_like(scale), amaxes
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(
+    x: jax.Array, kernel: jax.Array, meta: dict, amax_probe: jax.Array, recipe: Recipe = Recipe()
+) -> jax.Array:
+    """`x @ kernel` (`x` of any rank, contracting its last axis with `kernel`'s first) in fp8,
+    returned in `x`'s dtype. `meta` gives the scales (`init_meta`, `update`); the gradient
+    with respect to `amax_probe` (`probe()`) is this call's `[amax_x, amax_kernel, amax_grad]`.
+    """
+    lead = x.shape[:-1]
+    y = _matmul(x.reshape(-1, x.shape[-1]), kernel, meta["scale"], amax_probe, recipe.current)
+    return y.reshape(*lead, kernel.shape[-1])
