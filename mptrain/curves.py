@@ -97,16 +97,23 @@ def draw(workdir: str | os.PathLike, title: str = "") -> Path | None:
 
 
 def summary(
-    workdir: str | os.PathLike, state: Any, last_eval: dict | None, seconds: float, config: Any
+    workdir: str | os.PathLike,
+    state: Any,
+    last_eval: dict | None,
+    seconds: float,
+    config: Any,
+    *,
+    loss_unit: str | None = None,
 ) -> str:
-    """The lines a run ends with: what it did and where everything is."""
+    """The lines a run ends with: what it did and where everything is. The eval loss is shown
+    in `loss_unit` (the Trainer's `loss_unit`; None: no unit), nats/byte in bits/byte too."""
     workdir = Path(workdir)
     lines = [f"mptrain: done: {int(state.step)} steps in {_duration(seconds)}"]
     if last_eval and "eval_loss" in last_eval:
         loss = last_eval["eval_loss"]
-        text = f"  final eval loss {loss:.4f}"
-        if config.model.name == "transformer_lm":  # byte-level: nats per byte
-            text += f" nats/byte = {loss / math.log(2):.3f} bits/byte"
+        text = f"  final eval loss {loss:.4f}" + (f" {loss_unit}" if loss_unit else "")
+        if loss_unit == "nats/byte":
+            text += f" = {loss / math.log(2):.3f} bits/byte"
         lines.append(text)
     lines.append(f"  skipped steps {int(state.skipped_steps)}, precision {config.precision}")
     for name, where in (

@@ -232,12 +232,15 @@ class Run:
         if draw:
             curves.draw(self.workdir, self.title)
 
-    def finish(self, last_eval: dict | None) -> None:
-        """Host-side, after the last step: the picture, and the summary on stdout."""
+    def finish(self, last_eval: dict | None, loss_unit: str | None = None) -> None:
+        """Host-side, after the last step: the picture, and the summary on stdout (the eval
+        loss in `loss_unit`, the Trainer's)."""
         curves.draw(self.workdir, self.title)
         if jax.process_index() == 0:
             seconds = time.monotonic() - self.started
-            summary = curves.summary(self.workdir, self.state, last_eval, seconds, self.config)
+            summary = curves.summary(
+                self.workdir, self.state, last_eval, seconds, self.config, loss_unit=loss_unit
+            )
             print(summary, flush=True)
 
     def save(self, step_no: int) -> None:

@@ -8,6 +8,10 @@ metrics, resuming) comes with it.
 - Traced hooks run under `jax.jit`, must be pure and read only immutable attributes
   (`self.config`, `self.model`, `self.policy`, `self.mesh`): `loss_fn`, `eval_fn`.
 - Drivers: `init_state`, `evaluate`, `setup`, `train_and_evaluate`.
+- `loss_unit`: what the run summary calls the eval loss's unit. The built-in `loss_fn` (a
+  cross-entropy) has the zoo's (`models.loss_unit`: "nats/byte" for the LM on byte-level text,
+  also shown in bits/byte, else "nats"); a subclass with its own `loss_fn` has None (no unit
+  printed) unless it sets `loss_unit` itself (a class attribute).
 
 A run is set up once (`setup` returns a `Run` holding the sources, the state, the compiled
 steps, the writer, the checkpointer and the hooks), then a short loop steps it. The loop
@@ -32,9 +36,11 @@ from absl import logging
 from mptrain import (
     audit,
     checkpoint,
+    data,
     errors,
     files,
     loop,
+    models,
     nnx_models,
     numerics,
     numerics_log,
@@ -56,13 +62,17 @@ class Trainer:
     """Trains `config.model` on `config.data` under `config.precision`; see the module doc."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path):
-        self.config = config
-        self.workdir = Path(workdir)
+        self.config, self.workdir = config, Path(workdir)
         self.policy = precision.get_policy(config.precision, config.keep_fp32)
         self.mesh = sharding.create_mesh(config)  # 1x1 on one device
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
         self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
+
+    @property
+    def loss_unit(self) -> str | None:
+        """The eval loss's unit in the run summary (None: no unit); see the module doc."""
+        return None if type(self).loss_fn is not Trainer.loss_fn else models.loss_unit(self.config)
 
     # ---- host-side hooks: run once, may do I/O --------------------------------------------
 
@@ -77,15 +87,12 @@ class Trainer:
 
     def build_datasets(self) -> tuple[Any, Any]:
         """Host-side. `(train, eval)` sources whose `get_batch(i)` is a pure function of i."""
-        from mptrain import data
-
         return data.create_sources(self.config)
 
     def build_hooks(self, run: loop.Run) -> list:
         """Host-side. clu periodic actions called with the step after every step; they read the
         live state as `run.state`. Extend via `super()`."""
         periodic_actions = metrics_lib.import_clu("periodic_actions")
-
         cfg, last = self.config, [self.config.num_train_steps]
 
         def evaluate(step: int, t: float) -> None:  # clu passes these by name
@@ -178,16 +185,15 @@ class Trainer:
     def make_train_step(self) -> Callable:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
         log totals, which restart on the device after each log step."""
-        per_layer = self.config.numerics.per_layer
-        schedule, log_every = self.schedule, self.config.log_every_steps
-        last = self.config.num_train_steps
+        cfg, schedule = self.config, self.schedule
+        log_every, last = cfg.log_every_steps, cfg.num_train_steps
 
         def is_log_step(state):  # the tables read are those of log steps and skipped steps
             return ((state.step + 1) % log_every == 0) | (state.step + 1 == last)
 
-        when = None if self.config.numerics.every_step else is_log_step
+        when = None if cfg.numerics.every_step else is_log_step
         recipe = step.make_train_step(
-            self.loss_fn, mesh=self.mesh, per_layer=per_layer, measure_when=when
+            self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
         )
 
         def train_step(state, batch, totals: loop.LogTotals):
@@ -284,7 +290,7 @@ class Trainer:
                 run = self.setup(*sources)
             with run:
                 self.train(run, preemption)
-                run.finish(self.last_eval)
+                run.finish(self.last_eval, self.loss_unit)
         return run.state
 
     def train(self, run: loop.Run, preemption: runtime.PreemptionFlag) -> None:

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from mptrain import config as config_lib
-from mptrain import curves
+from mptrain import curves, models
 from mptrain import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,8 @@ RECIPES = {
 
 class SmallGradientTrainer(trainer_lib.Trainer):
     """The default LM with its loss multiplied by `loss_factor` (its logged train and eval
-    losses too: `run` divides them back out)."""
+    losses too: `run` divides them back out). Its own `loss_fn` has no `loss_unit`: the run
+    summary shows the multiplied loss without one."""
 
     loss_factor = 1.0
 
@@ -64,7 +65,8 @@ def run(name: str, overrides: dict, args, workdir: Path) -> dict:
     return {
         "name": name,
         "steps": steps,
-        "loss": [v / args.loss_factor for v in losses],
+        "loss": [v / args.loss_factor for v in losses],  # the LM's own loss again
+        "unit": models.loss_unit(config),  # of the base Trainer's loss: nats/byte
         "loss_scale": series["loss_scale"][1],
         "eval_loss": trainer.last_eval["eval_loss"] / args.loss_factor,
     }
@@ -81,7 +83,8 @@ def draw(results: list[dict], path: Path, factor: float) -> None:
         loss_ax.plot(r["steps"], r["loss"], label=f"{r['name']} (eval {r['eval_loss']:.3f})")
         if r["name"].startswith("fp16"):
             scale_ax.plot(r["steps"], r["loss_scale"], label=r["name"])
-    loss_ax.set(title="train loss (nats/byte)", xlabel="step", ylim=(1.4, 5.8))
+    unit = results[0]["unit"]
+    loss_ax.set(title=f"train loss / {factor:g} ({unit})", xlabel="step", ylim=(1.4, 5.8))
     loss_ax.legend(fontsize=8)
     scale_ax.set(title="loss scale", xlabel="step")
     scale_ax.set_yscale("log", base=2)

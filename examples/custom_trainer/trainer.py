@@ -46,6 +46,8 @@ class Forecaster(nn.Module):
 
 
 class ForecastTrainer(mptrain.Trainer):
+    loss_unit = "mean squared error"  # of the next value, as the run summary names it
+
     def build_model(self):  # host-side
         return Forecaster(self.config.model.hidden, dtype=self.policy.compute_dtype)
 

@@ -37,6 +37,16 @@ def import_model(name: Any):
     return valid[name]
 
 
+def loss_unit(config) -> str:
+    """The unit of the Trainer's built-in loss under `config`, a mean cross-entropy in nats per
+    target (`layers.cross_entropy`): "nats/byte" for `transformer_lm` on the byte-level text of
+    `data.name="text"`, whose targets are bytes; else "nats" (the classifiers `cnn`, `mlp` and
+    `resnet`: per image). A Trainer subclass with its own `loss_fn` names its own unit."""
+    if config.model.name == "transformer_lm" and config.data.name == "text":
+        return "nats/byte"
+    return "nats"
+
+
 class _BelowWarnings(std_logging.Filter):
     def filter(self, record: std_logging.LogRecord) -> bool:
         return record.levelno >= std_logging.WARNING
