@@ -74,11 +74,9 @@ def setup_warnings(config: Any) -> list[str]:
       half a unit in the last place, so a step of about `learning_rate` (the size of an Adam
       step) leaves every weight with |w| > learning_rate / (eps / 2) unchanged, which by then
       includes weights of magnitude 1. A decaying schedule makes this worse as training ends;
-    - adamw keeps its second moment in bf16 with round-to-nearest: it moves by `(1 - b2)` of
-      itself per step, below bf16's resolution, so it stops decaying and tracking `g**2`
-      (likewise, more mildly, for the first moment);
-    - adamw keeps a moment in fp16: `g**2` overflows above |g| ~ 256 and flushes to zero below
-      |g| ~ 2.4e-4, which turns the Adam step into `mu / eps`.
+    - adamw stores its moments unsafely (`optim.moment_warnings`, the messages its builders warn
+      with): a moment in bf16 or q8 rounded to nearest, whose changes are rounded away (the
+      second moment stops decaying and tracking `g**2`), or in fp16, whose range `g**2` leaves.
     sgd's momentum buffer changes by `(1 - momentum)` of itself per step, which bf16 resolves,
     so it draws no warning. Returns an empty list when nothing is unsafe.
     """
@@ -108,41 +106,10 @@ def setup_warnings(config: Any) -> list[str]:
             )
     if opt.get("name", "adamw") != "adamw":
         return warnings  # sgd's momentum changes by (1 - momentum) per step: bf16 copes
-    nearest = opt.get("moment_rounding", "stochastic") == "nearest"
-    for key in ("mu_dtype", "nu_dtype"):
-        dtype = optim.state_dtype(opt.get(key), f"optimizer.{key}")
-        if dtype == precision.BF16 and nearest and key == "nu_dtype":
-            warnings.append(
-                "optimizer.nu_dtype=bfloat16 with optimizer.moment_rounding='nearest': the "
-                "second moment moves by (1 - b2) of itself per step, below bfloat16's "
-                "resolution, so it stops decaying and stops tracking g**2. Use "
-                "moment_rounding='stochastic' (the default) or nu_dtype='float32'."
-            )
-        elif dtype == precision.BF16 and nearest:
-            warnings.append(
-                "optimizer.mu_dtype=bfloat16 with optimizer.moment_rounding='nearest': changes "
-                "of the first moment smaller than bfloat16's resolution are rounded away. Use "
-                "moment_rounding='stochastic' (the default) or mu_dtype='float32'."
-            )
-        elif dtype == optim.Q8 and nearest:
-            warnings.append(
-                f"optimizer.{key}='q8' with optimizer.moment_rounding='nearest': 8-bit codes "
-                "resolve about 6% of a value, and a moment moves by (1 - b1) or (1 - b2) of "
-                "itself per step, so rounded to nearest it mostly stands still. Use "
-                "moment_rounding='stochastic' (the default)."
-            )
-        elif dtype == precision.F16 and key == "nu_dtype":
-            warnings.append(
-                "optimizer.nu_dtype=float16: g**2 overflows float16 for |g| > 256 and flushes to "
-                "zero for |g| < 2.4e-4, where the Adam step becomes mu / eps. Use float32 (or "
-                "bfloat16, which has float32's range)."
-            )
-        elif dtype == precision.F16:
-            warnings.append(
-                "optimizer.mu_dtype=float16: gradients above 65504 overflow and tiny ones flush "
-                "to zero. Use float32 (or bfloat16, which has float32's range)."
-            )
-    return warnings
+    rounding = opt.get("moment_rounding", "stochastic")
+    return warnings + optim.moment_warnings(
+        opt.get("mu_dtype"), opt.get("nu_dtype"), rounding, prefix="optimizer."
+    )
 
 
 # --------------------------------------------------------------------------- the report

@@ -2,7 +2,8 @@
 
 `make_optimizer(config)` turns `config.optimizer` into an optax chain (clipping, the optimizer,
 the learning-rate schedule, optional gradient accumulation) and returns the schedule with it, so
-the trainer can log `schedule(optimizer_count(opt_state))`.
+the trainer can log `schedule(optimizer_count(opt_state))`. The optimizer's count advances only
+on applied updates (see `Gated`), so schedules follow them and never drift on skipped steps.
 
 Why this module has its own `adamw`: `optax.adamw` keeps its moments in the dtype of the params
 it is initialised with, so with bf16 params the optimizer state silently becomes bf16 as well.
@@ -10,22 +11,17 @@ Here moments are stored in `mu_dtype` / `nu_dtype` (fp32 unless asked otherwise)
 param dtype, and every update is computed in fp32. With fp32 storage the numbers are those of
 `optax.adamw`.
 
-Storing a moment in bf16 has a trap of its own: bf16 keeps 8 significant bits, so rounding to
-nearest drops any change smaller than half a unit in the last place, 0.2-0.4% of the value. The
-second moment moves by `(1 - b2) = 0.1%` of its size per step, so rounded to nearest it mostly
-cannot move at all: it neither decays nor follows small changes of `g**2`. bf16-stored moments
-are therefore rounded stochastically by default (`moment_rounding="stochastic"`): correct in
-expectation, so the running averages track their fp32 counterparts on average. The random bits
-come from `seed` and the optimizer count, so a resumed run rounds exactly as an uninterrupted
-one.
-
-Counters: the optimizer's count lives inside `opt_state` and advances only when an update is
-applied; `mptrain.make_train_step` keeps the old `opt_state` on a non-finite step, so schedules
-follow applied updates and never drift on skips.
+bf16-stored moments are rounded stochastically by default (`moment_rounding="stochastic"`),
+correct in expectation: to nearest, the second moment, moving by `(1 - b2) = 0.1%` of itself
+per step, below bf16's resolution (0.2-0.4%), would stand still. The random bits come from
+`seed` and the optimizer count, so a resumed run rounds exactly as an uninterrupted one.
+Storage that loses signal (fp16; bf16 or q8 rounded to nearest) draws an `UnsafeMomentsWarning`.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -46,12 +42,12 @@ Q8 = "q8"  # the 8-bit block-quantized state "dtype"
 
 class Gated(optax.GradientTransformationExtraArgs):
     """A transformation whose `update(updates, state, params, apply=flag)` returns its old state
-    where `flag` (a bool scalar) is False: a step the trainer skips. Its parts select before
-    they compute the updates from their new state (the moments, the count), so each state
-    leaf is read once and written in place. A select after a whole optax update instead reads
-    each old leaf twice, in the update and in the select, and XLA copies every donated moment
-    to keep it for the second read: a kernel per leaf, every step. `make_optimizer` returns
-    one when every stateful part gates (not with gradient accumulation)."""
+    where `flag` (a bool scalar) is False: a step the trainer skips. Its parts select before they
+    compute the updates from their new state (the moments, the count), so each state leaf is
+    read once and written in place. A select after a whole optax update instead reads each old
+    leaf twice, and XLA copies every donated moment to keep it for the second read: a kernel per
+    leaf, every step. `make_optimizer` returns one when every stateful part gates (not with
+    gradient accumulation)."""
 
 
 def _keep(apply: Any, new: Any, old: Any) -> Any:
@@ -72,6 +68,42 @@ def state_dtype(dtype: Any, key: str) -> np.dtype | str:
         return precision.parse_dtype(dtype, key)
     except ValueError as e:  # its list of dtypes lacks the one that is not a dtype: q8
         raise ValueError(f"{e}, or {Q8!r} (8-bit block-quantized)") from None
+
+
+class UnsafeMomentsWarning(UserWarning):
+    """Adam moments stored so that they quietly lose training signal (see `moment_warnings`)."""
+
+
+_WHY = {  # (storage, moment): what goes wrong; bf16 and q8 only when rounded to nearest
+    ("bfloat16", "mu_dtype"): "changes of the first moment smaller than bfloat16's resolution "
+    "are rounded away. Use moment_rounding='stochastic' (the default) or mu_dtype='float32'.",
+    ("bfloat16", "nu_dtype"): "the second moment moves by (1 - b2) of itself per step, below "
+    "bfloat16's resolution, so it stops decaying and stops tracking g**2. Use moment_rounding="
+    "'stochastic' (the default) or nu_dtype='float32'.",
+    ("'q8'", "mu_dtype"): "8-bit codes resolve about 6% of a value, and a moment moves by "
+    "(1 - b1) or (1 - b2) of itself per step, so rounded to nearest it mostly stands still. Use "
+    "moment_rounding='stochastic' (the default).",
+    ("float16", "mu_dtype"): "gradients above 65504 overflow and tiny ones flush to zero. Use "
+    "float32 (or bfloat16, which has float32's range).",
+    ("float16", "nu_dtype"): "g**2 overflows float16 for |g| > 256 and flushes to zero for "
+    "|g| < 2.4e-4, where the Adam step becomes mu / eps. Use float32 (or bfloat16, which has "
+    "float32's range).",
+}
+_WHY["'q8'", "nu_dtype"] = _WHY["'q8'", "mu_dtype"]
+
+
+def moment_warnings(mu: Any, nu: Any, rounding: Any = "stochastic", prefix: str = "") -> list[str]:
+    """Why Adam moments stored in `mu`/`nu` with `rounding` lose signal: a message per unsafe
+    choice naming it (`prefix` + `mu_dtype`...), [] if none. `scale_by_adam` warns them, and
+    `audit.setup_warnings` (the start-up log) reports them with `prefix="optimizer."`."""
+    found = []
+    for key, dtype in (("mu_dtype", mu), ("nu_dtype", nu)):
+        dtype = state_dtype(dtype, prefix + key)
+        shown = repr(Q8) if dtype == Q8 else dtype.name
+        if shown == "float16" or (shown != "float32" and rounding == "nearest"):
+            how = "" if shown == "float16" else f" with {prefix}moment_rounding='nearest'"
+            found.append(f"{prefix}{key}={shown}{how}: {_WHY[shown, key]}")
+    return found
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, kind: str, block: int, min_size: int) -> Any:
@@ -126,14 +158,17 @@ def scale_by_adam(
     gradients and the stored moments to fp32, computes the new moments and the bias-corrected
     step exactly as `optax.scale_by_adam` does, and rounds the moments once, on the way back to
     storage. `moment_rounding` decides how bf16-stored moments are rounded ("stochastic" or
-    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`mptrain.q8`)
-    keeps tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes
-    with an fp32 scale each (the first moment signed, the second in square-root space) and the
-    rest in fp32; `moment_rounding` applies to its codes too.
+    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`mptrain.q8`) keeps
+    tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes with an
+    fp32 scale each (the first moment signed, the second in square-root space) and the rest in
+    fp32; `moment_rounding` applies to its codes too. Unsafe storage warns (`moment_warnings`).
     """
     mu_dtype = state_dtype(mu_dtype, "mu_dtype")
     nu_dtype = state_dtype(nu_dtype, "nu_dtype")
     moment_rounding = errors.check_choice("moment_rounding", moment_rounding, MOMENT_ROUNDINGS)
+    level = 3 if sys._getframe(1).f_code is adamw.__code__ else 2  # at the user's line
+    for message in moment_warnings(mu_dtype, nu_dtype, moment_rounding):
+        warnings.warn(message, UnsafeMomentsWarning, stacklevel=level)
     block = errors.check_integer("q8_block_size", q8_block_size, 1)
     min_size = errors.check_integer("q8_min_size", q8_min_size, 1)
 
@@ -241,9 +276,8 @@ def adamw(
     count, which advances only on applied updates. Weight decay is decoupled as in
     `optax.adamw` (added to the Adam step, then scaled by the learning rate) and applies to every
     param unless `mask` (a pytree of bools or a callable, as in optax) says otherwise. With
-    float32 storage this computes what `optax.adamw` computes. `moment_rounding` and `seed`
-    decide how bf16-stored moments are rounded (see the module docstring); a moment dtype of
-    "q8" stores 8-bit block-quantized moments (see `scale_by_adam` and `mptrain.q8`).
+    float32 storage this computes what `optax.adamw` computes. The moments' storage
+    (`moment_rounding`, `seed`, "q8", its warnings) is `scale_by_adam`'s.
     """
     adam = scale_by_adam(
         b1,
@@ -256,13 +290,8 @@ def adamw(
         q8_block_size=q8_block_size,
         q8_min_size=q8_min_size,
     )
-    return Gated(
-        *optax.chain(
-            adam,
-            _with_fp32_params(optax.add_decayed_weights(weight_decay, mask)),
-            _scale_by_schedule(learning_rate),
-        )
-    )
+    decay = _with_fp32_params(optax.add_decayed_weights(weight_decay, mask))
+    return Gated(*optax.chain(adam, decay, _scale_by_schedule(learning_rate)))
 
 
 def sgd(
@@ -303,23 +332,18 @@ def make_optimizer(
     micro-batches, while the optimizer's count (and so the schedule, `warmup_steps` included)
     counts applied updates: `num_train_steps // accumulation_steps` of them. The accumulator is
     fp32. The warmup is `schedules.warmup_steps(config)`. `weight_decay_mask` is passed to the
-    optimizer as optax's `mask`.
-
-    Log the learning rate as `schedule(optimizer_count(state.opt_state))`. This is the one place
-    that checks the `optimizer.*` keys: a bad value raises a `ValueError` that names the key and
-    says what is valid (`config.validate` calls this).
+    optimizer as optax's `mask`. This is the one place that checks the `optimizer.*` keys: a bad
+    value raises a `ValueError` that names the key and says what is valid (`config.validate`
+    calls this). Unsafe moments draw no `UnsafeMomentsWarning` here (see the comment inside).
     """
     opt = config.optimizer
-    name = errors.check_choice("optimizer.name", errors.setting(opt, "name", "adamw"), NAMES)
-    lr = errors.check_number(
-        "optimizer.learning_rate", opt.get("learning_rate"), 0.0, open_low=True
+    get = lambda check, key, default, *a, **kw: check(
+        f"optimizer.{key}", errors.setting(opt, key, default), *a, **kw
     )
-    weight_decay = errors.check_number(
-        "optimizer.weight_decay", errors.setting(opt, "weight_decay", 0.0), 0.0
-    )
-    clip = errors.check_number(
-        "optimizer.grad_clip_norm", errors.setting(opt, "grad_clip_norm", 0.0), 0.0
-    )
+    name = get(errors.check_choice, "name", "adamw", NAMES)
+    lr = get(errors.check_number, "learning_rate", None, 0.0, open_low=True)
+    weight_decay = get(errors.check_number, "weight_decay", 0.0, 0.0)
+    clip = get(errors.check_number, "grad_clip_norm", 0.0, 0.0)
     mu_dtype = state_dtype(opt.get("mu_dtype"), "optimizer.mu_dtype")
     nu_dtype = state_dtype(opt.get("nu_dtype"), "optimizer.nu_dtype")
     schedule_name = errors.setting(opt, "schedule", "constant")
@@ -328,30 +352,24 @@ def make_optimizer(
     )
 
     if name == "adamw":
-        tx = adamw(
-            schedule,
-            b1=errors.check_number("optimizer.b1", errors.setting(opt, "b1", 0.9), 0.0, 1.0),
-            b2=errors.check_number("optimizer.b2", errors.setting(opt, "b2", 0.999), 0.0, 1.0),
-            eps=errors.check_number(
-                "optimizer.eps", errors.setting(opt, "eps", 1e-8), 0.0, open_low=True
-            ),
-            weight_decay=weight_decay,
-            mu_dtype=mu_dtype,
-            nu_dtype=nu_dtype,
-            mask=weight_decay_mask,
-            moment_rounding=errors.check_choice(
-                "optimizer.moment_rounding",
-                errors.setting(opt, "moment_rounding", "stochastic"),
-                MOMENT_ROUNDINGS,
-            ),
-            seed=int(errors.setting(config, "seed", 0)),
-            q8_block_size=errors.check_integer(
-                "optimizer.q8_block_size", errors.setting(opt, "q8_block_size", q8.BLOCK_SIZE), 1
-            ),
-            q8_min_size=errors.check_integer(
-                "optimizer.q8_min_size", errors.setting(opt, "q8_min_size", q8.MIN_SIZE), 1
-            ),
-        )
+        rounding = get(errors.check_choice, "moment_rounding", "stochastic", MOMENT_ROUNDINGS)
+        # Quiet: a run builds this twice (validate, trainer) and logs each problem at start-up
+        # (`audit.setup_warnings`, with the rest); a Python warning too would repeat each.
+        with warnings.catch_warnings(action="ignore", category=UnsafeMomentsWarning):
+            tx = adamw(
+                schedule,
+                b1=get(errors.check_number, "b1", 0.9, 0.0, 1.0),
+                b2=get(errors.check_number, "b2", 0.999, 0.0, 1.0),
+                eps=get(errors.check_number, "eps", 1e-8, 0.0, open_low=True),
+                weight_decay=weight_decay,
+                mu_dtype=mu_dtype,
+                nu_dtype=nu_dtype,
+                mask=weight_decay_mask,
+                moment_rounding=rounding,
+                seed=int(errors.setting(config, "seed", 0)),
+                q8_block_size=get(errors.check_integer, "q8_block_size", q8.BLOCK_SIZE, 1),
+                q8_min_size=get(errors.check_integer, "q8_min_size", q8.MIN_SIZE, 1),
+            )
     else:  # sgd
         if mu_dtype == Q8:
             raise ValueError(
@@ -365,9 +383,7 @@ def make_optimizer(
             )
         tx = sgd(
             schedule,
-            momentum=errors.check_number(
-                "optimizer.momentum", errors.setting(opt, "momentum", 0.0), 0.0, 1.0
-            ),
+            momentum=get(errors.check_number, "momentum", 0.0, 0.0, 1.0),
             nesterov=bool(errors.setting(opt, "nesterov", False)),
             weight_decay=weight_decay,
             mu_dtype=mu_dtype,
@@ -378,15 +394,7 @@ def make_optimizer(
     accumulation = errors.setting(opt, "accumulation_steps", 1)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation, accumulator_dtype=jnp.float32)
-        tx = _fp32_init(tx.gradient_transformation())
+        inner = tx.gradient_transformation()
+        # MultiSteps sizes a few buffers from the params: fp32 copies keep them from bf16
+        tx = optax.GradientTransformation(lambda p: inner.init(to_f32(p)), inner.update)
     return tx, schedule
-
-
-def _fp32_init(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Initialises `inner` from fp32 copies of the params.
-
-    `optax.MultiSteps` sizes a few buffers from the params it is initialised with; our own states
-    choose their dtypes explicitly, so only the shapes matter, and fp32 keeps any other buffer
-    from quietly becoming bf16.
-    """
-    return optax.GradientTransformation(lambda params: inner.init(to_f32(params)), inner.update)
