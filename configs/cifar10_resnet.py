@@ -12,7 +12,11 @@ epochs of 50,000 images, SGD with Nesterov momentum, cosine decay, crop-and-flip
 as the standard recipe reaches; an hour or so on one GPU, far too long on a CPU. A handful of
 steps is skipped at the start while the loss scale settles (`skipped_steps` in TensorBoard).
 (Not measured in this repository's CI, which has no copy of CIFAR-10.)
-`--config=configs/cifar10_resnet.py:tiny` is the test-sized variant.
+
+`--config=configs/cifar10_resnet.py:tiny` is the test-sized variant, and it does not read
+CIFAR-10: it trains on synthetic 32x32x3 images of 10 classes (`data.name = "synthetic_images"`,
+see `mptrain/data/synthetic_images.py`; no augmentation), offline and in seconds, with no
+TensorFlow installed. Only the full config reads the TFDS dataset.
 """
 
 from ml_collections import config_dict
@@ -49,16 +53,12 @@ def get_config(arg: str | None = None):
     c.model.num_classes = 10
     c.model.bn_momentum = 0.9  # decay of the running batch statistics
 
-    c.data.name = "tfds"
-    c.data.dataset = "cifar10"  # TFDS name
-    c.data.train_split = "train"
-    c.data.eval_split = "test"
-    # a str, None by default: $TFDS_DATA_DIR or ~/tensorflow_datasets (a placeholder, so that
-    # --config.data.data_dir=DIR can override it)
-    c.data.data_dir = config_dict.placeholder(str)
-    c.data.augment = True  # random crops of the 4-pixel-padded image, random horizontal flips
-
     if arg == "tiny":
+        # Synthetic images of CIFAR-10's shape and classes: no download, no TensorFlow.
+        c.data.name = "synthetic_images"
+        c.data.image_shape = (32, 32, 3)
+        c.data.num_classes = 10
+        c.data.signal = 0.8  # the share of each pixel's variance that is its class's pattern
         c.num_train_steps = 4
         c.batch_size = 8
         c.log_every_steps = 2
@@ -72,4 +72,13 @@ def get_config(arg: str | None = None):
         c.model.width = 4
     elif arg:
         raise ValueError(f"unknown config argument {arg!r}; valid: 'tiny' or none")
+    else:
+        c.data.name = "tfds"
+        c.data.dataset = "cifar10"  # TFDS name
+        c.data.train_split = "train"
+        c.data.eval_split = "test"
+        # a str, None by default: $TFDS_DATA_DIR or ~/tensorflow_datasets (a placeholder, so
+        # that --config.data.data_dir=DIR can override it)
+        c.data.data_dir = config_dict.placeholder(str)
+        c.data.augment = True  # random crops of the 4-pixel-padded image, random flips
     return c

@@ -8,8 +8,12 @@ Needs the TFDS dataset, prepared once (this repository never downloads it):
 Expected: about 99% test accuracy (eval_accuracy >= 0.99, eval_loss <= 0.04) after the 2,000
 steps (about 4 epochs), what a network of this shape reaches in flax's MNIST example; minutes
 on a CPU. (An estimate: not measured here, as this repository's CI has no copy of MNIST.)
-`--config.model.name=mlp` trains the MLP instead (about 98%). `--config=configs/mnist_cnn.py:tiny`
-is the test-sized variant.
+`--config.model.name=mlp` trains the MLP instead (about 98%).
+
+`--config=configs/mnist_cnn.py:tiny` is the test-sized variant, and it does not read MNIST: it
+trains on synthetic 28x28x1 images of 10 classes (`data.name = "synthetic_images"`, see
+`mptrain/data/synthetic_images.py`), offline and in seconds, with no TensorFlow installed. Only
+the full config reads the TFDS dataset.
 """
 
 from ml_collections import config_dict
@@ -35,16 +39,12 @@ def get_config(arg: str | None = None):
     c.model.hidden = 256  # width of the dense layer before the head (also the MLP's width)
     c.model.num_classes = 10
 
-    c.data.name = "tfds"
-    c.data.dataset = "mnist"  # TFDS name
-    c.data.train_split = "train"
-    c.data.eval_split = "test"
-    # a str, None by default: $TFDS_DATA_DIR or ~/tensorflow_datasets (a placeholder, so that
-    # --config.data.data_dir=DIR can override it)
-    c.data.data_dir = config_dict.placeholder(str)
-    c.data.augment = False  # random crops and flips would hurt digits
-
     if arg == "tiny":
+        # Synthetic images of MNIST's shape and classes: no download, no TensorFlow.
+        c.data.name = "synthetic_images"
+        c.data.image_shape = (28, 28, 1)
+        c.data.num_classes = 10
+        c.data.signal = 0.8  # the share of each pixel's variance that is its class's pattern
         c.num_train_steps = 4
         c.batch_size = 8
         c.log_every_steps = 2
@@ -56,4 +56,13 @@ def get_config(arg: str | None = None):
         c.model.hidden = 16
     elif arg:
         raise ValueError(f"unknown config argument {arg!r}; valid: 'tiny' or none")
+    else:
+        c.data.name = "tfds"
+        c.data.dataset = "mnist"  # TFDS name
+        c.data.train_split = "train"
+        c.data.eval_split = "test"
+        # a str, None by default: $TFDS_DATA_DIR or ~/tensorflow_datasets (a placeholder, so
+        # that --config.data.data_dir=DIR can override it)
+        c.data.data_dir = config_dict.placeholder(str)
+        c.data.augment = False  # random crops and flips would hurt digits
     return c
