@@ -42,6 +42,7 @@ MODULE_KEYS = {
     "model.resnet": {"stage_sizes", "width", "num_classes", "bn_momentum"},
     "data.text": {"seq_len", "max_bytes", "eval_fraction"},
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
+    "data.synthetic_images": {"image_shape", "num_classes", "signal"},
 }  # fmt: skip
 
 

@@ -49,7 +49,10 @@ def _one_line_exit_2(workdir, err, code, *named):
             ["--config.model.name=trnsformer_lm"],
             ["config.model.name='trnsformer_lm'", "valid: cnn, mlp, resnet, transformer_lm"],
         ),
-        (["--config.data.name=txt"], ["config.data.name='txt'", "valid: text, tfds"]),
+        (
+            ["--config.data.name=txt"],
+            ["config.data.name='txt'", "valid: synthetic_images, text, tfds"],
+        ),
         # rejected rather than silently useless
         (
             [
