@@ -200,13 +200,19 @@ class PrecisionReport:
 
     @property
     def compute_fraction(self) -> float:
-        """The share of matmul FLOPs whose operands are in the compute dtype."""
+        """The share of matmul FLOPs whose operands are in the compute dtype, or narrower: the
+        fp8 matmuls of `fp8-mixed` (`mptrain.fp8`) count too."""
         total = sum(self.matmul_flops.values())
-        return self.matmul_flops.get(self.compute_dtype, 0) / total if total else 1.0
+        low = sum(f for d, f in self.matmul_flops.items() if self._low(d))
+        return low / total if total else 1.0
+
+    def _low(self, dtype: str) -> bool:
+        return dtype == self.compute_dtype or dtype.startswith("float8")
 
     def offenders(self) -> list[tuple[str, str, int]]:
-        """`(file:line, dtype, FLOPs)` of the matmuls not in the compute dtype, biggest first."""
-        rows = [(w, d, f) for (w, d), f in self.matmuls.items() if d != self.compute_dtype]
+        """`(file:line, dtype, FLOPs)` of the matmuls wider than the compute dtype, biggest
+        first."""
+        rows = [(w, d, f) for (w, d), f in self.matmuls.items() if not self._low(d)]
         return sorted(rows, key=lambda row: -row[2])
 
     def __str__(self) -> str:

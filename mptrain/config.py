@@ -23,7 +23,8 @@ from mptrain.errors import ConfigError
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds init, dropout and the data order; batch i is a pure function of (seed, i)
-    # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "params=..,compute=..,output=.."
+    # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "fp8-mixed" (transformer_lm only)
+    # | "params=..,compute=..,output=..[,fp8]"
     c.precision = "bf16-mixed"
     # regex over "/"-joined param paths: matching params reach the model in fp32, the rest in
     # the compute dtype. None: embedding tables and norm scales/biases under 16-bit compute
@@ -261,7 +262,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         sharding.mesh_shape(config)
         example = data.check_config(config) if "data" in zoo else None
         if "model" in zoo:
-            models.check_config(config, policy.compute_dtype, example)
+            models.check_config(config, policy, example)
     except ConfigError:  # already says `config.<key>=...`
         raise
     except ValueError as e:

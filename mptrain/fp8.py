@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,6 +36,7 @@ from jax import lax
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range
 MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
+META, PROBES = "fp8", "fp8_probe"  # the model_state collections of the scaling state, the probes
 # The order of the three tensors in a probe, an amax vector and a `Meta`'s rows.
 TENSORS = ("x", "kernel", "grad")
 DTYPES = (E4M3, E4M3, E5M2)
@@ -159,3 +161,38 @@ def matmul(
     lead = x.shape[:-1]
     y = _matmul(x.reshape(-1, x.shape[-1]), kernel, meta["scale"], amax_probe, recipe.current)
     return y.reshape(*lead, kernel.shape[-1])
+
+
+class DotGeneral(nn.Module):
+    """A flax `dot_general_cls` (`nn.Dense(..., dot_general_cls=fp8.DotGeneral)`) that runs the
+    Dense's matmul through `matmul`. Its scaling state is the variable `meta` of collection
+    `fp8` and its probe the variable `amax` of collection `fp8_probe`: both land in the
+    Trainer's `model_state`, where the step finds them (`step.make_train_step`)."""
+
+    recipe: Recipe = Recipe()
+
+    @nn.compact
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        del precision, preferred_element_type  # fp8 operands, fp32 accumulation, lhs's dtype
+        (contract_lhs, contract_rhs), batch = dimension_numbers
+        if batch != ((), ()) or tuple(contract_rhs) != (0,) or rhs.ndim != 2:
+            raise ValueError("fp8.DotGeneral: only a Dense's `x @ kernel` is supported")
+        if tuple(contract_lhs) != (lhs.ndim - 1,):
+            raise ValueError("fp8.DotGeneral: only a Dense's `x @ kernel` is supported")
+        meta = self.variable(META, "meta", init_meta, self.recipe)
+        amax_probe = self.variable(PROBES, "amax", probe)
+        return matmul(lhs, rhs, meta.value, amax_probe.value, self.recipe)
+
+
+def update_state(model_state: dict, amaxes: dict, recipe: Recipe = Recipe()) -> dict:
+    """`model_state` with every fp8 layer's `meta` updated by the amaxes its probe received
+    (`amaxes`: the gradient of `model_state[PROBES]`)."""
+    from flax import traverse_util
+
+    metas = traverse_util.flatten_dict(model_state[META])
+    for path, found in traverse_util.flatten_dict(amaxes).items():
+        layer = path[:-1]  # (..., "amax") -> the layer's path
+        old = {k[-1]: v for k, v in metas.items() if k[:-2] == layer and k[-2] == "meta"}
+        for key, value in update(old, found, recipe).items():
+            metas[(*layer, "meta", key)] = value
+    return {**model_state, META: traverse_util.unflatten_dict(metas)}

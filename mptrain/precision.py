@@ -33,7 +33,10 @@ PRESETS = {
     "bf16-mixed": ("float32", "bfloat16", "float32"),
     "fp16-mixed": ("float32", "float16", "float32"),
     "bf16-pure": ("bfloat16", "bfloat16", "float32"),
+    # bf16-mixed, and the matmuls the model selects in fp8 (`mptrain.fp8`)
+    "fp8-mixed": ("float32", "bfloat16", "float32"),
 }
+FP8 = "fp8"  # the part of a policy's long form that turns the fp8 matmuls on
 
 
 def parse_dtype(value: Any, key: str) -> np.dtype:
@@ -92,6 +95,7 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     keep_fp32: str | None = None
+    fp8: bool = False  # the model runs its selected matmuls in fp8 (`mptrain.fp8`)
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -152,7 +156,7 @@ class Policy:
     def __str__(self) -> str:
         return (
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-            f"output={self.output_dtype.name}"
+            f"output={self.output_dtype.name}" + (f",{FP8}" if self.fp8 else "")
         )
 
 
@@ -165,14 +169,15 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
         raise ValueError(f"precision={spec!r}: must be a string ({type(spec).__name__} given)")
     text = spec.strip().lower()
     if text in PRESETS:
-        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32)
+        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32, text == "fp8-mixed")
     if "=" not in text:
         raise ValueError(
             f"precision={spec!r}: unknown; valid presets are {', '.join(PRESETS)}, or the "
             "explicit form 'params=float32,compute=bfloat16,output=float32' (keys p,c,o too)"
         )
     found: dict[str, np.dtype] = {}
-    for part in text.split(","):
+    parts = [part for part in text.split(",") if part.strip() != FP8]
+    for part in parts:
         key, sep, value = part.partition("=")
         key, part = key.strip(), part.strip()
         if not sep or key not in _KEYS:
@@ -189,7 +194,10 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
     missing = [k for k in ("params", "compute", "output") if k not in found]
     if missing:
         raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
-    return Policy(found["params"], found["compute"], found["output"], keep_fp32)
+    fp8 = len(parts) < len(text.split(","))
+    if fp8 and found["compute"] == F32:
+        raise ValueError(f"precision={spec!r}: fp8 matmuls need a 16-bit compute dtype")
+    return Policy(found["params"], found["compute"], found["output"], keep_fp32, fp8)
 
 
 # --------------------------------------------------------------------------- rounding

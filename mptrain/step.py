@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from mptrain import fp8 as fp8_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import numerics, precision, sharding
 from mptrain import train_state as train_state_lib
@@ -29,6 +30,21 @@ MetricFn = Callable[[Any, Any, Any], dict[str, jax.Array]]
 def _like(new: Any, old: Any) -> Any:
     """Casts `new` leafwise to the dtypes of `old` (the loss_fn may return compute-dtype state)."""
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
+
+
+def _combine(probe_grads: tuple, axes: tuple[str, ...]) -> tuple:
+    """Across devices: the numerics table as `numerics.combine` does, fp8 amaxes by max."""
+    table, amaxes = probe_grads
+    table = None if table is None else numerics.combine(table, axes)
+    return table, jax.tree.map(lambda a: jax.lax.pmax(a, axes), amaxes)
+
+
+def _split_probes(model_state: Any) -> tuple[Any, Any]:
+    """`(model_state without the fp8 probes, the probes or None)`."""
+    if not isinstance(model_state, dict) or fp8_lib.PROBES not in model_state:
+        return model_state, None
+    rest = {k: v for k, v in model_state.items() if k != fp8_lib.PROBES}
+    return rest, model_state[fp8_lib.PROBES]
 
 
 def _recording(taps, compute_dtype, calls):
@@ -63,7 +79,12 @@ def make_train_step(
         policy, scaler = state.policy, state.loss_scale
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-        def scaled_loss(params, taps, batch, rng, model_state):
+        def scaled_loss(params, probes, batch, rng, model_state):
+            # `probes`: the numerics taps and the fp8 layers' probes, zeros whose gradients are
+            # the per-layer table and the fp8 amaxes (`mptrain.numerics`, `mptrain.fp8`)
+            taps, amax_probes = probes
+            if amax_probes is not None:
+                model_state = {**model_state, fp8_lib.PROBES: amax_probes}
             # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
             # cast *inside* the differentiated function, so jax.grad carries the cotangent back
             # through it, gradients arrive in fp32 and the master copy never leaves fp32. The
@@ -79,11 +100,12 @@ def make_train_step(
         if per_layer:  # a zero row per module call; its gradient is the numerics table
             calls = numerics.loss_calls(loss_fn, state, batch)
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
-        grads_of = sharding.grad_fn(scaled_loss, policy, mesh, numerics.combine)
-        inputs = (policy.cast_to_compute(batch), rng, state.model_state)
+        grads_of = sharding.grad_fn(scaled_loss, policy, mesh, _combine)
+        rest, amax_probes = _split_probes(state.model_state)
+        inputs = (policy.cast_to_compute(batch), rng, rest)
         lazy = per_layer and measure_when is not None
-        grads, table, (loss, model_state, aux) = grads_of(
-            state.params, None if lazy else taps, *inputs
+        grads, (table, amaxes), (loss, model_state, aux) = grads_of(
+            state.params, (None if lazy else taps, amax_probes), *inputs
         )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
@@ -95,6 +117,8 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         model_state = _like(model_state, state.model_state)
+        if amax_probes is not None:  # the fp8 scaling state moves on; a skip drops it below
+            model_state = fp8_lib.update_state(model_state, amaxes)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
         if policy.param_dtype != precision.F16:
@@ -130,7 +154,7 @@ def make_train_step(
 
             def measure():  # non-finite counts of the param gradients need no unscaling
                 with jax.named_scope(numerics.REPLAY):  # the precision report leaves it out
-                    grads, table, _ = grads_of(state.params, taps, *inputs)
+                    grads, (table, _), _ = grads_of(state.params, (taps, amax_probes), *inputs)
                     return numerics.finish(table, calls, grads)
 
             if lazy:

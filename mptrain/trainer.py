@@ -21,7 +21,6 @@ except on log, eval and checkpoint steps; the train step is compiled once, with 
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,8 +77,7 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
-        module = importlib.import_module(f"mptrain.models.{self.config.model.name}")
-        return module.create_model(self.config.model, self.policy.compute_dtype)
+        return models.create(self.config.model, self.policy)
 
     def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Host-side. The optax transformation and its learning-rate schedule (for logging)."""

@@ -65,7 +65,24 @@ def _quiet():
         logger.removeFilter(below)
 
 
-def check_config(config, compute_dtype: Any, example: Any = None) -> None:
+def create(config_model: Any, policy: Any):
+    """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
+    dtype, and with fp8 matmuls where the policy has them (`fp8=True`, which only a model whose
+    `create_model` takes `fp8` supports; others are a `ValueError` naming the precision)."""
+    import inspect
+
+    module = import_model(config_model.name)
+    if not policy.fp8:
+        return module.create_model(config_model, policy.compute_dtype)
+    if "fp8" not in inspect.signature(module.create_model).parameters:
+        raise ValueError(
+            f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
+            "fp8 runs the dense layers of transformer_lm"
+        )
+    return module.create_model(config_model, policy.compute_dtype, fp8=True)
+
+
+def check_config(config, policy: Any, example: Any = None) -> None:
     """What `config.validate` calls: the model of `config.model` built as the Trainer builds it,
     then, given `example` (one example of the data: arrays or `jax.ShapeDtypeStruct`s), its
     variables initialised abstractly (`jax.eval_shape`: shapes only, a fraction of a second),
@@ -75,7 +92,7 @@ def check_config(config, compute_dtype: Any, example: Any = None) -> None:
 
     module = import_model(config.model.name)
     with _quiet():
-        model = module.create_model(config.model, compute_dtype)
+        model = create(config.model, policy)
     if example is None:
         return
 

@@ -55,15 +55,20 @@ import numpy as np
 from absl import logging
 
 from mptrain import errors
+from mptrain import fp8 as fp8_lib
 from mptrain.models import layers
 
 
-def _dense(features: int, dtype: layers.Dtype, name: str, **kwargs: Any) -> nn.Dense:
+def _dense(
+    features: int, dtype: layers.Dtype, name: str, fp8: bool = False, **kwargs: Any
+) -> nn.Dense:
     """A bias-free ``nn.Dense`` that casts its input and kernel to ``dtype`` before the matmul.
 
     No biases: with pre-LN blocks they add next to nothing (the LayerNorms have their own), and on
     XLA:CPU their gradients (column sums over batch x length) cost about a quarter of the step.
     """
+    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
+        kwargs["dot_general_cls"] = fp8_lib.DotGeneral
     return nn.Dense(features, dtype=dtype, use_bias=False, name=name, **kwargs)
 
 
@@ -77,6 +82,7 @@ class CausalSelfAttention(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
+    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -87,14 +93,14 @@ class CausalSelfAttention(nn.Module):
         choice = layers.choose_attention(
             self.attention, dtype=self.dtype, head_dim=head_dim, dropout_rate=self.dropout_rate
         )
-        qkv = _dense(3 * d_model, self.dtype, "qkv")(x)
+        qkv = _dense(3 * d_model, self.dtype, "qkv", self.fp8)(x)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
         dropout = None
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
         out = layers.causal_attention(q, k, v, choice.implementation, dropout=dropout)
-        return _dense(d_model, self.dtype, "out")(out.reshape(batch, length, d_model))
+        return _dense(d_model, self.dtype, "out", self.fp8)(out.reshape(batch, length, d_model))
 
 
 class MLP(nn.Module):
@@ -103,13 +109,14 @@ class MLP(nn.Module):
     d_ff: int
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         d_model = x.shape[-1]
-        h = nn.gelu(_dense(self.d_ff, self.dtype, "fc_in")(x))
+        h = nn.gelu(_dense(self.d_ff, self.dtype, "fc_in", self.fp8)(x))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
-        return _dense(d_model, self.dtype, "fc_out")(h)
+        return _dense(d_model, self.dtype, "fc_out", self.fp8)(h)
 
 
 class Block(nn.Module):
@@ -120,18 +127,19 @@ class Block(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
+    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         attn = CausalSelfAttention(
-            self.num_heads, self.dtype, self.dropout_rate, self.attention, name="attn"
+            self.num_heads, self.dtype, self.dropout_rate, self.attention, self.fp8, name="attn"
         )
         h = attn(h, train=train)
         x = x + drop(h, deterministic=not train)
         h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
-        h = MLP(self.d_ff, self.dtype, self.dropout_rate, name="mlp")(h, train=train)
+        h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, name="mlp")(h, train=train)
         return x + drop(h, deterministic=not train)
 
 
@@ -153,6 +161,7 @@ class TransformerLM(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
+    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -181,6 +190,7 @@ class TransformerLM(nn.Module):
                 self.dtype,
                 self.dropout_rate,
                 self.attention,
+                self.fp8,
                 name=f"block_{i}",
             )
             x = block(x, train=train)
@@ -231,7 +241,9 @@ def _settings(model_config: Any) -> dict[str, Any]:
     return keys
 
 
-def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -> TransformerLM:
+def create_model(
+    model_config: Any, compute_dtype: layers.Dtype = jnp.float32, fp8: bool = False
+) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
     ``model_config`` keys (`CONFIG_KEYS`, with their defaults): ``d_model, num_layers,
@@ -239,7 +251,8 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
     ``attention`` (``"auto"``). The attention implementation is resolved here, once, and
     logged. A bad value (a size below 1, heads that do not divide ``d_model``, an unknown
     ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
-    ``ValueError``) naming its key, e.g. ``config.model.num_heads``.
+    ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8``: the attention
+    and MLP projections run in fp8 (``mptrain.fp8``; the embedding and the head do not).
     """
     try:
         keys = _settings(model_config)
@@ -262,4 +275,5 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
         dtype=compute_dtype,
         dropout_rate=keys["dropout_rate"],
         attention=choice.implementation,
+        fp8=fp8,
     )

@@ -1,0 +1,123 @@
+"""`precision="fp8-mixed"`: the transformer's dense layers in fp8, their scaling state in the
+train state (checkpointed, resumed, untouched by a skipped step)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    TINY,
+    assert_trees_bytes_equal,
+    load_config,
+    needs_devices,
+    plain_orbax_state,
+    run_cli,
+    tiny_config,
+)
+
+import mptrain
+from mptrain import audit, fp8, precision
+from mptrain import config as config_lib
+
+FP8 = {"precision": "fp8-mixed", "num_train_steps": 4}
+
+
+def _trainer(tmp_path, **overrides):
+    return mptrain.Trainer(tiny_config(**{**FP8, **overrides}), tmp_path)
+
+
+def _one_step(trainer):
+    train, _ = trainer.build_datasets()
+    state = trainer.init_state()
+    step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
+    return state, step, train.get_batch(0)
+
+
+def test_the_preset_is_bf16_mixed_with_fp8_matmuls():
+    policy = precision.get_policy("fp8-mixed")
+    assert policy.fp8 and policy.compute_dtype == jnp.bfloat16 and policy.param_dtype == jnp.float32
+    assert str(policy) == "params=float32,compute=bfloat16,output=float32,fp8"
+    assert precision.get_policy(str(policy)) == policy  # the form a checkpoint's meta records
+    assert not precision.get_policy("bf16-mixed").fp8
+
+
+def test_the_step_runs_the_dense_layers_in_fp8_and_the_rest_in_bf16(tmp_path):
+    trainer = _trainer(tmp_path)
+    state, step, batch = _one_step(trainer)
+    report = audit.precision_report(step, state, batch)
+    flops = report.matmul_flops
+    assert flops.get("float8_e4m3fn", 0) > 0 and flops.get("float8_e5m2", 0) > 0
+    assert flops.get("bfloat16", 0) > 0  # the head, the attention scores: not selected
+    assert report.compute_fraction == 1.0 and not report.warnings
+    # every projection of every block has its scaling state; the head and embedding have none
+    metas = state.model_state[fp8.META]["block_0"]
+    assert set(metas["attn"]) == {"qkv", "out"} and set(metas["mlp"]) == {"fc_in", "fc_out"}
+    assert "head" not in state.model_state[fp8.META]
+
+
+def test_a_finite_step_records_the_amaxes_and_moves_the_scales(tmp_path):
+    state, step, batch = _one_step(_trainer(tmp_path))
+    new, metrics = step(state, batch)
+    assert bool(metrics["applied"])
+    flat = jax.tree_util.tree_flatten_with_path(new.model_state[fp8.META])[0]
+    histories = [x for path, x in flat if "amax_history" in jax.tree_util.keystr(path)]
+    scales = [x for path, x in flat if "scale" in jax.tree_util.keystr(path)]
+    assert histories and all(bool(jnp.all(h[:, 0] > 0)) for h in histories)
+    assert all(bool(jnp.all(h[:, 1:] == 0)) for h in histories)  # one step: one entry
+    assert all(not bool(jnp.all(s == 1.0)) for s in scales)
+
+
+class PoisonedTrainer(mptrain.Trainer):
+    """Its loss is infinite when the batch's first token is even: a non-finite step."""
+
+    def loss_fn(self, params, model_state, batch, rng):
+        loss, rest = super().loss_fn(params, model_state, batch, rng)
+        return loss * jnp.where(batch["inputs"][0, 0] % 2 == 0, jnp.inf, 1.0), rest
+
+
+def test_a_skipped_step_leaves_the_fp8_state_bit_identical(tmp_path):
+    trainer = PoisonedTrainer(tiny_config(**FP8), tmp_path)
+    state, step, batch = _one_step(trainer)
+    inputs = np.array(batch["inputs"])
+    inputs[0, 0] = 2
+    batch = {**batch, "inputs": inputs}
+    new, metrics = step(state, batch)
+    assert not bool(metrics["applied"])
+    assert_trees_bytes_equal(jax.device_get(new.model_state), jax.device_get(state.model_state))
+
+
+def test_a_resumed_fp8_run_equals_the_uninterrupted_one(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ["--config.precision=fp8-mixed", "--config.optimizer.schedule=constant"]
+    assert run_cli(straight, *flags, "--config.num_train_steps=8")[0] == 0
+    assert run_cli(resumed, *flags, "--config.num_train_steps=4")[0] == 0
+    assert run_cli(resumed, *flags, "--config.num_train_steps=8")[0] == 0
+    state = plain_orbax_state(resumed, 8)
+    assert state["model_state"][fp8.META]  # the scaling state was saved
+    assert_trees_bytes_equal(plain_orbax_state(straight, 8), state)
+
+
+@needs_devices(8)
+def test_an_fp8_checkpoint_from_a_4x2_mesh_resumes_on_one_device(tmp_path):
+    wide = _trainer(tmp_path, **{"mesh.data": 4, "mesh.fsdp": 2})
+    wide.train_and_evaluate()
+    saved = plain_orbax_state(tmp_path, 4)
+    one = _trainer(tmp_path, **{"num_train_steps": 8, "mesh.data": 1, "mesh.fsdp": 1})
+    final = one.train_and_evaluate()
+    assert int(final.step) == 8 and np.isfinite(one.last_eval["eval_loss"])
+    history = jax.tree.leaves(saved["model_state"][fp8.META])[0]
+    assert history.shape == (3, fp8.Recipe().history) and history[:, 0].max() > 0
+
+
+@pytest.mark.parametrize("name", ["mnist_cnn", "cifar10_resnet"])
+def test_fp8_on_a_model_without_fp8_layers_is_a_config_error(name, tmp_path, capsys):
+    config = load_config(name, precision="fp8-mixed")
+    with pytest.raises(ValueError, match="has no fp8 matmuls"):
+        config_lib.validate(config)
+    code, err = run_cli(
+        tmp_path / "run",
+        "--config.precision=fp8-mixed",
+        capsys=capsys,
+        config=TINY.replace("default.py", f"{name}.py"),
+    )
+    assert code == 2 and "has no fp8 matmuls" in err and not (tmp_path / "run").exists()
