@@ -54,10 +54,12 @@ class Recipe:
 
 
 def init_meta(recipe: Recipe = Recipe()) -> dict[str, jax.Array]:
-    """The scaling state of one matmul: no amax seen yet, scales of 1."""
+    """The scaling state of one matmul: no amax seen yet, scales of 1, and `pending`, the max
+    over the micro-batches of an accumulated update not yet applied."""
     return {
         "amax_history": jnp.zeros((len(TENSORS), recipe.history), jnp.float32),
         "scale": jnp.ones((len(TENSORS),), jnp.float32),
+        "pending": jnp.zeros((len(TENSORS),), jnp.float32),
     }
 
 
@@ -74,14 +76,30 @@ def scale_for(amax: jax.Array, fp8_max: float, margin: int, previous: jax.Array)
     return jnp.where(usable, scale, previous).astype(jnp.float32)
 
 
-def update(meta: dict[str, jax.Array], amaxes: jax.Array, recipe: Recipe) -> dict:
-    """`meta` after a step that measured `amaxes` (`f32[3]`): the history rolls by one with
-    the new amaxes in front, and each scale comes from its history's max (delayed scaling)."""
-    history = jnp.roll(meta["amax_history"], 1, axis=1).at[:, 0].set(amaxes)
+def update(
+    meta: dict[str, jax.Array],
+    amaxes: jax.Array,
+    recipe: Recipe,
+    applied: jax.Array | bool = True,
+    micro_batches: jax.Array | int = 1,
+) -> dict:
+    """`meta` after a micro-batch that measured `amaxes` (`f32[3]`). They join `pending` by max;
+    when the update is `applied` (the last of its `micro_batches`; always without gradient
+    accumulation) the history rolls by one with `pending` in front, the gradient's amax divided
+    by `micro_batches` (each micro-batch's mean loss scales its gradients by that many: by
+    powers of two exactly, so 1, 2 or 8 micro-batches of one batch give the same bits), each
+    scale comes from its history's max (delayed scaling), and `pending` starts again."""
+    pending = combine(meta["pending"], amaxes)
+    per_update = pending.at[2].divide(jnp.asarray(micro_batches, jnp.float32))
+    history = jnp.roll(meta["amax_history"], 1, axis=1).at[:, 0].set(per_update)
     maxima = jnp.max(history, axis=1)
     fp8_max = jnp.array([MAX[d] for d in DTYPES], jnp.float32)
     scale = scale_for(maxima, fp8_max, recipe.margin, meta["scale"])
-    return {"amax_history": history, "scale": scale}
+    return {
+        "amax_history": jnp.where(applied, history, meta["amax_history"]),
+        "scale": jnp.where(applied, scale, meta["scale"]),
+        "pending": jnp.where(applied, jnp.zeros_like(pending), pending),
+    }
 
 
 def combine(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -184,15 +202,21 @@ class DotGeneral(nn.Module):
         return matmul(lhs, rhs, meta.value, amax_probe.value, self.recipe)
 
 
-def update_state(model_state: dict, amaxes: dict, recipe: Recipe = Recipe()) -> dict:
-    """`model_state` with every fp8 layer's `meta` updated by the amaxes its probe received
-    (`amaxes`: the gradient of `model_state[PROBES]`)."""
+def update_state(
+    model_state: dict,
+    amaxes: dict,
+    recipe: Recipe = Recipe(),
+    applied: jax.Array | bool = True,
+    micro_batches: jax.Array | int = 1,
+) -> dict:
+    """`model_state` with every fp8 layer's `meta` updated (`update`) by the amaxes its probe
+    received (`amaxes`: the gradient of `model_state[PROBES]`)."""
     from flax import traverse_util
 
     metas = traverse_util.flatten_dict(model_state[META])
     for path, found in traverse_util.flatten_dict(amaxes).items():
         layer = path[:-1]  # (..., "amax") -> the layer's path
         old = {k[-1]: v for k, v in metas.items() if k[:-2] == layer and k[-2] == "meta"}
-        for key, value in update(old, found, recipe).items():
+        for key, value in update(old, found, recipe, applied, micro_batches).items():
             metas[(*layer, "meta", key)] = value
     return {**model_state, META: traverse_util.unflatten_dict(metas)}

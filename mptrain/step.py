@@ -47,6 +47,22 @@ def _split_probes(model_state: Any) -> tuple[Any, Any]:
     return rest, model_state[fp8_lib.PROBES]
 
 
+def _fp8_update(model_state: Any, amaxes: Any, old: Any, new: Any) -> Any:
+    """The fp8 scaling state after this step's `amaxes` (None: no fp8 layers): a history entry
+    per optimizer update, so with gradient accumulation (`optax.MultiSteps`) the micro-batches
+    of an update are max-combined first (`fp8.update`). A skipped step drops it, as the rest of
+    `model_state`."""
+    if amaxes is None:
+        return model_state
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+    found = [x for x in jax.tree.leaves(old.opt_state, is_leaf=is_multi) if is_multi(x)]
+    if not found:
+        return fp8_lib.update_state(model_state, amaxes)
+    (after,) = [x for x in jax.tree.leaves(new.opt_state, is_leaf=is_multi) if is_multi(x)]
+    applied, micro_batches = after.mini_step == 0, found[0].mini_step + 1
+    return fp8_lib.update_state(model_state, amaxes, fp8_lib.Recipe(), applied, micro_batches)
+
+
 def _recording(taps, compute_dtype, calls):
     if taps is None:
         return contextlib.nullcontext()
@@ -117,13 +133,12 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         model_state = _like(model_state, state.model_state)
-        if amax_probes is not None:  # the fp8 scaling state moves on; a skip drops it below
-            model_state = fp8_lib.update_state(model_state, amaxes)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
         if policy.param_dtype != precision.F16:
             applied = finite  # known before the update: the update keeps what it skips
             updated = state.apply_gradients(grads=grads, apply=applied)
+            model_state = _fp8_update(model_state, amaxes, state, updated)
             model_state = loss_scale_lib.select_tree(applied, model_state, state.model_state)
             updated = updated.replace(model_state=model_state)
         else:
@@ -133,6 +148,8 @@ def make_train_step(
             # that passed the check above cannot reach it.) Checking the new params costs a
             # pass over them before the select, so only fp16 params pay for it.
             updated = state.apply_gradients(grads=grads, model_state=model_state)
+            fp8_state = _fp8_update(updated.model_state, amaxes, state, updated)
+            updated = updated.replace(model_state=fp8_state)
             (bad_params,) = sharding.count_nonfinite((updated.params,), mesh)
             applied = finite & (bad_params == 0)
             updated = loss_scale_lib.select_tree(applied, updated, state)

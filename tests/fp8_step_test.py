@@ -121,3 +121,42 @@ def test_fp8_on_a_model_without_fp8_layers_is_a_config_error(name, tmp_path, cap
         config=TINY.replace("default.py", f"{name}.py"),
     )
     assert code == 2 and "has no fp8 matmuls" in err and not (tmp_path / "run").exists()
+
+
+def test_micro_batches_of_one_batch_give_one_history_entry_with_the_batchs_amaxes(tmp_path):
+    whole = _trainer(tmp_path / "whole").build_datasets()[0].get_batch(0)  # 8 sequences
+    after = {}
+    for k in (1, 2, 8):
+        overrides = {"optimizer.accumulation_steps": k, "batch_size": 8 // k, "num_train_steps": 8}
+        trainer = _trainer(tmp_path / str(k), **overrides)
+        state = trainer.init_state(whole)
+        step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
+        for part in range(k):
+            micro = jax.tree.map(lambda x, part=part, k=k: np.split(x, k)[part], whole)
+            state, metrics = step(state, micro)
+            assert bool(metrics["applied"])
+        after[k] = jax.device_get(state.model_state[fp8.META])
+    metas = {k: [m for path, m in _metas(tree)] for k, tree in after.items()}
+    for one in metas[1]:
+        assert one["amax_history"][:, 0].min() > 0 and one["amax_history"][:, 1:].max() == 0
+        assert one["pending"].max() == 0  # the update took it
+    for k in (2, 8):
+        for one, other in zip(metas[1], metas[k], strict=True):
+            # input and kernel amaxes: the same bits however the batch was split
+            np.testing.assert_array_equal(other["amax_history"][:2], one["amax_history"][:2])
+            np.testing.assert_array_equal(other["scale"][:2], one["scale"][:2])
+            # the gradient's: the same up to the bf16 rounding of the backward, which XLA
+            # compiles differently for a batch of 1 (exactly equal for 8 -> 2 x 4)
+            np.testing.assert_allclose(other["amax_history"][2], one["amax_history"][2], rtol=2**-7)
+    for one, other in zip(metas[1], metas[2], strict=True):
+        assert_trees_bytes_equal(other, one)
+
+
+def _metas(tree):
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(tree)
+    layers = sorted({path[: path.index("meta")] for path in flat})
+    return [
+        (layer, {p[-1]: v for p, v in flat.items() if p[: len(layer)] == layer}) for layer in layers
+    ]
