@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
     "fp32": {"precision": "fp32"},
     "bf16-mixed": {"precision": "bf16-mixed"},
+    "fp8-mixed": {"precision": "fp8-mixed"},  # the projections in fp8 (emulated on a CPU)
     "bf16-mixed+q8": {
         "precision": "bf16-mixed", "optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8"
     },

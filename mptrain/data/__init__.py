@@ -9,31 +9,19 @@ run needs nothing but the step number to continue the data exactly.
 """
 
 import importlib
-import pkgutil
 from typing import Any
 
-from mptrain import errors
+from mptrain import registry
 
 
 def modules() -> dict[str, Any]:
     """The data sources: `{name: module}` of the modules here with a `create_sources`."""
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "create_sources"):
-            found[info.name] = module
-    return found
+    return registry.modules(__name__, __path__, "create_sources")
 
 
 def import_source(name: Any):
     """`mptrain.data.<name>`; a `ValueError` naming `data.name` and the valid names if none."""
-    valid = modules()
-    if name not in valid:
-        raise ValueError(
-            f"data.name={name!r}: no such data source in mptrain.data; "
-            f"{errors.did_you_mean(str(name), valid, list_all=True)}"
-        )
-    return valid[name]
+    return registry.lookup("data.name", name, modules(), "data source in mptrain.data")
 
 
 def check_config(config) -> Any:

@@ -7,34 +7,21 @@ bad value with a `ConfigError` naming the key, before any parameter exists.
 """
 
 import contextlib
-import importlib
 import logging as std_logging
-import pkgutil
 import re
 from typing import Any
 
-from mptrain import errors
+from mptrain import registry
 
 
 def modules() -> dict[str, Any]:
     """The models of the zoo: `{name: module}` of the modules here with a `create_model`."""
-    found = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "create_model"):
-            found[info.name] = module
-    return found
+    return registry.modules(__name__, __path__, "create_model")
 
 
 def import_model(name: Any):
     """`mptrain.models.<name>`; a `ValueError` naming `model.name` and the valid names if none."""
-    valid = modules()
-    if name not in valid:
-        raise ValueError(
-            f"model.name={name!r}: no such model in mptrain.models; "
-            f"{errors.did_you_mean(str(name), valid, list_all=True)}"
-        )
-    return valid[name]
+    return registry.lookup("model.name", name, modules(), "model in mptrain.models")
 
 
 def loss_unit(config) -> str:
