@@ -23,7 +23,7 @@ from conftest import (
 import mptrain
 from mptrain import trainer as trainer_lib
 
-CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16", "lm_gpt2s"]
+CONFIGS = ["default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16", "lm_gpt2s", "lm_1b"]
 
 
 # What a tiny image config needs to read its TFDS dataset instead of synthetic images (the
@@ -64,6 +64,7 @@ TWO_STEP_RUNS = {
     "lm_bf16": ([], "warming up over 1 instead"),  # warmup_steps=2 does not fit in 2 steps
     "lm_fp16": ([], "warming up over 1 instead"),
     "lm_gpt2s": ([], None),  # no warmup, as the PyTorch peer it is measured against
+    "lm_1b": (["--config.precision=fp8-mixed"], None),  # the fp8 benchmark, in fp8
     "mnist_cnn": ([], None),  # synthetic images: no TFDS, no TensorFlow
     "cifar10_resnet": ([], None),
     "custom_trainer": ([], None),
