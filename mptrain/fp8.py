@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -58,8 +59,13 @@ def init_meta(recipe: Recipe = Recipe()) -> dict[str, jax.Array]:
     over the micro-batches of an accumulated update not yet applied."""
     return {
         "amax_history": jnp.zeros((len(TENSORS), recipe.history), jnp.float32),
-        "scale": jnp.ones((len(TENSORS),), jnp.float32),
+        # 0: not calibrated yet; such a tensor is scaled by its own amax (current scaling)
+        "scale": jnp.zeros((len(TENSORS),), jnp.float32),
         "pending": jnp.zeros((len(TENSORS),), jnp.float32),
+        "saturated": jnp.zeros((len(TENSORS),), jnp.int32),
+        # micro-batches per update: a micro-batch's gradient is that many times the batch's,
+        # so its quantization scale is too (`matmul`); the scales above are the batch's
+        "micro_batches": jnp.ones((), jnp.float32),
     }
 
 
@@ -95,10 +101,17 @@ def update(
     maxima = jnp.max(history, axis=1)
     fp8_max = jnp.array([MAX[d] for d in DTYPES], jnp.float32)
     scale = scale_for(maxima, fp8_max, recipe.margin, meta["scale"])
+    # the scale this update ran with could not hold its amax: values were clipped
+    calibrated = meta["scale"] > 0  # an uncalibrated tensor was scaled by its own amax
+    clipped = (per_update > fp8_max * meta["scale"]) & calibrated & applied & (not recipe.current)
     return {
         "amax_history": jnp.where(applied, history, meta["amax_history"]),
         "scale": jnp.where(applied, scale, meta["scale"]),
         "pending": jnp.where(applied, jnp.zeros_like(pending), pending),
+        "saturated": meta["saturated"] + clipped.astype(jnp.int32),
+        "micro_batches": jnp.where(
+            applied, jnp.asarray(micro_batches, jnp.float32), meta["micro_batches"]
+        ),
     }
 
 
@@ -133,12 +146,26 @@ def _matmul(x, kernel, scale, amax_probe, current):
     return _forward(x, kernel, scale, current)[0]
 
 
+def _own(scale, amax, fp8_max, current, uncalibrated=None):
+    """The scale a tensor is quantized with: its own amax's under current scaling, `scale`
+    under delayed scaling; while `scale` is 0 (no history yet: the first step), its own amax's
+    or, where given, `uncalibrated`."""
+    own = scale_for(amax, fp8_max, 0, jnp.ones_like(scale))
+    if current:
+        return own
+    return jnp.where(scale > 0, scale, own if uncalibrated is None else uncalibrated)
+
+
 def _scales(x, kernel, scale, current):
-    if not current:
-        return scale
+    # A first step's input is scaled by 1, not by its own amax, which would depend on the
+    # micro-batch (activations of O(1) fit e4m3 at 1); its kernel and gradient by their own
+    # amaxes: small weights and gradients would lose their bits or flush to zero at 1.
     measured = jnp.stack([_amax(x), _amax(kernel)])
     fp8_max = jnp.array([MAX[E4M3], MAX[E4M3]], jnp.float32)
-    return scale.at[:2].set(scale_for(measured, fp8_max, 0, scale[:2]))
+    at_first = jnp.array([1.0, 0.0], jnp.float32)
+    own = _own(scale[:2], measured, fp8_max, current, None)
+    first = jnp.where(at_first > 0, at_first, own)
+    return scale.at[:2].set(own if current else jnp.where(scale[:2] > 0, scale[:2], first))
 
 
 def _forward(x, kernel, scale, current):
@@ -158,7 +185,7 @@ def _matmul_bwd(current, residuals, dy):
     xq, kq, scale, amax_x, amax_k, (x_like, k_like) = residuals
     x_dtype, k_dtype = x_like.dtype, k_like.dtype
     amax_g = _amax(dy)
-    g_scale = scale_for(amax_g, MAX[E5M2], 0, scale[2]) if current else scale[2]
+    g_scale = _own(scale[2], amax_g, MAX[E5M2], current)
     gq = quantize(dy, g_scale, E5M2)
     dx = (_dot(gq, kq.T) * (g_scale * scale[1])).astype(x_dtype)
     dk = (_dot(xq.T, gq) * (scale[0] * g_scale)).astype(k_dtype)
@@ -177,7 +204,10 @@ def matmul(
     with respect to `amax_probe` (`probe()`) is this call's `[amax_x, amax_kernel, amax_grad]`.
     """
     lead = x.shape[:-1]
-    y = _matmul(x.reshape(-1, x.shape[-1]), kernel, meta["scale"], amax_probe, recipe.current)
+    scale = meta["scale"]
+    if "micro_batches" in meta:  # the gradient of one of several micro-batches: that many times
+        scale = scale.at[2].multiply(meta["micro_batches"])
+    y = _matmul(x.reshape(-1, x.shape[-1]), kernel, scale, amax_probe, recipe.current)
     return y.reshape(*lead, kernel.shape[-1])
 
 
@@ -220,3 +250,23 @@ def update_state(
         for key, value in update(old, found, recipe, applied, micro_batches).items():
             metas[(*layer, "meta", key)] = value
     return {**model_state, META: traverse_util.unflatten_dict(metas)}
+
+
+def counters(model_state: Any) -> jax.Array:
+    """Traced: every fp8 layer's `saturated` counters in one int32 vector, in the order of
+    `counter_names` (the step's metric `fp8_saturated`)."""
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(model_state[META])
+    return jnp.concatenate([v for path, v in sorted(flat.items()) if path[-1] == "saturated"])
+
+
+def counter_names(model_state: Any) -> list[str]:
+    """Host-side, from the structure alone: `"<layer path> <tensor>"` for each entry of
+    `counters`, e.g. "block_0/mlp/fc_in grad"."""
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(model_state[META])
+    layers = [path[:-2] for path in sorted(flat) if path[-1] == "saturated"]
+    names = ["/".join(p for p in layer if p != "DotGeneral_0") for layer in layers]
+    return [f"{name} {tensor}" for name in names for tensor in TENSORS]

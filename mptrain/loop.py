@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from flax import struct
 
-from mptrain import checkpoint, curves, errors, numerics, numerics_log
+from mptrain import checkpoint, curves, errors, fp8, numerics, numerics_log
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -179,6 +180,7 @@ class Run:
     workdir: Path = Path(".")
     started: float = dataclasses.field(default_factory=time.monotonic)
     pending: tuple | None = None  # the newest log step's (step, metrics, totals), not yet read
+    fp8_saturated: Any = None  # the fp8 layers' clip counters at the last log step
 
     def __post_init__(self):
         cfg = self.config
@@ -193,6 +195,7 @@ class Run:
             metrics, totals = jax.device_get((metrics, totals))
             values = metrics_lib.scalars(metrics) | totals.to_scalars()
             self.record(step_no, values)
+            self.warn_saturation(step_no, metrics.get("fp8_saturated"))
             where = None
             if self.calls is not None:
                 table = metrics["numerics"]
@@ -204,6 +207,25 @@ class Run:
             )
         if diagnostic:
             self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
+
+    def warn_saturation(self, step_no: int, counts: Any) -> None:
+        """Host-side. Names the fp8 layers whose values were clipped in two or more updates
+        since the last log step: their scale lags their amax (a margin, a shorter history, or
+        current scaling help)."""
+        if counts is None:
+            return
+        counts = np.asarray(counts).reshape(-1, np.shape(counts)[-1])[-1]  # a call's last step
+        seen = self.fp8_saturated if self.fp8_saturated is not None else np.zeros_like(counts)
+        self.fp8_saturated = counts
+        names = fp8.counter_names(self.state.model_state)
+        repeated = [f"{n} ({c}x)" for n, c in zip(names, counts - seen, strict=True) if c >= 2]
+        if repeated:
+            logging.warning(
+                "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
+                "history lags the values",
+                step_no,
+                ", ".join(repeated),
+            )
 
     def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
         """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the

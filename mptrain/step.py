@@ -167,6 +167,8 @@ def make_train_step(
             "skipped_steps": new_state.skipped_steps,
             **precision.to_f32(aux),
         }
+        if amax_probes is not None:  # per fp8 layer and tensor: the updates that clipped
+            metrics["fp8_saturated"] = fp8_lib.counters(new_state.model_state)
         if per_layer:
 
             def measure():  # non-finite counts of the param gradients need no unscaling

@@ -145,11 +145,12 @@ def test_micro_batches_of_one_batch_give_one_history_entry_with_the_batchs_amaxe
             # input and kernel amaxes: the same bits however the batch was split
             np.testing.assert_array_equal(other["amax_history"][:2], one["amax_history"][:2])
             np.testing.assert_array_equal(other["scale"][:2], one["scale"][:2])
-            # the gradient's: the same up to the bf16 rounding of the backward, which XLA
-            # compiles differently for a batch of 1 (exactly equal for 8 -> 2 x 4)
-            np.testing.assert_allclose(other["amax_history"][2], one["amax_history"][2], rtol=2**-7)
-    for one, other in zip(metas[1], metas[2], strict=True):
-        assert_trees_bytes_equal(other, one)
+            # the gradient's: close, not equal: a first step quantizes each micro-batch's
+            # gradient by its own amax (no history yet), so the gradients carried back differ
+            # a little, and XLA compiles the backward of a batch of 1 differently
+            np.testing.assert_allclose(other["amax_history"][2], one["amax_history"][2], rtol=0.1)
+    for k in (1, 2, 8):  # what a micro-batch's gradient scale is multiplied by
+        assert all(float(m["micro_batches"]) == k for m in metas[k])
 
 
 def _metas(tree):
@@ -160,3 +161,25 @@ def _metas(tree):
     return [
         (layer, {p[-1]: v for p, v in flat.items() if p[: len(layer)] == layer}) for layer in layers
     ]
+
+
+def test_an_update_whose_amax_outgrew_its_scale_is_counted():
+    recipe = fp8.Recipe(history=4)
+    meta = fp8.update(fp8.init_meta(recipe), jnp.array([2.0, 2.0, 2.0]), recipe)  # scales 1 held
+    np.testing.assert_array_equal(meta["saturated"], [0, 0, 0])
+    meta = fp8.update(meta, jnp.array([2.0, 1e4, 2.0]), recipe)  # 1e4 > 448 x 2/448
+    np.testing.assert_array_equal(meta["saturated"], [0, 1, 0])
+
+
+def test_a_layer_clipped_again_and_again_is_named_at_the_log_step(tmp_path, monkeypatch, caplog):
+    # scales stuck at 1e-6: every fp8 operand saturates at every update
+    real_init = fp8.init_meta
+    monkeypatch.setattr(fp8, "init_meta", lambda r: {**real_init(r), "scale": jnp.full(3, 1e-6)})
+    monkeypatch.setattr(fp8, "scale_for", lambda amax, fp8_max, margin, previous: previous)
+    caplog.set_level("WARNING")
+    trainer = _trainer(tmp_path, **{"num_train_steps": 4, "log_every_steps": 2})
+    trainer.train_and_evaluate()
+    warned = [r.getMessage() for r in caplog.records if "fp8 values clipped" in r.getMessage()]
+    assert warned and "block_0/mlp/fc_in x (2x)" in warned[0], warned
+    names = fp8.counter_names(trainer.init_state().model_state)
+    assert names[:3] == ["block_0/attn/out x", "block_0/attn/out kernel", "block_0/attn/out grad"]

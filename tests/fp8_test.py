@@ -73,7 +73,7 @@ def test_the_step_program_multiplies_f8_operands():
 
 def test_an_uncalibrated_scale_saturates_and_a_delayed_one_does_not():
     x, kernel, dy = _operands()
-    ones = fp8.init_meta(RECIPE)["scale"]
+    ones = jnp.ones(3)
     assert int(fp8.saturated(x, ones[0], fp8.E4M3)) == 0  # |x| ~ 3 sigma of 3: under 448
     assert int(fp8.saturated(dy * 1e8, ones[2], fp8.E5M2)) > 0
     meta = _calibrated(x, kernel, dy * 1e8)
@@ -116,3 +116,14 @@ def test_micro_batches_max_combined_give_the_whole_batchs_amaxes_to_the_bit():
             a = amaxes(xs, gs)
             combined = a if combined is None else fp8.combine(combined, a)
         np.testing.assert_array_equal(np.asarray(combined), np.asarray(whole))
+
+
+def test_a_micro_batchs_gradient_is_quantized_at_the_micro_batch_count_times_the_scale():
+    # each of k micro-batches' mean losses gives k times the batch's gradient; the meta's
+    # scales are the batch's, so the gradient's is multiplied by k at use: the same codes
+    x, kernel, dy = _operands()
+    meta = _calibrated(x, kernel, dy)
+    _, (dx, dk, _) = _vjp(x, kernel, meta, dy)
+    _, (dx8, dk8, _) = _vjp(x, kernel, {**meta, "micro_batches": jnp.float32(8)}, dy * 8)
+    np.testing.assert_array_equal(np.asarray(dx8, np.float32), 8 * np.asarray(dx, np.float32))
+    np.testing.assert_array_equal(np.asarray(dk8, np.float32), 8 * np.asarray(dk, np.float32))
