@@ -252,13 +252,16 @@ def update_state(
     return {**model_state, META: traverse_util.unflatten_dict(metas)}
 
 
-def counters(model_state: Any) -> jax.Array:
-    """Traced: every fp8 layer's `saturated` counters in one int32 vector, in the order of
-    `counter_names` (the step's metric `fp8_saturated`)."""
+def counters(model_state: Any, key: str = "saturated") -> jax.Array:
+    """Traced: every fp8 layer's `saturated` counters (or, with `key="amax"`, the amaxes of
+    its newest history entry) in one vector, in the order of `counter_names` (the step's
+    metrics `fp8_saturated` and `fp8_amax`)."""
     from flax import traverse_util
 
-    flat = traverse_util.flatten_dict(model_state[META])
-    return jnp.concatenate([v for path, v in sorted(flat.items()) if path[-1] == "saturated"])
+    flat = sorted(traverse_util.flatten_dict(model_state[META]).items())
+    if key == "amax":
+        return jnp.concatenate([v[:, 0] for path, v in flat if path[-1] == "amax_history"])
+    return jnp.concatenate([v for path, v in flat if path[-1] == key])
 
 
 def counter_names(model_state: Any) -> list[str]:
@@ -270,3 +273,29 @@ def counter_names(model_state: Any) -> list[str]:
     layers = [path[:-2] for path in sorted(flat) if path[-1] == "saturated"]
     names = ["/".join(p for p in layer if p != "DotGeneral_0") for layer in layers]
     return [f"{name} {tensor}" for name in names for tensor in TENSORS]
+
+
+def _last(values: Any, size: int) -> Any:
+    import numpy as np
+
+    return np.asarray(values).reshape(-1, size)[-1]  # of several steps per call: the last
+
+
+def log_values(metrics: dict, names: list[str]) -> dict[str, float]:
+    """Host-side: a log step's TensorBoard scalars, per fp8 layer and tensor: the newest amax
+    and the updates clipped so far (`fp8_amax/block_0/mlp/fc_in/grad`, `fp8_clipped/...`)."""
+    tags = [name.replace(" ", "/") for name in names]
+    found = {}
+    for tag, key in (("fp8_amax", "fp8_amax"), ("fp8_clipped", "fp8_saturated")):
+        row = _last(metrics[key], len(tags))
+        found |= {f"{tag}/{t}": float(v) for t, v in zip(tags, row, strict=True)}
+    return found
+
+
+def clipped_again(names: list[str], counts: Any, seen: Any) -> tuple[list[str], Any]:
+    """Host-side: `(["<layer> <tensor> (Nx)", ...], counts)` for the tensors clipped in two or
+    more updates since the counters `seen` (None: since the start); their scale lags their
+    amax (a margin, a shorter history or current scaling help)."""
+    counts = _last(counts, len(names))
+    since = counts - (0 if seen is None else seen)
+    return [f"{n} ({int(c)}x)" for n, c in zip(names, since, strict=True) if c >= 2], counts

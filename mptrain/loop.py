@@ -194,6 +194,8 @@ class Run:
         with allow_transfers():
             metrics, totals = jax.device_get((metrics, totals))
             values = metrics_lib.scalars(metrics) | totals.to_scalars()
+            if "fp8_amax" in metrics:
+                values |= fp8.log_values(metrics, fp8.counter_names(self.state.model_state))
             self.record(step_no, values)
             self.warn_saturation(step_no, metrics.get("fp8_saturated"))
             where = None
@@ -210,22 +212,17 @@ class Run:
 
     def warn_saturation(self, step_no: int, counts: Any) -> None:
         """Host-side. Names the fp8 layers whose values were clipped in two or more updates
-        since the last log step: their scale lags their amax (a margin, a shorter history, or
-        current scaling help)."""
-        if counts is None:
-            return
-        counts = np.asarray(counts).reshape(-1, np.shape(counts)[-1])[-1]  # a call's last step
-        seen = self.fp8_saturated if self.fp8_saturated is not None else np.zeros_like(counts)
-        self.fp8_saturated = counts
-        names = fp8.counter_names(self.state.model_state)
-        repeated = [f"{n} ({c}x)" for n, c in zip(names, counts - seen, strict=True) if c >= 2]
-        if repeated:
-            logging.warning(
-                "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
-                "history lags the values",
-                step_no,
-                ", ".join(repeated),
-            )
+        since the last log step (`fp8.clipped_again`)."""
+        if counts is not None:
+            names = fp8.counter_names(self.state.model_state)
+            repeated, self.fp8_saturated = fp8.clipped_again(names, counts, self.fp8_saturated)
+            if repeated:
+                logging.warning(
+                    "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
+                    "history lags the values",
+                    step_no,
+                    ", ".join(repeated),
+                )
 
     def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
         """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the

@@ -169,6 +169,7 @@ def make_train_step(
         }
         if amax_probes is not None:  # per fp8 layer and tensor: the updates that clipped
             metrics["fp8_saturated"] = fp8_lib.counters(new_state.model_state)
+            metrics["fp8_amax"] = fp8_lib.counters(new_state.model_state, "amax")
         if per_layer:
 
             def measure():  # non-finite counts of the param gradients need no unscaling

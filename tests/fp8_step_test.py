@@ -8,6 +8,8 @@ import pytest
 from conftest import (
     TINY,
     assert_trees_bytes_equal,
+    event_series,
+    event_tags,
     load_config,
     needs_devices,
     plain_orbax_state,
@@ -181,5 +183,9 @@ def test_a_layer_clipped_again_and_again_is_named_at_the_log_step(tmp_path, monk
     trainer.train_and_evaluate()
     warned = [r.getMessage() for r in caplog.records if "fp8 values clipped" in r.getMessage()]
     assert warned and "block_0/mlp/fc_in x (2x)" in warned[0], warned
+    tags = event_tags(tmp_path)  # per layer and tensor, in TensorBoard
+    assert {"fp8_amax/block_0/mlp/fc_in/grad", "fp8_clipped/block_0/attn/qkv/x"} <= tags
+    clipped = event_series(tmp_path, "fp8_clipped/block_0/mlp/fc_in/x")
+    assert clipped[2] == 2 and clipped[4] == 4  # every update clipped
     names = fp8.counter_names(trainer.init_state().model_state)
     assert names[:3] == ["block_0/attn/out x", "block_0/attn/out kernel", "block_0/attn/out grad"]
