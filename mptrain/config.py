@@ -103,6 +103,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
 
+    c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
+    c.fp8.scaling = "delayed"  # "delayed": from the amax history; "current": each tensor's own
+    c.fp8.history = 1024  # amaxes kept per tensor for delayed scaling (its scale: their max)
+    c.fp8.margin = 0  # the scale leaves 2**margin of headroom below the fp8 format's max
     c.numerics = ml_collections.ConfigDict()
     # record every module call's amax, non-finite and underflow counts, forward and backward, on
     # the device; a skipped step's log line then names the module where it went non-finite
@@ -245,7 +249,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects;
     nothing here reads a dataset or touches the workdir.
     """
-    from mptrain import data, loss_scale, models, optim, precision, runtime, sharding, train_state
+    from mptrain import data, loss_scale, models, optim, runtime, sharding, train_state
 
     section = ""
     try:
@@ -253,7 +257,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         zoo = _zoo(config)
         _check_keys(config, zoo)
         runtime.distributed_args(config)
-        policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
+        policy = policy_of(config)
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
         section = "loss_scale."
         loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
@@ -267,6 +271,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
         raise
     except ValueError as e:
         raise ConfigError(f"config.{section}{e}") from None
+
+
+def policy_of(config: ml_collections.ConfigDict):
+    """The run's `precision.Policy`: `config.precision` and `keep_fp32`, and under fp8-mixed the
+    `fp8.*` recipe (`fp8.Recipe`); a `ValueError` naming a bad key."""
+    import dataclasses
+
+    from mptrain import errors, fp8, precision
+
+    policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
+    section = config.get("fp8") or {}  # checked under every precision: a typo is an error
+    scaling = errors.setting(section, "scaling", "delayed")
+    recipe = fp8.Recipe(
+        history=errors.check_integer("fp8.history", errors.setting(section, "history", 1024), 1),
+        margin=errors.check_integer("fp8.margin", errors.setting(section, "margin", 0), 0),
+        current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
+    )
+    return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
 
 
 def unused_settings(config: ml_collections.ConfigDict) -> list[str]:

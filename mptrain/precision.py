@@ -95,7 +95,8 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     keep_fp32: str | None = None
-    fp8: bool = False  # the model runs its selected matmuls in fp8 (`mptrain.fp8`)
+    # the model runs its selected matmuls in fp8 with this `mptrain.fp8.Recipe`; None: not
+    fp8: Any = None
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -160,6 +161,12 @@ class Policy:
         )
 
 
+def _fp8_recipe():
+    from mptrain import fp8  # the default recipe; `config.policy_of` applies `config.fp8.*`
+
+    return fp8.Recipe()
+
+
 def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
     """Parses a preset name or the explicit `params=...,compute=...,output=...` form; with
     `keep_fp32` (a regex) that casting rule instead of the default one."""
@@ -169,7 +176,8 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
         raise ValueError(f"precision={spec!r}: must be a string ({type(spec).__name__} given)")
     text = spec.strip().lower()
     if text in PRESETS:
-        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32, text == "fp8-mixed")
+        fp8 = _fp8_recipe() if text == "fp8-mixed" else None
+        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32, fp8)
     if "=" not in text:
         raise ValueError(
             f"precision={spec!r}: unknown; valid presets are {', '.join(PRESETS)}, or the "
@@ -194,7 +202,7 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
     missing = [k for k in ("params", "compute", "output") if k not in found]
     if missing:
         raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
-    fp8 = len(parts) < len(text.split(","))
+    fp8 = _fp8_recipe() if len(parts) < len(text.split(",")) else None
     if fp8 and found["compute"] == F32:
         raise ValueError(f"precision={spec!r}: fp8 matmuls need a 16-bit compute dtype")
     return Policy(found["params"], found["compute"], found["output"], keep_fp32, fp8)

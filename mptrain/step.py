@@ -57,10 +57,11 @@ def _fp8_update(model_state: Any, amaxes: Any, old: Any, new: Any) -> Any:
     is_multi = lambda x: isinstance(x, optax.MultiStepsState)
     found = [x for x in jax.tree.leaves(old.opt_state, is_leaf=is_multi) if is_multi(x)]
     if not found:
-        return fp8_lib.update_state(model_state, amaxes)
+        return fp8_lib.update_state(model_state, amaxes, old.policy.fp8)
     (after,) = [x for x in jax.tree.leaves(new.opt_state, is_leaf=is_multi) if is_multi(x)]
     applied, micro_batches = after.mini_step == 0, found[0].mini_step + 1
-    return fp8_lib.update_state(model_state, amaxes, fp8_lib.Recipe(), applied, micro_batches)
+    recipe = old.policy.fp8
+    return fp8_lib.update_state(model_state, amaxes, recipe, applied, micro_batches)
 
 
 def _recording(taps, compute_dtype, calls):

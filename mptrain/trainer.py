@@ -44,7 +44,6 @@ from mptrain import (
     numerics,
     numerics_log,
     optim,
-    precision,
     runtime,
     schedules,
     sharding,
@@ -62,7 +61,7 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path):
         self.config, self.workdir = config, Path(workdir)
-        self.policy = precision.get_policy(config.precision, config.keep_fp32)
+        self.policy = config_lib.policy_of(config)
         self.mesh = sharding.create_mesh(config)  # 1x1 on one device
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()

@@ -26,7 +26,7 @@ KEYS = {
     "optimizer.moment_rounding", "optimizer.accumulation_steps",
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
-    "numerics.per_layer", "numerics.every_step",
+    "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
 }  # fmt: skip
 
 

@@ -189,3 +189,25 @@ def test_a_layer_clipped_again_and_again_is_named_at_the_log_step(tmp_path, monk
     assert clipped[2] == 2 and clipped[4] == 4  # every update clipped
     names = fp8.counter_names(trainer.init_state().model_state)
     assert names[:3] == ["block_0/attn/out x", "block_0/attn/out kernel", "block_0/attn/out grad"]
+
+
+@pytest.mark.parametrize(
+    "key, value", [("fp8.scaling", "just-in-time"), ("fp8.history", 0), ("fp8.margin", -1)]
+)
+def test_a_bad_fp8_setting_exits_2_naming_it(key, value, tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", f"--config.{key}={value}", capsys=capsys)
+    assert code == 2 and f"config.{key}=" in err and not (tmp_path / "run").exists()
+
+
+def test_the_config_chooses_the_recipe_the_layers_and_the_step_use(tmp_path):
+    config = tiny_config(**{**FP8, "fp8.scaling": "current", "fp8.history": 16, "fp8.margin": 2})
+    recipe = config_lib.policy_of(config).fp8
+    assert recipe == fp8.Recipe(history=16, margin=2, current=True)
+    trainer = mptrain.Trainer(config, tmp_path)
+    state, step, batch = _one_step(trainer)
+    meta = jax.tree.leaves(state.model_state[fp8.META])[0]
+    assert meta.shape == (3, 16)  # the layers' history length
+    new, _ = step(state, batch)
+    (one,) = [m for path, m in _metas(jax.device_get(new.model_state[fp8.META]))][:1]
+    amax = one["amax_history"][:, 0]
+    np.testing.assert_allclose(one["scale"], amax * 4 / np.array([448, 448, 57344]), rtol=1e-6)

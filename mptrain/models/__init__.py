@@ -54,8 +54,9 @@ def _quiet():
 
 def create(config_model: Any, policy: Any):
     """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
-    dtype, and with fp8 matmuls where the policy has them (`fp8=True`, which only a model whose
-    `create_model` takes `fp8` supports; others are a `ValueError` naming the precision)."""
+    dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
+    a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
+    precision)."""
     import inspect
 
     module = import_model(config_model.name)
@@ -66,7 +67,7 @@ def create(config_model: Any, policy: Any):
             f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
             "fp8 runs the dense layers of transformer_lm"
         )
-    return module.create_model(config_model, policy.compute_dtype, fp8=True)
+    return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8)
 
 
 def check_config(config, policy: Any, example: Any = None) -> None:

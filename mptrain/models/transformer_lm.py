@@ -60,7 +60,7 @@ from mptrain.models import layers
 
 
 def _dense(
-    features: int, dtype: layers.Dtype, name: str, fp8: bool = False, **kwargs: Any
+    features: int, dtype: layers.Dtype, name: str, fp8: Any = None, **kwargs: Any
 ) -> nn.Dense:
     """A bias-free ``nn.Dense`` that casts its input and kernel to ``dtype`` before the matmul.
 
@@ -68,7 +68,7 @@ def _dense(
     XLA:CPU their gradients (column sums over batch x length) cost about a quarter of the step.
     """
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
-        kwargs["dot_general_cls"] = fp8_lib.DotGeneral
+        kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
     return nn.Dense(features, dtype=dtype, use_bias=False, name=name, **kwargs)
 
 
@@ -82,7 +82,7 @@ class CausalSelfAttention(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -109,7 +109,7 @@ class MLP(nn.Module):
     d_ff: int
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
-    fp8: bool = False
+    fp8: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -127,7 +127,7 @@ class Block(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -161,7 +161,7 @@ class TransformerLM(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: bool = False  # the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -242,7 +242,7 @@ def _settings(model_config: Any) -> dict[str, Any]:
 
 
 def create_model(
-    model_config: Any, compute_dtype: layers.Dtype = jnp.float32, fp8: bool = False
+    model_config: Any, compute_dtype: layers.Dtype = jnp.float32, fp8: Any = None
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -251,8 +251,9 @@ def create_model(
     ``attention`` (``"auto"``). The attention implementation is resolved here, once, and
     logged. A bad value (a size below 1, heads that do not divide ``d_model``, an unknown
     ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
-    ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8``: the attention
-    and MLP projections run in fp8 (``mptrain.fp8``; the embedding and the head do not).
+    ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8`` (an
+    ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
+    embedding and the head do not).
     """
     try:
         keys = _settings(model_config)
