@@ -146,34 +146,29 @@ def _matmul(x, kernel, scale, amax_probe, current):
     return _forward(x, kernel, scale, current)[0]
 
 
-def _own(scale, amax, fp8_max, current, uncalibrated=None):
-    """The scale a tensor is quantized with: its own amax's under current scaling, `scale`
-    under delayed scaling; while `scale` is 0 (no history yet: the first step), its own amax's
-    or, where given, `uncalibrated`."""
-    own = scale_for(amax, fp8_max, 0, jnp.ones_like(scale))
-    if current:
-        return own
-    return jnp.where(scale > 0, scale, own if uncalibrated is None else uncalibrated)
+def _own(amax, fp8_max):
+    """The scale of a tensor quantized by its own amax (current scaling)."""
+    return scale_for(amax, fp8_max, 0, jnp.ones_like(amax))
 
 
-def _scales(x, kernel, scale, current):
-    # A first step's input is scaled by 1, not by its own amax, which would depend on the
-    # micro-batch (activations of O(1) fit e4m3 at 1); its kernel and gradient by their own
-    # amaxes: small weights and gradients would lose their bits or flush to zero at 1.
-    measured = jnp.stack([_amax(x), _amax(kernel)])
-    fp8_max = jnp.array([MAX[E4M3], MAX[E4M3]], jnp.float32)
-    at_first = jnp.array([1.0, 0.0], jnp.float32)
-    own = _own(scale[:2], measured, fp8_max, current, None)
-    first = jnp.where(at_first > 0, at_first, own)
-    return scale.at[:2].set(own if current else jnp.where(scale[:2] > 0, scale[:2], first))
+def _pick(scale, own, current):
+    """Delayed scaling uses `scale` once it is calibrated (> 0); before that, and under current
+    scaling, the tensor's `own`."""
+    return own if current else jnp.where(scale > 0, scale, own)
 
 
 def _forward(x, kernel, scale, current):
-    scale = _scales(x, kernel, scale, current)
+    amaxes = jnp.stack([_amax(x), _amax(kernel)])
+    own = _own(amaxes, jnp.float32(MAX[E4M3]))
+    # A first step's input is scaled by 1, not by its own amax, which would depend on the
+    # micro-batch (activations of O(1) fit e4m3 at 1); its kernel by its own amax: small
+    # weights would lose their bits at 1.
+    own = own.at[0].set(1.0) if not current else own
+    scale = scale.at[:2].set(_pick(scale[:2], own, current))
     xq, kq = quantize(x, scale[0], E4M3), quantize(kernel, scale[1], E4M3)
     y = (_dot(xq, kq) * (scale[0] * scale[1])).astype(x.dtype)
     dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))  # residuals are arrays
-    return y, (xq, kq, scale, _amax(x), _amax(kernel), dtypes)
+    return y, (xq, kq, scale, amaxes, dtypes)
 
 
 def _matmul_fwd(x, kernel, scale, amax_probe, current):
@@ -182,14 +177,15 @@ def _matmul_fwd(x, kernel, scale, amax_probe, current):
 
 
 def _matmul_bwd(current, residuals, dy):
-    xq, kq, scale, amax_x, amax_k, (x_like, k_like) = residuals
+    xq, kq, scale, forward_amaxes, (x_like, k_like) = residuals
     x_dtype, k_dtype = x_like.dtype, k_like.dtype
     amax_g = _amax(dy)
-    g_scale = _own(scale[2], amax_g, MAX[E5M2], current)
+    # a first step's gradient by its own amax too: at 1, gradients of 1e-5 flush to zero
+    g_scale = _pick(scale[2], _own(amax_g, jnp.float32(MAX[E5M2])), current)
     gq = quantize(dy, g_scale, E5M2)
     dx = (_dot(gq, kq.T) * (g_scale * scale[1])).astype(x_dtype)
     dk = (_dot(xq.T, gq) * (scale[0] * g_scale)).astype(k_dtype)
-    amaxes = jnp.stack([amax_x, amax_k, amax_g])
+    amaxes = jnp.append(forward_amaxes, amax_g)
     return dx, dk, jnp.zeros_like(scale), amaxes
 
 

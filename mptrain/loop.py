@@ -194,10 +194,11 @@ class Run:
         with allow_transfers():
             metrics, totals = jax.device_get((metrics, totals))
             values = metrics_lib.scalars(metrics) | totals.to_scalars()
-            if "fp8_amax" in metrics:
-                values |= fp8.log_values(metrics, fp8.counter_names(self.state.model_state))
+            if "fp8_amax" in metrics:  # names from the state's structure: no transfer
+                names = fp8.counter_names(self.state.model_state)
+                values |= fp8.log_values(metrics, names)
+                self.warn_saturation(step_no, names, metrics["fp8_saturated"])
             self.record(step_no, values)
-            self.warn_saturation(step_no, metrics.get("fp8_saturated"))
             where = None
             if self.calls is not None:
                 table = metrics["numerics"]
@@ -210,19 +211,17 @@ class Run:
         if diagnostic:
             self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
 
-    def warn_saturation(self, step_no: int, counts: Any) -> None:
+    def warn_saturation(self, step_no: int, names: list[str], counts: Any) -> None:
         """Host-side. Names the fp8 layers whose values were clipped in two or more updates
         since the last log step (`fp8.clipped_again`)."""
-        if counts is not None:
-            names = fp8.counter_names(self.state.model_state)
-            repeated, self.fp8_saturated = fp8.clipped_again(names, counts, self.fp8_saturated)
-            if repeated:
-                logging.warning(
-                    "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
-                    "history lags the values",
-                    step_no,
-                    ", ".join(repeated),
-                )
+        repeated, self.fp8_saturated = fp8.clipped_again(names, counts, self.fp8_saturated)
+        if repeated:
+            logging.warning(
+                "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
+                "history lags the values",
+                step_no,
+                ", ".join(repeated),
+            )
 
     def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
         """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the

@@ -54,14 +54,18 @@ def _fp8_update(model_state: Any, amaxes: Any, old: Any, new: Any) -> Any:
     `model_state`."""
     if amaxes is None:
         return model_state
-    is_multi = lambda x: isinstance(x, optax.MultiStepsState)
-    found = [x for x in jax.tree.leaves(old.opt_state, is_leaf=is_multi) if is_multi(x)]
-    if not found:
+    before, after = _multi_steps(old.opt_state), _multi_steps(new.opt_state)
+    if before is None:  # no accumulation: every step is an update
         return fp8_lib.update_state(model_state, amaxes, old.policy.fp8)
-    (after,) = [x for x in jax.tree.leaves(new.opt_state, is_leaf=is_multi) if is_multi(x)]
-    applied, micro_batches = after.mini_step == 0, found[0].mini_step + 1
-    recipe = old.policy.fp8
-    return fp8_lib.update_state(model_state, amaxes, recipe, applied, micro_batches)
+    applied, micro_batches = after.mini_step == 0, before.mini_step + 1
+    return fp8_lib.update_state(model_state, amaxes, old.policy.fp8, applied, micro_batches)
+
+
+def _multi_steps(opt_state: Any) -> optax.MultiStepsState | None:
+    """The `optax.MultiSteps` state inside `opt_state` (gradient accumulation), or None."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_multi) if is_multi(x)]
+    return found[0] if found else None
 
 
 def _recording(taps, compute_dtype, calls):
