@@ -51,6 +51,7 @@ def test_the_step_runs_the_dense_layers_in_fp8_and_the_rest_in_bf16(tmp_path):
     assert flops.get("float8_e4m3fn", 0) > 0 and flops.get("float8_e5m2", 0) > 0
     assert flops.get("bfloat16", 0) > 0  # the head, the attention scores: not selected
     assert report.compute_fraction == 1.0 and not report.warnings
+    assert "scatter" not in step.lower(state, batch).as_text()  # the fp8 bookkeeping included
     # every projection of every block has its scaling state; the head and embedding have none
     metas = state.model_state[fp8.META]["block_0"]
     assert set(metas["attn"]) == {"qkv", "out"} and set(metas["mlp"]) == {"fc_in", "fc_out"}
