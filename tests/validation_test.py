@@ -167,9 +167,12 @@ def test_help_prints_the_flags_and_where_the_keys_are(capsys):
 def test_validating_the_tiny_config_takes_under_a_second():
     config = load_config("default")
     config_lib.validate(config)  # imports and jax's first trace are paid once per process
-    started = time.perf_counter()
-    config_lib.validate(config)
-    assert time.perf_counter() - started < 1.0
+    took = []
+    for _ in range(3):  # the best of three: the validation's cost, not a neighbour's burst
+        started = time.perf_counter()
+        config_lib.validate(config)
+        took.append(time.perf_counter() - started)
+    assert min(took) < 1.0, took
 
 
 # ------------------------------------------------------------ settings that cannot take effect
