@@ -35,16 +35,18 @@ class StopTraining(Exception):
 
 
 class Preempted(StopTraining):
-    """SIGTERM arrived; a checkpoint was written. Run the same command again to resume."""
+    """A stop signal (SIGTERM, or Ctrl-C's SIGINT) arrived; a checkpoint was written. Run the
+    same command again to resume."""
 
     exit_code = 75
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, signal_name: str = "SIGTERM"):
         super().__init__(
-            f"preempted (SIGTERM) at step {step}; checkpoint written, run the same command "
-            "again to resume"
+            f"preempted ({signal_name}) at step {step}; checkpoint written, run the same "
+            "command again to resume"
         )
         self.step = step
+        self.signal_name = signal_name
 
 
 class NonFiniteTraining(StopTraining):

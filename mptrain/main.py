@@ -3,7 +3,8 @@
 Parses flags and runs the trainer named by `config.trainer` (`mptrain.run` does the same from
 Python). Exit codes (declared in `errors.py`): 0 done; 2 bad usage or config (one
 message naming the key, no traceback); 3 training went non-finite and could not recover; 75
-preempted (SIGTERM) after writing a checkpoint: run the same command to resume.
+preempted (SIGTERM or a first Ctrl-C) after writing a checkpoint: run the same command to resume;
+130 a second Ctrl-C, which does not wait for the checkpoint.
 """
 
 from __future__ import annotations
@@ -122,10 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     from mptrain import runtime
 
     runtime.catch_stop_signals()  # first: a stop signal from here on is exit 75 and one line
+    code = None
     try:
-        return _main(argv)
+        code = _main(argv)
+        return code
     finally:
-        runtime.release_stop_signals()
+        if argv is None and code is not None:  # the process's own command line, done
+            runtime.end_with_on_stop_signals(code)
+        else:
+            runtime.release_stop_signals()
 
 
 def _main(argv: list[str] | None) -> int:

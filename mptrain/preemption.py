@@ -35,6 +35,15 @@ def catch_stop_signals() -> None:
         _catcher = _Catcher(STOP_SIGNALS, exit_now_ok=True)
 
 
+def end_with_on_stop_signals(code: int) -> None:
+    """The command line's last call when it is the process's own (`python -m mptrain.main`):
+    the work is done and `code` is the exit on its way, so a stop signal during the
+    interpreter's teardown (JAX's exit hooks can take a while) ends the process at once with
+    `code`, not with a KeyboardInterrupt traceback."""
+    if _catcher is not None:
+        _catcher.done_code = code
+
+
 def release_stop_signals() -> None:
     """Undoes `catch_stop_signals` (the command line's last call, so that `main()` called
     in-process, by a test say, leaves the process's handlers as it found them)."""
@@ -44,15 +53,16 @@ def release_stop_signals() -> None:
         _catcher = None
 
 
-def _exit_now(code: int, message: str) -> None:
-    """Writes `mptrain: message` to stderr and ends the process at once, from any thread. No
-    exception unwinds and no shutdown tears down XLA's busy threads (a KeyboardInterrupt
-    during a compile used to end in a segfault)."""
+def _exit_now(code: int, message: str | None) -> None:
+    """Writes `mptrain: message` (if any) to stderr and ends the process at once, from any
+    thread. No exception unwinds and no shutdown tears down XLA's busy threads (a
+    KeyboardInterrupt during a compile used to end in a segfault)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    with contextlib.suppress(OSError):
-        os.write(2, f"mptrain: {message}\n".encode())
+    if message is not None:
+        with contextlib.suppress(OSError):
+            os.write(2, f"mptrain: {message}\n".encode())
     os._exit(code)
 
 
@@ -66,6 +76,7 @@ class _Catcher:
     each signal's number to a wakeup fd at once; the watcher thread reads it there and acts
     where waiting would be wrong:
 
+    - once `done_code` is set (the command line has finished), it ends it with that code;
     - while `exit_now_ok` (starting up, nothing to save), it ends the process with 75;
     - at a SIGINT after the first stop signal (a second Ctrl-C), it ends it with 130;
     - with `forward` (several processes, see `PreemptionFlag`), it passes a first SIGINT on to
@@ -76,6 +87,7 @@ class _Catcher:
         self.first: str | None = None
         self.exit_now_ok = exit_now_ok
         self.forward = False
+        self.done_code: int | None = None  # see `end_with_on_stop_signals`
         # The watcher first, the handlers last: a signal that lands between two handlers'
         # installs still reaches the watcher through the wakeup fd.
         read_fd, self._write_fd = os.pipe()
@@ -96,6 +108,8 @@ class _Catcher:
         while data := os.read(read_fd, 64):
             for signum in (s for s in data if s in STOP_SIGNALS):
                 name = signal.Signals(signum).name
+                if self.done_code is not None:
+                    _exit_now(self.done_code, None)
                 if self.exit_now_ok and not self.forward:
                     _exit_now(
                         errors.Preempted.exit_code,

@@ -8,8 +8,8 @@ first). The trainer holds the lock and the flag for a whole run::
         ...  # set up; then loop, asking `preemption.reached(step)` before each step
 
 SIGTERM and SIGINT are `preemption`'s (re-exported here: `PreemptionFlag`, `catch_stop_signals`,
-`release_stop_signals`). jax is imported inside the functions that use it, so that this module
-loads in milliseconds.
+`release_stop_signals`, `end_with_on_stop_signals`). jax is imported inside the functions that
+use it, so that this module loads in milliseconds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mptrain.preemption import (  # noqa: F401  (re-exported: runtime.Preemption
     STOP_SIGNALS,
     PreemptionFlag,
     catch_stop_signals,
+    end_with_on_stop_signals,
     release_stop_signals,
 )
 

@@ -299,8 +299,9 @@ class Trainer:
         with loop.Prefetcher(fetch, calls, loop.prefetch_depth(cfg.data.prefetch)) as batches:
             for first, batch in zip(calls, batches, strict=True):
                 if preemption.reached(done):
-                    logging.warning("mptrain: SIGTERM received; checkpointing step %d", done)
-                    run.stop(done, errors.Preempted(done))
+                    name = preemption.signal_name
+                    logging.warning("mptrain: %s received; checkpointing step %d", name, done)
+                    run.stop(done, errors.Preempted(done, name))
                 run.state, metrics, totals = run.train_step(run.state, batch, totals)
                 done = first + k
                 run.stepped(first, done, metrics, totals)

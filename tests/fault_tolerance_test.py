@@ -248,6 +248,7 @@ def test_sigterm_to_the_cli_exits_75_within_seconds(tmp_path):
     code, took, err = _signal(proc)
     assert code == 75 and took < 10, err[-2000:]
     assert _stopped_at(err) == max(checkpoint_steps_on_disk(tmp_path)) > 20
+    assert "SIGTERM received; checkpointing" in err and "preempted (SIGTERM) at" in err
 
 
 def test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact(tmp_path, finished_cli_run):
@@ -257,6 +258,7 @@ def test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact(tmp_path,
     assert code == 75 and took < 10, err[-2000:]
     step = _stopped_at(err)
     assert 10 <= step < LAST and checkpoint_steps_on_disk(tmp_path)[-1] == step
+    assert "SIGINT received; checkpointing" in err and "preempted (SIGINT) at" in err
     assert not _leftovers(tmp_path)
     _resumes_to_the_same_state(tmp_path, finished_cli_run)
 
@@ -313,18 +315,52 @@ def test_a_signal_while_starting_up_exits_75_at_once_with_one_line(name, moment,
         assert not workdir.exists()  # it stopped before touching anything
 
 
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits, sent but not yet delivered, for process `pid` (Linux's /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.MULTILINE)
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
 def test_a_second_ctrl_c_exits_at_once_with_130_and_the_run_still_resumes(
     tmp_path, finished_cli_run
 ):
-    proc = _start_cli(tmp_path, *FINITE)
-    _wait_for(lambda: 10 in checkpoint_steps_on_disk(tmp_path), proc, every=0.01)
+    # The second Ctrl-C must land while the first one's checkpoint is being written: so the
+    # first comes at a step with no checkpoint yet (15 to 19: they are written every 10), and
+    # the second as soon as the kernel has delivered the first (two SIGINTs still pending
+    # would merge into one).
+    log = tmp_path / "stderr.txt"
+    cmd = [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={tmp_path}", *FINITE]
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=fake_cpu_env(1), stderr=stderr, text=True)
+    _wait_for(lambda: "] [15] " in log.read_text(), proc, every=0.005)
     proc.send_signal(signal.SIGINT)  # the first starts a checkpoint of the steps done ...
-    time.sleep(0.002)
-    code, took, err = _signal(proc, signal.SIGINT)  # ... which the second does not wait for
+    while _pending(proc.pid, signal.SIGINT):
+        time.sleep(0.0002)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # ... which the second does not wait for
+    code, took, err = proc.wait(timeout=120), time.monotonic() - sent, log.read_text()
     assert code == 130 and took < 5, err[-3000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("mptrain: SIGINT again: stopped at once")
     _resumes_to_the_same_state(tmp_path, finished_cli_run)
+
+
+def test_a_stop_signal_after_the_command_finished_exits_with_its_code_and_no_traceback():
+    # JAX's exit hooks run after the last line; a Ctrl-C there once printed a KeyboardInterrupt.
+    script = (
+        "import os, signal, time\n"
+        "from mptrain import runtime\n"
+        "runtime.catch_stop_signals()\n"
+        "runtime.end_with_on_stop_signals(75)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr) == (75, "")
 
 
 _FORKED_WORKER = """
