@@ -284,11 +284,12 @@ def test_ctrl_c_during_a_save_lets_it_finish_then_stops(tmp_path, finished_cli_r
     _resumes_to_the_same_state(tmp_path, finished_cli_run, *every_2)
 
 
-def _catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler of its own for `signum` (Linux's /proc)."""
+def _in_signal_masks(pid: int, signum: int, *masks: str) -> bool:
+    """Whether `signum` is in any of process `pid`'s signal `masks` (Linux's /proc status:
+    SigCgt, the signals it has handlers for; SigPnd and ShdPnd, those sent, not yet delivered)."""
     status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
-    return bool(mask >> (signum - 1) & 1)
+    found = re.findall(rf"^(?:{'|'.join(masks)}):\s*([0-9a-f]+)$", status, re.MULTILINE)
+    return any(int(mask, 16) >> (signum - 1) & 1 for mask in found)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
@@ -305,7 +306,7 @@ def test_a_signal_while_starting_up_exits_75_at_once_with_one_line(name, moment,
     if moment == "compiling":
         _wait_for(lambda: (workdir / "config.json").exists(), proc, every=0.01)
     else:
-        _wait_for(lambda: _catches(proc.pid, signal.SIGTERM), proc, every=0.002)
+        _wait_for(lambda: _in_signal_masks(proc.pid, signal.SIGTERM, "SigCgt"), proc, every=0.002)
     code, took, err = _signal(proc, signal.Signals[name])
     assert code == 75 and took < 10, err[-3000:]
     assert "Traceback" not in err
@@ -314,13 +315,6 @@ def test_a_signal_while_starting_up_exits_75_at_once_with_one_line(name, moment,
     )
     if moment == "handlers installed":
         assert not workdir.exists()  # it stopped before touching anything
-
-
-def _pending(pid: int, signum: int) -> bool:
-    """Whether `signum` waits, sent but not yet delivered, for process `pid` (Linux's /proc)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.MULTILINE)
-    return any(int(mask, 16) >> (signum - 1) & 1 for mask in masks)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
@@ -337,7 +331,7 @@ def test_a_second_ctrl_c_exits_at_once_with_130_and_the_run_still_resumes(
         proc = subprocess.Popen(cmd, cwd=ROOT, env=fake_cpu_env(1), stderr=stderr, text=True)
     _wait_for(lambda: "] [15] " in log.read_text(), proc, every=0.005)
     proc.send_signal(signal.SIGINT)  # the first starts a checkpoint of the steps done ...
-    while _pending(proc.pid, signal.SIGINT):
+    while _in_signal_masks(proc.pid, signal.SIGINT, "SigPnd", "ShdPnd"):
         time.sleep(0.0002)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)  # ... which the second does not wait for
