@@ -13,6 +13,7 @@ it: `optimizer.eps=0.0: must be > 0`. `config.validate` builds those objects and
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 from collections.abc import Iterable
@@ -68,6 +69,24 @@ class StorageError(StopTraining):
 
 
 # --------------------------------------------------------------------------- value checks
+
+
+@contextlib.contextmanager
+def config_errors():
+    """Within the block, a check's `ValueError` (``model.hidden=0: ...``) becomes the
+    `ConfigError` ``config.model.hidden=0: ...`` (exit 2); a `ConfigError` passes unchanged."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's first non-empty line of text, or its type's name when it has none."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(error).__name__
 
 
 def setting(section: Any, key: str, default: Any) -> Any:

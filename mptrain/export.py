@@ -78,9 +78,8 @@ def export(
         config = ml_collections.ConfigDict(saved)
         config_lib.validate(config)
     except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
-        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         raise errors.WorkdirError(
-            f"--workdir={workdir}: {config_path} is unusable: {reason}"
+            f"--workdir={workdir}: {config_path} is unusable: {errors.first_line(e)}"
         ) from None
     trainer = launch.import_trainer(config.trainer)(config, workdir)
     init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))

@@ -44,10 +44,8 @@ def run(config, workdir: str | os.PathLike):
     Returns the final `TrainState`; raises `errors.ConfigError` for a bad config and the
     `errors.StopTraining` family when a run ends early.
     """
-    try:
+    with errors.config_errors():
         runtime.start_backend(config)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None
     config_lib.validate(config)
     trainer_cls = import_trainer(config.trainer)
     started = time.monotonic()

@@ -152,7 +152,5 @@ def check_config(config: Any) -> dict[str, Any]:
 def create_sources(config: Any) -> tuple[SyntheticImageSource, SyntheticImageSource]:
     """Host-side: the ``(train, eval)`` sources for a full mptrain config (keys in the module
     doc); a bad key is an `errors.ConfigError` naming it."""
-    try:
+    with errors.config_errors():
         return build_sources(config)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None

@@ -247,10 +247,8 @@ def build_text_sources(
     """
     seq_len, max_bytes, fraction = _settings(data_config)
     corpus = load_corpus(max_bytes)
-    try:
+    with errors.config_errors():
         _check_sizes(len(corpus), seq_len, fraction, max_bytes)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None
     train, evaluation = split_corpus(corpus, fraction)
     eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
     return (

@@ -11,7 +11,7 @@ import logging as std_logging
 import re
 from typing import Any
 
-from mptrain import registry
+from mptrain import errors, registry
 
 
 def modules() -> dict[str, Any]:
@@ -91,7 +91,7 @@ def check_config(config, policy: Any, example: Any = None) -> None:
     try:
         jax.eval_shape(init, example["inputs"])
     except (ValueError, TypeError) as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        message = errors.first_line(e)
         if re.match(r"^[a-z_]+=", message) and message.split("=")[0] in module.CONFIG_KEYS:
             raise ValueError(f"model.{message}") from None
         inputs = example["inputs"]

@@ -46,10 +46,8 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
     """Host-side: an `MLP` from the keys in the module doc; a bad value is a `ConfigError`
     naming its key."""
     keys = errors.settings(model_config, CONFIG_KEYS)
-    try:
+    with errors.config_errors():
         errors.check_integer("model.hidden", keys["hidden"], 1)
         errors.check_integer("model.num_layers", keys["num_layers"], 0)
         errors.check_integer("model.num_classes", keys["num_classes"], 1)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None
     return MLP(**keys, dtype=compute_dtype)

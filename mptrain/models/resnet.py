@@ -103,13 +103,11 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
     """Host-side: a `ResNet` from the keys in the module doc; a bad value is a `ConfigError`
     naming its key."""
     keys = errors.settings(model_config, CONFIG_KEYS)
-    try:
+    with errors.config_errors():
         stage_sizes = errors.check_integers("model.stage_sizes", keys["stage_sizes"], 1)
         errors.check_integer("model.width", keys["width"], 1)
         errors.check_integer("model.num_classes", keys["num_classes"], 1)
         errors.check_number("model.bn_momentum", keys["bn_momentum"], 0.0, 1.0)
-    except ValueError as e:
-        raise errors.ConfigError(f"config.{e}") from None
     return ResNet(
         stage_sizes=stage_sizes,
         width=keys["width"],

@@ -255,7 +255,7 @@ def create_model(
     ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
     embedding and the head do not).
     """
-    try:
+    with errors.config_errors():
         keys = _settings(model_config)
         choice = layers.choose_attention(
             keys["attention"],
@@ -263,8 +263,6 @@ def create_model(
             head_dim=keys["d_model"] // keys["num_heads"],
             dropout_rate=keys["dropout_rate"],
         )
-    except ValueError as e:  # a bad model key: a config error (exit 2), not a crash
-        raise errors.ConfigError(f"config.{e}") from None
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
         vocab_size=keys["vocab_size"],
