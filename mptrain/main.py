@@ -71,8 +71,8 @@ def _checked_config_file(parser, argv: list[str]):
             try:
                 config = parser.parse(path)
             except AttributeError as e:
-                if getattr(e, "name", None) != "get_config":
-                    raise
+                if getattr(e, "name", None) != "get_config":  # a slip inside the file
+                    raise _BadConfigFile(f"--config={path}: {_one_line(e)}") from None
                 raise _BadConfigFile(
                     f"--config={path}: the file defines no get_config(arg=None), the function "
                     "that returns its config"

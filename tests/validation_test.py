@@ -123,6 +123,11 @@ BAD_FILES = {
         "returned a dict, not an ml_collections.ConfigDict",
     ),
     "no_get_config": ("SEED = 1\n", "defines no get_config"),
+    "a_slip_inside": (  # an AttributeError of the file's own, not an unknown config key
+        "import ml_collections\n\ndef get_config(arg=None):\n"
+        "    return ml_collections.ConfigDcit()\n",
+        "module 'ml_collections' has no attribute 'ConfigDcit'",
+    ),
     "misspelt_key": (
         "from mptrain import config\n\ndef get_config(arg=None):\n"
         "    c = config.base_config()\n    c.optimizer.learnin_rate = 5.0\n    return c\n",
