@@ -262,16 +262,10 @@ class Run:
             print(summary, flush=True)
 
     def save(self, step_no: int) -> None:
-        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run."""
+        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run (the
+        checkpointer's `StorageError`)."""
         with allow_transfers():
-            try:
-                self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
-            except OSError as e:
-                raise errors.StorageError(
-                    f"could not write the checkpoint for step {step_no} in "
-                    f"{self.checkpointer.directory}: {e.strerror or e}; the checkpoints already "
-                    f"there are intact (steps {self.checkpointer.all_steps()})"
-                ) from e
+            self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
         self.saved_step = step_no
 
     def stop(self, done: int, error: errors.StopTraining) -> None:
