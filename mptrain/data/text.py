@@ -18,6 +18,7 @@ Batches are pure functions of ``(seed, index)``, so a resumed run only needs its
 
 from __future__ import annotations
 
+import bisect
 import os
 import sysconfig
 from typing import Any
@@ -210,9 +211,16 @@ def _check_sizes(total: int, seq_len: int, fraction: float, max_bytes: int | Non
             f"data.seq_len={seq_len}: the corpus's {total} bytes split into {split}; each side "
             f"needs one window of seq_len + 1 = {need} bytes"
         )
-    least = max(2 * need, int(need / min(fraction, 1 - fraction)) - 2)
-    while min(sides(least)) < need:
-        least += 1
+
+    # Both sides only grow with n, so the n that work are all those from the least one on: find
+    # it by doubling past it from 2 * need (the least that could work), then bisecting.
+    def enough(n: int) -> bool:
+        return min(sides(n)) >= need
+
+    high = 2 * need
+    while not enough(high):
+        high *= 2
+    least = bisect.bisect_left(range(high // 2, high + 1), True, key=enough) + high // 2
     raise ValueError(
         f"data.max_bytes={max_bytes}: splits into {split}; each side needs one window of "
         f"data.seq_len + 1 = {need} bytes, so max_bytes must be at least {least}"
