@@ -23,7 +23,7 @@ from mptrain import errors
 
 # `.<name>.<random>.tmp` beside the file `write_json` is writing; `mkstemp`, used before, also
 # made names of this shape, so its leftovers are recognised too.
-_TEMPORARY = re.compile(r"\.(?P<target>.+)\.[A-Za-z0-9_]+\.tmp")
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9_]+\.tmp")
 
 # The storage failures a user can act on, by errno, in the words the one-line error uses.
 _CAUSES = {
@@ -110,22 +110,21 @@ class StorageFailureFilter(logging.Filter):
         return storage_cause(error) is None and storage_cause(record.getMessage()) is None
 
 
-def is_temporary(name: str, target: str | None = None) -> bool:
-    """Whether `name` is a temporary file of `write_json` (one for `target`, if given)."""
-    found = _TEMPORARY.fullmatch(name)
-    return found is not None and target in (None, found.group("target"))
+def is_temporary(name: str) -> bool:
+    """Whether `name` is a temporary file of `write_json`."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
-def remove_temporaries(directory: str | os.PathLike, target: str | None = None) -> list[str]:
-    """Deletes the temporaries that interrupted `write_json`s left in `directory` (only those
-    for the file `target`, if given); returns their names.
+def remove_temporaries(directory: str | os.PathLike) -> list[str]:
+    """Deletes the temporaries that interrupted `write_json`s left in `directory`; returns
+    their names.
 
     Only the one writer of those files may call it (the run that holds the workdir): another
     writer's temporary may be in use.
     """
     removed = []
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if is_temporary(name, target):
+        if is_temporary(name):
             try:
                 os.remove(os.path.join(directory, name))
                 removed.append(name)
@@ -156,16 +155,15 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Writes `obj` as indented JSON, atomically: a reader sees the old file or the new one.
 
     The text goes to a temporary file in the same directory, is flushed to disk, and replaces
-    `path` with `os.replace`. Values JSON cannot hold are written as their `str()`. A file has
-    one writer (process 0 of the run that owns the workdir), so the temporaries an interrupted
-    write of this same file left are that writer's own, and are removed first. The file gets
-    the mode any new file gets (0666 less the umask), not `mkstemp`'s private 0600.
+    `path` with `os.replace`. Values JSON cannot hold are written as their `str()`. A write
+    that a kill interrupts leaves its temporary behind (`is_temporary`); the owner of the
+    folder removes those (`remove_temporaries`: a run, at start-up). The file gets the mode any
+    new file gets (0666 less the umask), not `mkstemp`'s private 0600.
     """
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n"
-    remove_temporaries(directory, name)
     while True:
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
         try:

@@ -95,8 +95,8 @@ def report(log: Log, table: np.ndarray, step: int, calls: Calls, writer, workdir
     `<workdir>/numerics/<step>.json` for the newest skipped steps (keeping `KEPT_TABLES`), and
     the per-layer forward and backward amax under `numerics/` to `writer`. Returns the line of
     the newest skipped step, if any (for the message when training stops). Only `<step>.json`
-    files count as tables; the temporaries an interrupted write left there are this run's (or an
-    earlier run's of the same workdir) and are removed."""
+    files count as tables (the temporaries an interrupted write left there are removed when the
+    run starts)."""
     origins = sorted(tuple(row) for row in np.asarray(log.origins).tolist())
     lines = [describe(s, i, d, calls) for s, i, d in origins if s >= 0]
     for line in lines:
@@ -107,7 +107,6 @@ def report(log: Log, table: np.ndarray, step: int, calls: Calls, writer, workdir
             path = os.path.join(folder, f"{int(tab_step)}.json")
             if tab_step >= 0 and not os.path.exists(path):
                 files.write_json(path, {"step": int(tab_step), "layers": as_rows(tab, calls)})
-        files.remove_temporaries(folder)
         names = os.listdir(folder) if os.path.isdir(folder) else []
         kept = sorted((int(name[:-5]), name) for name in names if re.fullmatch(r"\d+\.json", name))
         for _, name in kept[:-KEPT_TABLES]:

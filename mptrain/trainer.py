@@ -237,7 +237,9 @@ class Trainer:
                 checkpointer, state, self.policy, config_lib.to_dict(cfg)
             )
             start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
-            if jax.process_index() == 0:
+            if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
+                for folder in (workdir, workdir / "numerics"):
+                    files.remove_temporaries(folder)
                 files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             calls = None
             if cfg.numerics.per_layer:
