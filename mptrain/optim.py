@@ -20,7 +20,6 @@ Storage that loses signal (fp16; bf16 or q8 rounded to nearest) draws an `Unsafe
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -151,6 +150,7 @@ def scale_by_adam(
     seed: int = 0,
     q8_block_size: int = q8.BLOCK_SIZE,
     q8_min_size: int = q8.MIN_SIZE,
+    _stacklevel: int = 2,  # its warnings point at the user's line: adamw's caller is one further
 ) -> optax.GradientTransformation:
     """Adam's rescaling with moments stored in `mu_dtype`/`nu_dtype` and arithmetic in fp32.
 
@@ -166,9 +166,8 @@ def scale_by_adam(
     mu_dtype = state_dtype(mu_dtype, "mu_dtype")
     nu_dtype = state_dtype(nu_dtype, "nu_dtype")
     moment_rounding = errors.check_choice("moment_rounding", moment_rounding, MOMENT_ROUNDINGS)
-    level = 3 if sys._getframe(1).f_code is adamw.__code__ else 2  # at the user's line
     for message in moment_warnings(mu_dtype, nu_dtype, moment_rounding):
-        warnings.warn(message, UnsafeMomentsWarning, stacklevel=level)
+        warnings.warn(message, UnsafeMomentsWarning, stacklevel=_stacklevel)
     block = errors.check_integer("q8_block_size", q8_block_size, 1)
     min_size = errors.check_integer("q8_min_size", q8_min_size, 1)
 
@@ -289,6 +288,7 @@ def adamw(
         seed=seed,
         q8_block_size=q8_block_size,
         q8_min_size=q8_min_size,
+        _stacklevel=3,
     )
     decay = _with_fp32_params(optax.add_decayed_weights(weight_decay, mask))
     return Gated(*optax.chain(adam, decay, _scale_by_schedule(learning_rate)))
