@@ -28,6 +28,7 @@ fixed held-out stream, ``default_rng([0, 1, i])``, the same for every seed (as a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -80,13 +81,13 @@ class SyntheticImageSource:
             raise ValueError(f"signal={signal!r}: must be > 0 and <= 1")
         self.stream = stream
         self._noise = float(np.sqrt(1.0 - self.signal**2))
-        self._prototypes: dict[int, np.ndarray] = {}  # built as their classes are first drawn
 
-    def _prototype(self, label: int) -> np.ndarray:
-        found = self._prototypes.get(label)
-        if found is None:
-            found = self._prototypes[label] = self.signal * prototype(label, self.image_shape)
-        return found
+    @functools.cached_property
+    def _means(self) -> np.ndarray:
+        """``float32[num_classes, H, W, C]``: each class's ``signal * prototype``, built when the
+        first batch is asked for (so that `check_config` builds a source without them)."""
+        classes = [prototype(k, self.image_shape) for k in range(self.num_classes)]
+        return self.signal * np.stack(classes)
 
     def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Batch number ``index``, deterministic in ``(seed, index)``; only its ``rows`` (each
@@ -98,8 +99,7 @@ class SyntheticImageSource:
         labels = rng.integers(0, self.num_classes, size=self.batch_size).astype(np.int32)
         noise = rng.standard_normal((self.batch_size, *self.image_shape), dtype=np.float32)
         labels, noise = labels[rows], noise[rows]
-        means = np.stack([self._prototype(int(k)) for k in labels]) if len(labels) else 0.0
-        inputs = (means + np.float32(self._noise) * noise).astype(np.float32)
+        inputs = (self._means[labels] + np.float32(self._noise) * noise).astype(np.float32)
         return {"inputs": inputs, "targets": labels}
 
     def __repr__(self) -> str:
