@@ -41,11 +41,12 @@ def storage_cause(error: BaseException | str | None) -> str | None:
     """What a failed write ran into, in a few words (`disk full (No space left on device)`), or
     None when `error` is no storage failure.
 
-    Every `OSError` is one. Other exceptions (and log messages) are when their text holds an
+    Every `OSError` is one, but a timeout or a lost connection (a multi-host barrier's, say):
+    those are not the disk's. Other exceptions (and log messages) are when their text holds an
     errno, as tensorstore writes it, or the system's wording of a full disk, a read-only
     filesystem or a denied permission: orbax passes tensorstore's errors on unchanged.
     """
-    if error is None:
+    if error is None or isinstance(error, TimeoutError | ConnectionError):
         return None
     text, code = str(error), getattr(error, "errno", None)
     if isinstance(error, OSError) and not isinstance(code, int):

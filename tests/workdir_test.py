@@ -217,6 +217,13 @@ def test_every_storage_failure_of_a_save_is_one_storage_error(
     assert_trees_bytes_equal(restored, state)
 
 
+@pytest.mark.parametrize("error", [TimeoutError("barrier timed out"), ConnectionResetError()])
+def test_a_timeout_or_a_lost_connection_is_no_storage_failure(error):
+    # An OSError, but not the disk's: it must surface as itself, not as "could not write".
+    assert files.storage_error(error, "the checkpoint of step 2") is None
+    assert files.storage_error(OSError(errno.ENOSPC, "full"), "x") is not None
+
+
 # --------------------------------------------------------------- a corrupt meta is skipped
 
 
