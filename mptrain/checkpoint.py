@@ -308,9 +308,11 @@ def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
 def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, int | None]:
     """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
     For the run that holds the directory: once the checkpoint is accepted it removes leftovers
-    of interrupted saves. Another model, optimizer or precision is refused, and so is a
-    `num_train_steps` below the checkpoint's step (`ConfigError`s, the directory untouched);
-    other changed keys (learning rate, intervals, ...) are allowed and logged."""
+    of interrupted saves. Checkpoints whose arrays do not fit `state` (another model shape,
+    optimizer or precision) are a `WorkdirError`; a checkpoint that fits but was trained with
+    other model keys or another precision, or is past `num_train_steps`, a `ConfigError` (the
+    directory untouched either way); other changed keys (learning rate, intervals, ...) are
+    allowed and logged."""
     try:
         restored = checkpointer.restore(state)
     except CheckpointMismatchError as e:

@@ -24,8 +24,6 @@ from absl import logging
 
 from mptrain import errors, preemption
 from mptrain.preemption import (  # noqa: F401  (re-exported: runtime.PreemptionFlag, ...)
-    EXIT_INTERRUPTED,
-    STOP_SIGNALS,
     PreemptionFlag,
     catch_stop_signals,
     end_with_on_stop_signals,

@@ -277,10 +277,12 @@ class Trainer:
     def train_and_evaluate(self) -> train_state_lib.TrainState:
         """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any.
 
-        Raises `errors.Preempted` after checkpointing when SIGTERM arrives, `NonFiniteTraining`
-        when training cannot recover from non-finite steps, `WorkdirError` when the workdir is
-        in use, unwritable, or holds checkpoints of an incompatible run, `StorageError` when a
-        checkpoint cannot be written.
+        Raises `errors.Preempted` after checkpointing when SIGTERM or SIGINT arrives,
+        `NonFiniteTraining` when training cannot recover from non-finite steps, `WorkdirError`
+        when the workdir is in use, unwritable, or holds checkpoints whose arrays do not fit
+        this run's state, `ConfigError` when they fit but were trained with other model keys or
+        precision, or are past `num_train_steps`, `StorageError` when a checkpoint cannot be
+        written.
         """
         with loop.allow_transfers():  # data problems surface before anything touches the workdir
             sources = self.build_datasets()
