@@ -49,6 +49,24 @@ def prototype(label: int, image_shape: tuple[int, int, int]) -> np.ndarray:
     return cells[rows[:, None], cols[None, :]].astype(np.float32)
 
 
+def _checked(
+    image_shape: Any, num_classes: Any, signal: Any, *, prefix: str = ""
+) -> tuple[tuple[int, int, int], int, float]:
+    """``(image_shape, num_classes, signal)`` checked; a bad one is a `ValueError` naming it as
+    ``prefix + key`` (``data.num_classes=1: ...`` with ``prefix="data."``)."""
+    shape = errors.check_integers(f"{prefix}image_shape", image_shape, 1)
+    if len(shape) != 3:
+        raise ValueError(
+            f"{prefix}image_shape={image_shape!r}: must be (height, width, channels), e.g. "
+            "(28, 28, 1) or (32, 32, 3)"
+        )
+    num_classes = errors.check_integer(f"{prefix}num_classes", num_classes, 2)
+    checked_signal = errors.check_number(f"{prefix}signal", signal, 0.0, open_low=True)
+    if checked_signal > 1.0:
+        raise ValueError(f"{prefix}signal={signal!r}: must be > 0 and <= 1")
+    return shape, num_classes, checked_signal  # type: ignore[return-value]
+
+
 class SyntheticImageSource:
     """Batches ``{"inputs": float32[B, H, W, C], "targets": int32[B]}`` (see the module doc).
 
@@ -66,19 +84,9 @@ class SyntheticImageSource:
         signal: float = CONFIG_KEYS["signal"],
         stream: int = TRAIN,
     ):
-        shape = errors.check_integers("image_shape", image_shape, 1)
-        if len(shape) != 3:
-            raise ValueError(
-                f"image_shape={image_shape!r}: must be (height, width, channels), e.g. "
-                "(28, 28, 1) or (32, 32, 3)"
-            )
-        self.image_shape: tuple[int, int, int] = shape  # type: ignore[assignment]
-        self.num_classes = errors.check_integer("num_classes", num_classes, 2)
+        self.image_shape, self.num_classes, self.signal = _checked(image_shape, num_classes, signal)
         self.batch_size = errors.check_integer("batch_size", batch_size, 1)
         self.seed = errors.check_integer("seed", seed, 0)
-        self.signal = errors.check_number("signal", signal, 0.0, open_low=True)
-        if self.signal > 1.0:
-            raise ValueError(f"signal={signal!r}: must be > 0 and <= 1")
         self.stream = stream
         self._noise = float(np.sqrt(1.0 - self.signal**2))
 
@@ -113,26 +121,19 @@ class SyntheticImageSource:
 def build_sources(config: Any, *, batch_size: int | None = None):
     """``(train, eval)`` sources of a full mptrain config; a bad key is a `ValueError` naming
     it (``data.num_classes=1: ...``)."""
-    keys = errors.settings(config.data, CONFIG_KEYS)
+    shape, num_classes, signal = _checked(
+        **errors.settings(config.data, CONFIG_KEYS), prefix="data."
+    )
     batch_size = config.batch_size if batch_size is None else batch_size
-    common = {"image_shape": keys["image_shape"], "num_classes": keys["num_classes"]}
-    try:
-        train = SyntheticImageSource(
-            **common, batch_size=batch_size, seed=config.seed, signal=keys["signal"]
-        )
-    except ValueError as e:  # named as the config names it: `data.<key>` for the keys here
-        message = str(e)
-        named = message.split("=")[0] in CONFIG_KEYS
-        raise ValueError(f"data.{message}" if named else message) from None
+    common = {"image_shape": shape, "num_classes": num_classes, "signal": signal}
+    train = SyntheticImageSource(**common, batch_size=batch_size, seed=config.seed)
     model_classes = getattr(getattr(config, "model", None), "num_classes", None)
     if isinstance(model_classes, int) and train.num_classes > model_classes:
         raise ValueError(
             f"data.num_classes={train.num_classes}: more classes than the model has logits "
             f"(model.num_classes={model_classes})"
         )
-    evaluation = SyntheticImageSource(
-        **common, batch_size=batch_size, seed=0, signal=keys["signal"], stream=EVAL
-    )
+    evaluation = SyntheticImageSource(**common, batch_size=batch_size, seed=0, stream=EVAL)
     return train, evaluation
 
 
