@@ -297,15 +297,12 @@ def create_sources(config: Any) -> tuple[ImageSource, ImageSource]:
     Both splits are read here, before anything compiles, so a missing dataset fails at once.
     """
     import_tfds()  # a missing extra first: it is the reason whatever else is set
-    data = config.data
-    dataset = getattr(data, "dataset", None)
-    if not isinstance(dataset, str) or not dataset:
-        raise errors.ConfigError(
-            f"config.data.dataset={dataset!r}: name a TensorFlow Datasets dataset, e.g. 'mnist'"
-        )
-    data_dir = getattr(data, "data_dir", None)
-    train = load_split(dataset, getattr(data, "train_split", "train"), data_dir)
-    evaluation = load_split(dataset, getattr(data, "eval_split", "test"), data_dir)
+    with errors.config_errors():
+        check_config(config)
+    keys = errors.settings(config.data, CONFIG_KEYS)
+    dataset, data_dir = keys["dataset"], keys["data_dir"]
+    train = load_split(dataset, keys["train_split"], data_dir)
+    evaluation = load_split(dataset, keys["eval_split"], data_dir)
     mean, std = normalization(dataset, train["image"])
     common = {"mean": mean, "std": std, "seed": config.seed}
     return (
@@ -313,7 +310,7 @@ def create_sources(config: Any) -> tuple[ImageSource, ImageSource]:
             train["image"],
             train["label"],
             config.batch_size,
-            augment=bool(getattr(data, "augment", False)),
+            augment=keys["augment"],
             **common,
         ),
         ImageSource(
