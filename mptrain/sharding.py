@@ -52,11 +52,11 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
             raise ValueError(f"{key}={value!r}: must be a positive integer or -1 (all the rest)")
     if data == -1 and fsdp == -1:
         raise ValueError("mesh.data=-1: mesh.data and mesh.fsdp cannot both be -1")
-    for key, value, other, rest in (
-        ("mesh.data", data, fsdp, "mesh.fsdp"),
-        ("mesh.fsdp", fsdp, data, "mesh.data"),
-    ):
-        if value != -1 and other == -1 and num_devices % value:
+    if -1 in (data, fsdp):  # the other axis is given: it must divide the devices
+        key, value, rest = (
+            ("mesh.fsdp", fsdp, "mesh.data") if data == -1 else ("mesh.data", data, "mesh.fsdp")
+        )
+        if num_devices % value:
             fits = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
             raise ValueError(
                 f"{key}={value}: does not divide the {num_devices} devices, so {rest}=-1 (all "
