@@ -95,6 +95,7 @@ def moment_warnings(mu: Any, nu: Any, rounding: Any = "stochastic", prefix: str 
     """Why Adam moments stored in `mu`/`nu` with `rounding` lose signal: a message per unsafe
     choice naming it (`prefix` + `mu_dtype`...), [] if none. `scale_by_adam` warns them, and
     `audit.setup_warnings` (the start-up log) reports them with `prefix="optimizer."`."""
+    rounding = errors.check_choice(prefix + "moment_rounding", rounding, MOMENT_ROUNDINGS)
     found = []
     for key, dtype in (("mu_dtype", mu), ("nu_dtype", nu)):
         dtype = state_dtype(dtype, prefix + key)
@@ -310,9 +311,7 @@ def sgd(
     momentum buffer is rounded to nearest: its relative change per step, `1 - momentum`, is
     large enough for bf16.
     """
-    parts = []
-    if momentum:
-        parts.append(_trace(momentum, nesterov, state_dtype(mu_dtype, "mu_dtype")))
+    parts = [_trace(momentum, nesterov, state_dtype(mu_dtype, "mu_dtype"))] if momentum else []
     parts.append(_with_fp32_params(optax.add_decayed_weights(weight_decay, mask)))
     parts.append(_scale_by_schedule(learning_rate))
     return Gated(*optax.chain(*parts))

@@ -85,3 +85,17 @@ def test_a_run_shows_each_unsafe_choice_once(tmp_path, caplog):
         assert sum(message in line for line in shown) == 1, message
         why = message.split(": ", 1)[1]  # the same words, in a log line or a Python warning
         assert sum(why in line for line in shown) == 1, message
+
+
+@pytest.mark.parametrize("rounding", ["Nearest", " NEAREST "])
+def test_the_rounding_is_read_as_the_builders_read_it(rounding):
+    # the builders accept any case and spacing; the warnings read the rounding the same way
+    with pytest.warns(optim.UnsafeMomentsWarning, match="nu_dtype=bfloat16 with moment_rounding"):
+        optim.adamw(1e-3, nu_dtype=jnp.bfloat16, moment_rounding=rounding)
+    config = tiny_config(
+        **{"optimizer.nu_dtype": "bfloat16", "optimizer.moment_rounding": rounding}
+    )
+    (logged,) = audit.setup_warnings(config)
+    assert logged.startswith("optimizer.nu_dtype=bfloat16 with optimizer.moment_rounding=")
+    (message,) = optim.moment_warnings(None, "bfloat16", rounding)
+    assert message.startswith("nu_dtype=bfloat16 with moment_rounding='nearest': ")
