@@ -210,8 +210,8 @@ class PrecisionReport:
         return dtype == self.compute_dtype or dtype.startswith("float8")
 
     def offenders(self) -> list[tuple[str, str, int]]:
-        """`(file:line, dtype, FLOPs)` of the matmuls wider than the compute dtype, biggest
-        first."""
+        """`(file:line, dtype, FLOPs)` of the matmuls in neither the compute dtype nor an fp8
+        dtype (the ones `compute_fraction` leaves out), biggest first."""
         rows = [(w, d, f) for (w, d), f in self.matmuls.items() if not self._low(d)]
         return sorted(rows, key=lambda row: -row[2])
 
