@@ -282,10 +282,13 @@ def policy_of(config: ml_collections.ConfigDict):
 
     policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
     section = config.get("fp8") or {}  # checked under every precision: a typo is an error
-    scaling = errors.setting(section, "scaling", "delayed")
+    default = fp8.Recipe()  # what an unset (None) key means
+    history = errors.setting(section, "history", default.history)
+    margin = errors.setting(section, "margin", default.margin)
+    scaling = errors.setting(section, "scaling", "current" if default.current else "delayed")
     recipe = fp8.Recipe(
-        history=errors.check_integer("fp8.history", errors.setting(section, "history", 1024), 1),
-        margin=errors.check_integer("fp8.margin", errors.setting(section, "margin", 0), 0),
+        history=errors.check_integer("fp8.history", history, 1),
+        margin=errors.check_integer("fp8.margin", margin, 0),
         current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
     )
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy

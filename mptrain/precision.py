@@ -184,8 +184,11 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
             "explicit form 'params=float32,compute=bfloat16,output=float32' (keys p,c,o too)"
         )
     found: dict[str, np.dtype] = {}
-    parts = [part for part in text.split(",") if part.strip() != FP8]
+    parts = text.split(",")
+    with_fp8 = FP8 in {part.strip() for part in parts}
     for part in parts:
+        if part.strip() == FP8:
+            continue
         key, sep, value = part.partition("=")
         key, part = key.strip(), part.strip()
         if not sep or key not in _KEYS:
@@ -202,7 +205,7 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
     missing = [k for k in ("params", "compute", "output") if k not in found]
     if missing:
         raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
-    fp8 = _fp8_recipe() if len(parts) < len(text.split(",")) else None
+    fp8 = _fp8_recipe() if with_fp8 else None
     if fp8 and found["compute"] == F32:
         raise ValueError(f"precision={spec!r}: fp8 matmuls need a 16-bit compute dtype")
     return Policy(found["params"], found["compute"], found["output"], keep_fp32, fp8)

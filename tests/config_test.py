@@ -137,6 +137,17 @@ def test_param_rounding_auto_is_stochastic_for_bf16_params_only():
     assert resolve("auto", "params=float16,compute=float16,output=float32") == "nearest"
 
 
+@pytest.mark.parametrize("unset", [False, True], ids=["base", "none"])
+def test_the_fp8_keys_default_to_fp8s_recipe(unset):
+    from mptrain import fp8
+
+    config = config_lib.base_config()
+    config.precision = "fp8-mixed"
+    if unset:  # a None key falls back to the recipe's default, as base_config's values are
+        config.fp8.history = config.fp8.margin = config.fp8.scaling = None
+    assert config_lib.policy_of(config).fp8 == fp8.Recipe()
+
+
 @pytest.mark.parametrize(
     "values, named",
     [
