@@ -41,7 +41,7 @@ def _one_line_exit_2(workdir, err, code, *named):
         (["--config.model.num_heads=3"], ["config.model.num_heads=3: must divide", "d_model=32"]),
         (["--config.model.d_model=0"], ["config.model.d_model=0: must be an integer >= 1"]),
         (["--config.seed=-1"], ["config.seed=-1: must be an integer >= 0"]),
-        (["--config.data.max_bytes=100"], ["config.data.max_bytes=100:", "at least 3298"]),
+        (["--config.data.max_bytes=100"], ["config.data.max_bytes=100:", "at least 3251"]),
         (["--config.data.max_bytes=-5"], ["config.data.max_bytes=-5: must be an integer >= 1"]),
         (["--config.data.eval_fraction=1.5"], ["config.data.eval_fraction=1.5: must be > 0"]),
         (["--config.data.seq_len=0"], ["config.data.seq_len=0: must be an integer >= 1"]),
