@@ -10,6 +10,7 @@ is the same scaler, not one with its settings quietly reset to defaults.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -269,16 +270,19 @@ def resolve_kind(kind: str, policy: precision.Policy | str | None) -> str:
     return "dynamic" if precision.get_policy(policy).compute_dtype == precision.F16 else "none"
 
 
-def _check_start(init_scale: Any, dynamic: DynamicLossScale) -> None:
+def _check_start(init_scale: Any, settings: dict[str, Any]) -> None:
     """A dynamic scale starts within `[min_scale, max_scale]`: above the max, every step would
     be scaled past the range the rule keeps it in (the scale only clamps when it next moves).
-    `dynamic` was built from `init_scale` (None: the default) and holds the defaults too."""
-    scale = float(dynamic.loss_scale)
-    low, high = float(dynamic.min_scale), float(dynamic.max_scale)
-    if not low <= scale <= high:
-        shown = scale if init_scale is None else init_scale  # as given, not its float32
+    It reads the Python values, not the scaler built from them: under a jit (the trainer's init)
+    that one holds tracers."""
+    defaults = inspect.signature(DynamicLossScale).parameters
+    value = lambda name: settings.get(name, defaults[name].default)
+    scale = defaults["scale"].default if init_scale is None else init_scale
+    low, high = value("min_scale"), value("max_scale")
+    numbers = all(isinstance(v, int | float) for v in (scale, low, high))
+    if numbers and not low <= scale <= high:
         raise ValueError(
-            f"init_scale={shown!r}: outside [min_scale, max_scale] = [{low:g}, {high:g}], "
+            f"init_scale={scale!r}: outside [min_scale, max_scale] = [{low:g}, {high:g}], "
             "where the dynamic scale stays; set it within, or widen the range"
         )
 
@@ -307,6 +311,6 @@ def create_loss_scale(
     if kind == "static":
         return StaticLossScale(2.0**15 if init_scale is None else init_scale)
     if kind == "dynamic":
-        _check_start(init_scale, dynamic)
+        _check_start(init_scale, kwargs)
         return dynamic
     return NoOpLossScale()

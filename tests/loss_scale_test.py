@@ -213,6 +213,14 @@ def test_create_loss_scale_auto_and_errors():
         loss_scale.create_loss_scale("dinamic")
 
 
+def test_create_loss_scale_checks_the_start_under_jit_too():
+    # the trainer builds its scaler inside a jit, where the scaler's fields are tracers
+    made = jax.jit(lambda: loss_scale.create_loss_scale("dynamic", init_scale=8.0).loss_scale)
+    assert float(made()) == 8.0
+    with pytest.raises(ValueError, match=r"init_scale=1000000000.0: outside \[min_scale"):
+        jax.jit(lambda: loss_scale.create_loss_scale("dynamic", init_scale=1e9).loss_scale)()
+
+
 @pytest.mark.parametrize(
     "settings, named",
     [
