@@ -9,6 +9,7 @@ or, beside `model.name` and `data.name`, one the named module declares in its `C
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,14 +193,15 @@ def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
     own = set(_HOOKS)
     if config.trainer != _DEFAULT_TRAINER:
-        from mptrain import launch, trainer  # not at the top: both import this module
-
+        module_name, _, class_name = config.trainer.partition(":")
         try:  # the user's module: whatever it raises is import_trainer's to report
-            cls = launch.import_trainer(config.trainer)
+            cls = getattr(importlib.import_module(module_name), class_name)
+            for section, hook in _HOOKS.items():
+                owner = next(k for k in cls.__mro__ if hook in vars(k))
+                if f"{owner.__module__}:{owner.__qualname__}" != _DEFAULT_TRAINER:
+                    own.discard(section)
         except Exception:
             return {}
-        inherited = lambda hook: getattr(cls, hook) is getattr(trainer.Trainer, hook)
-        own = {section for section, hook in _HOOKS.items() if inherited(hook)}
     found = {}
     if "model" in own:
         found["model"] = models.import_model(config.model.name)
