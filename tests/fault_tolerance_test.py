@@ -416,14 +416,15 @@ def test_unwritable_workdir_is_a_clear_error(tmp_path, capsys):
 
 
 def test_disk_full_keeps_older_checkpoints(tmp_path, monkeypatch, capsys):
-    real_save = checkpoint.Checkpointer.save
+    manager = checkpoint.ocp.CheckpointManager  # the write under the Checkpointer's save
+    real_save = manager.save
 
-    def save(self, step, state, meta, **kw):
+    def save(self, step, *args, **kw):
         if step == 8:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(self, step, state, meta, **kw)
+        return real_save(self, step, *args, **kw)
 
-    monkeypatch.setattr(checkpoint.Checkpointer, "save", save)
+    monkeypatch.setattr(manager, "save", save)
     code, err = run_cli(tmp_path, capsys=capsys)
     assert code == 1 and "No space left on device" in err and "step 8" in err
     monkeypatch.undo()
