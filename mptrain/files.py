@@ -7,6 +7,7 @@ Checkpoint metadata, `config.json`, the numerics tables and the scripts' results
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -116,21 +117,20 @@ def is_temporary(name: str) -> bool:
     return _TEMPORARY.fullmatch(name) is not None
 
 
-def remove_temporaries(directory: str | os.PathLike) -> list[str]:
-    """Deletes the temporaries that interrupted `write_json`s left in `directory`; returns
-    their names.
+def remove_temporaries(*directories: str | os.PathLike) -> list[str]:
+    """Deletes the temporaries that interrupted `write_json`s left in `directories`; returns
+    their paths.
 
     Only the one writer of those files may call it (the run that holds the workdir): another
     writer's temporary may be in use.
     """
     removed = []
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if is_temporary(name):
-            try:
-                os.remove(os.path.join(directory, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+    for directory in directories:
+        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+            if is_temporary(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+                    removed.append(os.path.join(directory, name))
     return removed
 
 

@@ -238,8 +238,7 @@ class Trainer:
             )
             start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
             if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
-                for folder in (workdir, workdir / "numerics"):
-                    files.remove_temporaries(folder)
+                files.remove_temporaries(workdir, workdir / "numerics")
                 files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             calls = None
             if cfg.numerics.per_layer:
@@ -277,12 +276,9 @@ class Trainer:
     def train_and_evaluate(self) -> train_state_lib.TrainState:
         """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any.
 
-        Raises `errors.Preempted` after checkpointing when SIGTERM or SIGINT arrives,
-        `NonFiniteTraining` when training cannot recover from non-finite steps, `WorkdirError`
-        when the workdir is in use, unwritable, or holds checkpoints whose arrays do not fit
-        this run's state, `ConfigError` when they fit but were trained with other model keys or
-        precision, or are past `num_train_steps`, `StorageError` when a checkpoint cannot be
-        written.
+        Raises `errors.Preempted` after checkpointing on SIGTERM or SIGINT, `NonFiniteTraining`
+        when non-finite steps do not recover, `WorkdirError` or `ConfigError` when the workdir
+        is in use or belongs to another run (`checkpoint.resume`), `StorageError` on a failed save.
         """
         with loop.allow_transfers():  # data problems surface before anything touches the workdir
             sources = self.build_datasets()
