@@ -239,7 +239,7 @@ def _elsewhere(section: str) -> set[str]:
     return {key for module in package.modules().values() for key in module.CONFIG_KEYS}
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
     """Raises `ConfigError` naming the first bad key and value; returns None when all is well.
 
     One validation path: besides the run's own keys and the key set itself (a misspelt key in
@@ -247,7 +247,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
     made of (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape,
     the data's example shapes and the model, initialised abstractly on them) and turns their
     `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects;
-    nothing here reads a dataset or touches the workdir.
+    nothing here reads a dataset or touches the workdir. `devices`: what the run compiles for
+    (default: JAX's own; `mptrain.plan` passes an accelerator's), which the mesh must fit and
+    the model's choices by backend (attention) follow.
     """
     from mptrain import data, loss_scale, models, optim, runtime, sharding, train_state
 
@@ -263,10 +265,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
         section = ""
         optim.make_optimizer(config)
-        sharding.mesh_shape(config)
+        devices = None if devices is None else list(devices)
+        sharding.mesh_shape(config, None if devices is None else len(devices))
         example = data.check_config(config) if "data" in zoo else None
         if "model" in zoo:
-            models.check_config(config, policy, example)
+            models.check_config(config, policy, example, devices)
     except ConfigError:  # already says `config.<key>=...`
         raise
     except ValueError as e:

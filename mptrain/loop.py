@@ -6,6 +6,7 @@ save, stop); and `LogTotals`, what the step adds up on the device between two lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 import threading
@@ -90,6 +91,25 @@ class LogTotals:
         if int(self.applied_steps):
             values["loss"] = float(self.loss_sum) / int(self.applied_steps)
         return values
+
+
+def make_totals(config, sharding: Any, loss_fn: Callable, state: Any, batch: Any):
+    """`(totals, calls)`: `totals()` makes a run's fresh log totals on `sharding`'s devices
+    (jitted: `jax.eval_shape(totals)` gives their shapes); `calls`, the per-layer numerics'
+    module calls of `loss_fn` on `state` and one `batch` (arrays or abstract), None without
+    `config.numerics.per_layer`."""
+    calls = numerics.loss_calls(loss_fn, state, batch) if config.numerics.per_layer else None
+    log = calls and numerics_log.Log.zeros(len(calls.paths), config.log_every_steps)
+    return functools.partial(LogTotals.on_devices, sharding, log), calls
+
+
+def average(eval_step: Callable, state: Any, batches: Any, prefix: str = "") -> dict:
+    """Host floats: `eval_step(state, batch)`'s metrics averaged over `batches` (an iterable:
+    each batch can go once its step has run), keys prefixed."""
+    metrics = [eval_step(state, batch) for batch in batches]
+    sums = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), metrics)
+    with allow_transfers():
+        return {f"{prefix}{k}": float(v) / len(metrics) for k, v in jax.device_get(sums).items()}
 
 
 def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
@@ -314,12 +334,13 @@ def steps(train_step: Callable, count: int) -> Callable:
     return run_steps
 
 
-def prefetch_depth(setting: int | None) -> int:
-    """`config.data.prefetch`, with None resolved: 2 on an accelerator, where the host makes the
-    next batches while the device runs the step; 0 on a CPU, where the host runs the step."""
+def prefetch_depth(setting: int | None, platform: str) -> int:
+    """`config.data.prefetch`, with None resolved for the devices' `platform`: 2 on an
+    accelerator, where the host makes the next batches while the device runs the step; 0 on a
+    CPU, where the host runs the step."""
     if setting is not None:
         return setting
-    return 0 if jax.default_backend() == "cpu" else 2
+    return 0 if platform == "cpu" else 2
 
 
 class Prefetcher:

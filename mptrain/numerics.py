@@ -274,13 +274,15 @@ def recording(
 
 def loss_calls(loss_fn: Callable, state: Any, batch: Any) -> Calls:
     """The module calls of `loss_fn(params, model_state, batch, rng)` as the train step makes
-    them (params and batch in the state's compute dtype)."""
+    them (params and batch in the state's compute dtype). `state` and `batch` may be abstract
+    (`jax.ShapeDtypeStruct`s, as `mptrain.plan` has them): the casts are traced too."""
     policy = state.policy
 
-    def loss(params, batch):
-        return loss_fn(params, state.model_state, batch, jax.random.key(0))
+    def loss(params, model_state, batch):
+        params, batch = policy.cast_params(params), policy.cast_to_compute(batch)
+        return loss_fn(params, model_state, batch, jax.random.key(0))
 
-    return discover(loss, policy.cast_params(state.params), policy.cast_to_compute(batch))
+    return discover(loss, state.params, state.model_state, batch)
 
 
 _EMPTY_TAPS = (0, len(COLUMNS))

@@ -81,10 +81,18 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
     return data, fsdp
 
 
-def create_mesh(config) -> Mesh:
-    data, fsdp = mesh_shape(config)
-    devices = np.asarray(jax.devices()[: data * fsdp]).reshape(data, fsdp)
-    return Mesh(devices, AXES)
+def create_mesh(config, devices: Any = None) -> Mesh:
+    """The run's `(data, fsdp)` mesh over the first devices of `devices` (default: all of
+    JAX's; `mptrain.plan` passes the compile-only devices of an accelerator not here)."""
+    devices = jax.devices() if devices is None else list(devices)
+    data, fsdp = mesh_shape(config, len(devices))
+    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
+
+
+def platform(mesh: Mesh) -> str:
+    """ "cpu", "gpu" or "tpu": what the mesh's devices are, which every choice made by backend
+    follows (never the host that builds the step: a plan for an H100 is built on a CPU)."""
+    return mesh.devices.flat[0].platform
 
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
@@ -211,7 +219,7 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
     """
     dim = next((d for d, axis in enumerate(spec) if axis == "fsdp"), None)
     # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
-    as_bits = compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+    as_bits = compute_dtype == jnp.bfloat16 and platform(mesh) == "cpu"
 
     @jax.custom_vjp
     def gather(shard):

@@ -13,6 +13,10 @@ metrics, resuming) comes with it.
   also shown in bits/byte, else "nats"); a subclass with its own `loss_fn` has None (no unit
   printed) unless it sets `loss_unit` itself (a class attribute).
 
+`Trainer(config, workdir, devices=...)` builds everything for `devices` (default: JAX's own;
+`mptrain.plan` passes the compile-only devices of an accelerator that is not here): the mesh
+takes them, and every choice made by backend (attention "auto") follows them, not this host.
+
 A run is set up once (`setup` returns a `Run` holding the sources, the state, the compiled
 steps, the writer, the checkpointer and the hooks), then a short loop steps it. The loop
 dispatches step n+1 before it reads the metrics of step n, so the host never waits on the device
@@ -27,7 +31,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 from absl import logging
@@ -41,8 +44,6 @@ from mptrain import (
     loop,
     models,
     nnx_models,
-    numerics,
-    numerics_log,
     optim,
     runtime,
     schedules,
@@ -59,10 +60,10 @@ from mptrain.models import layers
 class Trainer:
     """Trains `config.model` on `config.data` under `config.precision`; see the module doc."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None):
         self.config, self.workdir = config, Path(workdir)
         self.policy = config_lib.policy_of(config)
-        self.mesh = sharding.create_mesh(config)  # 1x1 on one device
+        self.mesh = sharding.create_mesh(config, devices)  # see the module doc; 1x1 on one
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
         self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
@@ -76,7 +77,7 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
-        return models.create(self.config.model, self.policy)
+        return models.create(self.config.model, self.policy, self.mesh.devices.flat)
 
     def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
@@ -203,6 +204,13 @@ class Trainer:
 
         return train_step
 
+    def make_run_step(self, state, batch) -> tuple[Callable, Callable, Any]:
+        """Host-side. What a run compiles for `state` and one `batch` (arrays, or `mptrain.plan`'s
+        abstract ones): the train step, jitted (`loop.steps`, state donated), `loop.make_totals`."""
+        cfg, replicated = self.config, sharding.replicated(self.mesh)
+        jitted = jax.jit(loop.steps(self.make_train_step(), cfg.steps_per_call), donate_argnums=0)
+        return jitted, *loop.make_totals(cfg, replicated, self.loss_fn, state, batch)
+
     def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
         """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
         `index` on, stacked (see `sharding.device_batch`)."""
@@ -216,12 +224,8 @@ class Trainer:
             with loop.allow_transfers():
                 source = self.build_datasets()[1]
         eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn))
-        n, sums = self.config.eval_steps, None
-        for i in range(n):
-            metrics = eval_step(state, self.device_batch(source, i))
-            sums = metrics if sums is None else jax.tree.map(jnp.add, sums, metrics)
-        with loop.allow_transfers():
-            return {f"eval_{k}": float(v) / n for k, v in jax.device_get(sums).items()}
+        batches = (self.device_batch(source, i) for i in range(self.config.eval_steps))
+        return loop.average(eval_step, state, batches, prefix="eval_")
 
     def setup(self, train_source: Any, eval_source: Any) -> loop.Run:
         """Host-side. Builds everything a run needs, once: the state (restored from the newest
@@ -240,16 +244,12 @@ class Trainer:
             if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
                 files.remove_temporaries(workdir, workdir / "numerics")
                 files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
-            calls = None
-            if cfg.numerics.per_layer:
-                calls = numerics.loss_calls(self.loss_fn, state, train_source.get_batch(0))
-            log = calls and numerics_log.Log.zeros(len(calls.paths), cfg.log_every_steps)
-            totals = loop.LogTotals.on_devices(sharding.replicated(self.mesh), log)
+            jitted, make_totals, calls = self.make_run_step(state, train_source.get_batch(0))
+            totals = make_totals()
         # Compile everything up front: the loop then never stops to compile. The one trace of
         # the step is compiled and read by the precision report.
-        traced = jax.jit(loop.steps(self.make_train_step(), k), donate_argnums=0)
         batches = self.device_batch(train_source, start, k if k > 1 else None)
-        traced = traced.trace(state, batches, totals)
+        traced = jitted.trace(state, batches, totals)
         train_step = traced.lower().compile()
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
         eval_step = jax.jit(step.make_eval_step(self.eval_fn))
@@ -296,7 +296,8 @@ class Trainer:
         cfg, totals, done, k = self.config, run.totals, run.start, self.config.steps_per_call
         calls = range(run.start, cfg.num_train_steps, k)
         fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
-        with loop.Prefetcher(fetch, calls, loop.prefetch_depth(cfg.data.prefetch)) as batches:
+        depth = loop.prefetch_depth(cfg.data.prefetch, sharding.platform(self.mesh))
+        with loop.Prefetcher(fetch, calls, depth) as batches:
             for first, batch in zip(calls, batches, strict=True):
                 if preemption.reached(done):
                     name = preemption.signal_name

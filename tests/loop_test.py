@@ -44,7 +44,7 @@ def test_four_steps_per_call_resume_to_the_same_bytes(single_steps, tmp_path):
 
 
 def test_prefetching_changes_no_result(single_steps, tmp_path):
-    assert loop.prefetch_depth(None) == 0  # the default on a CPU: the single-step run made none
+    assert loop.prefetch_depth(None, "cpu") == 0  # a CPU's default: the single-step run made none
     mptrain.run(tiny_config(**LOG4, **{"data.prefetch": 3}), tmp_path)
     assert_trees_bytes_equal(plain_orbax_state(single_steps, 8), plain_orbax_state(tmp_path, 8))
 

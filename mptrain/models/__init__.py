@@ -52,35 +52,43 @@ def _quiet():
         logger.removeFilter(below)
 
 
-def create(config_model: Any, policy: Any):
+def create(config_model: Any, policy: Any, devices: Any = None):
     """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
     dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
     a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
-    precision)."""
+    precision). `devices`: what the step is compiled for (None: this process's own); the
+    models whose `create_model` takes a `backend` choose by it (`layers.backend_of` them)."""
     import inspect
 
+    from mptrain.models import layers
+
     module = import_model(config_model.name)
+    takes = inspect.signature(module.create_model).parameters
+    extra = {}
+    if devices is not None and "backend" in takes:
+        extra["backend"] = layers.backend_of(devices)
     if not policy.fp8:
-        return module.create_model(config_model, policy.compute_dtype)
-    if "fp8" not in inspect.signature(module.create_model).parameters:
+        return module.create_model(config_model, policy.compute_dtype, **extra)
+    if "fp8" not in takes:
         raise ValueError(
             f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
             "fp8 runs the dense layers of transformer_lm"
         )
-    return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8)
+    return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8, **extra)
 
 
-def check_config(config, policy: Any, example: Any = None) -> None:
+def check_config(config, policy: Any, example: Any = None, devices: Any = None) -> None:
     """What `config.validate` calls: the model of `config.model` built as the Trainer builds it,
     then, given `example` (one example of the data: arrays or `jax.ShapeDtypeStruct`s), its
     variables initialised abstractly (`jax.eval_shape`: shapes only, a fraction of a second),
     so that a model that cannot take the data's batches fails here too, as a `ValueError`
-    naming the model key (`model.max_len=32: ...`) or else the two names."""
+    naming the model key (`model.max_len=32: ...`) or else the two names. `devices`: what the
+    run compiles for (`create`'s), None for this process's."""
     import jax
 
     module = import_model(config.model.name)
     with _quiet():
-        model = create(config.model, policy)
+        model = create(config.model, policy, devices)
     if example is None:
         return
 

@@ -251,23 +251,39 @@ class Backend:
 @functools.cache
 def local_backend() -> Backend:
     """This process's default backend. Host-side; cached, since on a GPU it traces a probe."""
-    platform = jax.default_backend()
-    if platform != "gpu":
-        return Backend(platform)
+    return _backend(jax.local_devices()[0])
+
+
+def backend_of(devices: Sequence[jax.Device]) -> Backend:
+    """What the attention choice needs to know of `devices`, the ones a step is compiled for
+    (a mesh's): this process's own (`local_backend`), or the compile-only devices of an
+    accelerator that is not here (`mptrain.plan`'s H100 on a CPU host). Host-side."""
+    first = next(iter(devices))
+    return local_backend() if first in jax.local_devices() else _backend(first)
+
+
+def _backend(device: jax.Device) -> Backend:
+    if device.platform != "gpu":
+        return Backend(device.platform)
     try:  # a string such as "9.0" on CUDA; ROCm devices name their chips ("gfx90a") instead
-        major, minor = jax.local_devices()[0].compute_capability.split(".")[:2]
+        major, minor = device.compute_capability.split(".")[:2]
         capability = (int(major), int(minor))
     except (AttributeError, ValueError):
         capability = None
-    # jax's own checks (is cuDNN installed, is its version right for this chip) run while the
-    # call is traced: a shape-only trace asks them without compiling anything.
+    return Backend(device.platform, capability, cudnn=_cudnn_traces())
+
+
+@functools.cache
+def _cudnn_traces() -> bool:
+    """Whether jax's own checks of its cuDNN attention (is cuDNN installed, is its version
+    right) pass: a shape-only trace asks them without compiling anything, on any host."""
     probe = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
     fused = functools.partial(_fused_attention, implementation="cudnn")
     try:
         jax.eval_shape(fused, probe, probe, probe)
     except (RuntimeError, NotImplementedError, ValueError):  # e.g. "cuDNN is not detected."
-        return Backend(platform, capability, cudnn=False)
-    return Backend(platform, capability, cudnn=True)
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,7 @@ class CausalSelfAttention(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -91,7 +92,11 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
         head_dim = d_model // self.num_heads
         choice = layers.choose_attention(
-            self.attention, dtype=self.dtype, head_dim=head_dim, dropout_rate=self.dropout_rate
+            self.attention,
+            dtype=self.dtype,
+            head_dim=head_dim,
+            dropout_rate=self.dropout_rate,
+            backend=self.backend,
         )
         qkv = _dense(3 * d_model, self.dtype, "qkv", self.fp8)(x)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
@@ -128,13 +133,20 @@ class Block(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         attn = CausalSelfAttention(
-            self.num_heads, self.dtype, self.dropout_rate, self.attention, self.fp8, name="attn"
+            self.num_heads,
+            self.dtype,
+            self.dropout_rate,
+            self.attention,
+            self.fp8,
+            self.backend,
+            name="attn",
         )
         h = attn(h, train=train)
         x = x + drop(h, deterministic=not train)
@@ -162,6 +174,7 @@ class TransformerLM(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -191,6 +204,7 @@ class TransformerLM(nn.Module):
                 self.dropout_rate,
                 self.attention,
                 self.fp8,
+                self.backend,
                 name=f"block_{i}",
             )
             x = block(x, train=train)
@@ -242,7 +256,10 @@ def _settings(model_config: Any) -> dict[str, Any]:
 
 
 def create_model(
-    model_config: Any, compute_dtype: layers.Dtype = jnp.float32, fp8: Any = None
+    model_config: Any,
+    compute_dtype: layers.Dtype = jnp.float32,
+    fp8: Any = None,
+    backend: layers.Backend | None = None,
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -253,7 +270,9 @@ def create_model(
     ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
     ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8`` (an
     ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
-    embedding and the head do not).
+    embedding and the head do not). ``backend``: what the model is compiled for
+    (``layers.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
+    decides by.
     """
     with errors.config_errors():
         keys = _settings(model_config)
@@ -262,6 +281,7 @@ def create_model(
             dtype=compute_dtype,
             head_dim=keys["d_model"] // keys["num_heads"],
             dropout_rate=keys["dropout_rate"],
+            backend=backend,
         )
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
@@ -275,4 +295,5 @@ def create_model(
         dropout_rate=keys["dropout_rate"],
         attention=choice.implementation,
         fp8=fp8,
+        backend=backend,
     )
