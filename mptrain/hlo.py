@@ -12,8 +12,8 @@ by op and dtype. The rest says which ops XLA:GPU runs badly, by the names both t
 - A sum across devices in 16 bits rounds at every addition and, in float16, overflows above
   65504; loss-scaled gradients are where that bites. XLA:CPU upcasts these too.
 
-A bottom module: it imports nothing from mptrain, so the audit and the scripts that plan a
-mesh's traffic read programs the same way.
+A bottom module: it imports only `program` (the reading of types), so the audit, the plan and
+the scripts that plan a mesh's traffic read programs the same way.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
+from mptrain import program
+
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SUMS = ("all-reduce", "reduce-scatter")  # the collectives that add values across devices
 SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}  # HLO's 16-bit floats, by numpy name
 
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\((.*)$"
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$"
 )
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -74,10 +76,16 @@ def collective_ops(hlo_text: str) -> Iterator[tuple[str, str, int, str]]:
         match = _INSTRUCTION.match(line)
         if not match:
             continue
-        result, op, operands = match.groups()
+        result, op, start, operands = match.groups()
         if _group_size(operands) == 1 and op != "collective-permute":
             continue  # each device alone in its group: nothing moves
-        if op == "reduce-scatter":  # operands are printed as names: scale the result back up
+        if start and op in ("all-gather", "reduce-scatter"):
+            # the async form returns (operands, results): the gathered results count, or the
+            # unscattered operands
+            parts = program.top_level(result)
+            half = len(parts) // 2
+            sizes = _array_bytes(" ".join(parts[half:] if op == "all-gather" else parts[:half]))
+        elif op == "reduce-scatter":  # operands are printed as names: scale the result back up
             parts = _group_size(operands) or 1
             sizes = [(dtype, size * parts) for dtype, size in _array_bytes(result)]
         else:
@@ -181,3 +189,40 @@ def warning(h: Hazard) -> str:
         "GPUs: slow (openxla/xla#26371: about 20x slower than float32 under contention) and "
         f"nondeterministic, so reruns and resumed runs stop being bit-identical. It is {fix}."
     )
+
+
+def _scatter_name(prog: program.Program, inst: program.Instruction) -> str:
+    """`scatter-add`, `scatter-max`, ... by what a compiled scatter's applied function does."""
+    if inst.opcode == "select-and-scatter":
+        return "select_and_scatter_add"
+    applied = re.search(r"to_apply=%([\w.\-]+)", inst.attributes)
+    body = prog.computations.get(applied.group(1), []) if applied else []
+    root = body[-1].opcode if body else "parameter"  # the root prints last
+    suffix = {"add": "-add", "subtract": "-sub", "multiply": "-mul", "maximum": "-max"}
+    return "scatter" + (suffix | {"minimum": "-min"}).get(root, "")
+
+
+def compiled_hazards(prog: program.Program, per: int = 1) -> list[Hazard]:
+    """The hazards of a compiled program for a GPU or TPU (not XLA:CPU's, which upcasts
+    them): its scatters and its 16-bit sums across devices, each run divided by `per`; worst
+    first. The kinds follow `scatter_kind`, from the compiled attributes."""
+    found: dict[tuple[str, str, str, str], float] = collections.Counter()
+    for inst, runs in prog.instructions():
+        if inst.opcode not in ("scatter", "select-and-scatter"):
+            continue
+        name = _scatter_name(prog, inst)
+        dtype = program.dtype_name(inst.arrays[0][0]) if inst.arrays else "?"
+        window = inst.attribute("window") or ""
+        params: dict = {"unique_indices": "unique_indices=true" in inst.attributes}
+        for key, field in (("window_dimensions", "size"), ("window_strides", "stride")):
+            values = re.search(rf"\b{field}=([\dx]+)", window)
+            params[key] = tuple(int(v) for v in values.group(1).split("x")) if values else None
+        if params["window_dimensions"] and params["window_strides"] is None:
+            params["window_strides"] = (1,) * len(params["window_dimensions"])
+        found[(name, dtype, prog.where(inst), scatter_kind(name, dtype, params))] += runs / per
+    for op, dtype, where in sixteen_bit_sums(prog.text):
+        found[(op, dtype, where or "compiled program", "16-bit")] += 1 / per
+    hazards = [
+        Hazard(op, dtype, where, count, kind) for (op, dtype, where, kind), count in found.items()
+    ]
+    return sorted(hazards, key=lambda h: (KINDS.index(h.kind), -h.count, h.where))

@@ -13,6 +13,8 @@ import logging as std_logging
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from mptrain import errors
 
@@ -37,7 +39,7 @@ def _one_line(error: Exception) -> str:
     return " ".join(lines) or repr(error)
 
 
-def _usage_error(message: str) -> None:
+def usage_error(message: str) -> None:
     sys.stderr.write(f"mptrain: error: {message}\n")
     sys.exit(errors.EXIT_USAGE)
 
@@ -134,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
             runtime.release_stop_signals()
 
 
-def _main(argv: list[str] | None) -> int:
-    from absl import flags, logging
+def parse_flags(argv: list[str], usage: Callable, define: Callable) -> Any:
+    """`argv` parsed as every mptrain command takes it: `--config=FILE[:ARG]` (required; the
+    file and each `--config.KEY=VALUE` checked by `_checked_config_file`) and the flags that
+    `define(flag_values)` adds. Bad usage exits 2 with one line (`_usage_error`); `--help`
+    writes `usage(flag_values)` and returns None."""
+    from absl import flags
     from ml_collections import config_flags
 
-    argv = list(sys.argv if argv is None else argv)
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file(
         "config",
@@ -147,36 +152,47 @@ def _main(argv: list[str] | None) -> int:
         flag_values=flag_values,
         sys_argv=argv,  # overrides are read from here, not from the global sys.argv
     )
-    flags.DEFINE_string(
-        "workdir", None, "Directory for checkpoints and logs.", flag_values=flag_values
-    )
+    define(flag_values)
     flag_values["config"].parser = _checked_config_file(flag_values["config"].parser, argv)
     if any(arg in ("--help", "-h", "--helpfull", "-?") for arg in argv[1:]):
-        sys.stdout.write(_usage(flag_values))
-        return errors.EXIT_OK
+        sys.stdout.write(usage(flag_values))
+        return None
     for arg in argv[1:]:
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":", 1)[0]
             if not os.path.isfile(path):
-                _usage_error(f"--config: no config file at {path!r} (from {os.getcwd()})")
+                usage_error(f"--config: no config file at {path!r} (from {os.getcwd()})")
     try:
         rest = flag_values(argv)
         if flag_values.config is not None:
             flag_values.config.keys()  # config_flags loads lazily: surface its errors here
     except _BadConfigFile as e:
-        _usage_error(str(e))
+        usage_error(str(e))
     except (AttributeError, KeyError) as e:  # an override names a key the config lacks
         detail = str(e).replace("\\n", " ").replace("\n", " ").replace("\\'", "'").strip("'\" ")
         overrides = [a.split("=")[0] for a in argv if a.startswith("--config.")]
-        _usage_error(f"unknown config key in {', '.join(overrides)}: {detail}")
+        usage_error(f"unknown config key in {', '.join(overrides)}: {detail}")
     except Exception as e:  # flags.Error, or the config file failed to load or parse
-        _usage_error(_one_line(e))
+        usage_error(_one_line(e))
     if len(rest) > 1:
-        _usage_error(f"unexpected arguments: {' '.join(rest[1:])}")
+        usage_error(f"unexpected arguments: {' '.join(rest[1:])}")
     if flag_values.config is None:
-        _usage_error("--config is required, e.g. --config=configs/default.py")
+        usage_error("--config is required, e.g. --config=configs/default.py")
+    return flag_values
+
+
+def _main(argv: list[str] | None) -> int:
+    from absl import flags, logging
+
+    argv = list(sys.argv if argv is None else argv)
+    define = lambda fv: flags.DEFINE_string(
+        "workdir", None, "Directory for checkpoints and logs.", flag_values=fv
+    )
+    flag_values = parse_flags(argv, _usage, define)
+    if flag_values is None:  # --help
+        return errors.EXIT_OK
     if not flag_values.workdir:
-        _usage_error("--workdir is required, e.g. --workdir=runs/default")
+        usage_error("--workdir is required, e.g. --workdir=runs/default")
 
     from absl import app
 
@@ -191,7 +207,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         runtime.start_backend(config)  # before anything touches a device
     except ValueError as e:
-        _usage_error(f"config.{e}")
+        usage_error(f"config.{e}")
     import jax
 
     if jax.process_index() != 0:  # process 0 tells the story; the others speak up on trouble
@@ -199,7 +215,7 @@ def _main(argv: list[str] | None) -> int:
     try:  # validates the config (every key, before the workdir is touched), then trains
         launch.run(config, flag_values.workdir)
     except errors.ConfigError as e:
-        _usage_error(str(e))
+        usage_error(str(e))
     except errors.StopTraining as e:
         preempted = isinstance(e, errors.Preempted)
         sys.stderr.write(f"mptrain: {'' if preempted else 'error: '}{e}\n")

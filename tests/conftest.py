@@ -8,11 +8,19 @@ import importlib.util
 import os
 import re
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+# `make test-plan` adds the extra mptrain[plan]: JAX's CUDA plugin and libtpu beside its CPU
+# backend. Where no NVIDIA driver is, JAX would try them first at every start and print their
+# errors (which the tests that read stderr would see): there the suite, and every process it
+# starts, runs on the CPU, as it would without the extra.
+if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +68,19 @@ needs_tfds = pytest.mark.skipif(
     importlib.util.find_spec("tensorflow_datasets") is None,
     reason="needs the extra mptrain[tfds] (TensorFlow Datasets), not installed here",
 )
+
+
+# What JAX's CUDA plugin writes to stderr from C++ whenever a process loads it on a machine
+# without a GPU driver (the extra mptrain[plan] installs it): not mptrain's output.
+_PLUGIN_CHATTER = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called"
+    r"|I0000 00:00:\S+ +\d+ cudart_stub\.cc:)"
+)
+
+
+def stderr_lines(text: str) -> list[str]:
+    """The non-blank lines of a process's stderr, less the CUDA plugin's start-up chatter."""
+    return [line for line in text.splitlines() if line.strip() and not _PLUGIN_CHATTER.match(line)]
 
 
 def fake_cpu_env(devices: int) -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from absl import logging
-from conftest import plain_orbax_state, run_cli, run_cli_process
+from conftest import plain_orbax_state, run_cli, run_cli_process, stderr_lines
 
 from mptrain import checkpoint, export
 
@@ -75,7 +75,7 @@ def test_bad_usage_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_pa
     argv = [f"--workdir={finished_run}", f"--out={out}", *args]
     result = run_cli_process(*argv, module="mptrain.export")
     assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = stderr_lines(result.stderr)
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in result.stderr
     assert not out.exists() and not list(tmp_path.glob(".export-*"))
 
@@ -96,7 +96,7 @@ def export_cli(capfd):
 
 
 def _one_line(err: str, *named: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = stderr_lines(err)
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert all(name in lines[0] for name in named), (lines[0], named)
     return lines[0]

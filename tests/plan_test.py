@@ -1,0 +1,205 @@
+"""`mptrain.plan` on the accelerators it compiles for: the run's own train step, compiled here
+for an H100 (or a TPU) that is not here, read, and held to what that chip would run.
+
+Marked `plan`: they need the extra `mptrain[plan]` (the CUDA compiler plugin, cuDNN, libtpu),
+which `make test-plan` installs before running them (`make test` leaves them out). Each plan
+is compiled once per session.
+"""
+
+import functools
+import json
+import re
+
+import pytest
+from conftest import ROOT, load_config, run_cli_process
+
+from mptrain import plan as plan_lib
+from mptrain import target, trainer
+from mptrain.models import layers
+
+pytestmark = pytest.mark.plan
+GiB = 2**30
+
+
+@functools.cache
+def planned(name: str, arg: str | None = None, devices: int | None = None, tgt="h100", **keys):
+    """The plan of `configs/<name>.py[:arg]` with `keys` set ("a__b" for `a.b`), cached."""
+    overrides = {key.replace("__", "."): value for key, value in keys.items()}
+    return plan_lib.plan(load_config(name, arg, **overrides), tgt, devices)
+
+
+def gpt2s_failures(result, layers_: int = 12) -> list[str]:
+    """The checks of acceptance 1 that `result` (a gpt2s bf16-mixed plan on an H100) fails."""
+    flops = result.matmul_flops
+    sixteen = sum(v for k, v in flops.items() if k in ("bfloat16", "float16"))
+    checks = {
+        "scatters": not [h for h in result.hazards if "scatter" in h["op"]],
+        "cudnn forward in every layer": result.attention["forward_calls"] == layers_,
+        "cudnn backward in every layer": result.attention["backward_calls"] == layers_,
+        "no [B,H,L,L] buffer": result.attention["buffers"] == 0,
+        ">= 99% 16-bit matmul FLOPs": sixteen >= 0.99 * sum(flops.values()),
+        "temporaries <= 7 GiB": result.memory["temporaries"] <= 7 * GiB,
+        "fits": result.fits and result.verdict().startswith("fits"),
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+def test_gpt2s_bf16_on_an_h100_is_the_fast_step():
+    result = planned("lm_gpt2s")
+    assert gpt2s_failures(result) == [], str(result)
+    assert result.attention["implementation"].startswith("cuDNN fused flash attention")
+    assert "fits" in str(result) and "NOT a measurement" in str(result)
+    data = json.loads(result.to_json())
+    assert data["fits"] and data["memory"]["temporaries"] == result.memory["temporaries"]
+
+
+def test_materialized_attention_turns_the_buffer_and_memory_checks_red():
+    failed = gpt2s_failures(planned("lm_gpt2s", model__attention="materialized"))
+    assert "no [B,H,L,L] buffer" in failed and "temporaries <= 7 GiB" in failed
+    assert "cudnn forward in every layer" in failed
+
+
+def test_a_16_bit_scatter_turns_the_scatter_check_red():
+    """A vocabulary too big for the one-hot lookup gathers rows; with the table cast to bf16
+    (`keep_fp32=""`) its gradient is a bf16 scatter-add on the GPU. `make test-plan` compiles
+    with XLA's deterministic kernels (a default run's), which sort the updates first."""
+    result = planned("lm_gpt2s", "tiny", model__vocab_size=8192, keep_fp32="")
+    assert "scatters" in gpt2s_failures(result, layers_=2)
+    (scatter,) = [h for h in result.hazards if "scatter" in h["op"]]
+    assert scatter["op"] == "scatter-add" and scatter["dtype"] == "bfloat16"
+    assert scatter["kind"] == "deterministic" and "layers.py" in scatter["where"]
+
+
+def test_without_deterministic_kernels_a_bf16_scatter_is_a_16_bit_hazard():
+    done = _plan_cli(
+        f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}:tiny",
+        "--target=h100",
+        "--config.model.vocab_size=8192",
+        "--config.keep_fp32=",
+        "--config.deterministic=False",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"16-bit +scatter-add +bfloat16 +x1 +mptrain/models/layers.py", done.stdout)
+    assert "runs with 16-bit atomics on GPUs" in done.stdout
+    assert "compiled without XLA's deterministic GPU kernels" in done.stdout
+
+
+def test_gpt2s_fp32_reports_materialized_attention_fp32_flops_and_no_false_hazard():
+    result = planned("lm_gpt2s", precision="fp32")
+    assert result.attention["implementation"] == "materialized"
+    assert result.attention["buffers"] > 0
+    assert set(result.matmul_flops) == {"float32"}
+    assert result.hazards == [] and result.offenders == []
+    assert result.floor["mfu_dtype"] == "float32"
+    assert result.floor["peaks"]["float32"] == target.targets()["h100"].roofline["float32"]
+
+
+def test_fp8_matmuls_run_with_e4m3_and_e5m2_operands_on_the_h100():
+    result = planned("lm_gpt2s", precision="fp8-mixed")
+    flops = result.matmul_flops
+    assert flops["float8_e4m3fn"] > 0 and flops["float8_e5m2"] > 0
+    fp8 = flops["float8_e4m3fn"] + flops["float8_e5m2"]
+    assert fp8 > 0.85 * sum(flops.values())  # attention and MLP projections: the bulk
+    assert result.fp8_kernels and all(n > 0 for n in result.fp8_kernels.values())
+    assert any(note.startswith("fp8 matmuls:") for note in result.notes)
+
+
+def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
+    result = planned("lm_gpt2s", devices=4, mesh__data=1, mesh__fsdp=4)
+    assert result.devices == 4 and result.mesh == {"data": 1, "fsdp": 4}
+    collectives = result.collectives
+    assert set(collectives["reduce-scatter"]) == {"f32"}
+    assert set(collectives.get("all-reduce", {"f32": 0})) == {"f32"}
+    gathered = collectives["all-gather"]
+    assert gathered["bf16"] > 0.99 * sum(gathered.values())
+    # what is gathered in f32 is a param the casting rule keeps fp32 (LayerNorms here)
+    kept = result.kept_fp32
+    assert kept and all("ln" in p or "embedding" in p for p in kept)
+    ln_floats = sum(2 * 768 for p in kept if "ln" in p and p.endswith("scale"))
+    assert gathered.get("f32", 0) == 4 * ln_floats
+    assert not [h for h in result.hazards if h["kind"] == "16-bit"]
+
+
+def test_the_attention_choice_follows_the_compile_target_not_the_host():
+    config = load_config("lm_gpt2s", "tiny")
+    on_this_cpu = trainer.Trainer(config, "/nonexistent")
+    on_an_h100 = trainer.Trainer(
+        config, "/nonexistent", devices=target.targets()["h100"].devices(1)
+    )
+    assert layers.backend_of(on_this_cpu.mesh.devices.flat).platform == "cpu"
+    assert on_this_cpu.model.attention == "materialized"
+    assert on_an_h100.model.attention == "cudnn"
+    assert on_an_h100.mesh.devices.flat[0].platform == "gpu"
+
+
+def test_the_program_flops_match_the_traced_step_on_gpu_and_tpu():
+    """The FLOPs read off the compiled GPU and TPU programs (dots; the TPU's convolutions,
+    dilations and all) are those of the step JAX traces (the precision report's count)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mptrain import audit
+
+    config = load_config("lm_gpt2s", "tiny", **{"model.attention": "materialized"})
+    here = trainer.Trainer(config, "/nonexistent")
+    sample = {k: np.zeros((1, 64), np.int32) for k in ("inputs", "targets")}
+    state = here.init_state(sample)
+    jitted, make_totals, _ = here.make_run_step(state, sample)
+    batch = {k: jnp.zeros((8, 64), jnp.int32) for k in sample}
+    report = audit.precision_report(jitted, state, batch, make_totals())
+    expected = sum(report.matmul_flops.values())
+    for tgt in ("h100", "v5e"):
+        result = planned("lm_gpt2s", "tiny", tgt=tgt, model__attention="materialized")
+        assert sum(result.matmul_flops.values()) == pytest.approx(expected, rel=1e-6), tgt
+
+
+def test_a_v5e_plan_compiles_and_reports_the_tpu_rules():
+    result = planned("lm_gpt2s", "tiny", tgt="v5e-4", mesh__data=4)
+    assert result.devices == 4 and result.target == "v5e"
+    assert result.attention["implementation"] == "materialized"
+    assert result.fits and result.capacity == 16 * GiB
+
+
+# ---- the command line
+
+
+def _plan_cli(*args):
+    return run_cli_process(*args, module="mptrain.plan", timeout=600)
+
+
+def test_a_config_that_cannot_fit_exits_4_naming_the_largest_buffers(tmp_path):
+    done = _plan_cli(
+        f"--config={ROOT / 'configs' / 'lm_1b.py'}",
+        "--target=h100",
+        "--config.batch_size=96",
+        f"--json={tmp_path / 'plan.json'}",
+    )
+    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-2000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("does not fit: needs ") and "of 79.1; largest buffers: " in first
+    assert "transformer_lm.py:" in first
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert not data["fits"] and data["memory"]["total"] > data["capacity"]
+
+
+def test_the_gpt2s_plan_exits_0_and_prints_the_report():
+    done = _plan_cli(f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}", "--target=h100")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fits, " in done.stdout and "cuDNN fused flash attention" in done.stdout
+    assert "compiled with XLA's deterministic GPU kernels" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target=h101"], "--target='h101': unknown; known targets: a100, b200, h100, h200"),
+        (["--target=h100", "--devices=12"], "--devices=12: a h100 plan takes 1, 2, 3"),
+        (["--target=h100", "--config.model.num_heads=5"], "config.model.num_heads=5"),
+        ([], "--target is required; known targets: a100"),
+    ],
+)
+def test_bad_targets_and_configs_exit_2_with_one_line(args, message):
+    done = _plan_cli(f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}:tiny", *args)
+    assert done.returncode == 2, done.stdout
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
