@@ -161,7 +161,6 @@ def plan(config, target: str | target_lib.Target, devices: int | None = None) ->
     `target.Target`); a `ConfigError` for a bad config, target or device count, or a compiler
     that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`)."""
     import jax
-    from jax._src import config as jax_config
 
     from mptrain import config as config_lib
     from mptrain import launch, runtime
@@ -175,8 +174,7 @@ def plan(config, target: str | target_lib.Target, devices: int | None = None) ->
     trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
     started = time.monotonic()
     traced, state, sample = _trace(trainer)
-    with jax_config.enable_compilation_cache(False):  # no executable to keep: nothing runs
-        compiled = traced.lower().compile()
+    compiled = traced.lower().compile()
     seconds = time.monotonic() - started
     return _read(chip, trainer, compiled, state, sample, seconds, jax.__version__)
 

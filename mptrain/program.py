@@ -26,13 +26,16 @@ import os
 import re
 from collections.abc import Iterator
 
-ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+# an array type and its layout, whose `S(n)` names a memory space other than HBM (a TPU's
+# on-chip VMEM is S(1)): `f32[256,768]{1,0:T(8,128)S(1)}`
+ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([^\s=]+)\s*=\s*(.*)$")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$")
 _CALLEE = r"(?:calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)"
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while"}
 _NOT_KERNELS |= {"conditional", "call", "after-all", "add-dependency", "opt-barrier", "domain"}
 _NOT_KERNELS |= {"partition-id", "replica-id", "copy-start", "copy-done", "get-dimension-size"}
+_NOT_KERNELS |= {"slice-start"}  # a TPU's copy of a slice into on-chip memory: a DMA
 _LIBRARIES = ("site-packages", "dist-packages")
 ATTENTION = "__cudnn$fmha"  # cuDNN's fused attention: forward and backward targets start so
 NUMPY_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
@@ -47,10 +50,13 @@ def dtype_name(hlo_dtype: str) -> str:
     return f"{kind}{hlo_dtype[1:]}" if kind and hlo_dtype[1:].isdigit() else hlo_dtype
 
 
-def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """`(dtype, dims)` of every array written in a type, e.g. `(f32[8]{0}, bf16[2,3]{1,0})`."""
+def arrays(type_text: str, hbm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """`(dtype, dims)` of every array written in a type, e.g. `(f32[8]{0}, bf16[2,3]{1,0})`;
+    with `hbm`, only those in device memory (not in another memory space, `S(n)`)."""
     return [
-        (d, tuple(int(n) for n in dims.split(",") if n)) for d, dims in ARRAY.findall(type_text)
+        (dtype, tuple(int(n) for n in dims.split(",") if n))
+        for dtype, dims, layout in ARRAY.findall(type_text)
+        if not (hbm and re.search(r"S\([1-9]", layout))
     ]
 
 
@@ -61,9 +67,9 @@ def nbytes(dtype: str, dims: tuple[int, ...]) -> int:
     return math.prod(dims) * bits // 8
 
 
-def type_bytes(type_text: str) -> int:
-    """Bytes of every array a type holds (a tuple's elements summed)."""
-    return sum(nbytes(dtype, dims) for dtype, dims in arrays(type_text))
+def type_bytes(type_text: str, hbm: bool = False) -> int:
+    """Bytes of every array a type holds (a tuple's elements summed); `hbm`: see `arrays`."""
+    return sum(nbytes(dtype, dims) for dtype, dims in arrays(type_text, hbm))
 
 
 def top_level(type_text: str) -> list[str]:
@@ -203,11 +209,11 @@ class Program:
         return self.types.get(inst.operands[index], "") if index < len(inst.operands) else ""
 
     def largest(self, per: int = 1) -> list[dict]:
-        """The biggest buffers the kernels write, `{array, where, bytes (each), count}`, by
-        bytes in all, grouped by type and source line; each count divided by `per`."""
+        """The biggest buffers the kernels write to device memory, `{array, where, bytes (each),
+        count}`, by bytes in all, grouped by type and source line; counts divided by `per`."""
         found: dict[tuple[str, str, int], float] = collections.Counter()
         for inst, runs in self.kernels():
-            for dtype, dims in inst.arrays:
+            for dtype, dims in arrays(inst.type, hbm=True):
                 array = f"{dtype}[{','.join(map(str, dims))}]"
                 found[(array, self.where(inst), nbytes(dtype, dims))] += runs / per
         rows = sorted(found.items(), key=lambda kv: -kv[0][2] * kv[1])[:8]
@@ -223,7 +229,7 @@ class Program:
             target = inst.attribute("custom_call_target") or ""
             if target.startswith(ATTENTION):
                 calls["backward" if "Backward" in target else "forward"] += runs / per
-            for dtype, dims in inst.arrays if length else ():
+            for dtype, dims in arrays(inst.type) if length else ():
                 square = len(dims) >= 3 and dims[-2:] == (length, length)
                 if square and math.prod(dims) >= 2 * length**2:
                     count, size = count + runs / per, size + nbytes(dtype, dims)

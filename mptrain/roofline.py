@@ -202,10 +202,10 @@ def floor(chip: Any, flops: dict[str, float], moved: float, compute: str) -> dic
 
 
 def bytes_moved(prog: program.Program, per: int = 1) -> float:
-    """Bytes the kernels of `prog` read and write, each once per run (no cache reuse), over
-    `per`: the memory side of the floor."""
+    """Bytes the kernels of `prog` read from and write to device memory (HBM; not a TPU's
+    on-chip memory), each once per run (no cache reuse), over `per`: the floor's memory side."""
     total = 0.0
     for inst, runs in prog.kernels():
-        read = sum(program.type_bytes(prog.types.get(name, "")) for name in inst.operands)
-        total += runs * (inst.nbytes + read)
+        read = sum(program.type_bytes(prog.types.get(name, ""), hbm=True) for name in inst.operands)
+        total += runs * (program.type_bytes(inst.type, hbm=True) + read)
     return total / per

@@ -188,10 +188,13 @@ def get(name: str) -> tuple[Target, int | None]:
 
 def compile_only() -> None:
     """Makes this process's JAX start its CPU backend only, as compiling for an absent
-    accelerator needs (the CUDA plugin would look for a driver); a no-op once its backends
-    have started (a `ConfigError` from `Target.devices` then says what to do)."""
+    accelerator needs (the CUDA plugin would look for a driver), unless its backends have
+    started (a `ConfigError` from `Target.devices` then says what to do); and turns off the
+    persistent compilation cache, which cannot load back an executable compiled without its
+    device (it warns and compiles again)."""
     import jax
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_enable_compilation_cache", False)

@@ -17,7 +17,12 @@ from mptrain import plan as plan_lib
 from mptrain import target, trainer
 from mptrain.models import layers
 
-pytestmark = pytest.mark.plan
+# the suite's persistent compilation cache cannot load back a program compiled without its
+# device: JAX warns and compiles it again
+pytestmark = [
+    pytest.mark.plan,
+    pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry"),
+]
 GiB = 2**30
 
 

@@ -165,6 +165,13 @@ ENTRY %main (x: bf16[32,32,1], y: bf16[8,64,32], q: bf16[8,64,2,16], k: bf16[8,2
     assert found["c2"] == 2 * 8 * 2 * 64 * 64 * 16  # B, H, Lq, Lk, D
 
 
+def test_a_tpu_on_chip_memory_space_is_not_device_memory():
+    text = "(f32[256,768]{1,0:T(8,128)S(1)}, bf16[2,8]{1,0}, s32[]{:S(2)})"
+    assert program.arrays(text, hbm=True) == [("bf16", (2, 8))]
+    assert program.type_bytes(text) == 4 * 256 * 768 + 32 + 4
+    assert program.type_bytes(text, hbm=True) == 32
+
+
 def test_the_floor_is_the_slower_of_compute_and_memory():
     chip = target.targets()["h100"]
     flops = {"bfloat16": 989.4e12, "float32": 494.7e12}  # a second each at the peaks

@@ -29,6 +29,7 @@ NOT_RUN = {
     "cluster": "a Slurm allocation and a Cloud TPU slice",
     "benchmarks": "the full benchmark takes about 16 minutes on this CPU",
     "gpu-benchmarks": "they are sized for a GPU",
+    "plan": "they need the extra mptrain[plan]; tests/plan_test.py runs them under make test-plan",
 }
 MAX_STEPS = 8
 CONTINUES = "# continues the block above"  # a Python block's first line: it runs on its names
