@@ -200,9 +200,12 @@ class Program:
                     yield inst, runs
 
     def kernels(self) -> Iterator[tuple[Instruction, float]]:
-        """The instructions that launch work, with their runs per call."""
+        """The instructions that launch work, with their runs per call (not a TPU's
+        `ConcatBitcast`, a new view of its operands)."""
         for inst, runs in self.instructions(control_only=True):
-            if inst.opcode not in _NOT_KERNELS and not inst.opcode.endswith("-done"):
+            if inst.opcode in _NOT_KERNELS or inst.opcode.endswith("-done"):
+                continue
+            if not (inst.attribute("custom_call_target") or "").endswith("Bitcast"):
                 yield inst, runs
 
     def operand_type(self, inst: Instruction, index: int) -> str:

@@ -77,6 +77,7 @@ ENTRY %main (a: bf16[4,8], b: bf16[8,16], ids: pred[4,256], table: bf16[256,8], 
   %fusion.2 = bf16[4,8]{{1,0}} fusion(%ids, %table), kind=kLoop, calls=%onehot
   %attn = (bf16[2,2,64,32]{{3,2,1,0}}, f32[2,2,64]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={{"cudnn_fmha_backend_config": {{"intermediate_tensor_shape": {{"dimensions": ["2", "2", "64", "64"]}}, "mask_type": "CAUSAL"}}}}
   %scores = f32[2,2,64,64]{{3,2,1,0}} fusion(%q), kind=kLoop, calls=%fill
+  %view = f32[2,2,64,64]{{3,2,1,0:T(8,128)S(1)}} custom-call(%scores), custom_call_target="ConcatBitcast"
   %all-gather-start = ((bf16[2,8]{{1,0}}, f32[4]{{0}}), (bf16[8,8]{{1,0}}, f32[16]{{0}})) all-gather-start(%a, %b), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}, use_global_device_ids=true
   ROOT %done = bf16[4,8]{{1,0}} fusion(%a), kind=kLoop, calls=%copy
 }}
