@@ -39,7 +39,7 @@ from mptrain import target as target_lib
 EXIT_DOES_NOT_FIT = 4
 GiB = 2**30
 PREALLOCATED = 0.75  # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
-TARGETS = target_lib.targets  # TARGETS(): every target by name
+TARGETS = target_lib.targets()  # every target by name, from mptrain/targets/*.toml
 
 
 @dataclasses.dataclass
@@ -157,7 +157,7 @@ class Plan:
 
 
 def plan(config, target: str | target_lib.Target, devices: int | None = None) -> Plan:
-    """The `Plan` of `config` on `devices` devices of `target` (a name from `TARGETS()`, or a
+    """The `Plan` of `config` on `devices` devices of `target` (a name from `TARGETS`, or a
     `target.Target`); a `ConfigError` for a bad config, target or device count, or a compiler
     that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`)."""
     import jax
@@ -324,7 +324,7 @@ def _notes(chip, config, total: int, flops: dict[str, float], lowered) -> list[s
 
 
 def _usage(flag_values) -> str:
-    names = ", ".join(sorted(TARGETS()))
+    names = ", ".join(sorted(TARGETS))
     return (
         "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
         "[--json=PATH] [--config.KEY=VALUE ...]\n\n"
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if flag_values is None:  # --help
         return errors.EXIT_OK
     if not flag_values.target:
-        main_lib.usage_error(f"--target is required; known targets: {', '.join(sorted(TARGETS()))}")
+        main_lib.usage_error(f"--target is required; known targets: {', '.join(sorted(TARGETS))}")
     logging.set_verbosity(logging.WARNING)
     try:
         result = plan(flag_values.config, flag_values.target, flag_values.devices)

@@ -189,7 +189,7 @@ def test_the_floor_is_the_slower_of_compute_and_memory():
 def test_targets_ship_as_spec_files_and_unknown_names_list_the_known():
     names = set(target.targets())
     assert {"h100", "h200", "a100", "b200", "v4", "v5e", "v5p", "v6e"} <= names
-    assert plan_lib.TARGETS() is target.targets()
+    assert plan_lib.TARGETS is target.targets()
     v5e, count = target.get("v5e-8")
     assert (v5e.name, v5e.platform, count) == ("v5e", "tpu", 8)
     assert target.get("H100") == (target.targets()["h100"], None)
