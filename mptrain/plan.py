@@ -25,6 +25,7 @@ target (one line: an unknown target lists the known ones, a missing compiler nam
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -65,6 +66,7 @@ class Plan:
     attention: dict[str, Any]
     hazards: list[dict[str, Any]]
     collectives: dict[str, dict[str, int]]
+    collective_sites: dict[str, list[str]]  # by op, the source lines the program names
     kept_fp32: list[str]
     kernels: float
     bytes_moved: float
@@ -135,6 +137,12 @@ class Plan:
         lines += ["", "collectives (bytes a step):"]
         for op, by_dtype in sorted(self.collectives.items()):
             lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
+            sites = self.collective_sites.get(op, [])
+            lines += (
+                [f"    at {', '.join(sites[:4])}" + (", ..." if len(sites) > 4 else "")]
+                if sites
+                else []
+            )
         lines += [] if self.collectives else ["  none"]
         floor = self.floor
         lines += [
@@ -195,20 +203,14 @@ def _trace(trainer) -> tuple[Any, Any, dict]:
     init, args = trainer.make_init(sample)
     state = jax.eval_shape(init, *args)
     k = config.steps_per_call
-    where = sharding.batch_sharding(mesh, stacked=k > 1)
-    lead = (k,) if k > 1 else ()
+    spec = lambda x, shape, on: jax.ShapeDtypeStruct(shape, x.dtype, sharding=on)
+    lead, where = (k,) if k > 1 else (), sharding.batch_sharding(mesh, stacked=k > 1)
     batches = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            (*lead, config.batch_size, *x.shape[1:]), x.dtype, sharding=where
-        ),
-        example,
+        lambda x: spec(x, (*lead, config.batch_size, *x.shape[1:]), where), example
     )
     jitted, make_totals, _ = trainer.make_run_step(state, sample)
     replicated = sharding.replicated(mesh)
-    totals = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-        jax.eval_shape(make_totals),
-    )
+    totals = jax.tree.map(lambda x: spec(x, x.shape, replicated), jax.eval_shape(make_totals))
     return jitted.trace(state, batches, totals), state, sample
 
 
@@ -264,6 +266,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
         collectives={
             op: {d: b // k for d, b in by.items()} for op, by in hlo.collectives(text).items()
         },
+        collective_sites=_collective_sites(prog),
         kept_fp32=policy.kept_fp32_paths(state.params),
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
@@ -272,6 +275,17 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
         compile_seconds=round(seconds, 1),
         jax_version=version,
     )
+
+
+def _collective_sites(prog) -> dict[str, list[str]]:
+    """By collective op, the source lines of its instructions, where the program keeps them
+    (XLA's combined collectives keep none)."""
+    sites = collections.defaultdict(set)
+    for inst, _ in prog.instructions(control_only=True):
+        op, where = inst.opcode.removesuffix("-start"), prog.where(inst)
+        if op in hlo.COLLECTIVES and ".py:" in where:
+            sites[op].add(where)
+    return {op: sorted(found) for op, found in sites.items()}
 
 
 def _length(sample: Any) -> int | None:

@@ -123,6 +123,8 @@ def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     ln_floats = sum(2 * 768 for p in kept if "ln" in p and p.endswith("scale"))
     assert gathered.get("f32", 0) == 4 * ln_floats
     assert not [h for h in result.hazards if h["kind"] == "16-bit"]
+    sites = [where for found in result.collective_sites.values() for where in found]
+    assert all(where.startswith("mptrain/sharding.py:") for where in sites), sites
 
 
 def test_the_attention_choice_follows_the_compile_target_not_the_host():

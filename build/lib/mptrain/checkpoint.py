@@ -1,0 +1,400 @@
+"""Checkpoints: save, validate, restore and fall back. The only module that imports orbax.
+
+Layout, under the directory given to `Checkpointer` (the trainer uses `<workdir>/checkpoints`)::
+
+    <step>/state/   the TrainState pytree (orbax StandardSave: OCDBT + zarr, one entry per leaf)
+    <step>/meta/    JSON: step, config, policy, mptrain version, the state's fingerprint and
+                    the dtype and shape of every array leaf
+
+Saving is atomic: orbax writes `<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` once
+every file is written, so a save that died leaves such a folder, never listed as a step. To
+anyone but the run that owns the directory it may be a save in progress: that run deletes them
+(`resume` calls `remove_leftovers`); readers such as export open it `read_only` and never write
+or delete there. A save that fails on storage (full, read-only, denied), whichever layer says
+so and whenever (an async save's failure shows at `wait`, the next `save` or `close`), is one
+`errors.StorageError` naming the checkpoint and the cause; older checkpoints stay intact.
+
+Restoring validates what it reads: `meta` holds `fingerprint(state)`, a sha256 over every array
+leaf's path, dtype, shape and two position-aware sums of its elements' bits (computed on the
+devices, shard by shard, so a sharded state is never gathered to a host), recomputed on the
+restored arrays. A checkpoint is skipped, with a warning naming the step and the reason, when
+orbax cannot read it (missing, truncated or mangled files), its meta is corrupt, the fingerprint
+differs (bytes flipped on disk) or its params hold a NaN or an inf; `restore` then tries the
+next older one. A checkpoint whose arrays do not fit the requested state (another model,
+optimizer or precision policy) is not corrupt but a mistake: `CheckpointMismatchError`.
+
+Reading a `state` item with plain orbax, without mptrain installed: the TrainState was saved as
+nested dicts keyed by field name (`params`, `opt_state`, `loss_scale`, `rng`, `step`, ...;
+optax NamedTuples become lists, their empty states `None`), so::
+
+    import jax, numpy as np, orbax.checkpoint as ocp
+    path = "<workdir>/checkpoints/<step>/state"  # absolute path
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    state["params"]  # nested dicts of np.ndarray, dtypes as saved (bfloat16 via ml_dtypes)
+
+`ocp.StandardCheckpointer().restore(path)` also works but returns jax arrays placed on the
+saved shardings; the recipe above gives numpy arrays on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+from mptrain import config as config_lib
+from mptrain import errors, files, fingerprints, version
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class InvalidCheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be used: unreadable, corrupt or non-finite."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A readable checkpoint whose arrays do not fit the state it is restored into."""
+
+
+# Each orbax thread that sees a write fail logs it (a hundred lines of traceback) before orbax
+# raises it to its caller; `Checkpointer` and `save_standalone` raise it as one line.
+files.quiet_storage_failures("/orbax/")
+
+
+def _summary(error: Exception, limit: int = 300) -> str:
+    """The first line of an error, shortened: tensorstore errors carry a page-long spec."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:limit]}{' ...' if len(first) > limit else ''}"
+
+
+class Checkpointer:
+    """Saves and restores `(state, meta)` pairs under `directory`, one folder per step.
+
+    `max_to_keep`: how many of the newest checkpoints to keep (None: all). `async_save`: when
+    True, `save` returns once the arrays are copied off the device and the files are written in
+    the background; call `wait()` (or `close()`) before relying on them. `read_only`: for
+    readers of another run's directory; nothing is created, pruned or written. Every process of
+    a multi-host job must call `save` and `restore` together.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = False,
+        read_only: bool = False,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep={max_to_keep}; must be None (keep all) or >= 1")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.async_save, self.read_only = async_save, read_only
+        # (orbax's read_only option warns at every open; this manager writes nothing either)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+        )
+        self._pending: int | None = None  # a saved step not known to be written yet
+        self._failed = False  # whether a StorageError was raised
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def all_steps(self) -> list[int]:
+        """Checkpoint steps, oldest first, not yet validated: those on disk when this opened and
+        those saved since (an async one may be in flight); never a save that died unfinished."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest of `all_steps()`, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, meta: dict, *, force: bool = True) -> None:
+        """Writes `state` and `meta` as checkpoint `step`, replacing one already there.
+
+        `meta` gets `step`, `mptrain_version`, `fingerprint` and `arrays` (each leaf's dtype and
+        shape) added; values JSON cannot hold are stored as their `str()`. `force=False` lets
+        orbax's save policy skip the step (the trainer passes True: it decides when to save).
+        Blocks until the files are durable unless `async_save`; a storage failure raises
+        `errors.StorageError`.
+        """
+        if self.read_only:
+            raise ValueError(f"{self.directory} is open read-only: a reader never writes there")
+        step = int(step)
+        if not force and not self._manager.should_save(step):
+            return
+        meta = dict(files.to_jsonable(meta))
+        meta.setdefault("step", step)
+        meta["mptrain_version"] = version.__version__
+        meta["fingerprint"] = fingerprints.fingerprint(state)
+        meta["arrays"] = fingerprints.array_specs(state)
+        self.wait()  # a failure of the previous save is told as that step's
+        args = ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
+        )
+        with self._writing(step):
+            if step in self._manager.all_steps():
+                # Re-saving a step happens after resuming past a rejected checkpoint: the fresh
+                # state must replace the bad one, or every later resume would reject it again.
+                logging.info("Replacing the checkpoint at step %d in %s", step, self.directory)
+                self._manager.delete(step)
+            self._pending = step
+            self._manager.save(step, args=args, force=True)
+            if not self.async_save:
+                self._manager.wait_until_finished()
+                self._pending = None
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """A storage failure of saving `step` (None: what is pending) as one StorageError."""
+        try:
+            yield
+        except Exception as e:
+            where = f"{self.directory}/{step}"
+            what = self.directory if step is None else f"the checkpoint of step {step} ({where})"
+            kept = [s for s in self.all_steps() if s != step]
+            error = files.storage_error(e, what, f"; the older ones are intact (steps {kept})")
+            if error is None:
+                raise
+            self._pending, self._failed = None, True
+            raise error from e
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
+        """Restores the newest valid checkpoint, or checkpoint `step`, into `abstract_state`: a
+        fresh state or its `jax.eval_shape` (leaves may carry shardings), whose pytree classes,
+        dtypes and shardings the result takes. Returns `(state, meta)`, or None when there is no
+        checkpoint. Unusable ones are skipped with a warning; if all are, or the given `step` is,
+        `InvalidCheckpointError` (starting over would silently discard the run). Arrays that do
+        not fit the target: `CheckpointMismatchError`; a `step` not there: FileNotFoundError.
+        """
+        self.wait()
+        self._manager.reload()  # the directory may have changed behind the manager's back
+        steps = self.all_steps()
+        if step is not None:
+            if int(step) not in steps:
+                raise FileNotFoundError(
+                    f"no checkpoint at step {step} in {self.directory}; steps there: {steps}"
+                )
+            try:
+                return self._restore_step(int(step), abstract_state)
+            except InvalidCheckpointError as e:
+                raise InvalidCheckpointError(f"checkpoint at step {step} is unusable: {e}") from e
+        reasons = []
+        for candidate in reversed(steps):
+            try:
+                return self._restore_step(candidate, abstract_state)
+            except InvalidCheckpointError as e:
+                reasons.append(f"step {candidate}: {e}")
+                logging.warning(
+                    "Skipping checkpoint at step %d in %s: %s", candidate, self.directory, e
+                )
+        if reasons:
+            why = "; ".join(reasons)
+            raise InvalidCheckpointError(
+                f"none of the {len(reasons)} checkpoints in {self.directory} is usable ({why}); "
+                "move them away to start over"
+            )
+        return None
+
+    def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong."""
+        path = os.path.join(self.directory, str(step), META_ITEM)
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
+            )[META_ITEM]
+        except Exception as e:  # orbax and tensorstore raise many types for unreadable files
+            raise InvalidCheckpointError(f"cannot read {path}: {_summary(e)}") from e
+        problem = _meta_problem(meta, step)
+        if problem:
+            raise InvalidCheckpointError(f"{path} is corrupt: {problem}")
+        _check_specs(step, meta["arrays"], fingerprints.array_specs(abstract_state))
+        try:
+            state = self._manager.restore(
+                step,
+                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}),
+            )[STATE_ITEM]
+        except Exception as e:
+            raise InvalidCheckpointError(f"cannot read state: {_summary(e)}") from e
+        found = fingerprints.fingerprint(state)
+        if found != meta["fingerprint"]:
+            raise InvalidCheckpointError(
+                f"data do not match the fingerprint saved with them (saved "
+                f"{meta['fingerprint']}, read {found})"
+            )
+        bad = fingerprints.nonfinite_params(state)
+        if bad:
+            raise InvalidCheckpointError(f"non-finite params in {', '.join(bad)}")
+        return state, meta
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves (and deletions of old steps) are done."""
+        with self._writing(self._pending):
+            self._manager.wait_until_finished()
+        self._pending = None
+
+    def close(self) -> None:
+        """Waits, then releases orbax's threads (a failure raised already is not raised again)."""
+        told = self._failed
+        try:
+            with self._writing(self._pending):
+                self._manager.close()
+        except errors.StorageError:
+            if not told:
+                raise
+
+    def remove_leftovers(self) -> list[str]:
+        """Deletes the leftovers of interrupted saves (`<step>.orbax-checkpoint-tmp*`): only for
+        the run that holds the directory, to anyone else they may be its saves in progress."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return []
+        removed = []
+        for name in sorted(os.listdir(self.directory)):
+            if re.fullmatch(rf"\d+{re.escape(TMP_SUFFIX)}.*", name):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                logging.warning("Removed %s/%s, left by an interrupted save", self.directory, name)
+                removed.append(name)
+        return removed
+
+
+# What a meta holds; without it a meta is corrupt, skipped like corrupt arrays (not a KeyError).
+_META = dict(step=int, fingerprint=str, arrays=dict, config=dict | None, policy=str | None)
+
+
+def _meta_problem(meta: Any, step: int) -> str | None:
+    """Why a checkpoint's meta is unusable, or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    for key, kind in _META.items():
+        if isinstance(value := meta.get(key), bool) or not isinstance(value, kind):
+            return f"{key} is {str(value)[:40]!r}" if key in meta else f"it holds no {key}"
+    return f"it says step {meta['step']}" if meta["step"] != step else None
+
+
+def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
+    if saved == wanted:
+        return
+    diffs = [
+        f"{path}: saved {saved.get(path, 'nothing')}, expected {wanted.get(path, 'nothing')}"
+        for path in list(wanted) + [p for p in saved if p not in wanted]
+        if saved.get(path) != wanted.get(path)
+    ]
+    shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
+    raise CheckpointMismatchError(
+        f"checkpoint at step {step} does not fit the state being restored ({shown}); was the "
+        "model, optimizer or precision policy changed? Use a new workdir for a new setup."
+    )
+
+
+def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, int | None]:
+    """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
+    For the run that holds the directory: once the checkpoint is accepted it removes leftovers
+    of interrupted saves. Checkpoints whose arrays do not fit `state` (another model shape,
+    optimizer or precision) are a `WorkdirError`; a checkpoint that fits but was trained with
+    other model keys or another precision, or is past `num_train_steps`, a `ConfigError` (the
+    directory untouched either way); other changed keys (learning rate, intervals, ...) are
+    allowed and logged."""
+    try:
+        restored = checkpointer.restore(state)
+    except CheckpointMismatchError as e:
+        raise errors.WorkdirError(
+            f"the checkpoints in {checkpointer.directory} belong to a different model, "
+            f"optimizer or precision: {e}. Use another --workdir to start a new run"
+        ) from None
+    except InvalidCheckpointError as e:
+        raise errors.WorkdirError(str(e)) from None
+    step = None
+    if restored is not None:
+        state, meta = restored
+        step = int(meta["step"])
+        _check_resumable(meta, str(policy), config, f"{checkpointer.directory}/{step}")
+    checkpointer.remove_leftovers()
+    return state, step
+
+
+def _check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
+    """Raises `ConfigError` when `config` cannot continue the checkpoint at `where`. A model key
+    that only one of the two configs has (another mptrain version's) is not a difference."""
+    saved, new = (meta.get("config") or {}).get("model"), config.get("model")
+    both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
+    changed = config_lib.changes(meta.get("config") or {}, config)
+    model = [key for key in changed if key.startswith("model.") and key.split(".")[1] in both]
+    step, wanted, problem = meta["step"], config.get("num_train_steps"), None
+    if meta.get("policy") not in (None, policy):
+        problem = (
+            f"config.precision={config.get('precision')!r}: the checkpoint {where} was trained "
+            f"with precision '{meta['policy']}', the config asks for '{policy}'; resuming would "
+            "recast the master params. Resume with the old precision"
+        )
+    elif model:
+        (old, new), more = changed[model[0]], len(model) - 1
+        problem = (
+            f"config.{model[0]}={new!r}: the checkpoint {where} was trained with {model[0]}="
+            f"{old!r}{f' (and {more} more model keys)' if more else ''}; its weights would be "
+            f"misread by another model. Resume with --config.{model[0]}={old!r}"
+        )
+    elif isinstance(wanted, int) and wanted < step:
+        problem = (
+            f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "
+            f"resume with num_train_steps >= {step}"
+        )
+    if problem:
+        raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
+    for key, (old, new) in changed.items():
+        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) -> None:
+    """Writes `params` (numpy arrays) as a plain orbax checkpoint in `directory/params`, and
+    `sidecar` as `directory/export.json`; all or nothing (written beside, then renamed), with
+    the modes the umask gives. A storage failure is one `errors.StorageError` line."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    staging = os.path.join(parent, f".export-{secrets.token_hex(4)}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(staging)  # 0777 less the umask: mkdtemp's 0700 would hide the export
+        checkpointer = ocp.PyTreeCheckpointer()
+        checkpointer.save(os.path.join(staging, "params"), params)
+        checkpointer.close()
+        files.write_json(os.path.join(staging, "export.json"), sidecar)
+        if os.path.isdir(directory):  # an empty folder the user made for it
+            os.rmdir(directory)
+        os.rename(staging, directory)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        error = files.storage_error(e, f"the export at {directory}")
+        if error is None:
+            raise
+        raise error from e
+
+
+def load_standalone(directory: str | os.PathLike) -> Any:
+    """An exported `params` tree as numpy arrays (what plain orbax gives)."""
+    path = os.path.join(os.path.abspath(directory), "params")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

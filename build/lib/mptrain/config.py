@@ -1,0 +1,372 @@
+"""The base config, every key commented, and `validate(config)` with errors that name the key.
+
+Config files under `configs/` start from `base_config()` and change what they need; `main.py`
+loads them locked, so a misspelt `--config.foo=...` override fails instead of being ignored,
+and `validate` holds the keys a file sets to the same rule: each is a key of `base_config()`,
+or, beside `model.name` and `data.name`, one the named module declares in its `CONFIG_KEYS`
+(unless the Trainer class builds that section itself: then its keys are the class's own).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from mptrain import errors
+from mptrain.errors import ConfigError
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds init, dropout and the data order; batch i is a pure function of (seed, i)
+    # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "fp8-mixed" (transformer_lm only)
+    # | "params=..,compute=..,output=..[,fp8]"
+    c.precision = "bf16-mixed"
+    # regex over "/"-joined param paths: matching params reach the model in fp32, the rest in
+    # the compute dtype. None: embedding tables and norm scales/biases under 16-bit compute
+    # (precision.DEFAULT_KEEP_FP32); "": cast every param
+    c.keep_fp32 = config_dict.placeholder(str)
+    c.trainer = "mptrain.trainer:Trainer"  # "package.module:Class" of the Trainer to run
+    c.num_train_steps = 1000  # batches to train on in total (a resumed run counts from 0)
+    c.batch_size = 32  # global batch size, over all devices and hosts
+    c.log_every_steps = 50  # fetch and write train metrics every this many steps
+    c.eval_every_steps = 500  # evaluate every this many steps, and always at the last step
+    c.eval_steps = 8  # batches per evaluation
+    c.checkpoint_every_steps = 500  # save every this many steps, and always at the last step
+    c.max_checkpoints_to_keep = 3  # older checkpoints are deleted
+    c.max_consecutive_skips = 25  # stop (exit 3) after this many non-finite steps in a row
+    # steps per dispatch: k > 1 runs k steps in one compiled call (a scan over k stacked
+    # batches), with the same results as k single steps, for steps shorter than the host's
+    # dispatch; logging, eval, checkpoints and SIGTERM act between calls, so the step counts
+    # and intervals above must be multiples of it
+    c.steps_per_call = 1
+    # how fp32 updates land on 16-bit params: "auto" (stochastic for bf16 params, else nearest)
+    # | "nearest" | "stochastic" (bf16 only) | "kahan"
+    c.param_rounding = "auto"
+    # True: XLA's deterministic GPU kernels (--xla_gpu_deterministic_ops, set before JAX starts),
+    # so runs and resumes repeat bit for bit on a GPU: cuDNN's fused attention backward and any
+    # scatter (a gather's gradient) otherwise add with atomics. False trades that for speed.
+    c.deterministic = True
+
+    c.loss_scale = ml_collections.ConfigDict()
+    c.loss_scale.kind = "auto"  # "auto" (dynamic for fp16 compute) | "none" | "static" | "dynamic"
+    c.loss_scale.init_scale = 2.0**15  # starting (or static) scale
+    c.loss_scale.growth_interval = 2000  # finite steps in a row before the scale grows
+    c.loss_scale.growth_factor = 2.0  # multiplier on growth, > 1
+    c.loss_scale.backoff_factor = 0.5  # multiplier on overflow, in (0, 1)
+    c.loss_scale.min_scale = 1.0  # the scale never drops below this
+    c.loss_scale.max_scale = 2.0**24  # ... nor grows above this
+    c.loss_scale.hysteresis = 1  # overflows tolerated before backing off (1: back off at once)
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "adamw"  # "adamw" | "sgd"
+    c.optimizer.learning_rate = 1e-3  # peak learning rate
+    c.optimizer.schedule = "cosine"  # "constant" | "cosine" | "linear" (decay after warmup)
+    # linear warmup from 0 over this many applied updates (cut to half a shorter run)
+    c.optimizer.warmup_steps = 100
+    c.optimizer.weight_decay = 0.0  # decoupled weight decay (AdamW)
+    c.optimizer.b1 = 0.9  # Adam first-moment decay
+    c.optimizer.b2 = 0.999  # Adam second-moment decay
+    c.optimizer.eps = 1e-8  # Adam epsilon
+    c.optimizer.momentum = 0.9  # SGD momentum (0 for none)
+    c.optimizer.nesterov = False  # SGD: Nesterov momentum
+    c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this (0: no clipping)
+    c.optimizer.mu_dtype = "float32"  # storage dtype of Adam's first moment
+    c.optimizer.nu_dtype = "float32"  # storage dtype of Adam's second moment
+    c.optimizer.q8_block_size = 256  # "q8" moments: elements that share one fp32 scale
+    c.optimizer.q8_min_size = 4096  # "q8" moments: smaller tensors (biases, norms) stay fp32
+    # how moments stored in bf16 are rounded: "stochastic" (unbiased) | "nearest"
+    c.optimizer.moment_rounding = "stochastic"
+    c.optimizer.accumulation_steps = 1  # >1: average gradients over this many batches
+
+    c.model = ml_collections.ConfigDict()
+    # module under mptrain.models; its own keys sit beside it (the module's CONFIG_KEYS; a
+    # Trainer whose build_model is its own reads what it likes here)
+    c.model.name = "transformer_lm"
+
+    c.data = ml_collections.ConfigDict()
+    # module under mptrain.data; its own keys sit beside it (the module's CONFIG_KEYS; a Trainer
+    # whose build_datasets is its own reads what it likes here)
+    c.data.name = "text"
+    # calls' batches made on the devices ahead by a thread (0: none). None: 2 on an
+    # accelerator; 0 on a CPU, whose cores run the step itself (a thread making batches there
+    # took 5% of a small step)
+    c.data.prefetch = config_dict.placeholder(int)
+
+    c.mesh = ml_collections.ConfigDict()
+    # devices along the data-parallel axis; -1: all that fsdp leaves, so by default every
+    # device of every process trains data parallel
+    c.mesh.data = -1
+    c.mesh.fsdp = 1  # devices along the parameter-sharding axis
+
+    c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
+    c.fp8.scaling = "delayed"  # "delayed": from the amax history; "current": each tensor's own
+    c.fp8.history = 1024  # amaxes kept per tensor for delayed scaling (its scale: their max)
+    c.fp8.margin = 0  # the scale leaves 2**margin of headroom below the fp8 format's max
+    c.numerics = ml_collections.ConfigDict()
+    # record every module call's amax, non-finite and underflow counts, forward and backward, on
+    # the device; a skipped step's log line then names the module where it went non-finite
+    c.numerics.per_layer = False
+    # with per_layer: measure inside every step's own gradient (each table is exactly its step's,
+    # even with nondeterministic GPU kernels; about 6-9% step time on the default config) instead
+    # of differentiating again, only on log and skipped steps, the only tables read (about 1%)
+    c.numerics.every_step = False
+
+    # Several processes (hosts): every process runs the same command with its own process_id.
+    # All None: one process, or JAX's auto-detection when a cluster (Slurm, Open MPI, Cloud TPU)
+    # reports several.
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = config_dict.placeholder(str)  # "host:port" of process 0
+    c.distributed.num_processes = config_dict.placeholder(int)  # processes in the job
+    c.distributed.process_id = config_dict.placeholder(int)  # this process, 0..num_processes-1
+    return c
+
+
+_POSITIVE_INTS = (
+    "num_train_steps",
+    "batch_size",
+    "log_every_steps",
+    "eval_every_steps",
+    "eval_steps",
+    "checkpoint_every_steps",
+    "max_checkpoints_to_keep",
+    "max_consecutive_skips",
+)
+
+
+def _get(config: ml_collections.ConfigDict, key: str) -> Any:
+    value = config
+    for part in key.split("."):
+        if part not in value:
+            raise ValueError(f"{key}: missing from the config")
+        value = value[part]
+    return value
+
+
+def _check_run_keys(config: ml_collections.ConfigDict) -> None:
+    """The keys that no object below owns: the run's length, intervals and names."""
+    for key in _POSITIVE_INTS:
+        errors.check_integer(key, _get(config, key), 1)
+    errors.check_integer("seed", _get(config, "seed"), 0)
+    trainer = _get(config, "trainer")
+    if not isinstance(trainer, str) or not trainer.strip():
+        raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
+    k = errors.check_integer("steps_per_call", _get(config, "steps_per_call"), 1)
+    for key in ("num_train_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config[key] % k:
+            raise ValueError(
+                f"steps_per_call={k}: {key}={config[key]} is not a multiple of it; logging, eval "
+                "and checkpoints act between calls of steps_per_call steps"
+            )
+    if _get(config, "data.prefetch") is not None:
+        errors.check_integer("data.prefetch", config.data.prefetch, 0)
+    for key in ("model.name", "data.name"):
+        value = _get(config, key)
+        if not isinstance(value, str) or not value.isidentifier():
+            raise ValueError(f"{key}={value!r}: must name a module (a Python identifier)")
+
+
+def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """`(dotted key, value)` of every setting in `section`, sections walked into."""
+    for key, value in section.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+_DEFAULT_TRAINER = "mptrain.trainer:Trainer"
+_HOOKS = {"model": "build_model", "data": "build_datasets"}
+
+
+def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`{"model": module, "data": module}` for the sections the run builds with mptrain's own
+    modules (`mptrain.models.<model.name>`, `mptrain.data.<data.name>`): those whose hook the
+    Trainer class named by `config.trainer` inherits from `mptrain.trainer.Trainer`. A section
+    whose hook the class overrides is the class's own, free-form and unchecked here; so is every
+    section when the class cannot be imported (`launch.import_trainer` says why next)."""
+    from mptrain import data, models
+
+    own = set(_HOOKS)
+    if config.trainer != _DEFAULT_TRAINER:
+        module_name, _, class_name = config.trainer.partition(":")
+        try:  # the user's module: whatever it raises is import_trainer's to report
+            cls = getattr(importlib.import_module(module_name), class_name)
+            for section, hook in _HOOKS.items():
+                owner = next(k for k in cls.__mro__ if hook in vars(k))
+                if f"{owner.__module__}:{owner.__qualname__}" != _DEFAULT_TRAINER:
+                    own.discard(section)
+        except Exception:
+            return {}
+    found = {}
+    if "model" in own:
+        found["model"] = models.import_model(config.model.name)
+    if "data" in own:
+        found["data"] = data.import_source(config.data.name)
+    return found
+
+
+def _check_keys(config: ml_collections.ConfigDict, zoo: dict[str, Any]) -> None:
+    """Every key set is one of `base_config()` or one its model or data module declares
+    (`CONFIG_KEYS`). A key another module of the zoo declares passes: a config file's setting
+    for the model it names, left over when `model.name` is changed (`unused_settings` warns)."""
+    valid = dict(flat_items(base_config()))
+    valid |= {f"{s}.{key}": None for s, module in zoo.items() for key in module.CONFIG_KEYS}
+    elsewhere = {section: _elsewhere(section) for section in zoo}
+    for key, value in flat_items(config):
+        section, _, leaf = key.rpartition(".")
+        top = key.split(".")[0]
+        if key in valid or (top in _HOOKS and top not in zoo) or leaf in elsewhere.get(section, ()):
+            continue
+        near = [k for k in valid if k.rpartition(".")[0] == section] or list(valid)
+        where = (
+            f"not a key of {section}.name={config[section].name!r}"
+            if section in zoo
+            else "not a config key"
+        )
+        raise ValueError(f"{key}={value!r}: {where}; {errors.did_you_mean(key, near)}")
+
+
+def _elsewhere(section: str) -> set[str]:
+    """The keys that any module of the zoo declares for `section` ("model" or "data")."""
+    from mptrain import data, models
+
+    package = {"model": models, "data": data}[section]
+    return {key for module in package.modules().values() for key in module.CONFIG_KEYS}
+
+
+def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
+    """Raises `ConfigError` naming the first bad key and value; returns None when all is well.
+
+    One validation path: besides the run's own keys and the key set itself (a misspelt key in
+    a config file is an error, as it is on the command line), it builds the objects a run is
+    made of (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape,
+    the data's example shapes and the model, initialised abstractly on them) and turns their
+    `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects;
+    nothing here reads a dataset or touches the workdir. `devices`: what the run compiles for
+    (default: JAX's own; `mptrain.plan` passes an accelerator's), which the mesh must fit and
+    the model's choices by backend (attention) follow.
+    """
+    from mptrain import data, loss_scale, models, optim, runtime, sharding, train_state
+
+    section = ""
+    try:
+        _check_run_keys(config)
+        zoo = _zoo(config)
+        _check_keys(config, zoo)
+        runtime.distributed_args(config)
+        policy = policy_of(config)
+        train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
+        section = "loss_scale."
+        loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
+        section = ""
+        optim.make_optimizer(config)
+        devices = None if devices is None else list(devices)
+        sharding.mesh_shape(config, None if devices is None else len(devices))
+        example = data.check_config(config) if "data" in zoo else None
+        if "model" in zoo:
+            models.check_config(config, policy, example, devices)
+    except ConfigError:  # already says `config.<key>=...`
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config.{section}{e}") from None
+
+
+def policy_of(config: ml_collections.ConfigDict):
+    """The run's `precision.Policy`: `config.precision` and `keep_fp32`, and under fp8-mixed the
+    `fp8.*` recipe (`fp8.Recipe`); a `ValueError` naming a bad key."""
+    import dataclasses
+
+    from mptrain import errors, fp8, precision
+
+    policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
+    section = config.get("fp8") or {}  # checked under every precision: a typo is an error
+    default = fp8.Recipe()  # what an unset (None) key means
+    history = errors.setting(section, "history", default.history)
+    margin = errors.setting(section, "margin", default.margin)
+    scaling = errors.setting(section, "scaling", "current" if default.current else "delayed")
+    recipe = fp8.Recipe(
+        history=errors.check_integer("fp8.history", history, 1),
+        margin=errors.check_integer("fp8.margin", margin, 0),
+        current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
+    )
+    return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
+
+
+def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
+    """What a valid config sets that cannot take effect in this run, one line each, for the
+    start-up log: leftovers of a config written for another setup (a loss scale under a
+    precision that scales nothing, a model key of another model after `model.name` changed),
+    which `validate` lets pass so that switching one key on the command line stays possible.
+    """
+    from mptrain import loss_scale, precision
+
+    found, defaults = [], base_config()
+    policy = precision.get_policy(config.precision, config.keep_fp32)
+    kind = loss_scale.resolve_kind(config.loss_scale.kind, policy)
+    unused = [
+        f"loss_scale.{key}={config.loss_scale[key]!r}"
+        for key in loss_scale.USES["dynamic"]
+        if key not in loss_scale.USES[kind] and config.loss_scale[key] != defaults.loss_scale[key]
+    ]
+    if unused:
+        asked = f"loss_scale.kind={config.loss_scale.kind!r}"
+        why = {
+            "none": f"{asked} scales no loss"
+            + (f" under {policy.compute_dtype.name} compute" if asked.endswith("'auto'") else ""),
+            "static": f"a static loss scale ({asked}) uses init_scale only",
+        }[kind]
+        found.append(f"{', '.join(unused)}: no effect, {why}")
+    if config.numerics.every_step and not config.numerics.per_layer:
+        found.append(
+            "numerics.every_step=True: no effect without numerics.per_layer=True (it says when "
+            "the per-layer tables are measured, and none are)"
+        )
+    for section, module in _zoo(config).items():
+        for key, value in flat_items(config[section], f"{section}."):
+            leaf = key.partition(".")[2]
+            if leaf not in (*module.CONFIG_KEYS, *defaults[section]):
+                found.append(
+                    f"{key}={value!r}: no effect, {section}.name={config[section].name!r} reads "
+                    "no such key"
+                )
+    return found
+
+
+def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts.
+    A tuple equals the list with its items (a config read back from JSON has lists)."""
+    found = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found |= changes(a, b, f"{prefix}{key}.")
+        elif _listed(a) != _listed(b):
+            found[f"{prefix}{key}"] = (a, b)
+    return found
+
+
+def _listed(value: Any) -> Any:
+    return [_listed(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """A plain, JSON-ready dict of the resolved config."""
+    return config_dict.ConfigDict(config).to_dict()
+
+
+def override(
+    config: ml_collections.ConfigDict, values: dict[str, Any]
+) -> ml_collections.ConfigDict:
+    """Sets dotted keys (`{"optimizer.mu_dtype": "q8"}`), as `--config.a.b=v` does; returns it."""
+    for key, value in values.items():
+        section = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            section = section[parent]
+        section[leaf] = value
+    return config

@@ -1,0 +1,131 @@
+"""The picture of a run, and the summary it ends with.
+
+The trainer appends each log step's and each evaluation's numbers to
+`<workdir>/history.jsonl` (process 0 only; a resumed run appends to it, and for a step written
+twice the later line wins; a line a crash cut short is skipped, and the next one starts on a
+line of its own), and redraws `<workdir>/curves.png` from it at each evaluation and at the end:
+train and eval loss, the learning rate, the loss scale and the skipped steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+HISTORY = "history.jsonl"
+PICTURE = "curves.png"
+KEYS = ("loss", "eval_loss", "learning_rate", "loss_scale", "skipped_steps")
+
+
+def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> None:
+    """Adds one line to the history: `step` and those of `KEYS` that `values` holds."""
+    if jax.process_index() != 0:
+        return
+    row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
+    with open(Path(workdir) / HISTORY, "a+b") as f:  # writes go to the end, reads anywhere
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - 1, 0))
+        cut_short = size > 0 and f.read(1) != b"\n"  # a crash mid-line: end that line first
+        f.write(b"\n" * cut_short + json.dumps(row).encode() + b"\n")
+
+
+def load(workdir: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
+    """`{key: (steps, values)}` from the history, in step order, the latest line per step."""
+    series: dict[str, dict[int, float]] = {k: {} for k in KEYS}
+    path = Path(workdir) / HISTORY
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                continue
+            for key in KEYS:
+                if isinstance(row.get(key), int | float):
+                    series[key][row["step"]] = row[key]
+    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in series.items()}
+
+
+def draw(workdir: str | os.PathLike, title: str = "") -> Path | None:
+    """Redraws `<workdir>/curves.png` from the history (process 0; written beside, then
+    renamed, so a reader never sees half a picture). Returns its path."""
+    if jax.process_index() != 0:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    series = load(workdir)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
+    (loss_ax, lr_ax), (scale_ax, skip_ax) = axes
+    for key, style in (("loss", "-"), ("eval_loss", "o-")):
+        steps, values = series[key]
+        finite = [(s, v) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+        if finite:
+            loss_ax.plot(*zip(*finite, strict=True), style, label=key.replace("_", " "), ms=3)
+    loss_ax.set(title="loss", xlabel="step")
+    if loss_ax.lines:
+        loss_ax.legend()
+    for ax, key, name in (
+        (lr_ax, "learning_rate", "learning rate"),
+        (scale_ax, "loss_scale", "loss scale"),
+        (skip_ax, "skipped_steps", "skipped steps (total)"),
+    ):
+        steps, values = series[key]
+        if steps:
+            ax.plot(steps, values, "-")
+        ax.set(title=name, xlabel="step")
+    if series["loss_scale"][1] and min(series["loss_scale"][1]) > 0:
+        scale_ax.set_yscale("log", base=2)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    path = Path(workdir) / PICTURE
+    staging = path.with_name(f".{PICTURE}.tmp.png")
+    fig.savefig(staging, dpi=100)
+    plt.close(fig)
+    os.replace(staging, path)
+    return path
+
+
+def summary(
+    workdir: str | os.PathLike,
+    state: Any,
+    last_eval: dict | None,
+    seconds: float,
+    config: Any,
+    *,
+    loss_unit: str | None = None,
+) -> str:
+    """The lines a run ends with: what it did and where everything is. The eval loss is shown
+    in `loss_unit` (the Trainer's `loss_unit`; None: no unit), nats/byte in bits/byte too."""
+    workdir = Path(workdir)
+    lines = [f"mptrain: done: {int(state.step)} steps in {_duration(seconds)}"]
+    if last_eval and "eval_loss" in last_eval:
+        loss = last_eval["eval_loss"]
+        text = f"  final eval loss {loss:.4f}" + (f" {loss_unit}" if loss_unit else "")
+        if loss_unit == "nats/byte":
+            text += f" = {loss / math.log(2):.3f} bits/byte"
+        lines.append(text)
+    lines.append(f"  skipped steps {int(state.skipped_steps)}, precision {config.precision}")
+    for name, where in (
+        ("checkpoints", workdir / "checkpoints"),
+        ("precision report", workdir / "precision_report.txt"),
+        ("curves", workdir / PICTURE),
+    ):
+        lines.append(f"  {name + ':':18s}{where}")
+    lines.append(f"  tensorboard --logdir {workdir}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"

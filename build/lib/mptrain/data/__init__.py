@@ -1,0 +1,38 @@
+"""Deterministic batch sources: batch ``i`` is a pure function of ``(seed, i)``.
+
+Each module here (`text`, `tfds`, ...) is a data source `config.data.name` can name. It provides
+`create_sources(config) -> (train, eval)`, whose sources have `get_batch(i) -> dict of numpy
+arrays` holding the global batch, and `CONFIG_KEYS`: the keys it reads under `config.data`, with
+their defaults (`name` and `prefetch` are the base config's). It may provide `check_config(config)`,
+a cheap check of those keys that returns the abstract shapes of one example (or None). A resumed
+run needs nothing but the step number to continue the data exactly.
+"""
+
+import importlib
+from typing import Any
+
+from mptrain import registry
+
+
+def modules() -> dict[str, Any]:
+    """The data sources: `{name: module}` of the modules here with a `create_sources`."""
+    return registry.modules(__name__, __path__, "create_sources")
+
+
+def import_source(name: Any):
+    """`mptrain.data.<name>`; a `ValueError` naming `data.name` and the valid names if none."""
+    return registry.lookup("data.name", name, modules(), "data source in mptrain.data")
+
+
+def check_config(config) -> Any:
+    """`config.data` checked by its module's own rules; the abstract shapes of one example (a
+    dict of `jax.ShapeDtypeStruct`s), or None where they are not known without reading data."""
+    module = import_source(config.data.name)
+    check = getattr(module, "check_config", None)
+    return check(config) if check else None
+
+
+def create_sources(config):
+    """Host-side: the `(train, eval)` sources of `mptrain.data.<config.data.name>`."""
+    module = importlib.import_module(f"{__name__}.{config.data.name}")
+    return module.create_sources(config)

@@ -1,0 +1,228 @@
+"""XLA's ops read without running them: collectives in compiled HLO text, GPU hazards by op.
+
+`collectives` reads a compiled module's text (`compiled.as_text()`) for its cross-device traffic
+by op and dtype. The rest says which ops XLA:GPU runs badly, by the names both the jaxpr
+(`scatter-add`, `psum`) and the HLO (`all-reduce`) give them:
+
+- Scatters combine the updates that land on one element with atomics. Their order changes from
+  run to run, so floating sums come out different in the last bits: no bit-identical reruns or
+  resumes. 16-bit atomics are compare-and-swap loops, slow under contention (openxla/xla#26371
+  measures a bf16 scatter-add at about 20x an fp32 one). XLA:CPU upcasts 16-bit scatters, so
+  a CPU's compiled program hides them: read the traced one.
+- A sum across devices in 16 bits rounds at every addition and, in float16, overflows above
+  65504; loss-scaled gradients are where that bites. XLA:CPU upcasts these too.
+
+A bottom module: it imports only `program` (the reading of types), so the audit, the plan and
+the scripts that plan a mesh's traffic read programs the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from mptrain import program
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+SUMS = ("all-reduce", "reduce-scatter")  # the collectives that add values across devices
+SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}  # HLO's 16-bit floats, by numpy name
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$"
+)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _array_bytes(text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array type written in `text`, e.g. `f32[128,64]{1,0}`."""
+    found = []
+    for dtype, dims in _ARRAY.findall(text):
+        size = np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)
+        bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+        found.append((dtype, int(size) * bits // 8))
+    return found
+
+
+def _group_size(attributes: str) -> int | None:
+    """Devices per replica group, from any of XLA's ways to write them: listed
+    (`{{0,1},{2,3}}`), iota (`[2,2]<=[4]`) or mesh axes (`mesh['axis_0'=2,'axis_1'=4] ...
+    {'axis_1'}`); None when none of them is there (`{}`: all devices)."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return len(listed.group(1).split(","))
+    iota = re.search(r"replica_groups=\[\d+,(\d+)\]", attributes)
+    if iota:
+        return int(iota.group(1))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attributes)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2))]))
+    return None
+
+
+def collective_ops(hlo_text: str) -> Iterator[tuple[str, str, int, str]]:
+    """`(op, dtype, bytes, op_name)` for every tensor of every collective that moves data.
+
+    `op_name` is the name JAX gave the instruction (`jit(step)/shard_map/psum`), or "" when
+    the program does not say. See `collectives` for what the bytes count.
+    """
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        result, op, start, operands = match.groups()
+        if _group_size(operands) == 1 and op != "collective-permute":
+            continue  # each device alone in its group: nothing moves
+        if start and op in ("all-gather", "reduce-scatter"):
+            # the async form returns (operands, results): the gathered results count, or the
+            # unscattered operands
+            parts = program.top_level(result)
+            half = len(parts) // 2
+            sizes = _array_bytes(" ".join(parts[half:] if op == "all-gather" else parts[:half]))
+        elif op == "reduce-scatter":  # operands are printed as names: scale the result back up
+            parts = _group_size(operands) or 1
+            sizes = [(dtype, size * parts) for dtype, size in _array_bytes(result)]
+        else:
+            sizes = _array_bytes(result)
+        name = _OP_NAME.search(operands)
+        for dtype, size in sizes:
+            yield op, dtype, size, name.group(1) if name else ""
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """`{op: {dtype: bytes}}` of the collectives in an HLO module's text (`compiled.as_text()`).
+
+    The bytes are those of the whole logical tensor each op handles: an all-reduce's operand, a
+    reduce-scatter's (unscattered) operand, an all-gather's (gathered) result; a combined op
+    counts each of its tensors. Async pairs count once (their `-start`); ops whose replica
+    groups hold one device each move nothing and are left out. The dtypes are HLO's (`f32`,
+    `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
+    """
+    found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for op, dtype, size, _ in collective_ops(hlo_text):
+        found[op][dtype] += size
+    return {op: dict(by_dtype) for op, by_dtype in found.items()}
+
+
+# --------------------------------------------------------------------------- GPU hazards
+
+SCATTERS = {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}
+SCATTERS |= {"select_and_scatter", "select_and_scatter_add"}  # a max-pool's gradient
+TRACED_SUMS = ("psum", "psum_invariant", "unreduced_psum", "reduce_scatter")
+TRACED_SUMS += ("unreduced_reduce_scatter",)  # psum_scatter; pmean is a psum and a division
+TRACED_SUMS += tuple(f"{name}_start" for name in TRACED_SUMS)  # the async forms
+KINDS = ("16-bit", "nondeterministic", "deterministic")  # worst first
+
+
+def is_16_bit(dtype) -> bool:
+    """Whether `dtype` is a floating type of 16 bits or fewer (bf16, f16, the fp8s)."""
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize <= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+    """A scatter, or a 16-bit sum across devices, of a step as a GPU runs it, `count` times.
+
+    `kind`: "16-bit" (16-bit atomics, slow and nondeterministic, or a sum that drops bits: the
+    report warns), "nondeterministic" (atomics whose order varies: fast, but no bit-identical
+    reruns) or "deterministic" (no two updates meet, or their order cannot matter).
+    """
+
+    op: str
+    dtype: str
+    where: str
+    count: int
+    kind: str
+
+
+def scatter_kind(name: str, dtype, params: dict) -> str:
+    """The `Hazard.kind` of the scatter-family primitive `name` on `dtype` with `params`."""
+    windows, strides = params.get("window_dimensions"), params.get("window_strides")
+    if params.get("unique_indices") or (
+        windows and all(s >= w for w, s in zip(windows, strides, strict=True))
+    ):
+        return "deterministic"  # no two updates meet: unique indices, pooling windows apart
+    if name == "scatter":
+        return "nondeterministic"  # overwrites, no atomics: which repeated index wins varies
+    if is_16_bit(dtype):
+        return "16-bit"
+    exact = name in ("scatter-min", "scatter-max") or not jnp.issubdtype(dtype, jnp.floating)
+    return "deterministic" if exact else "nondeterministic"  # min, max, integer sums: any order
+
+
+def sixteen_bit_sums(hlo_text: str) -> Iterator[tuple[str, str, str]]:
+    """`(op, dtype, op_name)` of every 16-bit floating tensor an HLO module sums across
+    devices, dtype by its numpy name. XLA:CPU upcasts these: only other backends show them."""
+    for op, dtype, _, name in collective_ops(hlo_text):
+        if op in SUMS and dtype in SIXTEEN_BIT:
+            yield op, SIXTEEN_BIT[dtype], name
+
+
+def warning(h: Hazard) -> str:
+    """What a 16-bit `Hazard` costs, where it is, and what to do instead."""
+    if h.op not in SCATTERS:
+        return (
+            f"{h.where}: {h.op} sums {h.dtype} across devices ({h.count}x per step): every "
+            "16-bit addition drops low bits (of loss-scaled gradients, say), and float16 "
+            "overflows above 65504. Cast to float32 before the sum and back after it, as "
+            "mptrain's data-parallel step does with its gradients."
+        )
+    if h.op.startswith("select_and_scatter"):
+        fix = "a max-pool's gradient: pool in float32 (cast the pool's input up, its result back)"
+    elif h.op in ("scatter-add", "scatter-sub"):
+        fix = (
+            f"usually the gradient of a gather from a {h.dtype} table (an embedding lookup): "
+            "keep the table in float32 and cast the gathered rows (config.keep_fp32, a regex "
+            "of param paths, names the params the step leaves in float32), or, for a small "
+            "vocabulary, look rows up with a one-hot matmul"
+        )
+    else:
+        fix = f"an indexed update (`x.at[i]`) of a {h.dtype} array: make it in float32"
+    return (
+        f"{h.where}: {h.op} on {h.dtype} ({h.count}x per step) runs with 16-bit atomics on "
+        "GPUs: slow (openxla/xla#26371: about 20x slower than float32 under contention) and "
+        f"nondeterministic, so reruns and resumed runs stop being bit-identical. It is {fix}."
+    )
+
+
+def _scatter_name(prog: program.Program, inst: program.Instruction) -> str:
+    """`scatter-add`, `scatter-max`, ... by what a compiled scatter's applied function does."""
+    if inst.opcode == "select-and-scatter":
+        return "select_and_scatter_add"
+    applied = re.search(r"to_apply=%([\w.\-]+)", inst.attributes)
+    body = prog.computations.get(applied.group(1), []) if applied else []
+    root = body[-1].opcode if body else "parameter"  # the root prints last
+    suffix = {"add": "-add", "subtract": "-sub", "multiply": "-mul", "maximum": "-max"}
+    return "scatter" + (suffix | {"minimum": "-min"}).get(root, "")
+
+
+def compiled_hazards(prog: program.Program, per: int = 1) -> list[Hazard]:
+    """The hazards of a compiled program for a GPU or TPU (not XLA:CPU's, which upcasts
+    them): its scatters and its 16-bit sums across devices, each run divided by `per`; worst
+    first. The kinds follow `scatter_kind`, from the compiled attributes."""
+    found: dict[tuple[str, str, str, str], float] = collections.Counter()
+    for inst, runs in prog.instructions():
+        if inst.opcode not in ("scatter", "select-and-scatter"):
+            continue
+        name = _scatter_name(prog, inst)
+        dtype = program.dtype_name(inst.arrays[0][0]) if inst.arrays else "?"
+        window = inst.attribute("window") or ""
+        params: dict = {"unique_indices": "unique_indices=true" in inst.attributes}
+        for key, field in (("window_dimensions", "size"), ("window_strides", "stride")):
+            values = re.search(rf"\b{field}=([\dx]+)", window)
+            params[key] = tuple(int(v) for v in values.group(1).split("x")) if values else None
+        if params["window_dimensions"] and params["window_strides"] is None:
+            params["window_strides"] = (1,) * len(params["window_dimensions"])
+        found[(name, dtype, prog.where(inst), scatter_kind(name, dtype, params))] += runs / per
+    for op, dtype, where in sixteen_bit_sums(prog.text):
+        found[(op, dtype, where or "compiled program", "16-bit")] += 1 / per
+    hazards = [
+        Hazard(op, dtype, where, count, kind) for (op, dtype, where, kind), count in found.items()
+    ]
+    return sorted(hazards, key=lambda h: (KINDS.index(h.kind), -h.count, h.where))

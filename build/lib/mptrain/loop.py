@@ -1,0 +1,399 @@
+"""One run's live pieces, built once by `Trainer.setup`: the state, the compiled steps, the
+writer, the checkpointer, and what the loop does on the host between steps (report a log step,
+save, stop); and `LogTotals`, what the step adds up on the device between two log steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import struct
+
+from mptrain import checkpoint, curves, errors, fp8, numerics, numerics_log
+from mptrain import config as config_lib
+from mptrain import loss_scale as loss_scale_lib
+from mptrain import metrics as metrics_lib
+from mptrain import train_state as train_state_lib
+
+
+def allow_transfers():
+    # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
+    # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
+    return jax.transfer_guard("allow")
+
+
+@struct.dataclass
+class LogTotals:
+    """What the train step adds up on the device between two log steps, so the host reads it
+    only on log steps: the sum and count of the applied steps' losses (for the mean loss since the
+    last log), and two values that span log intervals, the current run of non-finite steps and
+    the last finite loss (for the diagnostic when training cannot recover)."""
+
+    loss_sum: jax.Array
+    applied_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite_loss: jax.Array
+    numerics: Any = None  # a `numerics_log.Log` when per-layer numerics are recorded
+
+    @classmethod
+    def zeros(cls, numerics: Any = None) -> LogTotals:
+        """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
+        zero_f, zero_i = np.float32(0), np.int32(0)
+        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
+
+    @classmethod
+    def on_devices(cls, sharding: Any, numerics: Any = None) -> LogTotals:
+        """Fresh totals made on the devices of `sharding` (a host NaN would not pass
+        `device_put`'s check that every process puts the same value)."""
+        return jax.jit(lambda: cls.zeros(numerics), out_shardings=sharding)()
+
+    def add(self, step: jax.Array, metrics: dict[str, jax.Array]) -> LogTotals:
+        """Adds step `step`'s metrics: its (fp32) loss counts only if its update was applied;
+        with per-layer numerics, its table and where it first went non-finite are logged."""
+        loss, applied, log = metrics["loss"], metrics["applied"], self.numerics
+        if log is not None:
+            log = log.record(step, applied, metrics["numerics"], metrics["numerics_origin"])
+        return self.replace(
+            numerics=log,
+            loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
+            applied_steps=self.applied_steps + applied.astype(jnp.int32),
+            consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
+            last_finite_loss=jnp.where(applied, loss, self.last_finite_loss),
+        )
+
+    def reset(self) -> LogTotals:
+        """A new log interval: the sums restart; the values that span intervals stay."""
+        return self.replace(
+            loss_sum=jnp.zeros_like(self.loss_sum),
+            applied_steps=jnp.zeros_like(self.applied_steps),
+            numerics=None if self.numerics is None else self.numerics.reset(),
+        )
+
+    def to_scalars(self) -> dict[str, float]:
+        """Host floats from fetched totals; `loss` (the interval's mean) only if a step applied."""
+        values = {
+            "consecutive_skips": float(self.consecutive_skips),
+            "last_finite_loss": float(self.last_finite_loss),
+        }
+        if int(self.applied_steps):
+            values["loss"] = float(self.loss_sum) / int(self.applied_steps)
+        return values
+
+
+def make_totals(config, sharding: Any, loss_fn: Callable, state: Any, batch: Any):
+    """`(totals, calls)`: `totals()` makes a run's fresh log totals on `sharding`'s devices
+    (jitted: `jax.eval_shape(totals)` gives their shapes); `calls`, the per-layer numerics'
+    module calls of `loss_fn` on `state` and one `batch` (arrays or abstract), None without
+    `config.numerics.per_layer`."""
+    calls = numerics.loss_calls(loss_fn, state, batch) if config.numerics.per_layer else None
+    log = calls and numerics_log.Log.zeros(len(calls.paths), config.log_every_steps)
+    return functools.partial(LogTotals.on_devices, sharding, log), calls
+
+
+def average(eval_step: Callable, state: Any, batches: Any, prefix: str = "") -> dict:
+    """Host floats: `eval_step(state, batch)`'s metrics averaged over `batches` (an iterable:
+    each batch can go once its step has run), keys prefixed."""
+    metrics = [eval_step(state, batch) for batch in batches]
+    sums = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), metrics)
+    with allow_transfers():
+        return {f"{prefix}{k}": float(v) / len(metrics) for k, v in jax.device_get(sums).items()}
+
+
+def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
+    """A message when training cannot recover from its non-finite steps, else None.
+
+    `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
+    `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
+    device) only after two non-finite steps in a row. The advice fits the case: a dynamic scale
+    stuck at its minimum or a static one is a loss-scale overflow, and a run none of whose
+    steps was finite from step 0 on never applied an update, so its learning rate is not the
+    cause.
+    """
+    skips = int(values["consecutive_skips"])
+    if skips == 0:
+        return None
+    scale = values["loss_scale"]
+    min_scale = getattr(scaler, "min_scale", None)  # only a dynamic scaler moves
+    stuck = min_scale is not None and skips >= 2 and scale <= float(min_scale)
+    if skips < max_skips and not stuck:
+        return None
+    why = (
+        f"the dynamic loss scale is stuck at its minimum {scale:g}"
+        if stuck
+        else f"{skips} non-finite steps in a row (config.max_consecutive_skips={max_skips})"
+    )
+    last = values["last_finite_loss"]
+    seen = (
+        f"last finite loss {last:.6g}" if math.isfinite(last) else "no step of this run was finite"
+    )
+    never = not math.isfinite(last) and skips == step  # from step 0: the params are the init's
+    return (
+        f"training went non-finite at step {step}: {why}; {seen}, loss scale {scale:g}, "
+        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was saved; "
+        f"{_remedy(scaler, scale, stuck, never)}, then run again"
+    )
+
+
+def _remedy(scaler, scale: float, stuck: bool, never: bool) -> str:
+    """What to change, for `nonfinite_diagnostic`: what is true of this scaler and history."""
+    causes = "lower the learning rate or check the data"
+    if never:
+        causes = (
+            "check the data and the model's initialization (no update was applied, so the "
+            "learning rate is not the cause)"
+        )
+    if stuck and scale > 1:
+        return (
+            "the gradients overflow even at the smallest loss scale allowed: lower "
+            "config.loss_scale.min_scale, or train in bf16 (precision=bf16-mixed) without one"
+        )
+    if stuck:
+        return (
+            f"the gradients are not finite even at a loss scale of {scale:g}, so no loss scale "
+            f"mends them: {causes}, or train in bf16 (precision=bf16-mixed: fp32's range)"
+        )
+    if isinstance(scaler, loss_scale_lib.DynamicLossScale):
+        return (
+            f"the dynamic loss scale was still backing off (its minimum is "
+            f"{float(scaler.min_scale):g}): raise config.max_consecutive_skips, or lower "
+            "config.loss_scale.init_scale"
+        )
+    if isinstance(scaler, loss_scale_lib.StaticLossScale) and scale > 1:
+        return (
+            f"the static loss scale {scale:g} may be what overflows: lower "
+            f"config.loss_scale.init_scale or use config.loss_scale.kind=dynamic; else {causes}"
+        )
+    return causes
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run needs, built once by `Trainer.setup`. `state` is the live state: the
+    loop replaces it after every step, and hooks read it from here."""
+
+    config: ml_collections.ConfigDict
+    state: train_state_lib.TrainState
+    start: int  # the step the run starts (or resumes) at
+    train_source: Any
+    eval_source: Any
+    train_step: Callable  # compiled: (state, batch, totals) -> (state, metrics, totals)
+    eval_step: Callable  # compiled: (state, batch) -> metrics
+    totals: LogTotals  # on the devices
+    writer: Any
+    checkpointer: checkpoint.Checkpointer
+    saved_step: int | None = None  # the newest checkpoint's step
+    hooks: list = dataclasses.field(default_factory=list)
+    calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
+    workdir: Path = Path(".")
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    pending: tuple | None = None  # the newest log step's (step, metrics, totals), not yet read
+    fp8_saturated: Any = None  # the fp8 layers' clip counters at the last log step
+
+    def __post_init__(self):
+        cfg = self.config
+        self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
+        self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
+        self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves
+
+    def report(self, step_no: int, metrics, totals, done: int) -> None:
+        """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
+        training cannot recover."""
+        with allow_transfers():
+            metrics, totals = jax.device_get((metrics, totals))
+            values = metrics_lib.scalars(metrics) | totals.to_scalars()
+            if "fp8_amax" in metrics:  # names from the state's structure: no transfer
+                names = fp8.counter_names(self.state.model_state)
+                values |= fp8.log_values(metrics, names)
+                self.warn_saturation(step_no, names, metrics["fp8_saturated"])
+            self.record(step_no, values)
+            where = None
+            if self.calls is not None:
+                table = metrics["numerics"]
+                where = numerics_log.report(
+                    totals.numerics, table, step_no, self.calls, self.writer, self.workdir
+                )
+            diagnostic = nonfinite_diagnostic(
+                step_no, values, self.state.loss_scale, self.config.max_consecutive_skips
+            )
+        if diagnostic:
+            self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
+
+    def warn_saturation(self, step_no: int, names: list[str], counts: Any) -> None:
+        """Host-side. Names the fp8 layers whose values were clipped in two or more updates
+        since the last log step (`fp8.clipped_again`)."""
+        repeated, self.fp8_saturated = fp8.clipped_again(names, counts, self.fp8_saturated)
+        if repeated:
+            logging.warning(
+                "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "
+                "history lags the values",
+                step_no,
+                ", ".join(repeated),
+            )
+
+    def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
+        """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the
+        previous log step, whose values are read only now, after the next call is queued, so
+        the device never waits for the host; then runs the hooks for each of those steps."""
+        self.report_pending(done)
+        cfg = self.config
+        if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
+            self.pending = (done, metrics, totals)
+        for step_no in range(first + 1, done + 1):  # clu's actions want every step
+            for hook in self.hooks:
+                hook(step_no)
+
+    def report_pending(self, done: int) -> None:
+        """Host-side. Reports the newest log step if it is not reported yet."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.report(*pending, done)
+
+    def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
+        """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
+        (`draw`: redraw `curves.png` too)."""
+        self.writer.write_scalars(step_no, values)
+        self.progress.update(step_no, values)
+        curves.append(self.workdir, step_no, values)
+        if draw:
+            curves.draw(self.workdir, self.title)
+
+    def finish(self, last_eval: dict | None, loss_unit: str | None = None) -> None:
+        """Host-side, after the last step: the picture, and the summary on stdout (the eval
+        loss in `loss_unit`, the Trainer's)."""
+        curves.draw(self.workdir, self.title)
+        if jax.process_index() == 0:
+            seconds = time.monotonic() - self.started
+            summary = curves.summary(
+                self.workdir, self.state, last_eval, seconds, self.config, loss_unit=loss_unit
+            )
+            print(summary, flush=True)
+
+    def save(self, step_no: int) -> None:
+        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run (the
+        checkpointer's `StorageError`)."""
+        with allow_transfers():
+            self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
+        self.saved_step = step_no
+
+    def stop(self, done: int, error: errors.StopTraining) -> None:
+        """Saves step `done` unless it is saved already, then raises `error`."""
+        if self.saved_step != done:
+            self.save(done)
+        self.checkpointer.wait()
+        raise error
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.checkpointer.close()  # waits for pending saves
+        self.writer.flush()
+        self.writer.close()
+
+
+def call_boundary(step: int, steps_per_call: int) -> int:
+    """`step`, where a run starts or resumes, if calls of `steps_per_call` steps can start there;
+    else a `ConfigError` naming the key."""
+    if step % steps_per_call:
+        raise errors.ConfigError(
+            f"config.steps_per_call={steps_per_call}: the run resumes at step {step}, which is "
+            "not a call boundary; use a steps_per_call that divides it"
+        )
+    return step
+
+
+def steps(train_step: Callable, count: int) -> Callable:
+    """`train_step(state, batch, totals)` run `count` times in one call, over `count` batches
+    stacked on a leading axis (a `lax.scan`: one dispatch, one program). Returns the last
+    step's metrics; the totals add up all of them. With `count == 1`, `train_step` itself."""
+    if count == 1:
+        return train_step
+
+    def run_steps(state, batches, totals):
+        def body(carry, batch):
+            state, totals = carry
+            state, metrics, totals = train_step(state, batch, totals)
+            return (state, totals), metrics
+
+        (state, totals), metrics = jax.lax.scan(body, (state, totals), batches)
+        return state, jax.tree.map(lambda m: m[-1], metrics), totals
+
+    return run_steps
+
+
+def prefetch_depth(setting: int | None, platform: str) -> int:
+    """`config.data.prefetch`, with None resolved for the devices' `platform`: 2 on an
+    accelerator, where the host makes the next batches while the device runs the step; 0 on a
+    CPU, where the host runs the step."""
+    if setting is not None:
+        return setting
+    return 0 if platform == "cpu" else 2
+
+
+class Prefetcher:
+    """Batches made on the devices ahead of the step, in order, by one background thread.
+
+    `fetch(i)` puts the batch (or stack of batches) that starts at step `i` on the devices;
+    iterating yields `fetch(i)` for each `i` in `starts`. With `depth > 0` a thread keeps up to
+    `depth` of them ready, so the host's batch building and the copy overlap the running step;
+    with 0 each is made when asked for. Either way batch `i` is the same arrays, so prefetching
+    changes no result. An error in the thread is raised where the batch is asked for.
+    """
+
+    def __init__(self, fetch: Callable[[int], Any], starts: range, depth: int):
+        self.fetch, self.starts, self.depth = fetch, starts, depth
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _fill(self) -> None:
+        for i in self.starts:
+            try:
+                item = (self.fetch(i), None)
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = (None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[1] is not None:
+                return
+
+    def __iter__(self):
+        if self.depth == 0:
+            yield from (self.fetch(i) for i in self.starts)
+            return
+        self._thread = threading.Thread(target=self._fill, name="mptrain-prefetch", daemon=True)
+        self._thread.start()
+        for _ in self.starts:
+            batch, error = self._queue.get()
+            if error is not None:
+                raise error
+            yield batch
+
+    def close(self) -> None:
+        """Stops the thread (a run that ends early leaves batches unasked for)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

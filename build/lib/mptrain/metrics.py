@@ -1,0 +1,319 @@
+"""Metrics: TensorBoard and console writers, the start-up lines, the progress line.
+
+This is the only module that imports `clu.metric_writers`, and every clu import of mptrain goes
+through `import_clu`. Training needs no TensorFlow: `EventWriter` writes TensorBoard's event
+files with the `tensorboard` package's own record framing and protos, and `import_clu` keeps
+clu from importing TensorFlow for its own summary writer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import itertools
+import os
+import socket
+import sys
+import time
+import types
+from collections.abc import Mapping
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+from absl import logging
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+from tensorboard.plugins.image import metadata as image_metadata
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.plugins.text import metadata as text_metadata
+from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.util import tensor_util
+
+_CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
+
+
+def import_clu(name: str) -> types.ModuleType:
+    """`clu.<name>` (e.g. `"periodic_actions"`), imported without importing TensorFlow.
+
+    Importing any part of `clu.metric_writers` (`clu.periodic_actions` does too) runs that
+    package's `__init__`, which imports clu's TensorFlow summary writer and so TensorFlow:
+    seconds of start-up where it is installed, an ImportError where it is not (GPU images with
+    jax[cuda] seldom have it). So, before clu's first import, a stand-in goes under that
+    module's name whose `SummaryWriter(logdir)` is an `EventWriter`: clu's own writers then
+    write the same events, TensorFlow or not. A module already there (clu's own, imported
+    before mptrain, or a stopgap) is left alone; mptrain's writers never go through it.
+    """
+    if _CLU_TF_WRITER not in sys.modules:
+        stand_in = types.ModuleType(_CLU_TF_WRITER, "mptrain's stand-in: no TensorFlow needed")
+        stand_in.SummaryWriter = _CluSummaryWriter
+        sys.modules[_CLU_TF_WRITER] = stand_in
+    return importlib.import_module(f"clu.{name}")
+
+
+class _CluSummaryWriter:
+    """clu's `SummaryWriter` in an mptrain process: building one builds an `EventWriter`.
+
+    A factory, not `EventWriter` itself, because clu binds this name while this module is
+    still being imported (`EventWriter` derives from clu's interface), before it exists.
+    """
+
+    def __new__(cls, logdir: str) -> EventWriter:
+        return EventWriter(logdir)
+
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("clu's SummaryWriter is mptrain.metrics.EventWriter here: subclass that")
+
+
+# At import, so the stand-in is in place before any other clu import (trainer's, a user's).
+_interface = import_clu("metric_writers.interface")
+_SERIAL = itertools.count()  # tells apart the files of one process opened in the same second
+# The plugin metadata TF2's `tf.summary.scalar`, `.text`, `.histogram` and `.image` attach.
+_SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
+_TEXT = text_metadata.create_summary_metadata(display_name=None, description=None)
+_HISTOGRAM = histogram_metadata.create_summary_metadata(display_name=None, description=None)
+_IMAGE = image_metadata.create_summary_metadata(display_name=None, description=None)
+_HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
+
+
+def _value(tag: str, array: np.ndarray, metadata=None) -> summary_pb2.Summary.Value:
+    tensor = tensor_util.make_tensor_proto(array)
+    return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+
+
+def _histogram(data: Any, buckets: int) -> np.ndarray:
+    """`[buckets, 3]` rows of (left edge, right edge, count) over the finite values, with
+    equal-width buckets from min to max, as TF2's `tf.summary.histogram` stores them."""
+    data = np.asarray(data, np.float64).ravel()
+    data = data[np.isfinite(data)]
+    if not data.size:
+        return np.zeros((buckets, 3))
+    low, high = data.min(), data.max()
+    if low == high:  # one value: every edge on it, everything counted in the last bucket
+        counts, edges = np.zeros(buckets), np.full(buckets + 1, low)
+        counts[-1] = data.size
+    else:
+        counts, edges = np.histogram(data, bins=buckets, range=(low, high))
+    return np.stack([edges[:-1], edges[1:], counts], axis=1)
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image  # tensorboard depends on Pillow; only images need it
+
+    buffer = io.BytesIO()
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _flat_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings flattened to `{"a.b": value}`. Hparams hold bools, numbers and strings
+    only, so any other value (None, a tuple) is written as its `str`."""
+    flat = {}
+    for key, value in hparams.items():
+        if hasattr(value, "items"):  # a Mapping, or an ml_collections ConfigDict
+            flat |= _flat_hparams(value, f"{prefix}{key}.")
+        elif isinstance(value, np.generic):
+            flat[prefix + key] = value.item()
+        else:
+            flat[prefix + key] = (
+                value if isinstance(value, bool | int | float | str) else str(value)
+            )
+    return flat
+
+
+class EventWriter(_interface.MetricWriter):
+    """TensorBoard event files in `logdir`, written without TensorFlow, in the form TF2's
+    `tf.summary` writes: a scalar is a float32 tensor with the scalar plugin's metadata, so
+    TensorBoard and `EventAccumulator(...).Tensors(tag)` read these files as TensorFlow's.
+
+    Every call appends one event and flushes it to the OS: TensorBoard sees a running job's
+    values and a killed job loses none (`create_writer` keeps the writes off the train loop).
+    Texts, hparams, histograms, images and raw tensor summaries are written too; videos and
+    audio are not, and a call with them logs a warning that names them.
+    """
+
+    def __init__(self, logdir: str | os.PathLike):
+        os.makedirs(logdir, exist_ok=True)
+        name = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_SERIAL)}"
+        self.path = os.path.join(logdir, f"events.out.tfevents.{name}.v2")
+        self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (closed in close)
+        self._write(event_pb2.Event(file_version="brain.Event:2"))
+
+    def _write(self, event: event_pb2.Event) -> None:
+        event.wall_time = time.time()
+        self._records.write(event.SerializeToString())
+        self._records.flush()
+
+    def _write_values(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
+        if values:
+            self._write(event_pb2.Event(step=int(step), summary=summary_pb2.Summary(value=values)))
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+        values = [
+            _value(key, np.asarray(value, np.float32).reshape(()), _SCALAR)
+            for key, value in scalars.items()
+        ]
+        self._write_values(step, values)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]):
+        values = [_value(key, np.array(text, dtype=object), _TEXT) for key, text in texts.items()]
+        self._write_values(step, values)
+
+    def write_histograms(self, step: int, arrays: Mapping[str, Any], num_buckets=None):
+        buckets = num_buckets or {}
+        values = [
+            _value(key, _histogram(array, buckets.get(key) or _HISTOGRAM_BUCKETS), _HISTOGRAM)
+            for key, array in arrays.items()
+        ]
+        self._write_values(step, values)
+
+    def write_images(self, step: int, images: Mapping[str, Any]):
+        """`[N, H, W, C]` or `[H, W, C]` images, C = 1, 3 or 4; uint8, or floats in [0, 1]."""
+        values = []
+        for key, value in images.items():
+            array = np.asarray(value)
+            array = array[None] if array.ndim == 3 else array
+            if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):
+                raise ValueError(f"image {key!r}: want [N, H, W, C], C in 1, 3, 4; {array.shape}")
+            if array.dtype.kind == "f":
+                array = np.round(np.clip(array, 0.0, 1.0) * 255.0)
+            height, width = array.shape[1:3]
+            pngs = [_png(image) for image in array.astype(np.uint8)]
+            tensor = np.array([str(width).encode(), str(height).encode(), *pngs], dtype=object)
+            values.append(_value(key, tensor, _IMAGE))
+        self._write_values(step, values)
+
+    def write_summaries(self, step: int, values: Mapping[str, Any], metadata=None):
+        """Raw tensors; `metadata[key]` is a `SummaryMetadata` proto or its serialized bytes."""
+        protos = []
+        for key, value in values.items():
+            meta = (metadata or {}).get(key)
+            if isinstance(meta, bytes):
+                meta = summary_pb2.SummaryMetadata.FromString(meta)
+            protos.append(_value(key, np.asarray(value), meta))
+        self._write_values(step, protos)
+
+    def write_hparams(self, hparams: Mapping[str, Any]):
+        summary = hparams_summary.hparams_pb(_flat_hparams(hparams))
+        self._write(event_pb2.Event(step=0, summary=summary))
+
+    def _unsupported(self, kind: str, keys) -> None:
+        logging.warning("mptrain: EventWriter does not write %s; not written: %s", kind, list(keys))
+
+    def write_videos(self, step: int, videos: Mapping[str, Any]):
+        self._unsupported("videos", videos)
+
+    def write_audios(self, step: int, audios: Mapping[str, Any], *, sample_rate: int):
+        self._unsupported("audio", audios)
+
+    def flush(self):
+        if not self._records.closed:
+            self._records.flush()
+
+    def close(self):
+        if not self._records.closed:
+            self._records.close()
+
+
+def report_start(workdir, config, state, compiled_step, mesh, start: int, report) -> None:
+    """Writes `<workdir>/precision_report.txt` (process 0) and logs how a run starts: precision,
+    loss scale, params, state bytes per param and per device, the compiled step's memory, the
+    mesh (`4 devices: data 4 x fsdp 1`), settings that cannot take effect, any warmup cut, and
+    the report's warnings (unsafe setups, matmuls outside the compute dtype)."""
+    from mptrain import audit, schedules
+    from mptrain import config as config_lib
+
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "precision_report.txt"), "w") as f:
+            f.write(str(report))
+    with jax.transfer_guard("allow"):
+        scale = float(state.loss_scale.loss_scale)
+    # Kahan's compensation buffer is persistent state per param as much as the moments are
+    per_param = audit.state_bytes_per_param(
+        state.params, (state.opt_state, state.param_compensation)
+    )
+    on_one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    memory = compiled_step.memory_analysis()
+    used = f"{mesh.size}" + (f" of {jax.device_count()}" if mesh.size < jax.device_count() else "")
+    logging.info(
+        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
+        f"{type(state.loss_scale).__name__} (scale {scale:g}), "
+        f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
+        f"bytes/param, mesh {used} devices: data {mesh.shape['data']} x fsdp "
+        f"{mesh.shape['fsdp']}"
+    )
+    for unused in config_lib.unused_settings(config):
+        logging.warning("mptrain: %s", unused)
+    logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
+    logging.info(
+        f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
+        f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
+        f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
+    )
+    warmup = schedules.warmup_steps(config)
+    if warmup != config.optimizer.warmup_steps:
+        logging.info(
+            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
+            f"than the run's updates; warming up over {warmup} instead"
+        )
+    for warning in report.warnings:
+        logging.warning("mptrain: %s", warning)
+    if start:
+        logging.info("mptrain: resuming from step %d", start)
+
+
+def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):
+    """TensorBoard events (an `EventWriter`) in `workdir` and absl log lines, written from a
+    background thread so the train loop never waits on a disk; on other processes, nothing."""
+    metric_writers = import_clu("metric_writers")
+    if not is_main_process:
+        return metric_writers.MultiWriter([])
+    writers = [metric_writers.LoggingWriter(), EventWriter(workdir)]
+    return metric_writers.AsyncMultiWriter(writers)
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Host floats from fetched metrics (bools become 0/1)."""
+    return {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+
+
+def _fmt_secs(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressLine:
+    """One live status line (step, loss, scale, steps/s, ETA) when the stream is a terminal.
+
+    On a terminal the line is redrawn in place; otherwise nothing is printed, since the log
+    lines of the writer already carry the same numbers into files and pipes.
+    """
+
+    def __init__(self, num_train_steps: int, stream: TextIO | None = None):
+        self.num_train_steps = num_train_steps
+        self.stream = stream or sys.stdout
+        self.live = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last: tuple[int, float] | None = None
+        self._rate: float | None = None
+
+    def update(self, step: int, values: Mapping[str, float]) -> str:
+        now = time.monotonic()
+        if self._last is not None and step > self._last[0]:
+            self._rate = (step - self._last[0]) / max(now - self._last[1], 1e-9)
+        self._last = (step, now)
+        parts = [f"step {step}/{self.num_train_steps}"]
+        for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("loss_scale", "g")):
+            if key in values:
+                parts.append(f"{key} {values[key]:{fmt}}")
+        if values.get("skipped_steps"):
+            parts.append(f"skipped {int(values['skipped_steps'])}")
+        if self._rate:
+            eta = (self.num_train_steps - step) / self._rate
+            parts.append(f"{self._rate:.2f} steps/s ETA {_fmt_secs(eta)}")
+        line = " | ".join(parts)
+        if self.live:
+            end = "\n" if step >= self.num_train_steps else ""
+            self.stream.write("\r\x1b[2K" + line + end)
+            self.stream.flush()
+        return line

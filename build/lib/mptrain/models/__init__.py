@@ -1,0 +1,109 @@
+"""Models whose numerically sensitive parts run in fp32 ("fp32 islands").
+
+Each module here with a `create_model(model_config, compute_dtype)` is a model `config.model.name`
+can name (`layers` holds their shared parts). It declares `CONFIG_KEYS`: the keys it reads under
+`config.model`, with their defaults (`name` is the base config's), and its `create_model` rejects a
+bad value with a `ConfigError` naming the key, before any parameter exists.
+"""
+
+import contextlib
+import logging as std_logging
+import re
+from typing import Any
+
+from mptrain import errors, registry
+
+
+def modules() -> dict[str, Any]:
+    """The models of the zoo: `{name: module}` of the modules here with a `create_model`."""
+    return registry.modules(__name__, __path__, "create_model")
+
+
+def import_model(name: Any):
+    """`mptrain.models.<name>`; a `ValueError` naming `model.name` and the valid names if none."""
+    return registry.lookup("model.name", name, modules(), "model in mptrain.models")
+
+
+def loss_unit(config) -> str:
+    """The unit of the Trainer's built-in loss under `config`, a mean cross-entropy in nats per
+    target (`layers.cross_entropy`): "nats/byte" for `transformer_lm` on the byte-level text of
+    `data.name="text"`, whose targets are bytes; else "nats" (the classifiers `cnn`, `mlp` and
+    `resnet`: per image). A Trainer subclass with its own `loss_fn` names its own unit."""
+    if config.model.name == "transformer_lm" and config.data.name == "text":
+        return "nats/byte"
+    return "nats"
+
+
+class _BelowWarnings(std_logging.Filter):
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Holds back INFO lines (the attention choice): the Trainer logs them when it builds."""
+    from absl import logging
+
+    logger, below = logging.get_absl_logger(), _BelowWarnings()
+    logger.addFilter(below)
+    try:
+        yield
+    finally:
+        logger.removeFilter(below)
+
+
+def create(config_model: Any, policy: Any, devices: Any = None):
+    """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
+    dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
+    a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
+    precision). `devices`: what the step is compiled for (None: this process's own); the
+    models whose `create_model` takes a `backend` choose by it (`layers.backend_of` them)."""
+    import inspect
+
+    from mptrain.models import layers
+
+    module = import_model(config_model.name)
+    takes = inspect.signature(module.create_model).parameters
+    extra = {}
+    if devices is not None and "backend" in takes:
+        extra["backend"] = layers.backend_of(devices)
+    if not policy.fp8:
+        return module.create_model(config_model, policy.compute_dtype, **extra)
+    if "fp8" not in takes:
+        raise ValueError(
+            f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
+            "fp8 runs the dense layers of transformer_lm"
+        )
+    return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8, **extra)
+
+
+def check_config(config, policy: Any, example: Any = None, devices: Any = None) -> None:
+    """What `config.validate` calls: the model of `config.model` built as the Trainer builds it,
+    then, given `example` (one example of the data: arrays or `jax.ShapeDtypeStruct`s), its
+    variables initialised abstractly (`jax.eval_shape`: shapes only, a fraction of a second),
+    so that a model that cannot take the data's batches fails here too, as a `ValueError`
+    naming the model key (`model.max_len=32: ...`) or else the two names. `devices`: what the
+    run compiles for (`create`'s), None for this process's."""
+    import jax
+
+    module = import_model(config.model.name)
+    with _quiet():
+        model = create(config.model, policy, devices)
+    if example is None:
+        return
+
+    def init(inputs):
+        rng = jax.random.key(0)
+        return model.init({"params": rng, "dropout": rng}, inputs, train=False)
+
+    try:
+        jax.eval_shape(init, example["inputs"])
+    except (ValueError, TypeError) as e:
+        message = errors.first_line(e)
+        if re.match(r"^[a-z_]+=", message) and message.split("=")[0] in module.CONFIG_KEYS:
+            raise ValueError(f"model.{message}") from None
+        inputs = example["inputs"]
+        raise ValueError(
+            f"model.name={config.model.name!r}: cannot take the batches of data.name="
+            f"{config.data.name!r} (inputs {inputs.dtype}{list(inputs.shape)}): {message}"
+        ) from None

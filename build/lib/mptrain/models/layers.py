@@ -1,0 +1,399 @@
+"""The pieces of the model zoo that more than one model needs: its fp32 islands and its loss.
+
+Every model gets its params already cast to the compute dtype ``dtype`` (e.g. bf16) and runs its
+matmuls and convolutions in it. The helpers here are the places where a value must leave 16 bits;
+where the model goes on after one, the helper ends with the cast back to ``dtype``:
+
+  * ``einsum_f32_out``: a matmul with ``dtype`` operands and an fp32 accumulation and result, for
+    values that go straight into a softmax (attention scores, LM logits), so they are never
+    rounded to 16 bits first. Left to JAX, a matmul with ``preferred_element_type=float32`` is
+    differentiated with the fp32 cotangent and the other operand upcast, i.e. its two gradient
+    matmuls would run in fp32; its custom gradient casts the cotangent to the operands' dtype
+    first, as plain 16-bit autodiff would, so the backward matmuls are 16-bit too.
+    ``dot_general_f32_out`` is the same matmul in the form ``nn.Dense(dot_general=...)`` takes;
+  * ``layer_norm_f32`` and ``batch_norm_f32``: normalisation with its statistics in fp32 (a 16-bit
+    sum of squares over many activations overflows fp16 and loses bits in bf16). Only the result
+    is cast back to ``dtype``, so the next matmul still gets 16-bit operands instead of being
+    silently promoted to fp32;
+  * ``logits_f32``: a classification head, a plain ``nn.Dense`` in ``dtype`` whose result is then
+    cast to fp32, so the logits leave the model as fp32 and the softmax never sees 16 bits;
+  * ``cross_entropy`` and ``classification_metrics``: the loss, computed from fp32 logits, so the
+    softmax and the log never run in 16 bits, whatever dtype the logits arrive in.
+
+Two helpers keep scatters out of the step, since a GPU runs a scatter-add with atomics: slow in
+16 bits and nondeterministic in any dtype, which would break bit-identical runs and resumes:
+
+  * ``embed`` (and the linen ``Embed``): a token lookup whose gradient is a matmul. For small
+    vocabularies it multiplies a one-hot matrix by the table; for large ones it gathers from the
+    table in whatever dtype it comes in and casts the rows after;
+  * ``cross_entropy`` picks each target's logit with a compare-and-select over the vocabulary
+    instead of ``take_along_axis``, whose gradient would be a scatter into the logits.
+
+Attention, shared by the zoo's transformer and the NNX example, comes in two implementations:
+
+  * ``causal_attention(q, k, v, "cudnn")``: cuDNN's fused flash attention through
+    ``jax.nn.dot_product_attention``. It never writes the ``[B, H, L, L]`` scores to memory:
+    on an H100 the GPT-2-small-shaped LM's step fell from 97.6 to 27.6 ms and its temporaries
+    from 19.9 to 6.1 GiB. jax only calls cuDNN when asked by name (its default is XLA's
+    materialising path);
+  * ``causal_attention(q, k, v, "materialized")``: fp32 scores from ``einsum_f32_out``, an fp32
+    softmax, probabilities cast back to ``dtype``, all of it held for the backward pass. Not
+    ``jax.nn.dot_product_attention(implementation="xla")``: its fp32-result einsums are
+    differentiated into fp32 matmuls, while ``einsum_f32_out`` keeps them 16-bit.
+
+``choose_attention`` picks one of them: ``"auto"`` takes cuDNN wherever it can run (a CUDA GPU
+of compute capability 8.0 or newer with cuDNN, bf16/fp16 compute, no attention dropout, a head
+size cuDNN takes) and says why when it cannot. ``Backend`` is what it knows of the machine.
+
+``kernel_init_as_matrix`` is no fp32 island: it makes conv kernel initialisation compile fast.
+``Dtype`` is the models' annotation for a dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mptrain import sharding
+
+Dtype = Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def einsum_f32_out(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` with fp32 accumulation and an fp32 result, for fp32 islands.
+
+    The gradient casts the incoming fp32 cotangent to ``a.dtype`` and runs both gradient matmuls
+    on operands of that dtype (see the module docstring). ``spec`` is explicit (``"ij,jk->ik"``),
+    without ``...`` or repeated indices, and each operand's indices appear in the other operand or
+    in the output (true of every matmul).
+    """
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _split_spec(spec: str) -> tuple[str, str, str]:
+    inputs, out = spec.replace(" ", "").split("->")
+    sa, sb = inputs.split(",")
+    if "." in spec or not set(sa) <= set(sb + out) or not set(sb) <= set(sa + out):
+        raise ValueError(f"einsum_f32_out cannot differentiate {spec!r}")
+    return sa, sb, out
+
+
+def _einsum_f32_out_fwd(spec, a, b):
+    _split_spec(spec)
+    return einsum_f32_out(spec, a, b), (a, b)
+
+
+def _einsum_f32_out_bwd(spec, residuals, g):
+    a, b = residuals
+    sa, sb, out = _split_spec(spec)
+    g = g.astype(a.dtype)  # the end of the fp32 island, seen from the backward pass
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b.astype(a.dtype))
+    db = jnp.einsum(f"{sa},{out}->{sb}", a, g)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+einsum_f32_out.defvjp(_einsum_f32_out_fwd, _einsum_f32_out_bwd)
+
+
+def dot_general_f32_out(lhs, rhs, dimension_numbers, precision=None, **unused_kwargs):
+    """What ``nn.Dense`` calls (``lhs[..., k] @ rhs[k, n]``), routed to ``einsum_f32_out``."""
+    del precision, unused_kwargs
+    if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
+        raise ValueError(f"unsupported dimension numbers {dimension_numbers}")
+    batch = "abcdefgh"[: lhs.ndim - 1]
+    return einsum_f32_out(f"{batch}y,yz->{batch}z", lhs, rhs)
+
+
+def layer_norm_f32(x: jax.Array, dtype: Dtype, name: str) -> jax.Array:
+    """LayerNorm computed in fp32 (mean, variance, rsqrt), result cast back to ``dtype``.
+
+    Call it inside a compact module (it adds ``name`` there).
+    """
+    return nn.LayerNorm(dtype=jnp.float32, name=name)(x).astype(dtype)
+
+
+def batch_norm_f32(
+    x: jax.Array,
+    *,
+    train: bool,
+    dtype: Dtype,
+    momentum: float,
+    name: str,
+    scale_init: Any = nn.initializers.ones,
+) -> jax.Array:
+    """BatchNorm as an fp32 island; call it inside a compact module (it adds ``name`` there).
+
+    ``dtype=float32`` makes flax promote ``x`` to fp32 before the mean and variance reductions
+    and keep the normalisation in fp32; the running statistics in ``batch_stats`` are created
+    as fp32 zeros and ones and updated in fp32. With ``train=True`` it normalises with the
+    batch's statistics and updates the running ones; with ``train=False`` it uses the running
+    ones. Only the result is cast back to ``dtype``. Under a per-device gradient on a mesh, the
+    batch statistics are averaged over the devices the batch is split over
+    (``sharding.batch_axes()``), so they are those of the whole global batch.
+    """
+    y = nn.BatchNorm(
+        use_running_average=not train,
+        axis_name=sharding.batch_axes() if train else None,
+        momentum=momentum,
+        epsilon=1e-5,
+        dtype=jnp.float32,
+        scale_init=scale_init,
+        name=name,
+    )(x)
+    return y.astype(dtype)  # end of the island
+
+
+def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head") -> jax.Array:
+    """A classification head, ``nn.Dense`` in ``dtype``, whose logits leave as fp32.
+
+    Call it inside a compact module (it adds ``name`` there). The matmul's result itself is
+    rounded to ``dtype`` (a bf16 x bf16 -> f32 dot is not supported by every XLA backend); it is
+    fp32 from the cast on, so the softmax and the loss never run in 16 bits.
+    """
+    return nn.Dense(num_classes, dtype=dtype, name=name)(x).astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy in nats over integer ``targets``, computed from fp32 logits.
+
+    ``logsumexp(logits) - logits[target]``, the target's logit taken by a select over the
+    vocabulary (exact: one term is non-zero), so the gradient is elementwise and XLA fuses it;
+    a gather (``take_along_axis``) would be differentiated into a scatter.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """Mean cross-entropy (nats) and accuracy over integer targets, computed from fp32 logits."""
+    logits = logits.astype(jnp.float32)
+    loss = cross_entropy(logits, targets)
+    accuracy = (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean()
+    return {"loss": loss, "accuracy": accuracy}
+
+
+# A one-hot lookup costs 2 * vocab * features FLOPs per token each way, what an LM head of that
+# vocabulary costs; up to this size that is a few percent of a transformer step, and it buys a
+# deterministic, atomics-free gradient. Above it, a gather is cheaper.
+ONE_HOT_MAX_VOCAB = 4096
+
+
+def embed(table: jax.Array, ids: jax.Array, dtype: Dtype, one_hot: bool | None = None):
+    """Rows ``table[ids]`` in ``dtype``, differentiable in ``table`` without a scatter-add.
+
+    ``one_hot`` (default: vocabulary <= ``ONE_HOT_MAX_VOCAB``): ``one_hot(ids) @ table`` with
+    ``dtype`` operands. The forward pass is exact (each output sums one row times 1.0 and zeros)
+    and the table's gradient is the matmul ``one_hot.T @ grad``: no atomics, the same bits on
+    every run. Otherwise the rows are gathered from the table as it comes (fp32 when the step
+    keeps embeddings in fp32) and cast after, so the gradient accumulates in the table's dtype.
+    """
+    vocab = table.shape[0]
+    if one_hot if one_hot is not None else vocab <= ONE_HOT_MAX_VOCAB:
+        return jax.nn.one_hot(ids, vocab, dtype=dtype) @ table.astype(dtype)
+    return jnp.take(table, ids, axis=0).astype(dtype)
+
+
+class Embed(nn.Module):
+    """``nn.Embed``'s lookup (same param name, ``embedding``) through ``embed``: no scatter."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    embedding_init: Any = nn.initializers.normal(stddev=1.0)
+    one_hot: bool | None = None
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        shape = (self.num_embeddings, self.features)
+        table = self.param("embedding", self.embedding_init, shape)
+        return embed(table, ids, self.dtype, self.one_hot)
+
+
+def kernel_init_as_matrix(init: Any) -> Any:
+    """Draws a conv kernel ``[..., in, out]`` as a ``[prod(...) * in, out]`` matrix, reshaped.
+
+    The fan-in, and so the distribution of fan-in initialisers, is unchanged. It is a compile
+    time fix: XLA:CPU takes seconds to compile a random draw of rank 3 or more (with jax's
+    default partitionable threefry), and a fraction of a second for a rank-2 one.
+    """
+
+    def wrapped(key: jax.Array, shape: Sequence[int], dtype: Dtype = jnp.float32) -> jax.Array:
+        return init(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
+
+    return wrapped
+
+
+# ---- attention: cuDNN's fused kernel where it runs, the materialised fp32 island elsewhere
+
+ATTENTION_KEY = "model.attention"
+ATTENTION_CHOICES = ("auto", "cudnn", "materialized")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What the attention choice needs to know of the machine the model runs on."""
+
+    platform: str  # jax.default_backend(): "cpu", "gpu" or "tpu"
+    compute_capability: tuple[int, int] | None = None  # a CUDA GPU's, e.g. (9, 0): an H100
+    cudnn: bool = False  # jax finds cuDNN and traces its fused attention here
+
+
+@functools.cache
+def local_backend() -> Backend:
+    """This process's default backend. Host-side; cached, since on a GPU it traces a probe."""
+    return _backend(jax.local_devices()[0])
+
+
+def backend_of(devices: Sequence[jax.Device]) -> Backend:
+    """What the attention choice needs to know of `devices`, the ones a step is compiled for
+    (a mesh's): this process's own (`local_backend`), or the compile-only devices of an
+    accelerator that is not here (`mptrain.plan`'s H100 on a CPU host). Host-side."""
+    first = next(iter(devices))
+    return local_backend() if first in jax.local_devices() else _backend(first)
+
+
+def _backend(device: jax.Device) -> Backend:
+    if device.platform != "gpu":
+        return Backend(device.platform)
+    try:  # a string such as "9.0" on CUDA; ROCm devices name their chips ("gfx90a") instead
+        major, minor = device.compute_capability.split(".")[:2]
+        capability = (int(major), int(minor))
+    except (AttributeError, ValueError):
+        capability = None
+    return Backend(device.platform, capability, cudnn=_cudnn_traces())
+
+
+@functools.cache
+def _cudnn_traces() -> bool:
+    """Whether jax's own checks of its cuDNN attention (is cuDNN installed, is its version
+    right) pass: a shape-only trace asks them without compiling anything, on any host."""
+    probe = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    fused = functools.partial(_fused_attention, implementation="cudnn")
+    try:
+        jax.eval_shape(fused, probe, probe, probe)
+    except (RuntimeError, NotImplementedError, ValueError):  # e.g. "cuDNN is not detected."
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """The attention implementation a model runs, and why, when it is not cuDNN's."""
+
+    implementation: str  # "cudnn" | "materialized"
+    reason: str = ""
+
+    def __str__(self) -> str:  # what the start-up log says
+        if self.implementation == "cudnn":
+            return "cuDNN fused (jax.nn.dot_product_attention)"
+        return f"materialized [B, H, L, L] in fp32 ({self.reason})"
+
+
+def _why_not_cudnn(backend: Backend, dtype: Dtype, head_dim: int, dropout_rate: float):
+    """Why cuDNN's fused attention cannot serve here, or None when it can.
+
+    The rules are jax's (``jax._src.cudnn.fused_attention_stablehlo``: 16-bit q, k, v of one
+    dtype; head size a multiple of 8, at most 256 from compute capability 9.0 on and 128 before)
+    and XLA's (flash attention from compute capability 8.0, Ampere, on), plus what the API
+    lacks: ``jax.nn.dot_product_attention`` has no dropout on the attention probabilities.
+    """
+    if backend.platform != "gpu":
+        return f"not on a GPU: the backend is {backend.platform}"
+    if not backend.cudnn:
+        return "jax finds no cuDNN fused attention on this GPU"
+    capability = backend.compute_capability
+    if capability is None or capability < (8, 0):
+        return f"cuDNN flash attention needs compute capability 8.0 or newer, not {capability}"
+    name = jnp.dtype(dtype).name
+    if name not in ("bfloat16", "float16"):
+        return f"{name} compute: cuDNN attention takes bfloat16 or float16"
+    if dropout_rate > 0:
+        return f"dropout_rate={dropout_rate}: jax.nn.dot_product_attention has no dropout"
+    limit = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > limit:
+        return f"head_dim={head_dim}: cuDNN takes multiples of 8 up to {limit} on this GPU"
+    return None
+
+
+def choose_attention(
+    requested: str,
+    *,
+    dtype: Dtype,
+    head_dim: int,
+    dropout_rate: float = 0.0,
+    backend: Backend | None = None,
+) -> AttentionChoice:
+    """Resolves ``model.attention`` (``"auto" | "cudnn" | "materialized"``); host-side.
+
+    ``"auto"`` is cuDNN wherever it can run on ``backend`` (default: ``local_backend()``) and
+    the materialised island elsewhere, as torch's ``scaled_dot_product_attention`` keeps its
+    math fallback; ``"cudnn"`` where it cannot run is a ``ValueError`` naming the key and why.
+    """
+    if requested not in ATTENTION_CHOICES:
+        choices = " | ".join(repr(c) for c in ATTENTION_CHOICES)
+        raise ValueError(f"{ATTENTION_KEY}={requested!r}: must be {choices}")
+    if requested == "materialized":
+        return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
+    why = _why_not_cudnn(backend or local_backend(), dtype, head_dim, dropout_rate)
+    if why is None:
+        return AttentionChoice("cudnn")
+    if requested == "cudnn":
+        raise ValueError(
+            f"{ATTENTION_KEY}='cudnn' cannot run here: {why}; "
+            "'auto' uses cuDNN where it can run, 'materialized' runs anywhere"
+        )
+    return AttentionChoice("materialized", why)
+
+
+def _fused_attention(q, k, v, implementation: str):
+    """``jax.nn.dot_product_attention`` as the models call it: ``[B, L, H, D]`` in and out (the
+    layout the heads are split in, so no transpose), causal, scores scaled by ``D ** -0.5``.
+    ``local_backend`` traces the very same call to ask jax whether cuDNN can run it."""
+    scale = q.shape[-1] ** -0.5
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation=implementation
+    )
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    implementation: str,
+    *,
+    dropout: Callable[[jax.Array], jax.Array] | None = None,
+) -> jax.Array:
+    """Causal multi-head attention of ``[B, L, H, D]`` q, k, v in ``dtype`` -> ``[B, L, H, D]``.
+
+    ``implementation`` is a resolved choice (see ``choose_attention``). Either way the softmax
+    statistics are fp32: cuDNN keeps each row's running max and sum in fp32 registers and
+    stores only the fp32 log-sum-exp ``[B, H, L]`` for its backward pass, which recomputes the
+    probabilities; the materialised path computes fp32 scores and an fp32 softmax explicitly.
+    ``dropout`` (materialised only) is applied to the probabilities.
+    """
+    if implementation == "cudnn":
+        if dropout is not None:
+            raise ValueError("cuDNN attention has no dropout; use 'materialized'")
+        return _fused_attention(q, k, v, "cudnn")
+    if implementation != "materialized":
+        raise ValueError(f"attention implementation {implementation!r}: 'cudnn' | 'materialized'")
+    length, dtype = q.shape[1], q.dtype
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
+    # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
+    scores = einsum_f32_out("bqhd,bkhd->bhqk", q, k)
+    causal = jnp.tril(jnp.ones((length, length), dtype=bool))  # query q sees keys k <= q
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
+    if dropout is not None:
+        probs = dropout(probs)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

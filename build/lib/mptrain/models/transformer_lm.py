@@ -1,0 +1,299 @@
+"""A byte-level, decoder-only transformer language model with fp32 islands.
+
+Mixed-precision contract: the framework passes parameters already cast to the compute dtype
+(``dtype``; e.g. bf16) while fp32 master copies live in the train state. Inside the model:
+
+  * every matmul (QKV, attention scores, attention-weighted values, output projection, MLP,
+    logits) takes ``dtype`` operands. Each ``nn.Dense`` is built with ``dtype=self.dtype``, which
+    makes flax cast its input and kernel to that dtype, and every fp32 island ends with an explicit
+    cast back, so an fp32 tensor never silently promotes the next matmul to fp32;
+  * the fp32 islands are the LayerNorm statistics (``layers.layer_norm_f32``), the attention
+    softmax, and the logits: the logits use ``dtype`` operands with fp32 results
+    (``layers.dot_general_f32_out`` in the head's ``nn.Dense``), so they never round to 16 bits
+    before the loss, and its custom gradient keeps the backward matmuls in ``dtype`` too.
+
+Attention (``attention``, config key ``model.attention``) has two implementations, both with
+``dtype`` operands and fp32 softmax statistics (``layers.causal_attention``):
+
+  * ``"cudnn"``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``). It walks the
+    keys block by block, keeping each query row's running max and running sum of exponentials
+    in fp32 inside the kernel, and rescales the partial output when the max grows; it never
+    writes the ``[B, H, L, L]`` scores or probabilities to memory. For the backward pass it
+    stores only the fp32 log-sum-exp per row (``[B, H, L]``) and recomputes the probabilities
+    from it. Its result is ``dtype``;
+  * ``"materialized"``: the scores come out of ``layers.einsum_f32_out`` in fp32 (16-bit
+    operands, fp32 accumulation), are masked and go through an explicit fp32 softmax; the
+    probabilities are cast to ``dtype`` for the matmul with the values. The ``[B, H, L, L]``
+    tensors are held for the backward pass, whose matmuls the custom gradient keeps 16-bit.
+
+``"auto"`` (the default) runs cuDNN where it can: a CUDA GPU with cuDNN, bf16/fp16 compute, no
+attention dropout, a head size cuDNN takes; the materialised path elsewhere (CPU, TPU, fp32,
+``dropout_rate > 0``). ``create_model`` logs the choice and why (``layers.choose_attention``).
+Parameter names are the same either way. XLA counts cuDNN's attention among its GPU kernels
+whose results may vary from run to run; ``config.deterministic`` makes XLA ask cuDNN for its
+deterministic backward pass.
+
+``param_dtype`` is left at flax's default (fp32), so ``model.init`` creates fp32 master params.
+
+On CPU, XLA runs a bf16 x bf16 -> bf16 matmul as convert-to-fp32, fp32 matmul, convert back, so
+bf16 compute is emulated there and costs about as much as fp32. (Giving every matmul, forward and
+backward, fp32 accumulation would reach XLA:CPU's native bf16 kernels, but in jax 0.10.2 some of
+the resulting backward matmuls fail at run time with "Unsupported element type for
+DotThunk::Execute: BF16 x BF16 = F32"; so only the materialised attention scores and the
+logits use it.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from mptrain import errors
+from mptrain import fp8 as fp8_lib
+from mptrain.models import layers
+
+
+def _dense(
+    features: int, dtype: layers.Dtype, name: str, fp8: Any = None, **kwargs: Any
+) -> nn.Dense:
+    """A bias-free ``nn.Dense`` that casts its input and kernel to ``dtype`` before the matmul.
+
+    No biases: with pre-LN blocks they add next to nothing (the LayerNorms have their own), and on
+    XLA:CPU their gradients (column sums over batch x length) cost about a quarter of the step.
+    """
+    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
+        kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
+    return nn.Dense(features, dtype=dtype, use_bias=False, name=name, **kwargs)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; fp32 softmax statistics, everything else in ``dtype``.
+
+    ``attention``: ``"auto" | "cudnn" | "materialized"`` (see the module docstring).
+    """
+
+    num_heads: int
+    dtype: layers.Dtype = jnp.float32
+    dropout_rate: float = 0.0
+    attention: str = "auto"
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        batch, length, d_model = x.shape
+        if d_model % self.num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
+        head_dim = d_model // self.num_heads
+        choice = layers.choose_attention(
+            self.attention,
+            dtype=self.dtype,
+            head_dim=head_dim,
+            dropout_rate=self.dropout_rate,
+            backend=self.backend,
+        )
+        qkv = _dense(3 * d_model, self.dtype, "qkv", self.fp8)(x)
+        qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
+        dropout = None
+        if choice.implementation == "materialized":
+            dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
+        out = layers.causal_attention(q, k, v, choice.implementation, dropout=dropout)
+        return _dense(d_model, self.dtype, "out", self.fp8)(out.reshape(batch, length, d_model))
+
+
+class MLP(nn.Module):
+    """Two-layer feed-forward block with GELU."""
+
+    d_ff: int
+    dtype: layers.Dtype = jnp.float32
+    dropout_rate: float = 0.0
+    fp8: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        d_model = x.shape[-1]
+        h = nn.gelu(_dense(self.d_ff, self.dtype, "fc_in", self.fp8)(x))
+        h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
+        return _dense(d_model, self.dtype, "fc_out", self.fp8)(h)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    num_heads: int
+    d_ff: int
+    dtype: layers.Dtype = jnp.float32
+    dropout_rate: float = 0.0
+    attention: str = "auto"
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+        drop = nn.Dropout(self.dropout_rate)
+        h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
+        attn = CausalSelfAttention(
+            self.num_heads,
+            self.dtype,
+            self.dropout_rate,
+            self.attention,
+            self.fp8,
+            self.backend,
+            name="attn",
+        )
+        h = attn(h, train=train)
+        x = x + drop(h, deterministic=not train)
+        h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
+        h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, name="mlp")(h, train=train)
+        return x + drop(h, deterministic=not train)
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM: ``int32[B, L]`` tokens -> ``float32[B, L, vocab_size]`` logits.
+
+    ``dtype`` is the compute dtype; params are created in fp32 (flax's ``param_dtype``
+    default). Positions are learned, up to ``max_len``. Dropout needs a ``"dropout"`` rng when
+    called with ``train=True`` and ``dropout_rate > 0``. ``attention``: ``"auto" | "cudnn" |
+    "materialized"`` (see the module docstring).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    d_ff: int = 512
+    max_len: int = 128
+    dtype: layers.Dtype = jnp.float32
+    dropout_rate: float = 0.0
+    attention: str = "auto"
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be an integer [batch, length] array, got {tokens.dtype}"
+                f"{list(tokens.shape)}"
+            )
+        length = tokens.shape[1]
+        if length > self.max_len:
+            raise ValueError(  # names the config key, for `models.check_config` to report
+                f"max_len={self.max_len}: shorter than the input (sequence length {length} "
+                f"exceeds max_len={self.max_len}); raise it, or shorten the data's sequences "
+                "(data.seq_len)"
+            )
+        init = nn.initializers.normal(stddev=0.02)
+        # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
+        x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
+        positions = self.param("pos_embedding", init, (self.max_len, self.d_model))
+        x = x + positions[:length].astype(self.dtype)
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+        for i in range(self.num_layers):
+            block = Block(
+                self.num_heads,
+                self.d_ff,
+                self.dtype,
+                self.dropout_rate,
+                self.attention,
+                self.fp8,
+                self.backend,
+                name=f"block_{i}",
+            )
+            x = block(x, train=train)
+        x = layers.layer_norm_f32(x, self.dtype, "ln_final")
+        # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
+        head = _dense(self.vocab_size, self.dtype, "head", dot_general=layers.dot_general_f32_out)
+        logits = head(x)
+        return logits.astype(jnp.float32)  # a no-op: the matmul already returns fp32
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats (per byte for a byte-level model), in fp32."""
+    return layers.cross_entropy(logits, targets)
+
+
+def bits_per_byte(loss_nats: float) -> float:
+    """Converts a per-byte loss in nats to bits."""
+    return float(loss_nats) / float(np.log(2.0))
+
+
+# The keys `create_model` reads under `config.model`, with their defaults (those of
+# `TransformerLM`): bytes as the vocabulary, a 2-block model of width 128 over 128 positions.
+CONFIG_KEYS = {
+    "vocab_size": 256,
+    "d_model": 128,
+    "num_layers": 2,
+    "num_heads": 2,
+    "d_ff": 512,
+    "max_len": 128,
+    "dropout_rate": 0.0,
+    "attention": "auto",
+}
+
+
+def _settings(model_config: Any) -> dict[str, Any]:
+    """The keys of `CONFIG_KEYS` as `model_config` sets them; a `ValueError` names a bad one."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+        errors.check_integer(f"model.{key}", keys[key], 1)
+    d_model, heads = keys["d_model"], keys["num_heads"]
+    if d_model % heads:
+        divisors = [h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]
+        raise ValueError(
+            f"model.num_heads={heads}: must divide model.d_model={d_model} (each head takes an "
+            f"equal share of the width), e.g. {', '.join(map(str, divisors))}"
+        )
+    errors.check_number("model.dropout_rate", keys["dropout_rate"], 0.0, 1.0)
+    return keys
+
+
+def create_model(
+    model_config: Any,
+    compute_dtype: layers.Dtype = jnp.float32,
+    fp8: Any = None,
+    backend: layers.Backend | None = None,
+) -> TransformerLM:
+    """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
+
+    ``model_config`` keys (`CONFIG_KEYS`, with their defaults): ``d_model, num_layers,
+    num_heads, d_ff, max_len``, ``vocab_size`` (256: bytes), ``dropout_rate`` (0.0) and
+    ``attention`` (``"auto"``). The attention implementation is resolved here, once, and
+    logged. A bad value (a size below 1, heads that do not divide ``d_model``, an unknown
+    ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
+    ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8`` (an
+    ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
+    embedding and the head do not). ``backend``: what the model is compiled for
+    (``layers.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
+    decides by.
+    """
+    with errors.config_errors():
+        keys = _settings(model_config)
+        choice = layers.choose_attention(
+            keys["attention"],
+            dtype=compute_dtype,
+            head_dim=keys["d_model"] // keys["num_heads"],
+            dropout_rate=keys["dropout_rate"],
+            backend=backend,
+        )
+    logging.info("mptrain: attention: %s", choice)
+    return TransformerLM(
+        vocab_size=keys["vocab_size"],
+        d_model=keys["d_model"],
+        num_layers=keys["num_layers"],
+        num_heads=keys["num_heads"],
+        d_ff=keys["d_ff"],
+        max_len=keys["max_len"],
+        dtype=compute_dtype,
+        dropout_rate=keys["dropout_rate"],
+        attention=choice.implementation,
+        fp8=fp8,
+        backend=backend,
+    )

@@ -1,0 +1,382 @@
+"""`python -m mptrain.plan`: a run's train step compiled for the accelerator it will train on.
+
+    python -m mptrain.plan --config=configs/lm_gpt2s.py --target=h100
+    python -m mptrain.plan --config=configs/lm_1b.py --target=h100 --devices=8 --config.mesh.fsdp=8
+    python -m mptrain.plan --config=configs/lm_gpt2s.py --target=v5e-8 --json=plan.json
+
+From any machine, a GPU-less laptop or CI included: the Trainer of `config.trainer` is built for
+`--devices` compile-only devices of the target (`mptrain.target`), its own train step (state,
+shardings, `steps_per_call`, donation) is compiled from abstract shapes (nothing is allocated,
+no dataset is read beyond one example's shapes), and the compiled program is read
+(`mptrain.program`). Every choice made by backend follows the target, not this host: attention
+"auto" picks cuDNN's fused kernel for an H100 exactly as a run on the H100 does.
+
+The `Plan` says, per device and per step: the memory (params, optimizer state, other state,
+inputs, temporaries) against the chip's, with a verdict; matmul FLOPs by operand dtype; the
+attention that runs; the GPU hazards of the precision report (scatters, 16-bit sums across
+devices) and every collective with its dtypes; the kernel count; and a roofline floor,
+max(FLOPs / peak, bytes moved / bandwidth), with the MFU it implies. The floor is the least
+time the chip's peak allows, not a measurement.
+
+Exit codes: 0 it fits; 4 it does not (one line first, then the plan); 2 bad usage, config or
+target (one line: an unknown target lists the known ones, a missing compiler names the
+`pip install 'mptrain[plan]'` line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from mptrain import errors, hlo, program, roofline
+from mptrain import target as target_lib
+
+EXIT_DOES_NOT_FIT = 4
+GiB = 2**30
+PREALLOCATED = 0.75  # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
+TARGETS = target_lib.targets  # TARGETS(): every target by name
+
+
+@dataclasses.dataclass
+class Plan:
+    """A run's step as compiled for a target; `str(plan)` is the report, `to_json()` its data.
+
+    Figures are per device and per step (a call of `steps_per_call` steps is divided by it);
+    bytes are bytes, FLOPs are FLOPs, times are seconds.
+    """
+
+    target: str
+    description: str
+    devices: int
+    mesh: dict[str, int]
+    precision: str
+    steps_per_call: int
+    memory: dict[str, int]
+    capacity: int
+    largest: list[dict[str, Any]]
+    matmul_flops: dict[str, float]
+    offenders: list[dict[str, Any]]
+    fp8_kernels: dict[str, float]  # how the fp8 matmuls are lowered: {kernel kind: count}
+    attention: dict[str, Any]
+    hazards: list[dict[str, Any]]
+    collectives: dict[str, dict[str, int]]
+    kept_fp32: list[str]
+    kernels: float
+    bytes_moved: float
+    floor: dict[str, Any]
+    notes: list[str]
+    compile_seconds: float
+    jax_version: str
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.capacity
+
+    def verdict(self) -> str:
+        total, share = self.memory["total"] / GiB, self.memory["total"] / self.capacity
+        if self.fits:
+            return f"fits, {100 * share:.0f}% of {self.capacity / GiB:.1f} GiB"
+        where = "; ".join(
+            f"{b['count']} x {b['array']} ({b['bytes'] / GiB:.2f} GiB) at {b['where']}"
+            for b in self.largest[:3]
+        )
+        return (
+            f"does not fit: needs {total:.1f} GiB of {self.capacity / GiB:.1f}; largest "
+            f"buffers: {where}"
+        )
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
+        return json.dumps(data, indent=2)
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.items())
+        lines = [
+            f"plan: {self.precision} on {self.devices} x {self.description} ({self.target}), "
+            f"mesh {mesh}",
+            f"  per device and per step; compiled for the target on this host in "
+            f"{self.compile_seconds:.1f} s (jax {self.jax_version}); nothing ran",
+            "",
+            "memory                          GiB",
+        ]
+        for part in ("params", "optimizer", "other_state", "inputs", "temporaries", "outputs"):
+            lines.append(f"  {part.replace('_', ' '):<24} {self.memory[part] / GiB:9.3f}")
+        lines.append(f"  {'total':<24} {self.memory['total'] / GiB:9.3f}   {self.verdict()}")
+        lines += ["", "largest buffers the kernels write (count x type, GiB each, where):"]
+        lines += [
+            f"  {b['count']:>5g} x {b['array']:<26} {b['bytes'] / GiB:7.3f}  {b['where']}"
+            for b in self.largest[:5]
+        ]
+        total = sum(self.matmul_flops.values()) or 1.0
+        kept = f"; {len(self.kept_fp32)} params kept fp32" if self.kept_fp32 else ""
+        lines += ["", f"matmul FLOPs by operand dtype{kept}:"]
+        for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {dtype:<24} {flops / 1e12:10.3f} TFLOP  {100 * flops / total:6.2f}%")
+        lines += [
+            f"  not in the compute dtype: {o['where']} ({o['dtype']})" for o in self.offenders
+        ]
+        att = self.attention
+        lines += ["", f"attention: {att['implementation']}"]
+        if att["buffers"]:
+            lines.append(
+                f"  {att['buffers']:g} [.., L, L] buffers ({att['buffer_bytes'] / GiB:.2f} GiB in "
+                f"all) at {', '.join(att['buffer_sites'])}"
+            )
+        lines += ["", "hazards (scatters; 16-bit sums across devices):"]
+        lines += [
+            f"  {h['kind']:<16} {h['op']:<22} {h['dtype']:<9} x{h['count']:g}  {h['where']}"
+            for h in self.hazards
+        ] or ["  none"]
+        lines += ["", "collectives (bytes a step):"]
+        for op, by_dtype in sorted(self.collectives.items()):
+            lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
+        lines += [] if self.collectives else ["  none"]
+        floor = self.floor
+        lines += [
+            "",
+            f"kernels: {self.kernels:,.0f} a step (a lower bound: a library call may launch "
+            "several)",
+            "",
+            "roofline floor: the least time this chip's peaks allow, NOT a measurement",
+            f"  compute {total / 1e12:9.3f} TFLOP at "
+            + ", ".join(f"{p / 1e12:.0f} TFLOP/s ({d})" for d, p in floor["peaks"].items())
+            + f": {1e3 * floor['compute_s']:.3f} ms",
+            f"  memory  {self.bytes_moved / 1e9:9.3f} GB read and written at "
+            f"{floor['bandwidth'] / 1e12:.2f} TB/s: {1e3 * floor['memory_s']:.3f} ms",
+            f"  floor   {1e3 * floor['floor_s']:.3f} ms a step, {floor['bound']}-bound: at most "
+            f"{100 * floor['mfu']:.0f}% MFU (of {floor['mfu_peak'] / 1e12:.0f} TFLOP/s, "
+            f"{floor['mfu_dtype']})",
+        ]
+        lines += [""] + [f"note: {note}" for note in self.notes] if self.notes else []
+        return "\n".join(lines) + "\n"
+
+
+def plan(config, target: str | target_lib.Target, devices: int | None = None) -> Plan:
+    """The `Plan` of `config` on `devices` devices of `target` (a name from `TARGETS()`, or a
+    `target.Target`); a `ConfigError` for a bad config, target or device count, or a compiler
+    that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`)."""
+    import jax
+
+    from mptrain import config as config_lib
+    from mptrain import launch, runtime
+
+    chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
+    with errors.config_errors():
+        runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
+    count = devices or named or math.prod(max(n, 1) for n in (config.mesh.data, config.mesh.fsdp))
+    target_devices = chip.devices(count)
+    config_lib.validate(config, devices=target_devices)
+    trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
+    started = time.monotonic()
+    traced, state, sample = _trace(trainer)
+    compiled = traced.lower().compile()
+    seconds = time.monotonic() - started
+    return _read(chip, trainer, compiled, state, sample, seconds, jax.__version__)
+
+
+def _trace(trainer) -> tuple[Any, Any, dict]:
+    """The run's train step traced on abstract shapes: `(traced, state, one example)`."""
+    import jax
+    import numpy as np
+
+    from mptrain import data, sharding
+
+    config, mesh = trainer.config, trainer.mesh
+    example = data.check_config(config) if config.trainer == "mptrain.trainer:Trainer" else None
+    if example is None:  # a source with no shapes to offer: one batch of it gives them
+        batch = trainer.build_datasets()[0].get_batch(0)
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)
+    sample = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), example)
+    init, args = trainer.make_init(sample)
+    state = jax.eval_shape(init, *args)
+    k = config.steps_per_call
+    where = sharding.batch_sharding(mesh, stacked=k > 1)
+    lead = (k,) if k > 1 else ()
+    batches = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (*lead, config.batch_size, *x.shape[1:]), x.dtype, sharding=where
+        ),
+        example,
+    )
+    jitted, make_totals, _ = trainer.make_run_step(state, sample)
+    replicated = sharding.replicated(mesh)
+    totals = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        jax.eval_shape(make_totals),
+    )
+    return jitted.trace(state, batches, totals), state, sample
+
+
+def _shard_bytes(tree: Any) -> int:
+    """Bytes of one device's shards of an abstract tree."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) -> Plan:
+    """The `Plan` read off the compiled program (see the module doc)."""
+    config, policy, k = trainer.config, trainer.policy, trainer.config.steps_per_call
+    text = compiled.as_text()
+    prog = program.Program(text)
+    stats = compiled.memory_analysis()
+    held = _shard_bytes(state)
+    params, optimizer = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+    memory = {
+        "params": params,
+        "optimizer": optimizer,
+        "other_state": held - params - optimizer,
+        "inputs": stats.argument_size_in_bytes - held,  # the batches and the log totals
+        "temporaries": stats.temp_size_in_bytes + stats.generated_code_size_in_bytes,
+        "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,  # not donated back
+    }
+    memory["total"] = sum(memory.values())
+    matmuls = roofline.matmul_flops(prog, policy.compute_dtype.name, k)
+    flops, moved = matmuls["flops"], roofline.bytes_moved(prog, k)
+    hazards = hlo.compiled_hazards(prog, k)
+    notes = [hlo.warning(h) for h in hazards if h.kind == "16-bit"]
+    notes += _notes(chip, config, memory["total"], flops, matmuls["fp8_kernels"])
+    return Plan(
+        target=chip.name,
+        description=chip.description,
+        devices=trainer.mesh.size,
+        mesh=dict(trainer.mesh.shape),
+        precision=str(config.precision),
+        steps_per_call=k,
+        memory=memory,
+        capacity=chip.memory_bytes,
+        largest=prog.largest(k),
+        matmul_flops=flops,
+        offenders=matmuls["offenders"],
+        fp8_kernels=matmuls["fp8_kernels"],
+        attention=prog.attention(_length(sample), k),
+        hazards=[dataclasses.asdict(h) for h in hazards],
+        collectives={
+            op: {d: b // k for d, b in by.items()} for op, by in hlo.collectives(text).items()
+        },
+        kept_fp32=policy.kept_fp32_paths(state.params),
+        kernels=sum(runs for _, runs in prog.kernels()) / k,
+        bytes_moved=moved,
+        floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name),
+        notes=notes,
+        compile_seconds=round(seconds, 1),
+        jax_version=version,
+    )
+
+
+def _length(sample: Any) -> int | None:
+    """The sequence length of token inputs (`inputs`: integers `[1, L]`), else None."""
+    inputs = sample.get("inputs") if isinstance(sample, dict) else None
+    tokens = inputs is not None and inputs.ndim == 2 and inputs.dtype.kind in "iu"
+    return inputs.shape[-1] if tokens else None
+
+
+def _notes(chip, config, total: int, flops: dict[str, float], lowered) -> list[str]:
+    """What a reader of the plan should know beyond its tables."""
+    from mptrain import runtime
+
+    notes = []
+    if chip.platform == "gpu" and PREALLOCATED * chip.memory_bytes < total <= chip.memory_bytes:
+        notes.append(
+            f"above the {100 * PREALLOCATED:.0f}% of GPU memory JAX takes by default: run "
+            "with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (or XLA_PYTHON_CLIENT_PREALLOCATE=false)"
+        )
+    if lowered:
+        kinds = ", ".join(f"{n:g} as {kind}" for kind, n in sorted(lowered.items()))
+        notes.append(
+            f"fp8 matmuls: {kinds} (XLA's choice without the GPU to autotune on; a GEMM with "
+            "fp8 operands runs on the fp8 tensor cores, where the chip has them)"
+        )
+    if chip.platform == "tpu" and flops.get("float32"):
+        notes.append(
+            "float32 matmuls run as one bfloat16 pass on a TPU at XLA's default precision: "
+            "counted at the bfloat16 rate"
+        )
+    if chip.platform == "gpu":
+        flag = runtime.DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "")
+        asked = bool(config.get("deterministic", False))
+        notes.append(
+            "compiled with XLA's deterministic GPU kernels (config.deterministic)"
+            if flag
+            else "compiled without XLA's deterministic GPU kernels"
+            + (
+                ": config.deterministic asks for them, but this process's XLA flags were set "
+                "before the plan could add the flag"
+                if asked
+                else ""
+            )
+        )
+        notes.append(
+            "no GPU to autotune on: GEMMs keep XLA's default kernels and tiles, cuDNN "
+            "workspaces count as 0; the GPU's own compile may choose others"
+        )
+    return notes
+
+
+def _usage(flag_values) -> str:
+    names = ", ".join(sorted(TARGETS()))
+    return (
+        "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
+        "[--json=PATH] [--config.KEY=VALUE ...]\n\n"
+        "Compiles the run's train step for an accelerator that need not be here and reports "
+        "its memory, dtypes, hazards and roofline floor. Exit codes: 0 it fits, 4 it does not, "
+        f"2 bad usage, config or target.\n\ntargets: {names} (a TPU name may carry its "
+        "chip count, e.g. v5e-8)\n\nflags:\n"
+        + "\n".join(
+            f"  --{n}: {flag_values[n].help}" for n in ("config", "target", "devices", "json")
+        )
+        + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module doc); returns the exit code."""
+    target_lib.compile_only()  # no backend looks for a driver: this process only compiles
+    from absl import flags, logging
+
+    from mptrain import main as main_lib
+
+    argv = list(sys.argv if argv is None else argv)
+
+    def define(fv) -> None:
+        flags.DEFINE_string("target", None, "The accelerator, e.g. h100 or v5e-8.", flag_values=fv)
+        flags.DEFINE_integer(
+            "devices",
+            None,
+            "Devices of the target (default: the config's mesh, else 1).",
+            flag_values=fv,
+        )
+        flags.DEFINE_string("json", None, "Also write the plan as JSON here.", flag_values=fv)
+
+    flag_values = main_lib.parse_flags(argv, _usage, define)
+    if flag_values is None:  # --help
+        return errors.EXIT_OK
+    if not flag_values.target:
+        main_lib.usage_error(f"--target is required; known targets: {', '.join(sorted(TARGETS()))}")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        result = plan(flag_values.config, flag_values.target, flag_values.devices)
+    except errors.ConfigError as e:
+        main_lib.usage_error(str(e))
+    if not result.fits:
+        sys.stdout.write(result.verdict() + "\n\n")
+    sys.stdout.write(str(result))
+    if flag_values.json:
+        from mptrain import files
+
+        files.write_json(flag_values.json, json.loads(result.to_json()))
+    return errors.EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Precision policies, dtype names, fp32 upcasting and rounding rules: one home for each.
+
+A `Policy` says which dtype params are stored in, computed in, and returned in. It is a small
+frozen dataclass, hashable so that it can sit in a static field of the `TrainState` and be part
+of a jit cache key. Casting only ever touches floating-point leaves: token ids, labels and masks
+pass through with their integer or boolean dtype intact.
+
+Its casting rule, `keep_fp32`, is a regular expression over "/"-joined param paths: params it
+matches are handed to the model in fp32 when the step casts the others to the compute dtype.
+Under 16-bit compute the default keeps embedding tables and normalisation scales and biases,
+as torch's autocast leaves them alone: a model then gathers rows from the fp32 table and casts
+the rows, so a gather's gradient accumulates in fp32 (a 16-bit scatter-add is slow and
+nondeterministic on GPUs), and a norm's few parameters keep their full precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+DTYPES = {"f32": F32, "float32": F32, "bf16": BF16, "bfloat16": BF16, "f16": F16, "float16": F16}
+_KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
+_KEYS |= {"o": "output", "output": "output"}
+
+PRESETS = {
+    "fp32": ("float32", "float32", "float32"),
+    "bf16-mixed": ("float32", "bfloat16", "float32"),
+    "fp16-mixed": ("float32", "float16", "float32"),
+    "bf16-pure": ("bfloat16", "bfloat16", "float32"),
+    # bf16-mixed, and the matmuls the model selects in fp8 (`mptrain.fp8`)
+    "fp8-mixed": ("float32", "bfloat16", "float32"),
+}
+FP8 = "fp8"  # the part of a policy's long form that turns the fp8 matmuls on
+
+
+def parse_dtype(value: Any, key: str) -> np.dtype:
+    """One of float32/bfloat16/float16 from a name in `DTYPES` or a dtype; errors name `key`."""
+    if isinstance(value, str):
+        found = DTYPES.get(value.strip().lower())
+    else:
+        try:
+            found = np.dtype(value)
+        except TypeError:
+            found = None
+    if found not in (F32, BF16, F16):
+        raise ValueError(f"{key}={value!r}: valid dtypes are {', '.join(DTYPES)}")
+    return found
+
+
+def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def to_f32(tree: Any) -> Any:
+    """Every leaf as a float32 array (ints and bools too: for metrics and fp32 arithmetic)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+# A flax/NNX embedding table (`.../embedding`, `pos_embedding`), and the scale and bias of a
+# module whose name says it normalises (`LayerNorm_0`, `ln_attn`, `bn1`, `proj_bn`, `stem_bn`).
+DEFAULT_KEEP_FP32 = (
+    r"(?i)(embedding$|(^|/)([^/]*norm[^/]*|([^/]*_)?(ln|bn)(\d*|_[^/]*))/(scale|bias)$)"
+)
+
+
+def path_name(path: tuple) -> str:
+    """A pytree path as "/"-joined names, e.g. `block_0/attn/qkv/kernel`."""
+    names = (getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(name) for name in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Where each kind of value lives: master params, the forward/backward pass, and outputs;
+    and which params the step hands to the model in fp32 (`keep_fp32`, a regex over param
+    paths; None: the default rules under 16-bit compute, none under fp32; "": none).
+
+    `output_dtype` is the dtype of the model outputs that the loss and the evaluation see: the
+    Trainer's default `loss_fn` and `eval_fn` pass the logits through `cast_to_output` (a no-op
+    for the zoo's fp32 logits under `output=float32`, the presets' choice); a `loss_fn` of
+    your own applies it where it means to."""
+
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+    keep_fp32: str | None = None
+    # the model runs its selected matmuls in fp8 with this `mptrain.fp8.Recipe`; None: not
+    fp8: Any = None
+
+    def __post_init__(self):
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, np.dtype(getattr(self, name)))
+        rule = self.keep_fp32
+        if rule is None:
+            rule = "" if self.compute_dtype == F32 else DEFAULT_KEEP_FP32
+        if not isinstance(rule, str):
+            raise ValueError(f"keep_fp32={rule!r}: must be a regular expression (a string)")
+        try:
+            re.compile(rule)
+        except re.error as e:
+            raise ValueError(f"keep_fp32={rule!r}: not a regular expression: {e}") from None
+        object.__setattr__(self, "keep_fp32", rule)
+
+    def kept_fp32(self, path: str) -> bool:
+        """Whether the param at `path` ("/"-joined) is handed to the model in fp32."""
+        return bool(self.keep_fp32) and re.search(self.keep_fp32, path) is not None
+
+    def compute_dtypes(self, params: Any) -> Any:
+        """Per param leaf, the dtype the model gets it in: fp32 where `keep_fp32` matches, the
+        compute dtype for other floating leaves, its own dtype for the rest."""
+
+        def one(path, x):
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return np.dtype(x.dtype)
+            return F32 if self.kept_fp32(path_name(path)) else self.compute_dtype
+
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    def kept_fp32_paths(self, params: Any) -> list[str]:
+        """The paths of the floating params `keep_fp32` matches, in tree order."""
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        names = [path_name(p) for p, x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+        return [name for name in names if self.kept_fp32(name)]
+
+    def describe_rules(self, params: Any) -> str:
+        """One line: the casting rule and the params it keeps in fp32 for compute."""
+        kept = self.kept_fp32_paths(params)
+        shown = ", ".join(kept[:6]) + (f", ... ({len(kept) - 6} more)" if len(kept) > 6 else "")
+        return f"keep_fp32={self.keep_fp32!r}: {len(kept)} params in fp32 for compute" + (
+            f" ({shown})" if kept else ""
+        )
+
+    def cast_params(self, params: Any) -> Any:
+        """`params` as the model gets them: `compute_dtypes` applied."""
+        return jax.tree.map(lambda x, d: x.astype(d), params, self.compute_dtypes(params))
+
+    def cast_to_param(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        return _cast_floating(tree, self.output_dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}" + (f",{FP8}" if self.fp8 else "")
+        )
+
+
+def _fp8_recipe():
+    from mptrain import fp8  # the default recipe; `config.policy_of` applies `config.fp8.*`
+
+    return fp8.Recipe()
+
+
+def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
+    """Parses a preset name or the explicit `params=...,compute=...,output=...` form; with
+    `keep_fp32` (a regex) that casting rule instead of the default one."""
+    if isinstance(spec, Policy):
+        return spec if keep_fp32 is None else dataclasses.replace(spec, keep_fp32=keep_fp32)
+    if not isinstance(spec, str):
+        raise ValueError(f"precision={spec!r}: must be a string ({type(spec).__name__} given)")
+    text = spec.strip().lower()
+    if text in PRESETS:
+        fp8 = _fp8_recipe() if text == "fp8-mixed" else None
+        return Policy(*(DTYPES[name] for name in PRESETS[text]), keep_fp32, fp8)
+    if "=" not in text:
+        raise ValueError(
+            f"precision={spec!r}: unknown; valid presets are {', '.join(PRESETS)}, or the "
+            "explicit form 'params=float32,compute=bfloat16,output=float32' (keys p,c,o too)"
+        )
+    found: dict[str, np.dtype] = {}
+    parts = text.split(",")
+    with_fp8 = FP8 in {part.strip() for part in parts}
+    for part in parts:
+        if part.strip() == FP8:
+            continue
+        key, sep, value = part.partition("=")
+        key, part = key.strip(), part.strip()
+        if not sep or key not in _KEYS:
+            raise ValueError(
+                f"precision={spec!r}: bad part {part!r}, expected key=dtype with key one of "
+                f"params/p, compute/c, output/o; valid presets are {', '.join(PRESETS)}"
+            )
+        if _KEYS[key] in found:
+            raise ValueError(f"precision={spec!r}: part {part!r} repeats {_KEYS[key]!r}")
+        try:
+            found[_KEYS[key]] = parse_dtype(value, "dtype")
+        except ValueError as e:
+            raise ValueError(f"precision={spec!r}: bad part {part!r}: {e}") from None
+    missing = [k for k in ("params", "compute", "output") if k not in found]
+    if missing:
+        raise ValueError(f"precision={spec!r}: does not set {', '.join(missing)}")
+    fp8 = _fp8_recipe() if with_fp8 else None
+    if fp8 and found["compute"] == F32:
+        raise ValueError(f"precision={spec!r}: fp8 matmuls need a 16-bit compute dtype")
+    return Policy(found["params"], found["compute"], found["output"], keep_fp32, fp8)
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` rounded to the nearest value of the narrower float `dtype`, kept in `x`'s dtype.
+
+    The same numbers as `x.astype(dtype).astype(x.dtype)`, but that round trip is one XLA may
+    drop when it allows excess precision (XLA:GPU's default), and a trick that needs the rounded
+    value itself, such as Kahan's compensation, would then silently do nothing. Rounding with
+    `reduce_precision` is an operation of its own that no compiler pass removes.
+    """
+    info = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    if info.nexp < jnp.finfo(x.dtype).nexp:
+        # reduce_precision flushes the narrower type's subnormals to zero where a cast keeps
+        # them; they sit on one evenly spaced grid, so round them there (scaling by a power of
+        # two is exact, and jnp.round breaks ties to even as the cast does)
+        step = float(info.smallest_subnormal)
+        tiny = jnp.abs(x) < float(info.smallest_normal)
+        rounded = jnp.where(tiny, jnp.round(x / step) * step, rounded)
+    return rounded
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+
+
+def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Rounds fp32 to bf16 up or down with probability given by the distance to each.
+
+    bf16 keeps the top 16 bits of an fp32 number. Adding uniform noise to the 16 bits that are
+    dropped and then truncating rounds up exactly when the noise carries into the kept bits,
+    which happens with probability equal to the dropped fraction: unbiased in expectation, so
+    updates far below bf16's resolution still move the weights on average.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    rounded = jnp.where(jnp.isfinite(x), rounded, bits)  # leave inf/nan as they are
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def stochastic_round_tree(tree: Any, key: jax.Array) -> Any:
+    """`stochastic_round_to_bf16` on every leaf, each with its own key split from `key`."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    keys = jax.random.split(key, len(leaves))
+    rounded = [stochastic_round_to_bf16(x, k) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, rounded)

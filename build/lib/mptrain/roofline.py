@@ -1,0 +1,211 @@
+"""What a compiled step costs on a chip at best: FLOPs at its peaks, bytes at its bandwidth.
+
+`matmuls` finds a compiled program's matrix products (`program.Program`): every dot (those in
+GEMM fusions included), convolution, cuBLAS GEMM and cuDNN convolution or fused attention, with
+its operand dtype and FLOPs. `matmul_flops` sums them by how the chip runs them: the operand
+dtype, with float32 split by precision: XLA's default (TensorFloat-32
+on NVIDIA tensor cores, one bfloat16 pass on a TPU) or HIGHEST (true float32). `floor` turns
+those and the bytes the kernels move into the least time a step can take, max(FLOPs / peak,
+bytes / bandwidth), and the MFU that floor implies. The floor is a bound, not a measurement:
+a real step also waits on launches, collectives, non-matmul work that is not memory-bound,
+and kernels that do not reach the peak.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from mptrain import program
+
+GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+CONVOLUTIONS = ("__cudnn$convForward", "__cudnn$convBackwardInput", "__cudnn$convBackwardFilter")
+CONVOLUTIONS += ("__cudnn$convBiasActivationForward",)
+
+
+def matmuls(prog: program.Program) -> Iterator[tuple[program.Instruction, str, float, float]]:
+    """`(instruction, operand dtype, FLOPs, runs per call)` of every matrix product of `prog`."""
+    for inst, runs in prog.instructions():
+        target = inst.attribute("custom_call_target") or ""
+        if inst.opcode == "dot" or target in GEMMS:
+            flops = _dot_flops(prog, inst, target)
+        elif inst.opcode == "convolution" or target in CONVOLUTIONS:
+            flops = _convolution_flops(prog, inst, target)
+        elif target.startswith(program.ATTENTION):
+            flops = _attention_flops(prog, inst, target)
+        else:
+            continue
+        yield inst, _operand_dtype(prog, inst), flops, runs
+
+
+def _operand_dtype(prog: program.Program, inst: program.Instruction) -> str:
+    """The dtype a matmul multiplies in: its widest floating operand (a one-hot of
+    booleans times a bf16 table is a bf16 matmul; bf16 times f32 runs in f32)."""
+    found = [program.arrays(prog.operand_type(inst, i))[:1] for i in range(2)]
+    dtypes = [program.dtype_name(a[0][0]) for a in found if a]
+    floats = [d for d in dtypes if d.startswith(("float", "bfloat"))]
+    if not floats:
+        return dtypes[0] if dtypes else "?"
+    return max(floats, key=lambda d: int(re.search(r"\d+", d).group()))
+
+
+def _dot_flops(prog: program.Program, inst: program.Instruction, target: str) -> float:
+    if target:  # a cuBLAS call: its dimension numbers are in its backend config
+        numbers = inst.backend_config().get("gemm_backend_config", {})
+        numbers = numbers.get("dot_dimension_numbers", {})
+        contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+    else:
+        dims = inst.attribute("lhs_contracting_dims") or ""
+        contracting = [int(d) for d in re.findall(r"\d+", dims)]
+    lhs = program.arrays(prog.operand_type(inst, 0))
+    out = inst.arrays
+    if not lhs or not out:
+        return 0.0
+    return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in contracting)
+
+
+def _convolution_flops(prog: program.Program, inst: program.Instruction, target: str) -> float:
+    """2 multiply-adds for every (output element, input feature, window tap) that falls on
+    a real input: padding and a base (lhs) dilation's holes are no work. TPUs write their
+    matmuls, batched ones included, as such convolutions. A cuDNN call counts its whole
+    windows (its operands play the forward convolution's parts by what it computes)."""
+    labels = re.split(r"_|->", inst.attribute("dim_labels") or "")
+    shapes = [program.arrays(prog.operand_type(inst, i))[:1] for i in range(2)] + [inst.arrays[:1]]
+    if len(labels) != 3 or not all(shapes):
+        return 0.0
+    if target:
+        out, kernel = {
+            "__cudnn$convBackwardInput": (shapes[0], shapes[1]),
+            "__cudnn$convBackwardFilter": (shapes[1], shapes[2]),
+        }.get(target, (shapes[2], shapes[1]))
+        features = kernel[0][1][labels[1].index("o")]
+        return 2.0 * math.prod(out[0][1]) * math.prod(kernel[0][1]) / features
+    lhs, rhs, out = (shape[0][1] for shape in shapes)
+    window = _window(inst.attribute("window") or "")
+    taps = 1
+    for d, size in enumerate(window["size"]):
+        taps *= _valid_taps(
+            lhs[labels[0].index(str(d))],
+            out[labels[2].index(str(d))],
+            size,
+            window["stride"][d],
+            window["pad"][d],
+            window["lhs_dilate"][d],
+            window["rhs_dilate"][d],
+        )
+    batch, features = out[labels[2].index("b")], out[labels[2].index("f")]
+    return 2.0 * batch * features * rhs[labels[1].index("i")] * taps
+
+
+def _attention_flops(prog: program.Program, inst: program.Instruction, target: str) -> float:
+    """cuDNN flash attention: 2 matmuls of `[B,H,Lq,D] x [B,H,D,Lk]` size forward, 5 in the
+    backward pass (scores recomputed, then the gradients of values, probabilities, queries
+    and keys); causal masking skips half of each."""
+    config = inst.backend_config().get("cudnn_fmha_backend_config", {})
+    scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    query = program.arrays(prog.operand_type(inst, 0))
+    if not scores or not query:
+        return 0.0
+    matmuls = 5 if "Backward" in target else 2
+    causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
+    return 2.0 * matmuls * math.prod(scores) * query[0][1][-1] * causal
+
+
+def _window(text: str) -> dict[str, list]:
+    """A convolution's `window={size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=...}`, defaulted."""
+    fields = dict(re.findall(r"(\w+)=([\w\-]+)", text))
+    size = [int(n) for n in fields.get("size", "").split("x") if n]
+    found = {"size": size}
+    for key in ("stride", "lhs_dilate", "rhs_dilate"):
+        found[key] = [int(n) for n in fields[key].split("x")] if key in fields else [1] * len(size)
+    pads = fields.get("pad", "").split("x") if "pad" in fields else ["0_0"] * len(size)
+    found["pad"] = [int(p.split("_")[0]) for p in pads]
+    return found
+
+
+def _valid_taps(size: int, out: int, window: int, stride: int, pad: int, lhs: int, rhs: int):
+    """How many (output position, window tap) pairs of one spatial dimension land on a real
+    input element, not on padding or a hole of the input's dilation."""
+    where = np.arange(out)[:, None] * stride + np.arange(window)[None, :] * rhs - pad
+    return int(np.sum((where >= 0) & (where % lhs == 0) & (where // lhs < size)))
+
+
+def is_highest(inst: program.Instruction) -> bool:
+    """Whether a matmul asks for full float32 precision (HIGHEST, or the F32_F32_F32 algorithm)."""
+    text = inst.attributes.lower()
+    return bool(re.search(r"operand_precision=\{highest|\"highest\"|dot_f32_f32_f32", text))
+
+
+def matmul_flops(prog: program.Program, compute: str, per: int = 1) -> dict[str, Any]:
+    """The matmuls of `prog`, each run divided by `per` (the steps a call runs):
+
+    `flops`: FLOPs by operand dtype (`float32_highest` for float32 at HIGHEST); `offenders`: the
+    five biggest source lines outside the `compute` dtype and fp8 (none under float32 compute);
+    `fp8_kernels`: how the fp8 matmuls are lowered, `{kernel kind: count}`.
+    """
+    flops: dict[str, float] = collections.Counter()
+    outside: dict[tuple[str, str], float] = collections.Counter()
+    fp8: dict[str, float] = collections.Counter()
+    for inst, dtype, value, runs in matmuls(prog):
+        key = "float32_highest" if dtype == "float32" and is_highest(inst) else dtype
+        flops[key] += value * runs / per
+        if dtype.startswith("float8"):
+            fp8[prog.lowering(inst)] += runs / per
+        elif dtype != compute:
+            outside[(prog.where(inst), key)] += value * runs / per
+    offenders = [
+        {"where": where, "dtype": dtype, "flops": value}
+        for (where, dtype), value in sorted(outside.items(), key=lambda kv: -kv[1])[:5]
+    ]
+    return {
+        "flops": dict(flops),
+        "offenders": offenders if compute != "float32" else [],
+        "fp8_kernels": dict(fp8),
+    }
+
+
+def peak(chip: Any, dtype: str) -> float:
+    """`chip`'s matmul rate for `dtype` (a `target.Target`), else the nearest it has: fp8 on
+    a chip without fp8 tensor cores runs as 16-bit, float16 on a TPU as bfloat16."""
+    nearest = {"float8": ("float16", "bfloat16"), "float16": ("bfloat16",)}
+    family = "float8" if dtype.startswith("float8") else dtype
+    for name in (dtype, *nearest.get(family, ())):
+        if chip.peak(name):
+            return chip.peak(name)
+    return chip.roofline["float32_highest"]
+
+
+def floor(chip: Any, flops: dict[str, float], moved: float, compute: str) -> dict[str, Any]:
+    """The floor of a step on `chip` from its FLOPs by dtype and its bytes moved, and the MFU
+    it implies against the peak of the `compute` dtype."""
+    peaks = {dtype: peak(chip, dtype) for dtype in flops}
+    compute_s = sum(value / peaks[dtype] for dtype, value in flops.items())
+    memory_s = moved / chip.roofline["bandwidth"]
+    floor_s = max(compute_s, memory_s, 1e-12)
+    reference = peak(chip, compute)
+    return {
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "floor_s": floor_s,
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "bandwidth": chip.roofline["bandwidth"],
+        "peaks": peaks,
+        "mfu_dtype": compute,
+        "mfu_peak": reference,
+        "mfu": sum(flops.values()) / floor_s / reference,
+    }
+
+
+def bytes_moved(prog: program.Program, per: int = 1) -> float:
+    """Bytes the kernels of `prog` read from and write to device memory (HBM; not a TPU's
+    on-chip memory), each once per run (no cache reuse), over `per`: the floor's memory side."""
+    total = 0.0
+    for inst, runs in prog.kernels():
+        read = sum(program.type_bytes(prog.types.get(name, ""), hbm=True) for name in inst.operands)
+        total += runs * (program.type_bytes(inst.type, hbm=True) + read)
+    return total / per

@@ -1,0 +1,187 @@
+"""Process plumbing, apart from training logic: start-up, the workdir lock, preemption.
+
+`start_backend(config)` sets XLA's flags and starts JAX's multi-process runtime if the config or
+the cluster asks for it, before anything touches a device (`mptrain.run` and the CLI call it
+first). The trainer holds the lock and the flag for a whole run::
+
+    with runtime.workdir_lock(workdir), runtime.PreemptionFlag() as preemption:
+        ...  # set up; then loop, asking `preemption.reached(step)` before each step
+
+SIGTERM and SIGINT are `preemption`'s (re-exported here: `PreemptionFlag`, `catch_stop_signals`,
+`release_stop_signals`, `end_with_on_stop_signals`). jax is imported inside the functions that
+use it, so that this module loads in milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from absl import logging
+
+from mptrain import errors, preemption
+from mptrain.preemption import (  # noqa: F401  (re-exported: runtime.PreemptionFlag, ...)
+    PreemptionFlag,
+    catch_stop_signals,
+    end_with_on_stop_signals,
+    release_stop_signals,
+)
+
+DISTRIBUTED_KEYS = ("coordinator_address", "num_processes", "process_id")
+
+
+def _cluster_process_count() -> int:
+    """How many processes a cluster scheduler JAX knows (Slurm, Open MPI, Cloud TPU, ...) says
+    this job has; 1 outside such a cluster. Uses JAX's own detectors."""
+    try:
+        from jax._src import clusters
+    except ImportError:  # a JAX without them: only the explicit keys start several processes
+        return 1
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.get_process_count() or 1
+    return 1
+
+
+def distributed_args(config) -> tuple[str, int, int] | None:
+    """`(coordinator_address, num_processes, process_id)` from `config.distributed`, or None when
+    all three are unset. Bad or partial settings raise a `ValueError` naming the key."""
+    section = config.get("distributed") or {}
+    values = {key: section.get(key) for key in DISTRIBUTED_KEYS}
+    if all(v is None for v in values.values()):
+        return None
+    for key, value in values.items():
+        if value is None:
+            given = ", ".join(f"distributed.{k}" for k, v in values.items() if v is not None)
+            raise ValueError(f"distributed.{key}=None: must be set too, since {given} is")
+    address = values["coordinator_address"]
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"distributed.coordinator_address={address!r}: must be 'host:port'")
+    count = errors.check_integer("distributed.num_processes", values["num_processes"], 1)
+    index = errors.check_integer("distributed.process_id", values["process_id"], 0)
+    if index >= count:
+        raise ValueError(f"distributed.process_id={index}: must be < num_processes={count}")
+    return address, count, index
+
+
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover (a JAX without it: assume the worst)
+        return True
+    return xla_bridge.backends_are_initialized()
+
+
+def set_determinism(config) -> None:
+    """With `config.deterministic` (the default), asks XLA for run-to-run deterministic GPU
+    kernels, so that on a GPU, too, two runs and a resumed run repeat bit for bit.
+
+    A GPU adds with atomics, in whatever order its threads arrive, where a step scatters (the
+    gradient of a gather from a table, or of `nn.max_pool`; the zoo's steps scatter nothing)
+    and in the backward pass of cuDNN's fused attention. XLA's flag
+    (`--xla_gpu_deterministic_ops`) makes those deterministic, at a cost in speed. XLA reads
+    `XLA_FLAGS` once, when JAX starts its backends, so this must run before anything touches a
+    device; a GPU backend already up without the flag gets a warning (this run's kernels may
+    not repeat), and an XLA_FLAGS that turns the flag off is a `ValueError` naming the key. CPU
+    and TPU programs are deterministic as they are.
+    """
+    if not config.get("deterministic", False):
+        return
+    import jax
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops=false" in flags:
+        raise ValueError(
+            f"deterministic=True contradicts XLA_FLAGS={flags!r}: drop one of them (or set "
+            "config.deterministic=False)"
+        )
+    if "xla_gpu_deterministic_ops" in flags:
+        return
+    if not _backends_started():
+        os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_FLAG}".strip()
+    elif jax.default_backend() == "gpu":
+        logging.warning(
+            "mptrain: config.deterministic=True, but JAX's GPU backend started before mptrain "
+            "could set XLA's flag: this run's GPU kernels may not repeat bit for bit. Start "
+            "Python with XLA_FLAGS=%s, or set config.deterministic=False to say so",
+            DETERMINISTIC_FLAG,
+        )
+
+
+def start_backend(config) -> None:
+    """What must happen before anything touches a device: XLA's flags, then jax.distributed."""
+    set_determinism(config)
+    initialize_distributed(config)
+
+
+def initialize_distributed(config) -> None:
+    """Starts `jax.distributed` once, before anything touches a device.
+
+    With `config.distributed.*` set, from those; with none set, JAX's auto-detection when a
+    cluster environment it knows reports several processes; otherwise not at all (one
+    process). On CPU the processes' collectives go through gloo.
+    """
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    args = distributed_args(config)
+    if args is None and _cluster_process_count() <= 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args is None:
+        jax.distributed.initialize()
+    else:
+        address, count, index = args
+        jax.distributed.initialize(address, num_processes=count, process_id=index)
+    if jax.process_count() > 1:
+        preemption.forward_sigint()  # SIGTERM is JAX's now; SIGINT goes to it too
+    logging.info(
+        "mptrain: process %d of %d, %d local devices of %d",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: Path):
+    """Holds an exclusive lock on `<workdir>/.lock` for the run; a second run is refused.
+
+    The lock is an flock, so the kernel drops it when the process dies, even under kill -9. Only
+    process 0 of a multi-process job takes it (the others write nothing but checkpoint shards).
+    """
+    import jax
+
+    if jax.process_index() != 0:
+        yield
+        return
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        handle = open(workdir / ".lock", "a+")  # noqa: SIM115 (held for the whole run)
+    except OSError as e:
+        raise errors.WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise errors.WorkdirError(
+                f"workdir {workdir} is in use by another run ({holder}); wait for it to end "
+                "or use another --workdir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the lock

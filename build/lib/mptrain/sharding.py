@@ -1,0 +1,336 @@
+"""Device mesh and shardings: data parallel over `mesh.data`, params sharded over `mesh.fsdp`.
+
+The mesh has two axes, `("data", "fsdp")`. Batches are split over both (every device sees a
+different slice of the global batch); params and optimizer state are split over `fsdp` along
+their largest dimension that divides evenly, and replicated where none does. The trainer always
+has a mesh: on one device it is 1x1, and nothing is split.
+
+On a mesh of several devices the gradients are computed per device and reduced explicitly, the
+way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the
+compiled program cannot quietly do otherwise:
+- each param shard is cast to the compute dtype *before* it is all-gathered (half the bytes
+  of gathering fp32 and casting after);
+- each gradient is cast to fp32 *before* it is reduce-scattered over `fsdp` and summed over
+  `data`. Left to XLA, the reduction happens in whatever dtype the gradient matmul returns;
+  under fp16 compute that is an fp16 sum of loss-scaled values across devices, where overflow
+  and rounding both bite;
+- the finiteness of every gradient and updated param is one count and one all-reduce, not one
+  reduction per leaf.
+Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
+statistics over those axes, so the model sees the same numbers as on one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mptrain import q8
+
+AXES = ("data", "fsdp")
+_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "mptrain_batch_axes", default=None
+)
+
+
+def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
+    """`(data, fsdp)` with -1 resolved (the default `mesh.data=-1`: every device of every
+    process, data parallel); a `ValueError` naming the key when it does not fit the devices or
+    does not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    data, fsdp = config.mesh.data, config.mesh.fsdp
+    for key, value in (("mesh.data", data), ("mesh.fsdp", fsdp)):
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            raise ValueError(f"{key}={value!r}: must be a positive integer or -1 (all the rest)")
+    if data == -1 and fsdp == -1:
+        raise ValueError("mesh.data=-1: mesh.data and mesh.fsdp cannot both be -1")
+    if -1 in (data, fsdp):  # the other axis is given: it must divide the devices
+        key, value, rest = (
+            ("mesh.fsdp", fsdp, "mesh.data") if data == -1 else ("mesh.data", data, "mesh.fsdp")
+        )
+        if num_devices % value:
+            fits = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
+            raise ValueError(
+                f"{key}={value}: does not divide the {num_devices} devices, so {rest}=-1 (all "
+                f"the devices {key} leaves) is no whole number; use one of "
+                f"{', '.join(map(str, fits))}"
+            )
+    data = num_devices // fsdp if data == -1 else data
+    fsdp = num_devices // data if fsdp == -1 else fsdp
+    devices = data * fsdp
+    if devices > num_devices:
+        raise ValueError(
+            f"mesh.data={config.mesh.data}, mesh.fsdp={config.mesh.fsdp}: a mesh of {devices} "
+            f"devices, more than the {num_devices} there are"
+        )
+    if config.batch_size % devices:
+        every = " (mesh.data=-1: every device)" if config.mesh.data == -1 else ""
+        raise ValueError(
+            f"batch_size={config.batch_size}: the global batch must divide evenly over the "
+            f"{data}x{fsdp} mesh of {devices} devices{every}; make it a multiple of {devices}, "
+            "or set mesh.data and mesh.fsdp to use fewer devices"
+        )
+    return data, fsdp
+
+
+def create_mesh(config, devices: Any = None) -> Mesh:
+    """The run's `(data, fsdp)` mesh over the first devices of `devices` (default: all of
+    JAX's; `mptrain.plan` passes the compile-only devices of an accelerator not here)."""
+    devices = jax.devices() if devices is None else list(devices)
+    data, fsdp = mesh_shape(config, len(devices))
+    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
+
+
+def platform(mesh: Mesh) -> str:
+    """ "cpu", "gpu" or "tpu": what the mesh's devices are, which every choice made by backend
+    follows (never the host that builds the step: a plan for an H100 is built on a CPU)."""
+    return mesh.devices.flat[0].platform
+
+
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+    """The leading (batch) dimension split over every device of the mesh; `stacked`: the
+    second one, under a leading axis of batches for consecutive steps."""
+    return NamedSharding(mesh, PartitionSpec(None, AXES) if stacked else PartitionSpec(AXES))
+
+
+def process_rows(mesh: Mesh, global_rows: int) -> slice:
+    """The rows of a `global_rows` batch that this process's devices hold (one block: the mesh
+    takes devices in `jax.devices()` order, which groups them by process)."""
+    indices = batch_sharding(mesh).addressable_devices_indices_map((global_rows,)).values()
+    starts = [index[0].start or 0 for index in indices]
+    stops = [global_rows if index[0].stop is None else index[0].stop for index in indices]
+    rows = slice(min(starts), max(stops))
+    if sum(b - a for a, b in zip(starts, stops, strict=True)) != rows.stop - rows.start:
+        raise ValueError(f"this process's rows of the batch are not one block: {sorted(starts)}")
+    return rows
+
+
+def device_batch(
+    mesh: Mesh, source: Any, index: int, global_rows: int, count: int | None = None
+) -> Any:
+    """Batch `index` of `source` on the mesh, its rows split over all the devices; with
+    `count`, batches `index .. index + count - 1` stacked on a new leading axis.
+
+    With several processes each builds only its own rows, through `get_batch(index, rows=)`
+    when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
+    """
+    where = batch_sharding(mesh, stacked=count is not None)
+    indices = [index] if count is None else range(index, index + count)
+    if jax.process_count() == 1:  # the common case, on the hot path: nothing else to work out
+        batches = [source.get_batch(i) for i in indices]
+        return jax.device_put(batches[0] if count is None else _stack(batches), where)
+    rows = process_rows(mesh, global_rows)
+    if "rows" in inspect.signature(source.get_batch).parameters:
+        batches = [source.get_batch(i, rows=rows) for i in indices]
+    else:
+        batches = [jax.tree.map(lambda x: x[rows], source.get_batch(i)) for i in indices]
+    batch, lead = (batches[0], ()) if count is None else (_stack(batches), (count,))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            where, x, (*lead, global_rows, *x.shape[len(lead) + 1 :])
+        ),
+        batch,
+    )
+
+
+def _stack(batches: list) -> Any:
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
+    """`(init, args)` with `init(*args) == create(*args)` made directly in `state_shardings`.
+
+    The state is traced abstractly first (`jax.eval_shape`), its shardings are derived from the
+    shapes, and `create` is jitted with those as its output shardings: each device computes
+    only its own shards, so no device ever holds the whole state, not even during start-up.
+    """
+    shapes = jax.eval_shape(create, *args)
+    return jax.jit(create, out_shardings=state_shardings(mesh, shapes)), args
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _leaf_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
+    if fsdp > 1:
+        for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+            if shape[dim] % fsdp == 0:
+                spec = [None] * len(shape)
+                spec[dim] = "fsdp"
+                return PartitionSpec(*spec)
+    return PartitionSpec()
+
+
+def state_shardings(mesh: Mesh, state: Any) -> Any:
+    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated.
+    An 8-bit moment (`q8.Q8`) is split as the tensor it stands for (see `q8.scales_spec`)."""
+    fsdp = mesh.shape["fsdp"]
+
+    def one(x):
+        if not q8.is_q8(x):
+            return NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp))
+        spec = _leaf_spec(x.shape, fsdp)
+        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, fsdp)
+        return x.replace(
+            codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
+        )
+
+    return jax.tree.map(one, state, is_leaf=q8.is_q8)
+
+
+def _specs(mesh: Mesh, tree: Any) -> Any:
+    return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree))
+
+
+def batch_axes() -> tuple[str, ...] | None:
+    """The mesh axes the batch is split over while a per-device gradient is traced, else None.
+
+    A layer whose output depends on other examples of the batch (BatchNorm's statistics) passes
+    this as its `axis_name`, so its statistics are those of the whole global batch.
+    """
+    return _BATCH_AXES.get()
+
+
+@contextlib.contextmanager
+def _splitting_batch(axes: tuple[str, ...]):
+    token = _BATCH_AXES.set(axes)
+    try:
+        yield
+    finally:
+        _BATCH_AXES.reset(token)
+
+
+def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callable:
+    """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
+
+    Forward: cast the local shard, then all-gather it over `fsdp` (if it is split). Backward:
+    cast the gradient to fp32, reduce-scatter it over `fsdp` (or sum it there, for a param that
+    is not split) and sum it over `data`, then divide by the devices: each computed the gradient
+    of the mean loss over its own rows.
+    """
+    dim = next((d for d, axis in enumerate(spec) if axis == "fsdp"), None)
+    # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
+    as_bits = compute_dtype == jnp.bfloat16 and platform(mesh) == "cpu"
+
+    @jax.custom_vjp
+    def gather(shard):
+        x = shard.astype(compute_dtype)
+        if dim is None:
+            return x
+        if as_bits:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        x = jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+        return jax.lax.bitcast_convert_type(x, compute_dtype) if as_bits else x
+
+    def backward(_, grad):
+        grad = grad.astype(jnp.float32)
+        if dim is not None:
+            grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
+        summed = [a for a in (AXES if dim is None else ("data",)) if mesh.shape[a] > 1]
+        return ((jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size,)
+
+    gather.defvjp(lambda shard: (gather(shard), None), backward)
+    return gather
+
+
+def grad_fn(
+    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None
+) -> Callable:
+    """`(params, probes, batch, rng, *rest) -> (grads, probe_grads, aux)`: the fp32 gradient of
+    `loss_fn`'s first output with respect to fp32 `params`, which
+    `loss_fn(params, probes, batch, rng, *rest)` receives cast as `policy` says (the compute
+    dtype, fp32 for params its `keep_fp32` rule matches: `Policy.compute_dtypes`), and with
+    respect to `probes` (None, or float32 arrays that the loss reads only to be differentiated:
+    the per-layer numerics' taps); `aux` is the loss's second output.
+
+    Without a mesh, or on one device, this is `jax.grad` through the cast. On a larger mesh it is
+    a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
+    with params gathered in the compute dtype, and the gradients are reduced in fp32 (see the
+    module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads` combined
+    by `combine(probe_grads, axes)`; `rng` is folded with the device's index, so dropout masks
+    differ between devices.
+    """
+    if mesh is None or mesh.size == 1:
+
+        def single(params, probes, batch, rng, *rest):
+            def loss(params, probes):
+                return loss_fn(policy.cast_params(params), probes, batch, rng, *rest)
+
+            (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
+            return grads, probe_grads, aux
+
+        return single
+
+    def sharded(params, probes, batch, rng, *rest):
+        specs = _specs(mesh, params)
+
+        def local(params, probes, batch, rng, *rest):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
+            gathers = jax.tree.map(
+                lambda s, dtype: _gather(s, dtype, mesh),
+                specs,
+                policy.compute_dtypes(params),
+                is_leaf=lambda x: isinstance(x, PartitionSpec),
+            )
+
+            def gathered_loss(params, probes):
+                whole = jax.tree.map(lambda gather, p: gather(p), gathers, params)
+                return loss_fn(whole, probes, batch, rng, *rest)
+
+            with _splitting_batch(AXES):
+                grad = jax.grad(gathered_loss, (0, 1), has_aux=True)
+                (grads, probe_grads), aux = grad(params, probes)
+            mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            if probes is not None:
+                probe_grads = combine(probe_grads, AXES)
+            return grads, probe_grads, jax.tree.map(mean, aux)
+
+        replicated = PartitionSpec()
+        in_specs = (specs, replicated, PartitionSpec(AXES), replicated, *(replicated for _ in rest))
+        local = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(specs, replicated, replicated),
+            check_vma=False,
+        )
+        return local(params, probes, batch, rng, *rest)
+
+    return sharded
+
+
+def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
+    """A float32 vector: per tree, how many of its floating values are NaN or inf.
+
+    On a mesh of several devices each device counts its own shards and one all-reduce adds the
+    counts (a replicated leaf is counted once per device: a count is only ever compared with
+    zero). Elsewhere it is a plain count.
+    """
+
+    def local(*trees):
+        counts = []
+        for tree in trees:
+            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
+            counts.append(sum(bad, jnp.zeros((), jnp.float32)))
+        return jnp.stack(counts)
+
+    if mesh is None or mesh.size == 1:
+        return local(*trees)
+    summed = jax.shard_map(
+        lambda *trees: jax.lax.psum(local(*trees), AXES),
+        mesh=mesh,
+        in_specs=tuple(_specs(mesh, tree) for tree in trees),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    return summed(*trees)

@@ -1,0 +1,161 @@
+"""The training state: master params, optimizer state, loss scaler, rng and counters.
+
+Everything a run needs to continue bit-for-bit lives here as arrays, the loss scaler included, so
+one orbax save holds it all. Counters: `step` counts batches consumed (it positions the data and
+numbers checkpoints); `skipped_steps` counts non-finite steps; the optimizer's own count lives
+inside `opt_state` and advances only on applied updates, so schedules do not drift on skips.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.training import train_state
+
+from mptrain import errors, optim, precision
+from mptrain import loss_scale as loss_scale_lib
+
+ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
+_ROUNDING_SALT = 0x5EED
+
+
+def resolve_param_rounding(rounding: str, policy: precision.Policy | str) -> str:
+    """How fp32 updates land on params: "nearest", "stochastic" or "kahan" for `policy`.
+
+    "auto" is stochastic rounding for bf16 params (unbiased, no extra memory) and a plain cast
+    otherwise. The explicit choices must fit the params: fp32 params need no rounding rule, and
+    stochastic rounding is implemented for bf16. Errors name `param_rounding`.
+    """
+    policy = precision.get_policy(policy)
+    rounding = errors.check_choice("param_rounding", rounding, ROUNDINGS)
+    if rounding == "auto":
+        return "stochastic" if policy.param_dtype == precision.BF16 else "nearest"
+    if rounding != "nearest" and policy.param_dtype == precision.F32:
+        raise ValueError(
+            f"param_rounding={rounding!r}: only applies to 16-bit params, but the policy "
+            f"'{policy}' keeps params in float32; use 'auto' or 'nearest'"
+        )
+    if rounding == "stochastic" and policy.param_dtype != precision.BF16:
+        raise ValueError(
+            f"param_rounding='stochastic': supports bfloat16 params, not {policy.param_dtype}"
+        )
+    return rounding
+
+
+def _key_data(rng: Any) -> jax.Array:
+    """Raw uint32 key data from an int seed, a typed key or raw key data."""
+    if rng is None or isinstance(rng, int):
+        rng = jax.random.key(rng or 0)
+    rng = jnp.asarray(rng)
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(rng)
+    return rng.astype(jnp.uint32)
+
+
+class TrainState(train_state.TrainState):
+    """`flax.training.train_state.TrainState` plus what mixed precision needs to resume exactly.
+
+    Fields beyond flax's: `loss_scale` (a scaler pytree), `rng` (raw key data, so checkpoints
+    hold plain arrays), `skipped_steps` (int32), `model_state` (e.g. batch statistics, `{}` when
+    unused), `param_compensation` (Kahan rounding error per param, `{}` unless
+    `param_rounding="kahan"`), and the static `policy` and `param_rounding`.
+    """
+
+    loss_scale: Any = None
+    rng: jax.Array | None = None
+    skipped_steps: jax.Array | None = None
+    model_state: Any = struct.field(default_factory=dict)
+    param_compensation: Any = struct.field(default_factory=dict)
+    policy: precision.Policy = struct.field(pytree_node=False, default=None)
+    param_rounding: str = struct.field(pytree_node=False, default="nearest")
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn,
+        params,
+        tx: optax.GradientTransformation,
+        policy: precision.Policy | str,
+        loss_scale: Any = None,
+        rng: Any = None,
+        model_state: Any = None,
+        param_rounding: str = "nearest",
+        **kwargs,
+    ) -> TrainState:
+        """Stores `params` in `policy.param_dtype` and initialises the optimizer on them.
+
+        `loss_scale`: a scaler, or None for no scaling. `rng`: an int seed, a typed key or raw key
+        data. `param_rounding` decides how fp32 updates land on 16-bit params: "nearest" (plain
+        cast), "stochastic" (unbiased random rounding, bf16 params only), "kahan" (keeps the
+        rounding error in `param_compensation` and adds it back on the next update) or "auto"
+        (stochastic for bf16 params, else nearest).
+        """
+        policy = precision.get_policy(policy)
+        param_rounding = resolve_param_rounding(param_rounding, policy)
+        params = policy.cast_to_param(params)
+        compensation = {}
+        if param_rounding == "kahan":
+            compensation = jax.tree.map(jnp.zeros_like, params)
+        return cls(
+            step=jnp.asarray(0, jnp.int32),
+            apply_fn=apply_fn,
+            params=params,
+            tx=tx,
+            opt_state=tx.init(params),
+            loss_scale=loss_scale_lib.NoOpLossScale() if loss_scale is None else loss_scale,
+            rng=_key_data(rng),
+            skipped_steps=jnp.asarray(0, jnp.int32),
+            model_state={} if model_state is None else model_state,
+            param_compensation=compensation,
+            policy=policy,
+            param_rounding=param_rounding,
+            **kwargs,
+        )
+
+    def apply_gradients(self, *, grads, apply=None, **kwargs) -> TrainState:
+        """Applies one optax update from fp32 `grads`; does not advance `step` (the caller does).
+
+        The update is computed and added in fp32, then rounded once to the param dtype by the
+        chosen rounding, so 16-bit params never see 16-bit arithmetic on the update path.
+        `apply` (a bool scalar; None: always): where False, params, optimizer state and
+        compensation come back bit-identical. An `optim.Gated` optimizer keeps its own state
+        (one read of each old leaf, see there); any other is selected after its update.
+        """
+        params32 = precision.to_f32(self.params)
+        gated = apply is not None and isinstance(self.tx, optim.Gated)
+        extra = {"apply": apply} if gated else {}
+        updates, opt_state = self.tx.update(grads, self.opt_state, params32, **extra)
+        updates = precision.to_f32(updates)
+        compensation = self.param_compensation
+        if self.param_rounding == "nearest":
+            params = jax.tree.map(
+                lambda p, u: (p + u).astype(self.policy.param_dtype), params32, updates
+            )
+        elif self.param_rounding == "stochastic":
+            key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
+            key = jax.random.fold_in(key, _ROUNDING_SALT)
+            params = precision.stochastic_round_tree(jax.tree.map(jnp.add, params32, updates), key)
+        else:  # kahan: carry the part of each update that rounding dropped into the next one
+            dtype = self.policy.param_dtype
+            wanted = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates, compensation)
+            # The new params are rounded explicitly and kept in fp32 for the compensation: a
+            # cast to 16 bits and back is a round trip a compiler allowed excess precision may
+            # skip (XLA:GPU's default), and the compensation would then always come out zero.
+            new = jax.tree.map(lambda p, w: precision.round_to(p + w, dtype), params32, wanted)
+            params = jax.tree.map(lambda n: n.astype(dtype), new)  # exact: already rounded
+            compensation = jax.tree.map(
+                lambda n, old, w: (w - (n - old)).astype(dtype), new, params32, wanted
+            )
+        if apply is not None:
+            keep = lambda new, old: loss_scale_lib.select_tree(apply, new, old)
+            params = keep(params, self.params)
+            compensation = keep(compensation, self.param_compensation)
+            opt_state = opt_state if gated else keep(opt_state, self.opt_state)
+        return self.replace(
+            params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
+        )

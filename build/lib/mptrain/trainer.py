@@ -1,0 +1,309 @@
+"""The Trainer: host-side hooks, traced hooks, and the loop that runs them.
+
+Subclass it and override a few hooks; everything else (precision, loss scaling, checkpoints,
+metrics, resuming) comes with it.
+
+- Host-side hooks run once and may do I/O: `build_model`, `build_optimizer`, `build_datasets`,
+  `build_hooks`, `init_variables`.
+- Traced hooks run under `jax.jit`, must be pure and read only immutable attributes
+  (`self.config`, `self.model`, `self.policy`, `self.mesh`): `loss_fn`, `eval_fn`.
+- Drivers: `init_state`, `evaluate`, `setup`, `train_and_evaluate`.
+- `loss_unit`: what the run summary calls the eval loss's unit. The built-in `loss_fn` (a
+  cross-entropy) has the zoo's (`models.loss_unit`: "nats/byte" for the LM on byte-level text,
+  also shown in bits/byte, else "nats"); a subclass with its own `loss_fn` has None (no unit
+  printed) unless it sets `loss_unit` itself (a class attribute).
+
+`Trainer(config, workdir, devices=...)` builds everything for `devices` (default: JAX's own;
+`mptrain.plan` passes the compile-only devices of an accelerator that is not here): the mesh
+takes them, and every choice made by backend (attention "auto") follows them, not this host.
+
+A run is set up once (`setup` returns a `Run` holding the sources, the state, the compiled
+steps, the writer, the checkpointer and the hooks), then a short loop steps it. The loop
+dispatches step n+1 before it reads the metrics of step n, so the host never waits on the device
+except on log, eval and checkpoint steps; the train step is compiled once, with the state donated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import optax
+from absl import logging
+
+from mptrain import (
+    audit,
+    checkpoint,
+    data,
+    errors,
+    files,
+    loop,
+    models,
+    nnx_models,
+    optim,
+    runtime,
+    schedules,
+    sharding,
+    step,
+)
+from mptrain import config as config_lib
+from mptrain import loss_scale as loss_scale_lib
+from mptrain import metrics as metrics_lib
+from mptrain import train_state as train_state_lib
+from mptrain.models import layers
+
+
+class Trainer:
+    """Trains `config.model` on `config.data` under `config.precision`; see the module doc."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None):
+        self.config, self.workdir = config, Path(workdir)
+        self.policy = config_lib.policy_of(config)
+        self.mesh = sharding.create_mesh(config, devices)  # see the module doc; 1x1 on one
+        self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
+        self.tx, self.schedule = self.build_optimizer()
+        self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
+
+    @property
+    def loss_unit(self) -> str | None:
+        """The eval loss's unit in the run summary (None: no unit); see the module doc."""
+        return None if type(self).loss_fn is not Trainer.loss_fn else models.loss_unit(self.config)
+
+    # ---- host-side hooks: run once, may do I/O --------------------------------------------
+
+    def build_model(self) -> nn.Module:
+        """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
+        return models.create(self.config.model, self.policy, self.mesh.devices.flat)
+
+    def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
+        return optim.make_optimizer(self.config)
+
+    def build_datasets(self) -> tuple[Any, Any]:
+        """Host-side. `(train, eval)` sources whose `get_batch(i)` is a pure function of i."""
+        return data.create_sources(self.config)
+
+    def build_hooks(self, run: loop.Run) -> list:
+        """Host-side. clu periodic actions called with the step after every step; they read the
+        live state as `run.state`. Extend via `super()`."""
+        periodic_actions = metrics_lib.import_clu("periodic_actions")
+        cfg, last = self.config, [self.config.num_train_steps]
+
+        def evaluate(step: int, t: float) -> None:  # clu passes these by name
+            self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
+            run.record(step, self.last_eval, draw=True)
+
+        return [
+            periodic_actions.ReportProgress(
+                num_train_steps=cfg.num_train_steps,
+                writer=run.writer,
+                every_steps=cfg.log_every_steps,
+                every_secs=None,
+            ),
+            periodic_actions.PeriodicCallback(
+                every_steps=cfg.eval_every_steps, on_steps=last, callback_fn=evaluate
+            ),
+            periodic_actions.PeriodicCallback(
+                every_steps=cfg.checkpoint_every_steps,
+                on_steps=last,
+                callback_fn=lambda step, t: run.save(step),
+            ),
+        ]
+
+    def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
+        """Traced once at start. The model's variables (params plus any state collections)."""
+        return self.model.init({"params": rng, "dropout": rng}, batch["inputs"], train=False)
+
+    # ---- traced hooks: pure, run under jit ------------------------------------------------
+
+    def loss_fn(self, params, model_state, batch, rng):
+        """Traced. `(loss, (new_model_state, aux))` from compute-dtype params and batch. The
+        default's aux is empty: an accuracy (an argmax over the logits) in every train step cost
+        a small LM a tenth of its step, for a number the evaluation reports anyway."""
+        variables = {"params": params, **model_state}
+        mutable = list(model_state) or False
+        out = self.model.apply(
+            variables, batch["inputs"], train=True, rngs={"dropout": rng}, mutable=mutable
+        )
+        logits, new_state = out if mutable else (out, model_state)
+        logits = self.policy.cast_to_output(logits)  # the loss sees the policy's output dtype
+        return layers.cross_entropy(logits, batch["targets"]), (new_state, {})
+
+    def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
+        """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`).
+
+        The default runs the model with `train=False` and reports loss and accuracy. A subclass
+        that overrides only `loss_fn` gets that loss and its aux instead (with a fixed rng), so a
+        new model needs no eval code of its own.
+        """
+        if type(self).loss_fn is not Trainer.loss_fn:
+            loss, (_, aux) = self.loss_fn(params, model_state, batch, jax.random.key(0))
+            return {"loss": loss, **aux}
+        logits = self.model.apply({"params": params, **model_state}, batch["inputs"], train=False)
+        return layers.classification_metrics(self.policy.cast_to_output(logits), batch["targets"])
+
+    # ---- drivers --------------------------------------------------------------------------
+
+    def init_state(self, sample_batch: Any = None) -> train_state_lib.TrainState:
+        """Host-side. The step-0 state, created on the mesh directly in its shardings;
+        `sample_batch` gives the input shapes (default: batch 0 of `build_datasets`)."""
+        with loop.allow_transfers():
+            if sample_batch is None:
+                sample_batch = self.build_datasets()[0].get_batch(0)
+            init, args = self.make_init(sample_batch)
+            return init(*args)
+
+    def make_init(self, sample_batch: Any) -> tuple[Callable, tuple]:
+        """Host-side. `(init, args)`: `init(*args)` is the step-0 state, made directly in its
+        shardings (`sharding.sharded_init`): no device ever holds the whole state."""
+        cfg = self.config
+        sample = jax.tree.map(lambda x: x[:1], sample_batch)
+        init_rng, state_rng = jax.random.split(jax.random.key(cfg.seed))
+
+        def create(init_rng, state_rng, sample):
+            variables = dict(self.init_variables(init_rng, sample))
+            params = variables.pop("params")
+            return train_state_lib.TrainState.create(
+                apply_fn=self.model.apply,
+                params=params,
+                tx=self.tx,
+                policy=self.policy,
+                loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),
+                rng=state_rng,
+                model_state=variables,
+                param_rounding=cfg.param_rounding,
+            )
+
+        return sharding.sharded_init(create, self.mesh, init_rng, state_rng, sample)
+
+    def make_train_step(self) -> Callable:
+        """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
+        log totals, which restart on the device after each log step."""
+        cfg, schedule = self.config, self.schedule
+        log_every, last = cfg.log_every_steps, cfg.num_train_steps
+
+        def is_log_step(state):  # the tables read are those of log steps and skipped steps
+            return ((state.step + 1) % log_every == 0) | (state.step + 1 == last)
+
+        when = None if cfg.numerics.every_step else is_log_step
+        recipe = step.make_train_step(
+            self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
+        )
+
+        def train_step(state, batch, totals: loop.LogTotals):
+            totals = loss_scale_lib.select_tree(state.step % log_every == 0, totals.reset(), totals)
+            new_state, metrics = recipe(state, batch)
+            shardings = sharding.state_shardings(self.mesh, state)
+            new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+            metrics["learning_rate"] = schedule(schedules.optimizer_count(state.opt_state))
+            return new_state, metrics, totals.add(state.step, metrics)
+
+        return train_step
+
+    def make_run_step(self, state, batch) -> tuple[Callable, Callable, Any]:
+        """Host-side. What a run compiles for `state` and one `batch` (arrays, or `mptrain.plan`'s
+        abstract ones): the train step, jitted (`loop.steps`, state donated), `loop.make_totals`."""
+        cfg, replicated = self.config, sharding.replicated(self.mesh)
+        jitted = jax.jit(loop.steps(self.make_train_step(), cfg.steps_per_call), donate_argnums=0)
+        return jitted, *loop.make_totals(cfg, replicated, self.loss_fn, state, batch)
+
+    def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
+        """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
+        `index` on, stacked (see `sharding.device_batch`)."""
+        return sharding.device_batch(self.mesh, source, index, self.config.batch_size, count)
+
+    def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
+        """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`;
+        `source` defaults to the eval source of `build_datasets`, `eval_step` to a freshly
+        jitted `make_eval_step(self.eval_fn)` (a run passes its own, compiled once)."""
+        if source is None:
+            with loop.allow_transfers():
+                source = self.build_datasets()[1]
+        eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn))
+        batches = (self.device_batch(source, i) for i in range(self.config.eval_steps))
+        return loop.average(eval_step, state, batches, prefix="eval_")
+
+    def setup(self, train_source: Any, eval_source: Any) -> loop.Run:
+        """Host-side. Builds everything a run needs, once: the state (restored from the newest
+        valid checkpoint if there is one), the compiled train and eval steps, the writer, the
+        checkpointer and the hooks. Writes `config.json`. Use the `Run` as a context manager."""
+        cfg, workdir = self.config, self.workdir
+        state = self.init_state(train_source.get_batch(0))
+        with loop.allow_transfers():
+            checkpointer = checkpoint.Checkpointer(
+                workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
+            )
+            state, saved_step = checkpoint.resume(
+                checkpointer, state, self.policy, config_lib.to_dict(cfg)
+            )
+            start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
+            if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
+                files.remove_temporaries(workdir, workdir / "numerics")
+                files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
+            jitted, make_totals, calls = self.make_run_step(state, train_source.get_batch(0))
+            totals = make_totals()
+        # Compile everything up front: the loop then never stops to compile. The one trace of
+        # the step is compiled and read by the precision report.
+        batches = self.device_batch(train_source, start, k if k > 1 else None)
+        traced = jitted.trace(state, batches, totals)
+        train_step = traced.lower().compile()
+        report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
+        eval_step = jax.jit(step.make_eval_step(self.eval_fn))
+        eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
+        run = loop.Run(
+            config=cfg,
+            state=state,
+            start=start,
+            train_source=train_source,
+            eval_source=eval_source,
+            train_step=train_step,
+            eval_step=eval_step,
+            totals=totals,
+            writer=metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0),
+            checkpointer=checkpointer,
+            saved_step=saved_step,
+            calls=calls,
+            workdir=workdir,
+        )
+        run.hooks = self.build_hooks(run)
+        metrics_lib.report_start(workdir, cfg, state, train_step, self.mesh, start, report)
+        return run
+
+    def train_and_evaluate(self) -> train_state_lib.TrainState:
+        """Trains to `config.num_train_steps`, resuming from the newest checkpoint if any.
+
+        Raises `errors.Preempted` after checkpointing on SIGTERM or SIGINT, `NonFiniteTraining`
+        when non-finite steps do not recover, `WorkdirError` or `ConfigError` when the workdir
+        is in use or belongs to another run (`checkpoint.resume`), `StorageError` on a failed save.
+        """
+        with loop.allow_transfers():  # data problems surface before anything touches the workdir
+            sources = self.build_datasets()
+        with runtime.workdir_lock(self.workdir), runtime.PreemptionFlag() as preemption:
+            with preemption.starting_up():  # nothing to save yet: SIGTERM exits at once
+                run = self.setup(*sources)
+            with run:
+                self.train(run, preemption)
+                run.finish(self.last_eval, self.loss_unit)
+        return run.state
+
+    def train(self, run: loop.Run, preemption: runtime.PreemptionFlag) -> None:
+        """Host-side. The loop: heed SIGTERM, step, report and run the hooks (`Run.stepped`).
+        Each call runs `config.steps_per_call` steps on batches the prefetcher made ahead."""
+        cfg, totals, done, k = self.config, run.totals, run.start, self.config.steps_per_call
+        calls = range(run.start, cfg.num_train_steps, k)
+        fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
+        depth = loop.prefetch_depth(cfg.data.prefetch, sharding.platform(self.mesh))
+        with loop.Prefetcher(fetch, calls, depth) as batches:
+            for first, batch in zip(calls, batches, strict=True):
+                if preemption.reached(done):
+                    name = preemption.signal_name
+                    logging.warning("mptrain: %s received; checkpointing step %d", name, done)
+                    run.stop(done, errors.Preempted(done, name))
+                run.state, metrics, totals = run.train_step(run.state, batch, totals)
+                done = first + k
+                run.stepped(first, done, metrics, totals)
+        run.report_pending(done)
