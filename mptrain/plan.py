@@ -84,7 +84,7 @@ class Plan:
         if self.fits:
             return f"fits, {100 * share:.0f}% of {self.capacity / GiB:.1f} GiB"
         where = "; ".join(
-            f"{b['count']} x {b['array']} ({b['bytes'] / GiB:.2f} GiB) at {b['where']}"
+            f"{b['count']:g} x {b['array']} ({b['bytes'] / GiB:.2f} GiB) at {b['where']}"
             for b in self.largest[:3]
         )
         return (
