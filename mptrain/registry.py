@@ -22,10 +22,12 @@ def modules(package: str, path: Iterable[str], entry: str) -> dict[str, Any]:
 
 
 def lookup(key: str, name: Any, found: dict[str, Any], what: str) -> Any:
-    """`found[name]`; else a `ValueError` naming `key`, the closest name and all valid ones."""
-    if name not in found:
+    """`found[name]`, in any case and without surrounding blanks (as every choice of a config
+    is read); else a `ValueError` naming `key`, the closest name and all valid ones."""
+    plain = name.strip().lower() if isinstance(name, str) else name
+    if plain not in found:
         raise ValueError(
             f"{key}={name!r}: no such {what}; "
             f"{errors.did_you_mean(str(name), found, list_all=True)}"
         )
-    return found[name]
+    return found[plain]

@@ -8,7 +8,6 @@ a cheap check of those keys that returns the abstract shapes of one example (or 
 run needs nothing but the step number to continue the data exactly.
 """
 
-import importlib
 from typing import Any
 
 from mptrain import registry
@@ -34,5 +33,4 @@ def check_config(config) -> Any:
 
 def create_sources(config):
     """Host-side: the `(train, eval)` sources of `mptrain.data.<config.data.name>`."""
-    module = importlib.import_module(f"{__name__}.{config.data.name}")
-    return module.create_sources(config)
+    return import_source(config.data.name).create_sources(config)

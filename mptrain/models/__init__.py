@@ -29,7 +29,8 @@ def loss_unit(config) -> str:
     target (`layers.cross_entropy`): "nats/byte" for `transformer_lm` on the byte-level text of
     `data.name="text"`, whose targets are bytes; else "nats" (the classifiers `cnn`, `mlp` and
     `resnet`: per image). A Trainer subclass with its own `loss_fn` names its own unit."""
-    if config.model.name == "transformer_lm" and config.data.name == "text":
+    model, data = (str(name).strip().lower() for name in (config.model.name, config.data.name))
+    if model == "transformer_lm" and data == "text":
         return "nats/byte"
     return "nats"
 

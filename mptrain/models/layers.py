@@ -61,7 +61,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain import sharding
+from mptrain import errors, sharding
 
 Dtype = Any
 
@@ -339,9 +339,7 @@ def choose_attention(
     the materialised island elsewhere, as torch's ``scaled_dot_product_attention`` keeps its
     math fallback; ``"cudnn"`` where it cannot run is a ``ValueError`` naming the key and why.
     """
-    if requested not in ATTENTION_CHOICES:
-        choices = " | ".join(repr(c) for c in ATTENTION_CHOICES)
-        raise ValueError(f"{ATTENTION_KEY}={requested!r}: must be {choices}")
+    requested = errors.check_choice(ATTENTION_KEY, requested, ATTENTION_CHOICES)
     if requested == "materialized":
         return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
     why = _why_not_cudnn(backend or local_backend(), dtype, head_dim, dropout_rate)
