@@ -305,8 +305,8 @@ def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
     )
 
 
-def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, int | None]:
-    """`(state, step)` of the newest valid checkpoint, or `(state, None)` when there is none.
+def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, Any, Any]:
+    """`(state, step, meta)` of the newest valid checkpoint, else `(state, None, None)`.
     For the run that holds the directory: once the checkpoint is accepted it removes leftovers
     of interrupted saves. Checkpoints whose arrays do not fit `state` (another model shape,
     optimizer or precision) are a `WorkdirError`; a checkpoint that fits but was trained with
@@ -322,13 +322,13 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
         ) from None
     except InvalidCheckpointError as e:
         raise errors.WorkdirError(str(e)) from None
-    step = None
+    step = meta = None
     if restored is not None:
         state, meta = restored
         step = int(meta["step"])
         _check_resumable(meta, str(policy), config, f"{checkpointer.directory}/{step}")
     checkpointer.remove_leftovers()
-    return state, step
+    return state, step, meta
 
 
 def _check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:

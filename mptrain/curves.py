@@ -1,10 +1,11 @@
 """The picture of a run, and the summary it ends with.
 
 The trainer appends each log step's and each evaluation's numbers to
-`<workdir>/history.jsonl` (process 0 only; a resumed run appends to it, and for a step written
-twice the later line wins; a line a crash cut short is skipped, and the next one starts on a
-line of its own), and redraws `<workdir>/curves.png` from it at each evaluation and at the end:
-train and eval loss, the learning rate, the loss scale and the skipped steps.
+`<workdir>/history.jsonl` (process 0 only; a run resuming at step S first drops the lines past
+S, which a crash left after the checkpoint, then appends; a line a crash cut short is skipped,
+and the next one starts on a line of its own), and redraws `<workdir>/curves.png` from it at
+each evaluation and at the end: train and eval loss, the learning rate, the loss scale and the
+skipped steps.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+
+from mptrain import files
 
 HISTORY = "history.jsonl"
 PICTURE = "curves.png"
@@ -34,21 +37,36 @@ def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> Non
         f.write(b"\n" * cut_short + json.dumps(row).encode() + b"\n")
 
 
+def _rows(path: Path) -> list[tuple[str, dict]]:
+    """`(line, row)` of the history's whole lines (a line a crash cut short is skipped)."""
+    found = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            found.append((line, row))
+    return found
+
+
+def forget_after(workdir: str | os.PathLike, step: int) -> None:
+    """Drops the history's lines past `step` (a run resuming at `step` writes them again),
+    atomically: a reader sees the old history or the new one."""
+    path = Path(workdir) / HISTORY
+    rows = _rows(path)
+    kept = [line + "\n" for line, row in rows if row["step"] <= step]
+    if len(kept) < len(rows) or (path.exists() and not path.read_text().endswith("\n")):
+        files.write_text(path, "".join(kept))
+
+
 def load(workdir: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
     """`{key: (steps, values)}` from the history, in step order, the latest line per step."""
     series: dict[str, dict[int, float]] = {k: {} for k in KEYS}
-    path = Path(workdir) / HISTORY
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                continue
-            for key in KEYS:
-                if isinstance(row.get(key), int | float):
-                    series[key][row["step"]] = row[key]
+    for _, row in _rows(Path(workdir) / HISTORY):
+        for key in KEYS:
+            if isinstance(row.get(key), int | float):
+                series[key][row["step"]] = row[key]
     return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in series.items()}
 
 

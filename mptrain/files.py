@@ -153,18 +153,23 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Writes `obj` as indented JSON, atomically: a reader sees the old file or the new one.
+    """Writes `obj` as indented JSON, atomically (`write_text`). Values JSON cannot hold are
+    written as their `str()`."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Writes `text` to `path` atomically: a reader sees the old file or the new one.
 
     The text goes to a temporary file in the same directory, is flushed to disk, and replaces
-    `path` with `os.replace`. Values JSON cannot hold are written as their `str()`. A write
-    that a kill interrupts leaves its temporary behind (`is_temporary`); the owner of the
-    folder removes those (`remove_temporaries`: a run, at start-up). The file gets the mode any
-    new file gets (0666 less the umask), not `mkstemp`'s private 0600.
+    `path` with `os.replace`. A write that a kill interrupts leaves its temporary behind
+    (`is_temporary`); the owner of the folder removes those (`remove_temporaries`: a run, at
+    start-up). The file gets the mode any new file gets (0666 less the umask), not `mkstemp`'s
+    private 0600.
     """
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    text = json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n"
     while True:
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
         try:

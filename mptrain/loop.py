@@ -1,6 +1,6 @@
 """One run's live pieces, built once by `Trainer.setup`: the state, the compiled steps, the
 writer, the checkpointer, and what the loop does on the host between steps (report a log step,
-save, stop); and `LogTotals`, what the step adds up on the device between two log steps.
+save, stop). What the step adds up on the device between two log steps is in `log_totals`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from absl import logging
-from flax import struct
 
-from mptrain import checkpoint, curves, errors, fp8, numerics, numerics_log
+from mptrain import checkpoint, curves, errors, fp8, log_totals, numerics, numerics_log
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -33,74 +31,6 @@ def allow_transfers():
     # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
     # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
     return jax.transfer_guard("allow")
-
-
-@struct.dataclass
-class LogTotals:
-    """What the train step adds up on the device between two log steps, so the host reads it
-    only on log steps: the sum and count of the applied steps' losses (for the mean loss since the
-    last log), and two values that span log intervals, the current run of non-finite steps and
-    the last finite loss (for the diagnostic when training cannot recover)."""
-
-    loss_sum: jax.Array
-    applied_steps: jax.Array
-    consecutive_skips: jax.Array
-    last_finite_loss: jax.Array
-    numerics: Any = None  # a `numerics_log.Log` when per-layer numerics are recorded
-
-    @classmethod
-    def zeros(cls, numerics: Any = None) -> LogTotals:
-        """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
-        zero_f, zero_i = np.float32(0), np.int32(0)
-        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
-
-    @classmethod
-    def on_devices(cls, sharding: Any, numerics: Any = None) -> LogTotals:
-        """Fresh totals made on the devices of `sharding` (a host NaN would not pass
-        `device_put`'s check that every process puts the same value)."""
-        return jax.jit(lambda: cls.zeros(numerics), out_shardings=sharding)()
-
-    def add(self, step: jax.Array, metrics: dict[str, jax.Array]) -> LogTotals:
-        """Adds step `step`'s metrics: its (fp32) loss counts only if its update was applied;
-        with per-layer numerics, its table and where it first went non-finite are logged."""
-        loss, applied, log = metrics["loss"], metrics["applied"], self.numerics
-        if log is not None:
-            log = log.record(step, applied, metrics["numerics"], metrics["numerics_origin"])
-        return self.replace(
-            numerics=log,
-            loss_sum=self.loss_sum + jnp.where(applied, loss, 0.0),
-            applied_steps=self.applied_steps + applied.astype(jnp.int32),
-            consecutive_skips=jnp.where(applied, 0, self.consecutive_skips + 1),
-            last_finite_loss=jnp.where(applied, loss, self.last_finite_loss),
-        )
-
-    def reset(self) -> LogTotals:
-        """A new log interval: the sums restart; the values that span intervals stay."""
-        return self.replace(
-            loss_sum=jnp.zeros_like(self.loss_sum),
-            applied_steps=jnp.zeros_like(self.applied_steps),
-            numerics=None if self.numerics is None else self.numerics.reset(),
-        )
-
-    def to_scalars(self) -> dict[str, float]:
-        """Host floats from fetched totals; `loss` (the interval's mean) only if a step applied."""
-        values = {
-            "consecutive_skips": float(self.consecutive_skips),
-            "last_finite_loss": float(self.last_finite_loss),
-        }
-        if int(self.applied_steps):
-            values["loss"] = float(self.loss_sum) / int(self.applied_steps)
-        return values
-
-
-def make_totals(config, sharding: Any, loss_fn: Callable, state: Any, batch: Any):
-    """`(totals, calls)`: `totals()` makes a run's fresh log totals on `sharding`'s devices
-    (jitted: `jax.eval_shape(totals)` gives their shapes); `calls`, the per-layer numerics'
-    module calls of `loss_fn` on `state` and one `batch` (arrays or abstract), None without
-    `config.numerics.per_layer`."""
-    calls = numerics.loss_calls(loss_fn, state, batch) if config.numerics.per_layer else None
-    log = calls and numerics_log.Log.zeros(len(calls.paths), config.log_every_steps)
-    return functools.partial(LogTotals.on_devices, sharding, log), calls
 
 
 def average(eval_step: Callable, state: Any, batches: Any, prefix: str = "") -> dict:
@@ -191,10 +121,10 @@ class Run:
     eval_source: Any
     train_step: Callable  # compiled: (state, batch, totals) -> (state, metrics, totals)
     eval_step: Callable  # compiled: (state, batch) -> metrics
-    totals: LogTotals  # on the devices
-    writer: Any
+    totals: log_totals.LogTotals  # on the devices: the newest call's, which a checkpoint keeps
     checkpointer: checkpoint.Checkpointer
     saved_step: int | None = None  # the newest checkpoint's step
+    writer: Any = None  # None: `metrics.create_writer`'s for this workdir
     hooks: list = dataclasses.field(default_factory=list)
     calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
     workdir: Path = Path(".")
@@ -203,7 +133,16 @@ class Run:
     fp8_saturated: Any = None  # the fp8 layers' clip counters at the last log step
 
     def __post_init__(self):
-        cfg = self.config
+        cfg, main = self.config, jax.process_index() == 0
+        # The record resumes like the state: what a crash left past the step resumed from (a
+        # log or eval line written after the newest checkpoint) goes, here and in TensorBoard.
+        if self.writer is None:
+            restart = self.start + 1
+            self.writer = metrics_lib.create_writer(
+                self.workdir, is_main_process=main, restart=restart
+            )
+        if main:
+            curves.forget_after(self.workdir, self.start)
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
         self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves
@@ -243,12 +182,12 @@ class Run:
                 ", ".join(repeated),
             )
 
-    def stepped(self, first: int, done: int, metrics, totals: LogTotals) -> None:
+    def stepped(self, first: int, done: int, metrics, totals: log_totals.LogTotals) -> None:
         """Host-side, after dispatching the call that ran steps `first + 1 .. done`: reports the
         previous log step, whose values are read only now, after the next call is queued, so
         the device never waits for the host; then runs the hooks for each of those steps."""
         self.report_pending(done)
-        cfg = self.config
+        self.totals, cfg = totals, self.config
         if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
             self.pending = (done, metrics, totals)
         for step_no in range(first + 1, done + 1):  # clu's actions want every step
@@ -282,10 +221,13 @@ class Run:
             print(summary, flush=True)
 
     def save(self, step_no: int) -> None:
-        """Host-side. Writes checkpoint `step_no` of `state`; a full disk stops the run (the
+        """Host-side. Writes checkpoint `step_no` of `state`, with the log interval's totals so
+        far, after the log line of a step it covers; a full disk stops the run (the
         checkpointer's `StorageError`)."""
+        self.report_pending(step_no)
         with allow_transfers():
-            self.checkpointer.save(step_no, self.state, {"step": step_no, **self.meta})
+            meta = {"step": step_no, "log_totals": jax.device_get(self.totals).to_meta()}
+            self.checkpointer.save(step_no, self.state, meta | self.meta)
         self.saved_step = step_no
 
     def stop(self, done: int, error: errors.StopTraining) -> None:

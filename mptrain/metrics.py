@@ -133,12 +133,18 @@ class EventWriter(_interface.MetricWriter):
     audio are not, and a call with them logs a warning that names them.
     """
 
-    def __init__(self, logdir: str | os.PathLike):
+    def __init__(self, logdir: str | os.PathLike, restart: int | None = None):
+        """`restart`: the first step this writer writes. TensorBoard then drops the events of
+        that step and later from the files before this one (what a crash left past the
+        checkpoint a run resumes from), as it does for TensorFlow's restarted sessions."""
         os.makedirs(logdir, exist_ok=True)
         name = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_SERIAL)}"
         self.path = os.path.join(logdir, f"events.out.tfevents.{name}.v2")
         self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (closed in close)
         self._write(event_pb2.Event(file_version="brain.Event:2"))
+        if restart is not None:
+            start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self._write(event_pb2.Event(step=int(restart), session_log=start))
 
     def _write(self, event: event_pb2.Event) -> None:
         event.wall_time = time.time()
@@ -263,13 +269,16 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
         logging.info("mptrain: resuming from step %d", start)
 
 
-def create_writer(workdir: str | os.PathLike, *, is_main_process: bool = True):
-    """TensorBoard events (an `EventWriter`) in `workdir` and absl log lines, written from a
-    background thread so the train loop never waits on a disk; on other processes, nothing."""
+def create_writer(
+    workdir: str | os.PathLike, *, is_main_process: bool = True, restart: int | None = None
+):
+    """TensorBoard events (an `EventWriter`, `restart` as there) in `workdir` and absl log
+    lines, written from a background thread so the train loop never waits on a disk; on other
+    processes, nothing."""
     metric_writers = import_clu("metric_writers")
     if not is_main_process:
         return metric_writers.MultiWriter([])
-    writers = [metric_writers.LoggingWriter(), EventWriter(workdir)]
+    writers = [metric_writers.LoggingWriter(), EventWriter(workdir, restart)]
     return metric_writers.AsyncMultiWriter(writers)
 
 

@@ -2,7 +2,7 @@
 
 `numerics` measures one step's table; this module keeps, between two log steps and on the
 device, where each skipped step first went non-finite and the whole tables of the newest
-skipped steps (`Log`, carried in `loop.LogTotals`), and turns them, on a log step, into
+skipped steps (`Log`, carried in `log_totals.LogTotals`), and turns them, on a log step, into
 log lines, `<workdir>/numerics/<step>.json` files and TensorBoard series (`report`).
 """
 
@@ -51,7 +51,7 @@ KEPT_TABLES = 20  # per-layer tables of the newest skipped steps kept on the dev
 
 @struct.dataclass
 class Log:
-    """What the device keeps between two log steps (inside `loop.LogTotals`): for every step
+    """What the device keeps between two log steps (inside `log_totals.LogTotals`): for every step
     of the interval that was skipped, `(step, call, direction)` of its first non-finite value;
     and the whole tables of the newest `KEPT_TABLES` skipped steps, across intervals."""
 

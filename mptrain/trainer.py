@@ -41,6 +41,7 @@ from mptrain import (
     data,
     errors,
     files,
+    log_totals,
     loop,
     models,
     nnx_models,
@@ -194,7 +195,7 @@ class Trainer:
             self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
         )
 
-        def train_step(state, batch, totals: loop.LogTotals):
+        def train_step(state, batch, totals: log_totals.LogTotals):
             totals = loss_scale_lib.select_tree(state.step % log_every == 0, totals.reset(), totals)
             new_state, metrics = recipe(state, batch)
             shardings = sharding.state_shardings(self.mesh, state)
@@ -206,10 +207,11 @@ class Trainer:
 
     def make_run_step(self, state, batch) -> tuple[Callable, Callable, Any]:
         """Host-side. What a run compiles for `state` and one `batch` (arrays, or `mptrain.plan`'s
-        abstract ones): the train step, jitted (`loop.steps`, state donated), `loop.make_totals`."""
+        abstract ones): the train step, jitted (`loop.steps`, state donated), and `make_totals`'s
+        (`log_totals`)."""
         cfg, replicated = self.config, sharding.replicated(self.mesh)
         jitted = jax.jit(loop.steps(self.make_train_step(), cfg.steps_per_call), donate_argnums=0)
-        return jitted, *loop.make_totals(cfg, replicated, self.loss_fn, state, batch)
+        return jitted, *log_totals.make_totals(cfg, replicated, self.loss_fn, state, batch)
 
     def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
         """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
@@ -237,7 +239,7 @@ class Trainer:
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
-            state, saved_step = checkpoint.resume(
+            state, saved_step, meta = checkpoint.resume(
                 checkpointer, state, self.policy, config_lib.to_dict(cfg)
             )
             start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
@@ -245,7 +247,7 @@ class Trainer:
                 files.remove_temporaries(workdir, workdir / "numerics")
                 files.write_json(workdir / "config.json", config_lib.to_dict(cfg))
             jitted, make_totals, calls = self.make_run_step(state, train_source.get_batch(0))
-            totals = make_totals()
+            totals = make_totals(saved=(meta or {}).get("log_totals"))  # the interval so far
         # Compile everything up front: the loop then never stops to compile. The one trace of
         # the step is compiled and read by the precision report.
         batches = self.device_batch(train_source, start, k if k > 1 else None)
@@ -263,7 +265,6 @@ class Trainer:
             train_step=train_step,
             eval_step=eval_step,
             totals=totals,
-            writer=metrics_lib.create_writer(workdir, is_main_process=jax.process_index() == 0),
             checkpointer=checkpointer,
             saved_step=saved_step,
             calls=calls,

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from mptrain import config as config_lib
-from mptrain import files
+from mptrain import files, log_totals
 from mptrain import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,7 +109,7 @@ def step_timer(overrides: dict):
     batch = trainer.device_batch(source, 0)
     holder = {"state": trainer.init_state(source.get_batch(0))}
     step = jax.jit(trainer.make_train_step(), donate_argnums=0)
-    totals = trainer_lib.loop.LogTotals.zeros()
+    totals = log_totals.LogTotals.zeros()
 
     def run(n: int) -> float:
         jax.block_until_ready(holder["state"])

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere: the mptrain of this checkout
 
-from mptrain import files, loop  # noqa: E402
+from mptrain import files, log_totals  # noqa: E402
 
 # name: (config overrides of configs/lm_bf16.py, sequences per device, meshes as fsdp sizes)
 MODELS = {
@@ -84,7 +84,7 @@ def _plan(model: str, fsdp: str) -> dict:
                                 sharding=batch_sharding)
         for k in ("inputs", "targets")
     }  # fmt: skip
-    totals = jax.eval_shape(loop.LogTotals.zeros)
+    totals = jax.eval_shape(log_totals.LogTotals.zeros)
     started = time.monotonic()
     step = jax.jit(trainer.make_train_step(), donate_argnums=0)
     compiled = step.lower(state, batch, totals).compile()

@@ -71,7 +71,9 @@ def test_materialized_is_kept_where_cudnn_could_run_and_bad_names_are_refused():
     choice = layers.choose_attention("materialized", dtype=jnp.bfloat16, head_dim=64, backend=H100)
     assert choice.implementation == "materialized"
     assert str(choice) == "materialized [B, H, L, L] in fp32 (model.attention='materialized')"
-    with pytest.raises(ValueError, match="model.attention='flash': not supported; valid values: auto, cudnn"):
+    with pytest.raises(
+        ValueError, match="model.attention='flash': not supported; valid values: auto, cudnn"
+    ):
         layers.choose_attention("flash", dtype=jnp.bfloat16, head_dim=64, backend=H100)
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import needs_devices, tiny_config
 
 import mptrain
-from mptrain import audit, hlo, loop, optim
+from mptrain import audit, hlo, log_totals, optim
 from mptrain import config as config_lib
 from mptrain.models import layers
 
@@ -81,7 +81,7 @@ def test_warns_for_bf16_params_rounded_to_nearest_at_a_small_learning_rate():
 
 def _step_and_args(trainer, batch):
     state = trainer.init_state(batch)
-    totals = loop.LogTotals.zeros()
+    totals = log_totals.LogTotals.zeros()
     return jax.jit(trainer.make_train_step()), state, trainer.device_batch(_Fixed(batch), 0), totals
 
 

@@ -252,7 +252,7 @@ def test_a_corrupt_meta_is_skipped_naming_its_file(tmp_path, caplog, how):
             ckpt.save(step, state, {"config": config, "policy": "bf16"})
     _corrupt_meta(tmp_path, 2, how)
     with checkpoint.Checkpointer(tmp_path) as ckpt, caplog.at_level(logging.WARNING):
-        _, step = checkpoint.resume(ckpt, state, "bf16", config)
+        _, step, _ = checkpoint.resume(ckpt, state, "bf16", config)
     assert step == 1
     (warning,) = [r.getMessage() for r in caplog.records if "Skipping" in r.getMessage()]
     assert f"{tmp_path}/2/meta" in warning
