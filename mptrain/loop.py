@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
-from mptrain import checkpoint, curves, errors, fp8, log_totals, numerics, numerics_log
+from mptrain import checkpoint, curves, errors, fp8, log_totals, numerics, numerics_log, preemption
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -109,6 +109,22 @@ def _remedy(scaler, scale: float, stuck: bool, never: bool) -> str:
     return causes
 
 
+class EvalStopped(Exception):
+    """A stop signal arrived during an evaluation (its message: the signal's name)."""
+
+
+def _stoppable(eval_step: Callable) -> Callable:
+    """`eval_step` that first checks for a stop signal: an evaluation takes one batch after
+    another, minutes in all, and a preemption notice must not wait for its end."""
+
+    def step(state, batch):
+        if name := preemption.stop_requested():
+            raise EvalStopped(name)
+        return eval_step(state, batch)
+
+    return step
+
+
 @dataclasses.dataclass
 class Run:
     """Everything one run needs, built once by `Trainer.setup`. `state` is the live state: the
@@ -134,6 +150,7 @@ class Run:
 
     def __post_init__(self):
         cfg, main = self.config, jax.process_index() == 0
+        self.eval_step = _stoppable(self.eval_step)
         # The record resumes like the state: what a crash left past the step resumed from (a
         # log or eval line written after the newest checkpoint) goes, here and in TensorBoard.
         if self.writer is None:
@@ -192,7 +209,11 @@ class Run:
             self.pending = (done, metrics, totals)
         for step_no in range(first + 1, done + 1):  # clu's actions want every step
             for hook in self.hooks:
-                hook(step_no)
+                try:
+                    hook(step_no)
+                except EvalStopped as stopped:  # the partial evaluation is dropped
+                    logging.warning("mptrain: %s received; checkpointing step %d", stopped, done)
+                    self.stop(done, errors.Preempted(done, str(stopped)))
 
     def report_pending(self, done: int) -> None:
         """Host-side. Reports the newest log step if it is not reported yet."""

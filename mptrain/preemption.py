@@ -247,6 +247,17 @@ class PreemptionFlag:
             _catcher, self._owned = None, False
 
 
+def stop_requested() -> str | None:
+    """The stop signal this process caught ("SIGTERM" or "SIGINT") while a `PreemptionFlag`
+    or the command line's handlers hold them, else None. With several processes, None: they
+    must stop at one step they agree on, which only the train loop's `reached` can ask."""
+    import jax
+
+    if _catcher is None or jax.process_count() > 1:
+        return None
+    return _catcher.first
+
+
 def forward_sigint() -> None:
     """Several processes: JAX's preemption notifier owns SIGTERM from `jax.distributed`'s start;
     a first SIGINT is passed on to it as SIGTERM (see `_Catcher`)."""
