@@ -140,7 +140,18 @@ def did_you_mean(name: str, valid: Iterable[str], *, list_all: bool = False) -> 
     """`"did you mean 'x'?"` naming the entry of `valid` closest to `name`; all of them as well
     with `list_all`, or when none is close."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    section, _, leaf = name.rpartition(".")
+    short = [  # `lr` for `learning_rate`, `warmup` for `warmup_steps`: abbreviations first
+        v
+        for v in valid
+        if v.rpartition(".")[0] == section
+        and len(leaf) >= 2
+        and (
+            leaf == "".join(w[0] for w in v.rpartition(".")[2].split("_"))
+            or v.rpartition(".")[2].startswith(leaf)
+        )
+    ]
+    close = short[:1] or difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}?" if close else ""
     if list_all or not close:
         listed = f"valid: {', '.join(valid) or 'none'}"

@@ -28,8 +28,11 @@ def import_trainer(spec: str):
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise errors.ConfigError(f"config.trainer={spec!r}: cannot import: {e}") from None
+    except Exception as e:  # a missing module, or one that fails as it loads
+        raise errors.ConfigError(
+            f"config.trainer={spec!r}: cannot import {module_name}: {type(e).__name__}: "
+            f"{errors.first_line(e)}"
+        ) from None
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, trainer.Trainer)):
         raise errors.ConfigError(

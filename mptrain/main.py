@@ -44,6 +44,23 @@ def usage_error(message: str) -> None:
     sys.exit(errors.EXIT_USAGE)
 
 
+def _raised(error: BaseException, path: str) -> str:
+    """`line N: KeyError: 'missing'`: what a config file raised, and where in it (config_flags
+    wraps what a file raises at import in a ValueError holding the traceback as text)."""
+    file = os.path.abspath(path.split(":", 1)[0])
+    text = str(error)
+    lines = [int(n) for f, n in re.findall(r'File "([^"]+)", line (\d+)', text) if f == file]
+    tb = error.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == file:
+            lines.append(tb.tb_lineno)
+        tb = tb.tb_next
+    raised = re.findall(r"^(\w+(?:Error|Exception|Exit)): (.*)$", text, re.M)
+    what = f"{raised[-1][0]}: {raised[-1][1]}" if "Traceback" in text and raised else None
+    what = what or f"{type(error).__name__}: {errors.first_line(error).strip(chr(34))}"
+    return (f"line {lines[-1]}: " if lines else "") + what
+
+
 class _BadConfigFile(Exception):
     """A config file that cannot be a config, or an override naming no key of it (not a
     ValueError: absl would wrap it in a message of its own)."""
@@ -72,9 +89,9 @@ def _checked_config_file(parser, argv: list[str]):
             sys.modules.pop("config_config", None)
             try:
                 config = parser.parse(path)
-            except AttributeError as e:
-                if getattr(e, "name", None) != "get_config":  # a slip inside the file
-                    raise _BadConfigFile(f"--config={path}: {_one_line(e)}") from None
+            except Exception as e:  # what the file raised, as it loaded or in get_config
+                if not isinstance(e, AttributeError) or getattr(e, "name", None) != "get_config":
+                    raise _BadConfigFile(f"--config={path}: {_raised(e, path)}") from None
                 raise _BadConfigFile(
                     f"--config={path}: the file defines no get_config(arg=None), the function "
                     "that returns its config"
@@ -157,6 +174,12 @@ def parse_flags(argv: list[str], usage: Callable, define: Callable) -> Any:
     if any(arg in ("--help", "-h", "--helpfull", "-?") for arg in argv[1:]):
         sys.stdout.write(usage(flag_values))
         return None
+    files = [arg for arg in argv[1:] if arg.startswith("--config=")]
+    if len(files) > 1:
+        usage_error(
+            f"--config given {len(files)} times ({', '.join(files)}): give one config file, "
+            "and override its keys with --config.KEY=VALUE"
+        )
     for arg in argv[1:]:
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1].split(":", 1)[0]

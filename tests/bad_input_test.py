@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import tiny_config
+from conftest import ROOT, run_cli, tiny_config
 
 from mptrain import checkpoint, errors, models, trainer
 from mptrain import config as config_lib
@@ -65,3 +65,72 @@ def test_a_stop_signal_during_a_long_evaluation_stops_within_a_batch(tmp_path):
     assert checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step() == 4
     rows = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
     assert not [row for row in rows if "eval_loss" in row]  # the partial evaluation is dropped
+
+
+BROKEN = {
+    "badsyntax.py": "def f(:\n    pass\n",
+    "raises.py": 'raise RuntimeError("no GPU here")\n',
+}
+
+
+@pytest.mark.parametrize(
+    "trainer_spec, says",
+    [
+        (
+            "badsyntax:T",
+            "cannot import badsyntax: SyntaxError: invalid syntax (badsyntax.py, line 1)",
+        ),
+        ("raises:T", "cannot import raises: RuntimeError: no GPU here"),
+        ("nosuch_module:T", "cannot import nosuch_module: ModuleNotFoundError: No module named"),
+    ],
+)
+def test_a_trainer_module_that_fails_to_import_is_one_line(
+    trainer_spec, says, tmp_path, monkeypatch, capsys
+):
+    for name, text in BROKEN.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, err = run_cli(tmp_path / "run", f"--config.trainer={trainer_spec}", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"config.trainer='{trainer_spec}': {says}" in err
+    assert not (tmp_path / "run").exists()
+
+
+CONFIG_FILES = {
+    "raises_at_import": ('raise ValueError("bad thing")\n', "line 1: ValueError: bad thing"),
+    "key_error": (
+        "def get_config(arg=None):\n    return {}['missing']\n",
+        "line 2: KeyError: 'missing'",
+    ),
+    "attribute_error": (
+        "from mptrain import config\n"
+        "def get_config(arg=None):\n    return config.base_config().lrr\n",
+        "line 3: AttributeError: 'lrr'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_FILES))
+def test_a_config_file_that_raises_names_the_exception_and_its_line(name, tmp_path, capsys):
+    text, says = CONFIG_FILES[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    code, err = run_cli(tmp_path / "run", capsys=capsys, config=f"--config={path}")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--config={path}: {says}" in err
+
+
+def test_two_config_files_are_refused_not_silently_the_last(tmp_path, capsys):
+    code, err = run_cli(
+        tmp_path / "run", f"--config={ROOT / 'configs' / 'default.py'}", capsys=capsys
+    )
+    assert code == 2 and "--config given 2 times" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "key, meant",
+    [("optimizer.lr", "optimizer.learning_rate"), ("optimizer.warmup", "optimizer.warmup_steps")],
+)
+def test_an_abbreviated_key_suggests_the_key_it_abbreviates(key, meant, tmp_path, capsys):
+    code, err = run_cli(tmp_path / "run", f"--config.{key}=1", capsys=capsys)
+    assert code == 2 and f"did you mean '{meant}'?" in err, err
