@@ -131,7 +131,12 @@ def export(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m mptrain.export", description=__doc__)
+    class OneLine(argparse.ArgumentParser):
+        def error(self, message: str):  # argparse's usage block, as mptrain's other commands
+            sys.stderr.write(f"mptrain.export: error: {message} (--help lists the flags)\n")
+            sys.exit(errors.EXIT_USAGE)
+
+    parser = OneLine(prog="python -m mptrain.export", description=__doc__)
     parser.add_argument("--workdir", required=True, help="the run's workdir")
     parser.add_argument("--out", required=True, help="folder to write (absent or empty)")
     parser.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import ROOT, run_cli, tiny_config
 
-from mptrain import checkpoint, errors, models, trainer
+from mptrain import checkpoint, errors, export, models, trainer
 from mptrain import config as config_lib
 
 
@@ -134,3 +134,19 @@ def test_two_config_files_are_refused_not_silently_the_last(tmp_path, capsys):
 def test_an_abbreviated_key_suggests_the_key_it_abbreviates(key, meant, tmp_path, capsys):
     code, err = run_cli(tmp_path / "run", f"--config.{key}=1", capsys=capsys)
     assert code == 2 and f"did you mean '{meant}'?" in err, err
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--workdir=w", "--out=o", "--step=abc"], "argument --step: invalid int value: 'abc'"),
+        (["--workdir=w"], "the following arguments are required: --out"),
+        (["--workdir=w", "--out=o", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_export_flag_errors_are_one_line(args, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        export.main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"mptrain.export: error: {says}")
