@@ -301,7 +301,7 @@ def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
     shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
     raise CheckpointMismatchError(
         f"checkpoint at step {step} does not fit the state being restored ({shown}); was the "
-        "model, optimizer or precision policy changed? Use a new workdir for a new setup."
+        "model, optimizer or precision policy changed?"
     )
 
 
@@ -318,7 +318,7 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     except CheckpointMismatchError as e:
         raise errors.WorkdirError(
             f"the checkpoints in {checkpointer.directory} belong to a different model, "
-            f"optimizer or precision: {e}. Use another --workdir to start a new run"
+            f"optimizer or precision: {e} Use another --workdir to start a new run"
         ) from None
     except InvalidCheckpointError as e:
         raise errors.WorkdirError(str(e)) from None

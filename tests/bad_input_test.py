@@ -150,3 +150,12 @@ def test_export_flag_errors_are_one_line(args, says, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"mptrain.export: error: {says}")
+
+
+def test_a_refused_resume_gives_one_advice_in_clean_sentences(tmp_path, capsys):
+    assert run_cli(tmp_path, "--config.num_train_steps=2", capsys=capsys)[0] == 0
+    code, err = run_cli(tmp_path, "--config.model.d_model=64", capsys=capsys)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and "belong to a different model" in line, err
+    assert ".." not in line and line.count("workdir to start a new run") == 1
+    assert "new setup" not in line
