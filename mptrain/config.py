@@ -149,9 +149,13 @@ def _get(config: ml_collections.ConfigDict, key: str) -> Any:
 
 def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     """The keys that no object below owns: the run's length, intervals and names."""
-    for key in _POSITIVE_INTS:
-        errors.check_integer(key, _get(config, key), 1)
-    errors.check_integer("seed", _get(config, "seed"), 0)
+    for key in _POSITIVE_INTS:  # steps and counts along them; the batch: `_check_batch`
+        high = None if key == "batch_size" else errors.INT32_MAX
+        counted = key not in ("eval_steps", "max_checkpoints_to_keep")
+        why = errors.INT32_WHY if counted else "more than any run gets through one at a time"
+        errors.check_integer(key, _get(config, key), 1, high, why)
+    why = "JAX's random keys take 32 bits of it (2**32 would be seed 0 again)"
+    errors.check_integer("seed", _get(config, "seed"), 0, 2**32 - 1, why)
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
         raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
@@ -163,7 +167,8 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
                 "and checkpoints act between calls of steps_per_call steps"
             )
     if _get(config, "data.prefetch") is not None:
-        errors.check_integer("data.prefetch", config.data.prefetch, 0)
+        why = "batches made further ahead only hold memory: the step takes one call's at a time"
+        errors.check_integer("data.prefetch", config.data.prefetch, 0, 64, why)
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():
@@ -268,6 +273,7 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         devices = None if devices is None else list(devices)
         sharding.mesh_shape(config, None if devices is None else len(devices))
         example = data.check_config(config) if "data" in zoo else None
+        data.check_batch(config, example)
         if "model" in zoo:
             models.check_config(config, policy, example, devices)
     except ConfigError:  # already says `config.<key>=...`
@@ -290,8 +296,8 @@ def policy_of(config: ml_collections.ConfigDict):
     margin = errors.setting(section, "margin", default.margin)
     scaling = errors.setting(section, "scaling", "current" if default.current else "delayed")
     recipe = fp8.Recipe(
-        history=errors.check_integer("fp8.history", history, 1),
-        margin=errors.check_integer("fp8.margin", margin, 0),
+        history=errors.check_integer("fp8.history", history, 1, *fp8.MAX_HISTORY),
+        margin=errors.check_integer("fp8.margin", margin, 0, *fp8.MAX_MARGIN),
         current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
     )
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy

@@ -120,11 +120,27 @@ def check_number(
     return float(value)
 
 
-def check_integer(key: str, value: Any, low: int) -> int:
-    """`value` when it is an integer >= `low`; else a `ValueError` naming `key`."""
+# The upper bound of a count the device keeps as int32 (the step, the scaler's counters).
+INT32_MAX = 2**31 - 1
+INT32_WHY = "the device counts it in a 32-bit integer"
+
+
+def check_integer(key: str, value: Any, low: int, high: int | None = None, why: str = "") -> int:
+    """`value` when it is an integer in `[low, high]`; else a `ValueError` naming `key`, the
+    bound it passes and, for `high`, `why` that bound follows from what the key means."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{key}={value!r}: must be an integer >= {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{key}={value!r}: must be at most {high:,}" + (f": {why}" if why else ""))
     return value
+
+
+def bytes_text(count: float) -> str:
+    """`12.0 GiB`, `3.1 TiB`, `512 B`: a byte count for a message."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} B"
 
 
 def check_integers(key: str, value: Any, low: int) -> tuple[int, ...]:

@@ -54,6 +54,19 @@ class Recipe:
     current: bool = False
 
 
+# (bound, why) of `fp8.history` and `fp8.margin`, which `config.policy_of` checks
+MAX_HISTORY = (
+    2**16,
+    "every fp8 tensor keeps this many amaxes in its train state, and the scale follows the "
+    "largest of them (Transformer Engine's default is 1,024)",
+)
+MAX_MARGIN = (
+    14,
+    "e4m3 spans about 2**14.8 from its smallest normal number to its largest, 448: a larger "
+    "margin scales the largest value below the smallest normal",
+)
+
+
 def init_meta(recipe: Recipe = Recipe()) -> dict[str, jax.Array]:
     """The scaling state of one matmul: no amax seen yet, scales of 1, and `pending`, the max
     over the micro-batches of an accumulated update not yet applied."""

@@ -106,7 +106,7 @@ def _check_settings(**settings: Any) -> None:
             errors.check_number(key, settings[key], 0.0, open_low=True)
     for key in ("growth_interval", "hysteresis"):
         if key in settings:
-            errors.check_integer(key, settings[key], 1)
+            errors.check_integer(key, settings[key], 1, errors.INT32_MAX, errors.INT32_WHY)
     if "growth_factor" in settings:
         errors.check_number("growth_factor", settings["growth_factor"], 1.0, open_low=True)
     if "backoff_factor" in settings:

@@ -169,8 +169,8 @@ def scale_by_adam(
     moment_rounding = errors.check_choice("moment_rounding", moment_rounding, MOMENT_ROUNDINGS)
     for message in moment_warnings(mu_dtype, nu_dtype, moment_rounding):
         warnings.warn(message, UnsafeMomentsWarning, stacklevel=_stacklevel)
-    block = errors.check_integer("q8_block_size", q8_block_size, 1)
-    min_size = errors.check_integer("q8_min_size", q8_min_size, 1)
+    block = errors.check_integer("q8_block_size", q8_block_size, 1, *q8.MAX_BLOCK)
+    min_size = errors.check_integer("q8_min_size", q8_min_size, 1, errors.INT32_MAX)
 
     def init_fn(params):
         # Only the shapes of `params` matter: the storage dtypes are ours, not the params'.
@@ -366,7 +366,7 @@ def make_optimizer(
                 mask=weight_decay_mask,
                 moment_rounding=rounding,
                 seed=int(errors.setting(config, "seed", 0)),
-                q8_block_size=get(errors.check_integer, "q8_block_size", q8.BLOCK_SIZE, 1),
+                q8_block_size=get(errors.check_integer, "q8_block_size", *q8.BLOCK_SETTING),
                 q8_min_size=get(errors.check_integer, "q8_min_size", q8.MIN_SIZE, 1),
             )
     else:  # sgd

@@ -35,6 +35,9 @@ import jax.numpy as jnp
 from flax import struct
 
 BLOCK_SIZE = 256
+# (bound, why) of a block's size: blocks past ~a million elements save nothing and pad a lot
+MAX_BLOCK = (2**20, "each tensor is padded to whole blocks; one fp32 scale a block is 1/4 byte")
+BLOCK_SETTING = (BLOCK_SIZE, 1, *MAX_BLOCK)  # optimizer.q8_block_size: default, low, high, why
 MIN_SIZE = 4096
 _CODE = jnp.float8_e4m3fn
 _CODE_MAX = float(jnp.finfo(_CODE).max)  # 448

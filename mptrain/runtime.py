@@ -78,6 +78,21 @@ def _backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def host_memory() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory() -> int:
+    """What JAX's devices hold in all, in bytes: their own memory where they report it (a
+    GPU's; each process reads its own and counts every process's the same), else this
+    machine's (CPU devices share it)."""
+    import jax
+
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+    return sum(limits) * jax.process_count() if all(limits) else host_memory()
+
+
 def set_determinism(config) -> None:
     """With `config.deterministic` (the default), asks XLA for run-to-run deterministic GPU
     kernels, so that on a GPU, too, two runs and a resumed run repeat bit for bit.

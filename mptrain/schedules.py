@@ -23,7 +23,11 @@ def updates(config: Any) -> int | None:
     """Optimizer updates in the run: `num_train_steps // optimizer.accumulation_steps`."""
     opt = config.optimizer
     accumulation = errors.check_integer(
-        "optimizer.accumulation_steps", errors.setting(opt, "accumulation_steps", 1), 1
+        "optimizer.accumulation_steps",
+        errors.setting(opt, "accumulation_steps", 1),
+        1,
+        errors.INT32_MAX,
+        errors.INT32_WHY,
     )
     steps = config.get("num_train_steps")
     if steps is None:
@@ -44,7 +48,11 @@ def warmup_steps(config: Any) -> int:
     its learning rate, and a decaying schedule would have nothing left to decay over.
     """
     warmup = errors.check_integer(
-        "optimizer.warmup_steps", errors.setting(config.optimizer, "warmup_steps", 0), 0
+        "optimizer.warmup_steps",
+        errors.setting(config.optimizer, "warmup_steps", 0),
+        0,
+        errors.INT32_MAX,
+        errors.INT32_WHY,
     )
     total = updates(config)
     return warmup if total is None or warmup < total else total // 2

@@ -159,3 +159,30 @@ def test_a_refused_resume_gives_one_advice_in_clean_sentences(tmp_path, capsys):
     assert code == 2 and "belong to a different model" in line, err
     assert ".." not in line and line.count("workdir to start a new run") == 1
     assert "new setup" not in line
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("seed", 2**70, "must be at most 4,294,967,295: JAX's random keys take 32 bits"),
+        ("seed", 2**32, "(2**32 would be seed 0 again)"),
+        ("batch_size", 10**12, "a call's batches take 232.8 TiB on this host"),
+        ("num_train_steps", 2**63, "must be at most 2,147,483,647: the device counts it"),
+        ("eval_steps", 2**64, "must be at most 2,147,483,647"),
+        ("optimizer.warmup_steps", 10**30, "must be at most 2,147,483,647"),
+        ("optimizer.q8_block_size", 2**40, "must be at most 1,048,576"),
+        ("fp8.history", 10**12, "must be at most 65,536"),
+        ("fp8.margin", 100, "must be at most 14"),
+        ("data.prefetch", 10**6, "must be at most 64"),
+        ("loss_scale.growth_interval", 2**32, "must be at most 2,147,483,647"),
+        ("model.d_model", 2**20, "params take 16.0 TiB as fp32 master weights alone"),
+    ],
+)
+def test_every_integer_has_an_upper_bound_checked_before_the_workdir(
+    key, value, says, tmp_path, capsys
+):
+    code, err = run_cli(tmp_path / "run", f"--config.{key}={value}", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    named = "model.name='transformer_lm': its " if key == "model.d_model" else f"{key}={value}: "
+    assert f"config.{named}" in err and says in err, err
+    assert not (tmp_path / "run").exists()  # not even its .lock

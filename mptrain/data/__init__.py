@@ -31,6 +31,29 @@ def check_config(config) -> Any:
     return check(config) if check else None
 
 
+def check_batch(config, example: Any) -> None:
+    """A call's batches (`steps_per_call` of them), as `check_config`'s `example` gives their
+    rows, must fit this host, which builds them; else a `ValueError` naming `batch_size`."""
+    import math
+
+    import jax
+
+    from mptrain import errors, runtime
+
+    if not example:
+        return
+    per_example = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in jax.tree.leaves(example))
+    rows = config.batch_size * config.steps_per_call // max(jax.process_count(), 1)
+    need, have = rows * per_example, runtime.host_memory()
+    if need > have:
+        raise ValueError(
+            f"batch_size={config.batch_size}: a call's batches take {errors.bytes_text(need)} on "
+            f"this host ({errors.bytes_text(per_example)} an example), more than its "
+            f"{errors.bytes_text(have)} of memory; python -m mptrain.plan tells what a batch "
+            "needs on an accelerator"
+        )
+
+
 def create_sources(config):
     """Host-side: the `(train, eval)` sources of `mptrain.data.<config.data.name>`."""
     return import_source(config.data.name).create_sources(config)

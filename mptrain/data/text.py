@@ -183,7 +183,7 @@ class TextSource:
 def _settings(data_config: Any) -> tuple[int, int | None, float]:
     """`(seq_len, max_bytes, eval_fraction)` of a `config.data`, each checked by its key."""
     keys = errors.settings(data_config, CONFIG_KEYS)
-    seq_len = errors.check_integer("data.seq_len", keys["seq_len"], 1)
+    seq_len = errors.check_integer("data.seq_len", keys["seq_len"], 1, errors.INT32_MAX)
     max_bytes = keys["max_bytes"]
     if max_bytes is not None:
         errors.check_integer("data.max_bytes", max_bytes, 1)

@@ -98,7 +98,7 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
         return model.init({"params": rng, "dropout": rng}, inputs, train=False)
 
     try:
-        jax.eval_shape(init, example["inputs"])
+        variables = jax.eval_shape(init, example["inputs"])
     except (ValueError, TypeError) as e:
         message = errors.first_line(e)
         if re.match(r"^[a-z_]+=", message) and message.split("=")[0] in module.CONFIG_KEYS:
@@ -108,3 +108,24 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
             f"model.name={config.model.name!r}: cannot take the batches of data.name="
             f"{config.data.name!r} (inputs {inputs.dtype}{list(inputs.shape)}): {message}"
         ) from None
+    if devices is None:  # a run here (a plan for other devices reports their memory itself)
+        _check_fits(config, variables)
+
+
+def _check_fits(config, variables) -> None:
+    """The model's fp32 master params alone must fit the memory of the devices here."""
+    import math
+
+    import jax
+
+    from mptrain import runtime
+
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(variables.get("params", {})))
+    need, have = 4 * count, runtime.device_memory()
+    if need > have:
+        raise ValueError(
+            f"model.name={config.model.name!r}: its {count:,} params take "
+            f"{errors.bytes_text(need)} as fp32 master weights alone, more than the "
+            f"{errors.bytes_text(have)} of memory of the devices here; python -m mptrain.plan "
+            "tells what a config needs on an accelerator"
+        )

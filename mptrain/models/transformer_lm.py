@@ -243,7 +243,7 @@ def _settings(model_config: Any) -> dict[str, Any]:
     """The keys of `CONFIG_KEYS` as `model_config` sets them; a `ValueError` names a bad one."""
     keys = errors.settings(model_config, CONFIG_KEYS)
     for key in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
-        errors.check_integer(f"model.{key}", keys[key], 1)
+        errors.check_integer(f"model.{key}", keys[key], 1, errors.INT32_MAX)
     d_model, heads = keys["d_model"], keys["num_heads"]
     if d_model % heads:
         divisors = [h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]
