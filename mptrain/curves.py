@@ -30,7 +30,8 @@ def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> Non
     if jax.process_index() != 0:
         return
     row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
-    with open(Path(workdir) / HISTORY, "a+b") as f:  # writes go to the end, reads anywhere
+    path = Path(workdir) / HISTORY
+    with files.writing(path), open(path, "a+b") as f:  # writes go to the end, reads anywhere
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - 1, 0))
         cut_short = size > 0 and f.read(1) != b"\n"  # a crash mid-line: end that line first
@@ -108,9 +109,10 @@ def draw(workdir: str | os.PathLike, title: str = "") -> Path | None:
         fig.suptitle(title)
     path = Path(workdir) / PICTURE
     staging = path.with_name(f".{PICTURE}.tmp.png")
-    fig.savefig(staging, dpi=100)
-    plt.close(fig)
-    os.replace(staging, path)
+    with files.writing(path):
+        fig.savefig(staging, dpi=100)
+        plt.close(fig)
+        os.replace(staging, path)
     return path
 
 

@@ -73,6 +73,38 @@ def storage_error(error: BaseException, what: str, then: str = "") -> errors.Sto
     return cause and errors.StorageError(f"could not write {what}: {cause}{then}")
 
 
+@contextlib.contextmanager
+def writing(what: str | os.PathLike):
+    """Within the block, a storage failure (`storage_cause`) is one `StorageError` line naming
+    `what` (exit 1); other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        error = storage_error(e, str(what))
+        if error is None:
+            raise
+        raise error from None
+
+
+# What a run keeps in its workdir, as files and as folders: something else of the same name
+# (a folder where a file goes, or the reverse) stops it at start, before anything compiles.
+WORKDIR_FILES = ("config.json", "history.jsonl", "curves.png", "precision_report.txt", ".lock")
+WORKDIR_FOLDERS = ("checkpoints", "numerics")
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+    """A `WorkdirError` (exit 2) naming the first path of the workdir that has the wrong kind."""
+    for name in (*WORKDIR_FILES, *WORKDIR_FOLDERS):
+        path = os.path.join(workdir, name)
+        folder = name in WORKDIR_FOLDERS
+        if os.path.lexists(path) and os.path.isdir(path) != folder:
+            have, want = ("a folder", "a file") if not folder else ("not a folder", "a folder")
+            raise errors.WorkdirError(
+                f"{path} is {have} where a run keeps {want} of that name: move it away, or "
+                "use another --workdir"
+            )
+
+
 def quiet_storage_failures(library: str) -> None:
     """Leaves a storage failure in `library` (a part of its path, such as "/orbax/") to be told
     in one line by whoever raises it. Drops what the library says of it besides: the error
@@ -169,6 +201,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
+    with writing(path):
+        _write_text(directory, name, path, text)
+
+
+def _write_text(directory: str, name: str, path: str, text: str) -> None:
     os.makedirs(directory, exist_ok=True)
     while True:
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")

@@ -223,12 +223,19 @@ class Run:
 
     def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
         """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
-        (`draw`: redraw `curves.png` too)."""
+        (`draw`: redraw `curves.png` too). A record that cannot be written (a full disk, a
+        history made read-only) stops the run with exit 1, after a checkpoint of the steps
+        done where the disk still takes one: no training is lost to a record."""
         self.writer.write_scalars(step_no, values)
         self.progress.update(step_no, values)
-        curves.append(self.workdir, step_no, values)
-        if draw:
-            curves.draw(self.workdir, self.title)
+        try:
+            curves.append(self.workdir, step_no, values)
+            if draw:
+                curves.draw(self.workdir, self.title)
+        except errors.StorageError as error:
+            with allow_transfers():
+                done = int(self.state.step)
+            self.stop(done, error)
 
     def finish(self, last_eval: dict | None, loss_unit: str | None = None) -> None:
         """Host-side, after the last step: the picture, and the summary on stdout (the eval

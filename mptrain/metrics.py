@@ -31,6 +31,8 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
+from mptrain import files
+
 _CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
 
 
@@ -231,8 +233,7 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
     from mptrain import config as config_lib
 
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "precision_report.txt"), "w") as f:
-            f.write(str(report))
+        files.write_text(os.path.join(workdir, "precision_report.txt"), str(report))
     with jax.transfer_guard("allow"):
         scale = float(state.loss_scale.loss_scale)
     # Kahan's compensation buffer is persistent state per param as much as the moments are

@@ -175,11 +175,17 @@ def workdir_lock(workdir: Path):
     """
     import jax
 
+    from mptrain import files  # with jax: not at import, before the stop signals are caught
+
     if jax.process_index() != 0:
         yield
         return
     try:
         workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise errors.WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
+    files.check_workdir(workdir)
+    try:
         handle = open(workdir / ".lock", "a+")  # noqa: SIM115 (held for the whole run)
     except OSError as e:
         raise errors.WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
@@ -193,10 +199,12 @@ def workdir_lock(workdir: Path):
                 f"workdir {workdir} is in use by another run ({holder}); wait for it to end "
                 "or use another --workdir"
             ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
+        with files.writing(workdir / ".lock"):  # a full disk: one line, exit 1
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            handle.flush()
         yield
     finally:
-        handle.close()  # closing releases the lock
+        with contextlib.suppress(OSError):  # what a full disk kept unwritten is not ours
+            handle.close()  # closing releases the lock

@@ -5,6 +5,7 @@ upper bound that follows from what they mean, modules that fail to import, workd
 wrong shape, settings without effect, and a run's record that resumes like its state.
 """
 
+import errno
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 import pytest
 from conftest import ROOT, run_cli, tiny_config
 
-from mptrain import checkpoint, errors, export, models, trainer
+from mptrain import checkpoint, curves, errors, export, files, models, runtime, trainer
 from mptrain import config as config_lib
 
 
@@ -186,3 +187,74 @@ def test_every_integer_has_an_upper_bound_checked_before_the_workdir(
     named = "model.name='transformer_lm': its " if key == "model.d_model" else f"{key}={value}: "
     assert f"config.{named}" in err and says in err, err
     assert not (tmp_path / "run").exists()  # not even its .lock
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("checkpoints", "file"),
+        ("numerics", "file"),
+        ("config.json", "folder"),
+        ("history.jsonl", "folder"),
+        ("curves.png", "folder"),
+        ("precision_report.txt", "folder"),
+    ],
+)
+def test_a_workdir_path_of_the_wrong_kind_stops_the_run_before_it_compiles(
+    name, make, tmp_path, capsys
+):
+    path = tmp_path / "run" / name
+    path.parent.mkdir()
+    path.mkdir() if make == "folder" else path.write_text("mine")
+    started = time.monotonic()
+    code, err = run_cli(tmp_path / "run", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{path} is " in err and "use another --workdir" in err
+    assert time.monotonic() - started < 30 and not (tmp_path / "run" / ".lock").exists()
+
+
+class _FullDisk:
+    """A file object whose writes find the disk full."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def test_a_disk_full_at_start_is_exit_1_in_one_line(tmp_path, capsys, monkeypatch):
+    real_open = open
+    monkeypatch.setattr(
+        runtime, "open", lambda *a, **k: _FullDisk(real_open(*a, **k)), raising=False
+    )
+    code, err = run_cli(tmp_path / "run", capsys=capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"could not write {tmp_path / 'run' / '.lock'}: disk full" in err
+
+
+def test_a_record_that_cannot_be_written_stops_after_a_checkpoint(tmp_path, capsys, monkeypatch):
+    real_append = curves.append
+
+    def append(workdir, step, values):
+        if step >= 6:
+            raise errors.StorageError(f"could not write {workdir}/history.jsonl: permission denied")
+        real_append(workdir, step, values)
+
+    monkeypatch.setattr(curves, "append", append)
+    code, err = run_cli(tmp_path / "run", "--config.log_every_steps=2", capsys=capsys)
+    assert code == 1 and err.strip().splitlines()[-1].endswith("history.jsonl: permission denied")
+    assert "Traceback" not in err
+    saved = checkpoint.Checkpointer(tmp_path / "run" / "checkpoints").latest_step()
+    assert saved is not None and saved >= 6  # the steps done are kept
+
+
+def test_a_storage_failure_writing_a_record_is_named_in_one_line():
+    denied = r"could not write h.jsonl: permission denied"
+    with pytest.raises(errors.StorageError, match=denied), files.writing("h.jsonl"):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    with pytest.raises(KeyError), files.writing("h.jsonl"):  # not the disk's: unchanged
+        raise KeyError("x")
