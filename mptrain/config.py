@@ -303,35 +303,16 @@ def policy_of(config: ml_collections.ConfigDict):
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
 
 
-def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
-    """What a valid config sets that cannot take effect in this run, one line each, for the
-    start-up log: leftovers of a config written for another setup (a loss scale under a
-    precision that scales nothing, a model key of another model after `model.name` changed),
-    which `validate` lets pass so that switching one key on the command line stays possible.
-    """
-    from mptrain import loss_scale, precision
+def unused_settings(
+    config: ml_collections.ConfigDict, eval_batches: int | None = None
+) -> list[str]:
+    """What a valid config sets that cannot do what it says in this run, one line each, for the
+    start-up log (`validate` lets such leftovers of another setup pass, so that switching one key
+    on the command line stays possible): a model or data key that the module named does not
+    read, then the rules of `mptrain.unused` (`eval_batches`: the eval source's batches)."""
+    from mptrain import unused
 
     found, defaults = [], base_config()
-    policy = precision.get_policy(config.precision, config.keep_fp32)
-    kind = loss_scale.resolve_kind(config.loss_scale.kind, policy)
-    unused = [
-        f"loss_scale.{key}={config.loss_scale[key]!r}"
-        for key in loss_scale.USES["dynamic"]
-        if key not in loss_scale.USES[kind] and config.loss_scale[key] != defaults.loss_scale[key]
-    ]
-    if unused:
-        asked = f"loss_scale.kind={config.loss_scale.kind!r}"
-        why = {
-            "none": f"{asked} scales no loss"
-            + (f" under {policy.compute_dtype.name} compute" if asked.endswith("'auto'") else ""),
-            "static": f"a static loss scale ({asked}) uses init_scale only",
-        }[kind]
-        found.append(f"{', '.join(unused)}: no effect, {why}")
-    if config.numerics.every_step and not config.numerics.per_layer:
-        found.append(
-            "numerics.every_step=True: no effect without numerics.per_layer=True (it says when "
-            "the per-layer tables are measured, and none are)"
-        )
     for section, module in _zoo(config).items():
         for key, value in flat_items(config[section], f"{section}."):
             leaf = key.partition(".")[2]
@@ -340,7 +321,7 @@ def unused_settings(config: ml_collections.ConfigDict) -> list[str]:
                     f"{key}={value!r}: no effect, {section}.name={config[section].name!r} reads "
                     "no such key"
                 )
-    return found
+    return found + unused.settings(config, policy_of(config), defaults, eval_batches)
 
 
 def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:

@@ -160,6 +160,9 @@ class Run:
             )
         if main:
             curves.forget_after(self.workdir, self.start)
+        batches = getattr(self.eval_source, "num_batches", None)
+        for line in config_lib.unused_settings(cfg, batches if isinstance(batches, int) else None):
+            logging.warning("mptrain: %s", line)  # settings that cannot do what they say
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
         self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves

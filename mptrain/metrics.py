@@ -229,8 +229,7 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
     mesh (`4 devices: data 4 x fsdp 1`), settings that cannot take effect, any warmup cut, and
     the report's warnings (unsafe setups, matmuls outside the compute dtype)."""
-    from mptrain import audit, schedules
-    from mptrain import config as config_lib
+    from mptrain import audit
 
     if jax.process_index() == 0:
         files.write_text(os.path.join(workdir, "precision_report.txt"), str(report))
@@ -250,20 +249,12 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
         f"bytes/param, mesh {used} devices: data {mesh.shape['data']} x fsdp "
         f"{mesh.shape['fsdp']}"
     )
-    for unused in config_lib.unused_settings(config):
-        logging.warning("mptrain: %s", unused)
     logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
     logging.info(
         f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
         f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "
         f"{memory.argument_size_in_bytes / 2**20:.1f} MiB arguments"
     )
-    warmup = schedules.warmup_steps(config)
-    if warmup != config.optimizer.warmup_steps:
-        logging.info(
-            f"mptrain: optimizer.warmup_steps={config.optimizer.warmup_steps} is not shorter "
-            f"than the run's updates; warming up over {warmup} instead"
-        )
     for warning in report.warnings:
         logging.warning("mptrain: %s", warning)
     if start:

@@ -7,6 +7,7 @@ wrong shape, settings without effect, and a run's record that resumes like its s
 
 import errno
 import json
+import logging
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import time
 import pytest
 from conftest import ROOT, run_cli, tiny_config
 
+import mptrain
 from mptrain import checkpoint, curves, errors, export, files, models, runtime, trainer
 from mptrain import config as config_lib
 
@@ -258,3 +260,50 @@ def test_a_storage_failure_writing_a_record_is_named_in_one_line():
         raise PermissionError(errno.EACCES, "Permission denied")
     with pytest.raises(KeyError), files.writing("h.jsonl"):  # not the disk's: unchanged
         raise KeyError("x")
+
+
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        ({"fp8.history": 512}, "fp8.history=512: no effect, precision='bf16-mixed' has no fp8"),
+        ({"fp8.scaling": "current"}, "fp8.scaling='current': no effect"),
+        ({"optimizer.momentum": 0.5}, "optimizer.momentum=0.5: no effect, optimizer.name='adamw'"),
+        ({"optimizer.nesterov": True}, "optimizer.nesterov=True: no effect"),
+        (
+            {"optimizer.name": "sgd", "optimizer.b2": 0.95, "optimizer.nu_dtype": None},
+            "optimizer.b2=0.95: no effect, optimizer.name='sgd': adamw's setting",
+        ),
+        (
+            {"optimizer.q8_block_size": 128},
+            "optimizer.q8_block_size=128: no effect, neither moment",
+        ),
+        (
+            {"optimizer.moment_rounding": "nearest"},
+            "optimizer.moment_rounding='nearest': no effect, it rounds moments stored in bfloat16",
+        ),
+        ({"precision": "fp32", "keep_fp32": "embedding"}, "keep_fp32='embedding': no effect"),
+        ({"loss_scale.growth_interval": 10}, "loss_scale.growth_interval=10: no effect"),
+        (
+            {"optimizer.warmup_steps": 10**6},
+            "optimizer.warmup_steps=1000000: not shorter than the run's 8 updates; warming up "
+            "over 4",
+        ),
+        (
+            {"optimizer.accumulation_steps": 3},
+            "optimizer.accumulation_steps=3: num_train_steps=8 leaves its last 2 micro-batches",
+        ),
+    ],
+)
+def test_every_setting_without_effect_is_told_at_start(overrides, warned):
+    config = config_lib.override(tiny_config(), overrides)
+    config_lib.validate(config)
+    found = config_lib.unused_settings(config)
+    assert [line for line in found if line.startswith(warned)], found
+    assert config_lib.unused_settings(tiny_config()) == []
+
+
+def test_more_eval_steps_than_the_eval_split_holds_are_told(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    mptrain.run(tiny_config(num_train_steps=2, eval_steps=500), tmp_path)
+    assert "eval_steps=500: the eval split holds" in caplog.text
+    assert "an evaluation repeats them" in caplog.text

@@ -1,0 +1,184 @@
+"""Settings a valid config sets that cannot do what they say in this run, each told once at
+start-up: one table of rules, not a branch per key.
+
+`validate` lets a setting of another setup pass (a loss scale under bf16, a model key after
+`model.name` changed, `fp8.*` under bf16-mixed), so that switching one key on the command line
+stays possible; the run then warns of each. A rule of `RULES` says which keys matter only when
+something holds (`matters`), and why not otherwise; a key set to other than its default where
+its rule does not hold is a line. `NUMBERS` holds the settings that take effect, but not as
+asked: a warmup longer than the run, micro-batches left unapplied at the end, more eval batches
+than the eval split holds. `settings(config)` gives the lines; the start-up log warns of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mptrain import errors, loss_scale, precision, schedules
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the rules read of a config: the config itself and what it resolves to."""
+
+    config: Any
+    policy: Any
+    loss_scale: str  # the resolved kind: "none" | "static" | "dynamic"
+    optimizer: str  # "adamw" | "sgd"
+    moments: tuple[str, ...]  # the storage dtypes of adamw's moments, by name
+    eval_batches: int | None  # distinct batches of the eval source, where known
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    keys: tuple[str, ...]  # dotted keys that matter only when `matters` holds
+    matters: Callable[[Run], bool]
+    why: Callable[[Run], str]  # why they do not, said after "no effect, "
+
+
+def _scaled(run: Run) -> tuple[str, ...]:
+    return loss_scale.USES[run.loss_scale]
+
+
+def _loss_scale_why(run: Run) -> str:
+    asked = f"loss_scale.kind={run.config.loss_scale.kind!r}"
+    if run.loss_scale == "static":
+        return f"a static loss scale ({asked}) uses init_scale only"
+    auto = asked.endswith("'auto'")
+    return f"{asked} scales no loss" + (
+        f" under {run.policy.compute_dtype.name} compute" if auto else ""
+    )
+
+
+_ADAM = ("b1", "b2", "eps", "moment_rounding", "q8_block_size", "q8_min_size")
+RULES = [
+    *(
+        Rule((f"loss_scale.{key}",), lambda run, key=key: key in _scaled(run), _loss_scale_why)
+        for key in loss_scale.USES["dynamic"]
+    ),
+    Rule(
+        ("numerics.every_step",),
+        lambda run: run.config.numerics.per_layer,
+        lambda run: (
+            "without numerics.per_layer=True (it says when the per-layer tables are "
+            "measured, and none are)"
+        ),
+    ),
+    Rule(
+        ("fp8.history", "fp8.margin", "fp8.scaling"),
+        lambda run: bool(run.policy.fp8),
+        lambda run: f"precision={run.config.precision!r} has no fp8 matmuls",
+    ),
+    Rule(
+        ("optimizer.momentum", "optimizer.nesterov"),
+        lambda run: run.optimizer == "sgd",
+        lambda run: f"optimizer.name={run.optimizer!r}: momentum is sgd's",
+    ),
+    Rule(
+        tuple(f"optimizer.{key}" for key in _ADAM),
+        lambda run: run.optimizer == "adamw",
+        lambda run: f"optimizer.name={run.optimizer!r}: adamw's setting",
+    ),
+    Rule(
+        ("optimizer.q8_block_size", "optimizer.q8_min_size"),
+        lambda run: "q8" in run.moments,
+        lambda run: "neither moment is stored in q8 (optimizer.mu_dtype, optimizer.nu_dtype)",
+    ),
+    Rule(
+        ("optimizer.moment_rounding",),
+        lambda run: any(m in ("bfloat16", "q8") for m in run.moments),
+        lambda run: (
+            "it rounds moments stored in bfloat16 or q8, and none is (float32 and "
+            "float16 round to nearest)"
+        ),
+    ),
+    Rule(
+        ("keep_fp32",),
+        lambda run: run.policy.compute_dtype != precision.F32,
+        lambda run: "under float32 compute every param reaches the model in float32",
+    ),
+]
+
+
+def _warmup(run: Run) -> str | None:
+    asked, used = run.config.optimizer.warmup_steps, schedules.warmup_steps(run.config)
+    if asked == used:
+        return None
+    return (
+        f"optimizer.warmup_steps={asked}: not shorter than the run's "
+        f"{schedules.updates(run.config)} updates; warming up over {used} instead"
+    )
+
+
+def _accumulation(run: Run) -> str | None:
+    k = errors.setting(run.config.optimizer, "accumulation_steps", 1)
+    left = run.config.num_train_steps % k
+    if not left:
+        return None
+    return (
+        f"optimizer.accumulation_steps={k}: num_train_steps={run.config.num_train_steps} leaves "
+        f"its last {left} micro-batches unapplied at the end (they make no update); make "
+        f"num_train_steps a multiple of {k}"
+    )
+
+
+def _eval_steps(run: Run) -> str | None:
+    if run.eval_batches is None or run.config.eval_steps <= run.eval_batches:
+        return None
+    return (
+        f"eval_steps={run.config.eval_steps}: the eval split holds {run.eval_batches} batches "
+        f"of batch_size={run.config.batch_size}; an evaluation repeats them, each "
+        f"~{run.config.eval_steps / run.eval_batches:.1f} times. Use eval_steps <= "
+        f"{run.eval_batches}"
+    )
+
+
+NUMBERS = [_warmup, _accumulation, _eval_steps]
+
+
+def settings(config: Any, policy: Any, defaults: Any, eval_batches: int | None = None) -> list[str]:
+    """One line per setting of a valid `config` (resolved to `policy`) that cannot do what it
+    says (see the module doc): the keys of each broken rule set to other than their `defaults`
+    (the base config's), then `NUMBERS`. `eval_batches`: the eval source's `num_batches`, where
+    it has one. `config.unused_settings` is the caller."""
+    from mptrain import optim
+
+    opt = config.optimizer
+    run = Run(
+        config=config,
+        policy=policy,
+        loss_scale=loss_scale.resolve_kind(config.loss_scale.kind, policy),
+        optimizer=errors.setting(opt, "name", "adamw").strip().lower(),
+        moments=tuple(
+            _name(optim.state_dtype(opt.get(key), key)) for key in ("mu_dtype", "nu_dtype")
+        ),
+        eval_batches=eval_batches,
+    )
+    found, seen = [], set()
+    for rule in RULES:
+        if rule.matters(run):
+            continue
+        changed = [
+            f"{key}={_get(config, key)!r}"
+            for key in rule.keys
+            if key not in seen and _get(config, key) != _get(defaults, key)
+        ]
+        seen |= set(rule.keys)
+        if changed:
+            found.append(f"{', '.join(changed)}: no effect, {rule.why(run)}")
+    return found + [line for check in NUMBERS if (line := check(run))]
+
+
+def _name(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def _get(config: Any, key: str) -> Any:
+    value = config
+    for part in key.split("."):
+        value = value.get(part) if hasattr(value, "get") else None
+    return value
