@@ -307,3 +307,16 @@ def test_more_eval_steps_than_the_eval_split_holds_are_told(tmp_path, caplog):
     mptrain.run(tiny_config(num_train_steps=2, eval_steps=500), tmp_path)
     assert "eval_steps=500: the eval split holds" in caplog.text
     assert "an evaluation repeats them" in caplog.text
+
+
+def test_the_casting_rule_does_what_it_says(tmp_path):
+    """keep_fp32='.*' under bf16-mixed hands every param to the model in fp32, and every layer
+    of the zoo then runs its matmul in fp32: the report says so, and the run is not the
+    default rule's."""
+    every = mptrain.run(tiny_config(num_train_steps=2, keep_fp32=".*"), tmp_path / "every")
+    default = mptrain.run(tiny_config(num_train_steps=2), tmp_path / "default")
+    report = (tmp_path / "every" / "precision_report.txt").read_text()
+    assert "of the matmul FLOPs run in bfloat16" in report  # the <95% warning
+    assert "float32" in report.split("matmul FLOPs:")[1].splitlines()[1]  # fp32 leads
+    kernel = lambda state: state.params["block_0"]["mlp"]["fc_in"]["kernel"]
+    assert not (kernel(every) == kernel(default)).all()

@@ -188,19 +188,23 @@ class _Island(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = layers.layer_norm_f32(x, self.dtype, "ln")
-        return h, transformer_lm._dense(8, self.dtype, "dense")(x)
+        return h, layers.run_in(self.dtype, transformer_lm._dense(8, "dense"), x)
 
 
 def test_each_cast_guard_holds_on_its_own():
     # The two guards against an fp32 island promoting the next matmul are redundant inside the
-    # model; each is checked alone here. fp32 input and fp32 params, bf16 compute:
+    # model; each is checked alone here. fp32 input, bf16 compute:
     x = jnp.ones((2, 4), jnp.float32)
     module = _Island()
     variables = module.init(jax.random.key(0), x)
     normed, _ = module.apply(variables, x)
     assert normed.dtype == jnp.bfloat16  # the LayerNorm island ends with a cast back
+    cast = jax.tree.map(lambda p: p.astype(jnp.bfloat16), variables)  # as the policy casts
+    ((operands, result),) = matmul_dtypes(jax.jit(module.apply).lower(cast, x).as_text())
+    assert operands == ("bf16", "bf16") and result == "bf16"  # run_in casts the layer's input
+    # A kernel the casting rule keeps in fp32 (keep_fp32) makes its own matmul fp32, not more:
     ((operands, result),) = matmul_dtypes(jax.jit(module.apply).lower(variables, x).as_text())
-    assert operands == ("bf16", "bf16") and result == "bf16"  # Dense casts its own inputs
+    assert operands == ("f32", "f32") and module.apply(variables, x)[1].dtype == jnp.bfloat16
 
 
 def test_gradient_matmuls_are_bf16_too(params):

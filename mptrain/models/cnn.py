@@ -3,9 +3,10 @@
 Two 3x3 convolutions with ReLU and 2x2 max pooling, then a hidden dense layer and the head; about
 99% test accuracy on MNIST with the widths of `configs/mnist_cnn.py`.
 
-Mixed precision: params arrive already cast to the compute dtype ``dtype``; every convolution
-and dense layer is built with ``dtype=self.dtype`` so it runs in it. Max pooling does no
-arithmetic, so it is exact in any dtype; it is a reshape and a max, whose gradient is a select,
+Mixed precision: params arrive already cast to the compute dtype ``dtype`` (but those
+``keep_fp32`` keeps); every convolution and dense layer runs in it (``layers.run_in``). Max
+pooling does no arithmetic, so it is exact in any dtype; it is a reshape and a max, whose
+gradient is a select,
 rather than ``nn.max_pool``, whose gradient is a select-and-scatter (atomics on a GPU). The fp32
 island is the logits (``layers.logits_f32``): they leave the model as fp32, so the softmax and
 the loss never run in 16 bits.
@@ -51,12 +52,11 @@ class CNN(nn.Module):
         if x.ndim != 4:
             raise ValueError(f"images must be [batch, height, width, channels], got {x.shape}")
         for i, features in enumerate(self.features):
-            x = nn.Conv(
-                features, (3, 3), dtype=self.dtype, kernel_init=_conv_init, name=f"conv_{i}"
-            )(x)
+            conv = nn.Conv(features, (3, 3), dtype=None, kernel_init=_conv_init, name=f"conv_{i}")
+            x = layers.run_in(self.dtype, conv, x)
             x = max_pool_2x2(nn.relu(x))
         x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, name="dense")(x))
+        x = nn.relu(layers.run_in(self.dtype, nn.Dense(self.hidden, dtype=None, name="dense"), x))
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 

@@ -1,8 +1,9 @@
 """The pieces of the model zoo that more than one model needs: its fp32 islands and its loss.
 
-Every model gets its params already cast to the compute dtype ``dtype`` (e.g. bf16) and runs its
-matmuls and convolutions in it. The helpers here are the places where a value must leave 16 bits;
-where the model goes on after one, the helper ends with the cast back to ``dtype``:
+Every model gets its params already cast to the compute dtype ``dtype`` (e.g. bf16), but those
+``keep_fp32`` keeps in fp32, and runs its matmuls and convolutions in it (``run_in``). The
+helpers here are the places where a value must leave 16 bits; where the model goes on after
+one, the helper ends with the cast back to ``dtype``:
 
   * ``einsum_f32_out``: a matmul with ``dtype`` operands and an fp32 accumulation and result, for
     values that go straight into a softmax (attention scores, LM logits), so they are never
@@ -151,14 +152,20 @@ def batch_norm_f32(
     return y.astype(dtype)  # end of the island
 
 
-def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head") -> jax.Array:
-    """A classification head, ``nn.Dense`` in ``dtype``, whose logits leave as fp32.
+def run_in(dtype: Dtype, layer: nn.Module, x: jax.Array, output: Dtype | None = None):
+    """``layer(x)`` for a flax layer built with ``dtype=None`` (it computes in the widest dtype of
+    its input and params), its input cast to ``dtype`` first: only a param the casting rule keeps
+    in fp32 makes its matmul fp32, as the rule says. The result is cast to ``output`` (default
+    ``dtype``), so it never widens the next layer."""
+    return layer(x.astype(dtype)).astype(output or dtype)
 
-    Call it inside a compact module (it adds ``name`` there). The matmul's result itself is
-    rounded to ``dtype`` (a bf16 x bf16 -> f32 dot is not supported by every XLA backend); it is
-    fp32 from the cast on, so the softmax and the loss never run in 16 bits.
+
+def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head") -> jax.Array:
+    """A classification head, ``nn.Dense`` in ``dtype`` (``run_in``), whose logits leave as fp32,
+    inside a compact module (as ``name``). The matmul's result is rounded to ``dtype`` (not every
+    XLA backend has a bf16 x bf16 -> f32 dot), fp32 from the cast on: the loss never sees 16 bits.
     """
-    return nn.Dense(num_classes, dtype=dtype, name=name)(x).astype(jnp.float32)
+    return run_in(dtype, nn.Dense(num_classes, dtype=None, name=name), x, jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -249,15 +256,13 @@ class Backend:
 
 
 @functools.cache
-def local_backend() -> Backend:
-    """This process's default backend. Host-side; cached, since on a GPU it traces a probe."""
+def local_backend() -> Backend:  # this process's; cached, since on a GPU it traces a probe
     return _backend(jax.local_devices()[0])
 
 
 def backend_of(devices: Sequence[jax.Device]) -> Backend:
-    """What the attention choice needs to know of `devices`, the ones a step is compiled for
-    (a mesh's): this process's own (`local_backend`), or the compile-only devices of an
-    accelerator that is not here (`mptrain.plan`'s H100 on a CPU host). Host-side."""
+    """What the attention choice knows of `devices`, those a step is compiled for (a mesh's):
+    this process's (`local_backend`), or an absent accelerator's (`mptrain.plan`'s). Host-side."""
     first = next(iter(devices))
     return local_backend() if first in jax.local_devices() else _backend(first)
 
@@ -266,8 +271,7 @@ def _backend(device: jax.Device) -> Backend:
     if device.platform != "gpu":
         return Backend(device.platform)
     try:  # a string such as "9.0" on CUDA; ROCm devices name their chips ("gfx90a") instead
-        major, minor = device.compute_capability.split(".")[:2]
-        capability = (int(major), int(minor))
+        capability = tuple(int(n) for n in device.compute_capability.split(".")[:2])
     except (AttributeError, ValueError):
         capability = None
     return Backend(device.platform, capability, cudnn=_cudnn_traces())
@@ -278,9 +282,8 @@ def _cudnn_traces() -> bool:
     """Whether jax's own checks of its cuDNN attention (is cuDNN installed, is its version
     right) pass: a shape-only trace asks them without compiling anything, on any host."""
     probe = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
-    fused = functools.partial(_fused_attention, implementation="cudnn")
     try:
-        jax.eval_shape(fused, probe, probe, probe)
+        jax.eval_shape(functools.partial(_fused_attention, implementation="cudnn"), *[probe] * 3)
     except (RuntimeError, NotImplementedError, ValueError):  # e.g. "cuDNN is not detected."
         return False
     return True

@@ -1,9 +1,9 @@
 """A multilayer perceptron classifier: the smallest model of the zoo.
 
-Mixed precision: params arrive already cast to the compute dtype ``dtype``; every ``nn.Dense`` is
-built with ``dtype=self.dtype`` so its matmul runs in it. The one fp32 island is the logits
-(``layers.logits_f32``): they leave the model as fp32, so the softmax and the loss never run in
-16 bits.
+Mixed precision: params arrive already cast to the compute dtype ``dtype`` (but those
+``keep_fp32`` keeps); every ``nn.Dense`` runs in it (``layers.run_in``). The one fp32 island is
+the logits (``layers.logits_f32``): they leave the model as fp32, so the softmax and the loss
+never run in 16 bits.
 
 ``model_config`` keys: ``hidden`` (width, default 256), ``num_layers`` (hidden layers, default
 2), ``num_classes`` (default 10).
@@ -34,7 +34,8 @@ class MLP(nn.Module):
         del train  # no dropout or batch statistics
         x = x.reshape(x.shape[0], -1)
         for i in range(self.num_layers):
-            x = nn.relu(nn.Dense(self.hidden, dtype=self.dtype, name=f"dense_{i}")(x))
+            dense = nn.Dense(self.hidden, dtype=None, name=f"dense_{i}")
+            x = nn.relu(layers.run_in(self.dtype, dense, x))
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 

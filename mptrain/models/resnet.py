@@ -42,17 +42,18 @@ class BasicBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype, kernel_init=_conv_init)
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=None, kernel_init=_conv_init)
         norm = functools.partial(
             layers.batch_norm_f32, train=train, dtype=self.dtype, momentum=self.bn_momentum
         )
-        y = conv(self.features, (3, 3), self.strides, name="conv1")(x)
+        y = layers.run_in(self.dtype, conv(self.features, (3, 3), self.strides, name="conv1"), x)
         y = nn.relu(norm(y, name="bn1"))
-        y = conv(self.features, (3, 3), name="conv2")(y)
+        y = layers.run_in(self.dtype, conv(self.features, (3, 3), name="conv2"), y)
         # Zero-initialised scale: each block starts as the identity (Goyal et al., 2017).
         y = norm(y, name="bn2", scale_init=nn.initializers.zeros)
         if x.shape != y.shape:
-            x = conv(self.features, (1, 1), self.strides, name="proj_conv")(x)
+            proj = conv(self.features, (1, 1), self.strides, name="proj_conv")
+            x = layers.run_in(self.dtype, proj, x)
             x = norm(x, name="proj_bn")
         return nn.relu(x + y)
 
@@ -70,14 +71,10 @@ class ResNet(nn.Module):
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         if x.ndim != 4:
             raise ValueError(f"images must be [batch, height, width, channels], got {x.shape}")
-        x = nn.Conv(
-            self.width,
-            (3, 3),
-            use_bias=False,
-            dtype=self.dtype,
-            kernel_init=_conv_init,
-            name="stem_conv",
-        )(x)
+        stem = nn.Conv(
+            self.width, (3, 3), use_bias=False, dtype=None, kernel_init=_conv_init, name="stem_conv"
+        )
+        x = layers.run_in(self.dtype, stem, x)
         x = layers.batch_norm_f32(
             x, train=train, dtype=self.dtype, momentum=self.bn_momentum, name="stem_bn"
         )

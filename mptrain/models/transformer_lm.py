@@ -4,9 +4,10 @@ Mixed-precision contract: the framework passes parameters already cast to the co
 (``dtype``; e.g. bf16) while fp32 master copies live in the train state. Inside the model:
 
   * every matmul (QKV, attention scores, attention-weighted values, output projection, MLP,
-    logits) takes ``dtype`` operands. Each ``nn.Dense`` is built with ``dtype=self.dtype``, which
-    makes flax cast its input and kernel to that dtype, and every fp32 island ends with an explicit
-    cast back, so an fp32 tensor never silently promotes the next matmul to fp32;
+    logits) takes ``dtype`` operands. Each ``nn.Dense`` runs through ``layers.run_in``, which
+    casts its input to that dtype and its result back, and every fp32 island ends with an
+    explicit cast back, so an fp32 tensor never silently promotes the next matmul to fp32; only
+    a kernel the casting rule keeps in fp32 (``keep_fp32``) makes its own matmul fp32;
   * the fp32 islands are the LayerNorm statistics (``layers.layer_norm_f32``), the attention
     softmax, and the logits: the logits use ``dtype`` operands with fp32 results
     (``layers.dot_general_f32_out`` in the head's ``nn.Dense``), so they never round to 16 bits
@@ -59,17 +60,16 @@ from mptrain import fp8 as fp8_lib
 from mptrain.models import layers
 
 
-def _dense(
-    features: int, dtype: layers.Dtype, name: str, fp8: Any = None, **kwargs: Any
-) -> nn.Dense:
-    """A bias-free ``nn.Dense`` that casts its input and kernel to ``dtype`` before the matmul.
+def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense:
+    """A bias-free ``nn.Dense`` for ``layers.run_in``: its matmul runs in the compute dtype, or in
+    fp32 where the casting rule hands its kernel over in fp32 (``keep_fp32``).
 
     No biases: with pre-LN blocks they add next to nothing (the LayerNorms have their own), and on
     XLA:CPU their gradients (column sums over batch x length) cost about a quarter of the step.
     """
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return nn.Dense(features, dtype=dtype, use_bias=False, name=name, **kwargs)
+    return nn.Dense(features, dtype=None, use_bias=False, name=name, **kwargs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,14 +98,15 @@ class CausalSelfAttention(nn.Module):
             dropout_rate=self.dropout_rate,
             backend=self.backend,
         )
-        qkv = _dense(3 * d_model, self.dtype, "qkv", self.fp8)(x)
+        qkv = layers.run_in(self.dtype, _dense(3 * d_model, "qkv", self.fp8), x)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
         dropout = None
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
         out = layers.causal_attention(q, k, v, choice.implementation, dropout=dropout)
-        return _dense(d_model, self.dtype, "out", self.fp8)(out.reshape(batch, length, d_model))
+        out = out.reshape(batch, length, d_model)
+        return layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out)
 
 
 class MLP(nn.Module):
@@ -119,9 +120,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         d_model = x.shape[-1]
-        h = nn.gelu(_dense(self.d_ff, self.dtype, "fc_in", self.fp8)(x))
+        h = nn.gelu(layers.run_in(self.dtype, _dense(self.d_ff, "fc_in", self.fp8), x))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
-        return _dense(d_model, self.dtype, "fc_out", self.fp8)(h)
+        return layers.run_in(self.dtype, _dense(d_model, "fc_out", self.fp8), h)
 
 
 class Block(nn.Module):
@@ -210,9 +211,8 @@ class TransformerLM(nn.Module):
             x = block(x, train=train)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
-        head = _dense(self.vocab_size, self.dtype, "head", dot_general=layers.dot_general_f32_out)
-        logits = head(x)
-        return logits.astype(jnp.float32)  # a no-op: the matmul already returns fp32
+        head = _dense(self.vocab_size, "head", dot_general=layers.dot_general_f32_out)
+        return layers.run_in(self.dtype, head, x, jnp.float32)  # already fp32: the matmul's
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
