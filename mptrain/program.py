@@ -152,7 +152,7 @@ class Program:
         self.home: dict[str, str] = {}  # instruction name -> its computation's
         self.callers: dict[str, Instruction] = {}  # computation -> an instruction calling it
         self.entry, current = "", None
-        for line in text.splitlines():
+        for line in _instruction_lines(text):
             if current is None:
                 header = _COMPUTATION.match(line)
                 if header:
@@ -160,7 +160,7 @@ class Program:
                     current = self.computations.setdefault(computation, [])
                     self.entry = header.group(2) if header.group(1) else self.entry
                 continue
-            if line.startswith("}"):
+            if line.rstrip() == "}":
                 current = None
             elif inst := _parse_instruction(line):
                 current.append(inst)
@@ -223,31 +223,36 @@ class Program:
         return [{"array": a, "where": w, "bytes": b, "count": n} for (a, w, b), n in rows]
 
     def attention(self, length: int | None, per: int = 1) -> dict:
-        """Which attention runs: cuDNN's fused calls (forward, backward), and the buffers of
-        `[.., length, length]` a materialised one writes (none looked for without `length`);
-        counts divided by `per`."""
-        calls: dict[str, float] = collections.Counter()
+        """Which attention runs: a fused kernel's calls (cuDNN's on a GPU; Pallas's flash or
+        splash kernels on a TPU, named so in the program), forward and backward, and the
+        buffers of `[.., length, length]` a materialised one writes (none looked for without
+        `length`); counts divided by `per`."""
+        calls: dict[tuple[str, str], float] = collections.Counter()
         count, size, sites = 0.0, 0, set()
         for inst, runs in self.kernels():
             target = inst.attribute("custom_call_target") or ""
             if target.startswith(ATTENTION):
-                calls["backward" if "Backward" in target else "forward"] += runs / per
+                calls["cuDNN", "backward" if "Backward" in target else "forward"] += runs / per
+            elif target == "tpu_custom_call" and ("flash" in inst.name or "splash" in inst.name):
+                calls["Pallas", "forward" if "fwd" in inst.name else "backward"] += runs / per
             for dtype, dims in arrays(inst.type) if length else ():
                 square = len(dims) >= 3 and dims[-2:] == (length, length)
                 if square and math.prod(dims) >= 2 * length**2:
                     count, size = count + runs / per, size + nbytes(dtype, dims)
                     sites.add(self.where(inst))
-        name = "none found (no cuDNN attention call, no [.., L, L] buffer)"
-        if calls["forward"]:
-            name = f"cuDNN fused flash attention: {calls['forward']:g} forward + "
-            name += f"{calls['backward']:g} backward calls"
+        name = "none found (no fused attention kernel, no [.., L, L] buffer)"
+        library = next((lib for lib, way in calls if way == "forward"), None)
+        forward, backward = calls[library, "forward"], calls[library, "backward"]
+        if library:
+            kind = "cuDNN fused flash" if library == "cuDNN" else "Pallas TPU flash"
+            name = f"{kind} attention: {forward:g} forward + {backward:g} backward calls"
             name += "" if count else ", no [B, H, L, L] buffer"
         elif count:
             name = "materialized"
         return {
             "implementation": name,
-            "forward_calls": calls["forward"],
-            "backward_calls": calls["backward"],
+            "forward_calls": forward,
+            "backward_calls": backward,
             "buffers": count,
             "buffer_bytes": size,
             "buffer_sites": sorted(sites),
@@ -275,6 +280,26 @@ class Program:
         if file and line and not any(lib in file for lib in _LIBRARIES):
             return f"{_relative(file)}:{line}"
         return inst.attribute("op_name") or inst.name
+
+
+def _instruction_lines(text: str) -> Iterator[str]:
+    """The module's lines, an instruction whose attributes run over several lines (a TPU
+    kernel's `frontend_attributes` hold text with line breaks) joined into one."""
+    pending = None
+    for line in text.splitlines():
+        starts = (
+            line.rstrip() == "}"
+            or not line.startswith((" ", '"', "}"))
+            or line.lstrip(" ").startswith(("%", "ROOT "))
+        )
+        if starts:
+            if pending is not None:
+                yield pending
+            pending = line
+        else:
+            pending = line if pending is None else pending + " " + line
+    if pending is not None:
+        yield pending
 
 
 def _relative(path: str) -> str:

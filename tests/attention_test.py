@@ -24,7 +24,7 @@ from conftest import (
 )
 from transformer_lm_test import NUM_LAYERS, NUM_MATMULS, _apply, _model, _to_bf16, _tokens
 
-from mptrain.models import layers, transformer_lm
+from mptrain.models import attention, transformer_lm
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def params():
         (H100, jnp.bfloat16, 256, 0.0, None),
         (A100, jnp.bfloat16, 128, 0.0, None),
         (CPU, jnp.bfloat16, 64, 0.0, "not on a GPU: the backend is cpu"),
-        (TPU, jnp.bfloat16, 64, 0.0, "not on a GPU: the backend is tpu"),
+        (TPU, jnp.float32, 64, 0.0, "not on a GPU: the backend is tpu"),
         (H100, jnp.float32, 64, 0.0, "float32 compute"),
         (H100, jnp.bfloat16, 64, 0.1, "dropout_rate=0.1"),
         (H100, jnp.bfloat16, 12, 0.0, "head_dim=12: cuDNN takes multiples of 8 up to 256"),
@@ -49,32 +49,36 @@ def params():
         (V100, jnp.bfloat16, 64, 0.0, "compute capability 8.0"),
         (H100_WITHOUT_CUDNN, jnp.bfloat16, 64, 0.0, "finds no cuDNN"),
     ],
-    ids=lambda value: BACKEND_NAMES.get(value) if isinstance(value, layers.Backend) else None,
+    ids=lambda value: BACKEND_NAMES.get(value) if isinstance(value, attention.Backend) else None,
 )
 def test_auto_is_cudnn_on_a_gpu_with_16_bit_compute_and_says_why_not_elsewhere(
     backend, dtype, head_dim, dropout_rate, reason
 ):
     kwargs = {"dtype": dtype, "head_dim": head_dim, "dropout_rate": dropout_rate}
-    choice = layers.choose_attention("auto", backend=backend, **kwargs)
+    choice = attention.choose_attention("auto", backend=backend, **kwargs)
     if reason is None:
-        assert choice == layers.AttentionChoice("cudnn")
+        assert choice == attention.AttentionChoice("cudnn")
         assert str(choice) == "cuDNN fused (jax.nn.dot_product_attention)"
         return
-    assert choice.implementation == "materialized" and reason in choice.reason, choice
+    assert choice.implementation == "materialized", choice
+    assert backend == TPU or reason in choice.reason, choice
     assert str(choice) == f"materialized [B, H, L, L] in fp32 ({choice.reason})"
     # Asked for by name where it cannot run: an error naming the key and the reason.
     with pytest.raises(ValueError, match=rf"model\.attention='cudnn' cannot run here: .*{reason}"):
-        layers.choose_attention("cudnn", backend=backend, **kwargs)
+        attention.choose_attention("cudnn", backend=backend, **kwargs)
 
 
 def test_materialized_is_kept_where_cudnn_could_run_and_bad_names_are_refused():
-    choice = layers.choose_attention("materialized", dtype=jnp.bfloat16, head_dim=64, backend=H100)
+    choice = attention.choose_attention(
+        "materialized", dtype=jnp.bfloat16, head_dim=64, backend=H100
+    )
     assert choice.implementation == "materialized"
     assert str(choice) == "materialized [B, H, L, L] in fp32 (model.attention='materialized')"
     with pytest.raises(
-        ValueError, match="model.attention='flash': not supported; valid values: auto, cudnn"
+        ValueError,
+        match="model.attention='splash': not supported; valid values: auto, cudnn, flash",
     ):
-        layers.choose_attention("flash", dtype=jnp.bfloat16, head_dim=64, backend=H100)
+        attention.choose_attention("splash", dtype=jnp.bfloat16, head_dim=64, backend=H100)
 
 
 def _lm_config(**keys):
@@ -86,7 +90,7 @@ def _lm_config(**keys):
 def test_create_model_on_this_cpu_materializes_and_logs_why_once(caplog):
     with caplog.at_level(logging.INFO, logger="absl"):
         model = transformer_lm.create_model(_lm_config(), jnp.bfloat16)
-    assert layers.local_backend() == CPU and model.attention == "materialized"
+    assert attention.local_backend() == CPU and model.attention == "materialized"
     lines = [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
     assert lines == [
         "mptrain: attention: materialized [B, H, L, L] in fp32 (not on a GPU: the backend is cpu)"
@@ -122,7 +126,7 @@ def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, sh
     weights = jax.random.normal(jax.random.key(9), shape)
 
     def loss(implementation, q, k, v):
-        out = layers.causal_attention(q, k, v, implementation)
+        out = attention.causal_attention(q, k, v, implementation)
         return jnp.sum(out.astype(jnp.float32) * weights), out
 
     grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
@@ -195,3 +199,70 @@ def test_a_bad_attention_on_the_command_line_exits_2_naming_the_key(tmp_path, ca
     code, err = run_cli(tmp_path / "run", "--config.model.attention=flash", capsys=capsys)
     assert code == 2 and "config.model.attention='flash'" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "length", "dropout_rate", "reason"),
+    [
+        (jnp.bfloat16, 1024, 0.0, None),
+        (jnp.float16, 128, 0.0, None),
+        (jnp.float32, 1024, 0.0, "float32 compute: the TPU flash kernel is for bfloat16"),
+        (jnp.bfloat16, 100, 0.0, "a sequence of 100: the TPU flash kernel tiles it by multiples"),
+        (jnp.bfloat16, 1024, 0.1, "dropout_rate=0.1: the TPU flash kernel has no dropout"),
+    ],
+)
+def test_auto_is_the_pallas_flash_kernel_on_a_tpu_and_says_why_not(
+    dtype, length, dropout_rate, reason
+):
+    kwargs = {"dtype": dtype, "head_dim": 64, "dropout_rate": dropout_rate, "length": length}
+    choice = attention.choose_attention("auto", backend=TPU, **kwargs)
+    if reason is None:
+        assert choice.implementation == "flash", choice
+        assert str(choice) == "Pallas TPU flash attention (jax.experimental.pallas.ops.tpu)"
+        return
+    assert choice.implementation == "materialized" and reason in choice.reason, choice
+    with pytest.raises(ValueError, match=rf"model\.attention='flash' cannot run here: {reason}"):
+        attention.choose_attention("flash", backend=TPU, **kwargs)
+    with pytest.raises(
+        ValueError, match="'flash' cannot run here: not on a TPU: the backend is gpu"
+    ):
+        attention.choose_attention("flash", backend=H100, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "forward", "gradient"), [(jnp.bfloat16, 2e-2, 6e-2), (jnp.float32, 2e-5, 1e-4)]
+)
+def test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode(
+    dtype, forward, gradient
+):
+    """The Pallas TPU kernel, run on this CPU by Pallas's TPU interpret mode, against the
+    materialised island: outputs and q, k, v gradients, causal, in bf16 and fp32 (the gaps are
+    a few units in the last place of bf16; fp32's are summation order)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    shape = (2, 256, 2, 64)  # [B, L, H, D]: two tiles of 128 along the sequence
+    q, k, v = (
+        jax.random.normal(key, shape, dtype) for key in jax.random.split(jax.random.key(3), 3)
+    )
+    weights = jax.random.normal(jax.random.key(7), shape, jnp.float32)
+
+    def loss(implementation, q, k, v):
+        out = attention.causal_attention(q, k, v, implementation)
+        return jnp.sum(out.astype(jnp.float32) * weights), out
+
+    with pltpu.force_tpu_interpret_mode():
+        (_, flash), grads = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)("flash", q, k, v)
+    (_, reference), expected = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)(
+        "materialized", q, k, v
+    )
+    assert flash.dtype == dtype and flash.shape == shape
+    assert jnp.abs(flash.astype(jnp.float32) - reference.astype(jnp.float32)).max() < forward
+    for got, want in zip(grads, expected, strict=True):
+        scale = jnp.abs(want.astype(jnp.float32)).max()
+        gap = jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
+        assert gap < gradient * scale, (gap, scale)
+    # causal: the first query sees the first key only, so later keys change nothing there
+    later = k.at[:, 1:].set(0)
+    with pltpu.force_tpu_interpret_mode():
+        changed = attention.causal_attention(q, later, v, "flash")
+    assert (changed[:, 0] == flash[:, 0]).all()

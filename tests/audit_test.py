@@ -14,7 +14,7 @@ from conftest import needs_devices, tiny_config
 import mptrain
 from mptrain import audit, hlo, log_totals, optim
 from mptrain import config as config_lib
-from mptrain.models import layers
+from mptrain.models import attention, layers
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_the_default_step_runs_its_matmuls_in_bf16(tmp_path):
     assert report.compute_dtype == "bfloat16"
     assert report.compute_fraction >= 0.99 and set(report.matmul_flops) == {"bfloat16"}
     assert report.state_bytes["params"] == 4.0 and report.state_bytes["opt_state.mu"] == 4.0
-    softmax = f"layers.py:{_line('probs = jax.nn.softmax(scores', layers.__file__)}"
+    softmax = f"attention.py:{_line('probs = jax.nn.softmax(scores', attention.__file__)}"
     assert any(where.endswith(softmax) for where in report.islands), report.islands
     assert "matmul FLOPs" in str(report)
 

@@ -32,7 +32,7 @@ from jax.extend import core as jex
 import mptrain
 from mptrain import config as config_lib
 from mptrain import main as main_lib
-from mptrain.models import layers
+from mptrain.models import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = f"--config={ROOT / 'configs' / 'default.py'}:tiny"
@@ -303,19 +303,19 @@ COMPILERS = {"jit": lambda f: f, "jit-dropping-round-trips": drop_round_trips}
 
 # ----------------------------------------------------------------- a GPU where there is none
 
-CPU = layers.Backend("cpu")
-H100 = layers.Backend("gpu", (9, 0), cudnn=True)
-A100 = layers.Backend("gpu", (8, 0), cudnn=True)
-V100 = layers.Backend("gpu", (7, 0), cudnn=True)
-H100_WITHOUT_CUDNN = layers.Backend("gpu", (9, 0), cudnn=False)
-TPU = layers.Backend("tpu")
+CPU = attention.Backend("cpu")
+H100 = attention.Backend("gpu", (9, 0), cudnn=True)
+A100 = attention.Backend("gpu", (8, 0), cudnn=True)
+V100 = attention.Backend("gpu", (7, 0), cudnn=True)
+H100_WITHOUT_CUDNN = attention.Backend("gpu", (9, 0), cudnn=False)
+TPU = attention.Backend("tpu")
 BACKEND_NAMES = {CPU: "cpu", H100: "h100", A100: "a100", V100: "v100", TPU: "tpu"}
 BACKEND_NAMES[H100_WITHOUT_CUDNN] = "h100-without-cudnn"
 
 
 def pretend_gpu(monkeypatch, backend=H100):
     """Makes the attention choice (host-side) see `backend` as this machine."""
-    monkeypatch.setattr(layers, "local_backend", lambda: backend)
+    monkeypatch.setattr(attention, "local_backend", lambda: backend)
 
 
 def cudnn_as_xla(monkeypatch):

@@ -144,7 +144,7 @@ def test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params(mon
     assert params["blocks"][0]["qkv"]["kernel"].shape == (32, 96)
     assert params["blocks"][1]["out"]["kernel"].shape == (32, 32)
     logits = jax.jit(lambda m, t: m(t))(fused, tokens)
-    assert asked == ["cudnn", "cudnn"]  # both blocks went through layers.causal_attention
+    assert asked == ["cudnn", "cudnn"]  # both blocks went through attention.causal_attention
     want = jax.jit(lambda m, t: m(t))(materialized, tokens)
     np.testing.assert_allclose(logits, want, atol=0.1)
     # An fp32 model takes the materialised path even on a GPU.

@@ -15,7 +15,7 @@ from conftest import ROOT, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target, trainer
-from mptrain.models import layers
+from mptrain.models import attention
 
 # the suite's persistent compilation cache cannot load back a program compiled without its
 # device: JAX warns and compiles it again
@@ -133,7 +133,7 @@ def test_the_attention_choice_follows_the_compile_target_not_the_host():
     on_an_h100 = trainer.Trainer(
         config, "/nonexistent", devices=target.targets()["h100"].devices(1)
     )
-    assert layers.backend_of(on_this_cpu.mesh.devices.flat).platform == "cpu"
+    assert attention.backend_of(on_this_cpu.mesh.devices.flat).platform == "cpu"
     assert on_this_cpu.model.attention == "materialized"
     assert on_an_h100.model.attention == "cudnn"
     assert on_an_h100.mesh.devices.flat[0].platform == "gpu"
@@ -210,3 +210,12 @@ def test_bad_targets_and_configs_exit_2_with_one_line(args, message):
     assert done.returncode == 2, done.stdout
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_gpt2s_on_a_v5e_chip_runs_the_pallas_flash_kernel_in_every_layer():
+    result = planned("lm_gpt2s", tgt="v5e-1")
+    att = result.attention
+    assert att["implementation"].startswith("Pallas TPU flash attention"), att
+    assert att["forward_calls"] == 12 and att["backward_calls"] == 24  # dq and dk/dv kernels
+    assert att["buffers"] == 0 and result.memory["temporaries"] <= 5 * GiB, result.memory
+    assert set(result.matmul_flops) == {"bfloat16"} and result.fits

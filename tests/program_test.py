@@ -9,7 +9,7 @@ import pytest
 
 from mptrain import errors, hlo, program, roofline, target
 from mptrain import plan as plan_lib
-from mptrain.models import layers
+from mptrain.models import attention
 
 HERE = os.getcwd()
 
@@ -219,16 +219,33 @@ def test_a_missing_compiler_names_the_pip_line(monkeypatch):
 
 
 class _Device:
-    """What `layers.backend_of` reads of a compile-only device."""
+    """What `attention.backend_of` reads of a compile-only device."""
 
     def __init__(self, platform, capability=None):
         self.platform, self.compute_capability = platform, capability
 
 
 def test_the_attention_backend_is_read_off_the_target_devices():
-    assert layers.backend_of([_Device("tpu")]) == layers.Backend("tpu")
-    gpu = layers.backend_of([_Device("gpu", "9.0")])
+    assert attention.backend_of([_Device("tpu")]) == attention.Backend("tpu")
+    gpu = attention.backend_of([_Device("gpu", "9.0")])
     assert (gpu.platform, gpu.compute_capability) == ("gpu", (9, 0))
     import jax
 
-    assert layers.backend_of(jax.local_devices()) is layers.local_backend()
+    assert attention.backend_of(jax.local_devices()) is attention.local_backend()
+
+
+def test_a_tpu_flash_kernel_is_found_by_its_name_across_its_attribute_lines():
+    text = """HloModule m
+
+ENTRY %main (q: bf16[192,1024,64]) -> bf16[192,1024,64] {
+  %q = bf16[192,1024,64]{2,1,0} parameter(0)
+  %splash_mha_fwd_residuals.1 = (bf16[192,1024,64]{2,1,0}, f32[192,1024,128]{2,1,0}) custom-call(%q, %q, %q), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512}"
+}}, metadata={op_name="splash"}
+  %splash_mha_dkv_no_residuals.1 = (bf16[192,1024,64]{2,1,0}, bf16[192,1024,64]{2,1,0}) custom-call(%q, %q, %q), custom_call_target="tpu_custom_call"
+  ROOT %splash_mha_dq_no_residuals.1 = bf16[192,1024,64]{2,1,0} custom-call(%q, %q, %q), custom_call_target="tpu_custom_call"
+}
+"""
+    found = program.Program(text).attention(length=1024)
+    assert (found["forward_calls"], found["backward_calls"], found["buffers"]) == (1, 2, 0)
+    assert found["implementation"].startswith("Pallas TPU flash attention: 1 forward + 2 backward")

@@ -12,6 +12,7 @@ from absl import logging
 from flax import nnx
 
 import mptrain
+from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 
 
@@ -19,7 +20,7 @@ class Block(nnx.Module):
     """Pre-norm causal self-attention and MLP. The matmuls run in `dtype` (the policy's
     compute dtype, as for the linen zoo); LayerNorm statistics and the softmax statistics run
     in fp32. `attention` ("cudnn" | "materialized") picks the implementation in
-    `layers.causal_attention`, the one the linen transformer calls too."""
+    `mptrain.models.attention.causal_attention`, the one the linen transformer calls too."""
 
     def __init__(self, d_model, num_heads, d_ff, dtype, attention, *, rngs: nnx.Rngs):
         self.num_heads, self.attention = num_heads, attention
@@ -34,7 +35,7 @@ class Block(nnx.Module):
         batch, length, _ = x.shape
         q, k, v = jnp.split(self.qkv(self.ln_attn(x).astype(dtype)), 3, axis=-1)
         heads = lambda t: t.reshape(batch, length, self.num_heads, -1)  # [B, L, H, D]
-        attended = layers.causal_attention(heads(q), heads(k), heads(v), self.attention)
+        attended = attention_lib.causal_attention(heads(q), heads(k), heads(v), self.attention)
         x = x + self.out(attended.reshape(x.shape))
         h = jax.nn.gelu(self.fc_in(self.ln_mlp(x).astype(dtype)))
         return x + self.fc_out(h)
@@ -44,11 +45,14 @@ class ByteLM(nnx.Module):
     """`int[B, T]` bytes -> `float32[B, T, 256]` logits of the next byte.
 
     `attention`: "auto" | "cudnn" | "materialized", resolved and logged here, once, by the
-    zoo's rule (`layers.choose_attention`): cuDNN's fused kernel where it can run."""
+    zoo's rule (`mptrain.models.attention.choose_attention`): cuDNN's fused kernel where it can
+    run."""
 
     def __init__(self, d_model, num_layers, num_heads, d_ff, max_len, dtype, attention, *, rngs):
         self.dtype = dtype
-        choice = layers.choose_attention(attention, dtype=dtype, head_dim=d_model // num_heads)
+        choice = attention_lib.choose_attention(
+            attention, dtype=dtype, head_dim=d_model // num_heads
+        )
         logging.info("mptrain: attention: %s", choice)
         self.embed = nnx.Embed(256, d_model, dtype=dtype, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, d_model)))

@@ -58,16 +58,16 @@ def create(config_model: Any, policy: Any, devices: Any = None):
     dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
     a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
     precision). `devices`: what the step is compiled for (None: this process's own); the
-    models whose `create_model` takes a `backend` choose by it (`layers.backend_of` them)."""
+    models whose `create_model` takes a `backend` choose by it (`attention.backend_of` them)."""
     import inspect
 
-    from mptrain.models import layers
+    from mptrain.models import attention
 
     module = import_model(config_model.name)
     takes = inspect.signature(module.create_model).parameters
     extra = {}
     if devices is not None and "backend" in takes:
-        extra["backend"] = layers.backend_of(devices)
+        extra["backend"] = attention.backend_of(devices)
     if not policy.fp8:
         return module.create_model(config_model, policy.compute_dtype, **extra)
     if "fp8" not in takes:

@@ -30,39 +30,22 @@ Two helpers keep scatters out of the step, since a GPU runs a scatter-add with a
   * ``cross_entropy`` picks each target's logit with a compare-and-select over the vocabulary
     instead of ``take_along_axis``, whose gradient would be a scatter into the logits.
 
-Attention, shared by the zoo's transformer and the NNX example, comes in two implementations:
-
-  * ``causal_attention(q, k, v, "cudnn")``: cuDNN's fused flash attention through
-    ``jax.nn.dot_product_attention``. It never writes the ``[B, H, L, L]`` scores to memory:
-    on an H100 the GPT-2-small-shaped LM's step fell from 97.6 to 27.6 ms and its temporaries
-    from 19.9 to 6.1 GiB. jax only calls cuDNN when asked by name (its default is XLA's
-    materialising path);
-  * ``causal_attention(q, k, v, "materialized")``: fp32 scores from ``einsum_f32_out``, an fp32
-    softmax, probabilities cast back to ``dtype``, all of it held for the backward pass. Not
-    ``jax.nn.dot_product_attention(implementation="xla")``: its fp32-result einsums are
-    differentiated into fp32 matmuls, while ``einsum_f32_out`` keeps them 16-bit.
-
-``choose_attention`` picks one of them: ``"auto"`` takes cuDNN wherever it can run (a CUDA GPU
-of compute capability 8.0 or newer with cuDNN, bf16/fp16 compute, no attention dropout, a head
-size cuDNN takes) and says why when it cannot. ``Backend`` is what it knows of the machine.
-
 ``kernel_init_as_matrix`` is no fp32 island: it makes conv kernel initialisation compile fast.
 ``Dtype`` is the models' annotation for a dtype.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain import errors, sharding
+from mptrain import sharding
 
 Dtype = Any
 
@@ -238,163 +221,3 @@ def kernel_init_as_matrix(init: Any) -> Any:
         return init(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
 
     return wrapped
-
-
-# ---- attention: cuDNN's fused kernel where it runs, the materialised fp32 island elsewhere
-
-ATTENTION_KEY = "model.attention"
-ATTENTION_CHOICES = ("auto", "cudnn", "materialized")
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    """What the attention choice needs to know of the machine the model runs on."""
-
-    platform: str  # jax.default_backend(): "cpu", "gpu" or "tpu"
-    compute_capability: tuple[int, int] | None = None  # a CUDA GPU's, e.g. (9, 0): an H100
-    cudnn: bool = False  # jax finds cuDNN and traces its fused attention here
-
-
-@functools.cache
-def local_backend() -> Backend:  # this process's; cached, since on a GPU it traces a probe
-    return _backend(jax.local_devices()[0])
-
-
-def backend_of(devices: Sequence[jax.Device]) -> Backend:
-    """What the attention choice knows of `devices`, those a step is compiled for (a mesh's):
-    this process's (`local_backend`), or an absent accelerator's (`mptrain.plan`'s). Host-side."""
-    first = next(iter(devices))
-    return local_backend() if first in jax.local_devices() else _backend(first)
-
-
-def _backend(device: jax.Device) -> Backend:
-    if device.platform != "gpu":
-        return Backend(device.platform)
-    try:  # a string such as "9.0" on CUDA; ROCm devices name their chips ("gfx90a") instead
-        capability = tuple(int(n) for n in device.compute_capability.split(".")[:2])
-    except (AttributeError, ValueError):
-        capability = None
-    return Backend(device.platform, capability, cudnn=_cudnn_traces())
-
-
-@functools.cache
-def _cudnn_traces() -> bool:
-    """Whether jax's own checks of its cuDNN attention (is cuDNN installed, is its version
-    right) pass: a shape-only trace asks them without compiling anything, on any host."""
-    probe = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
-    try:
-        jax.eval_shape(functools.partial(_fused_attention, implementation="cudnn"), *[probe] * 3)
-    except (RuntimeError, NotImplementedError, ValueError):  # e.g. "cuDNN is not detected."
-        return False
-    return True
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionChoice:
-    """The attention implementation a model runs, and why, when it is not cuDNN's."""
-
-    implementation: str  # "cudnn" | "materialized"
-    reason: str = ""
-
-    def __str__(self) -> str:  # what the start-up log says
-        if self.implementation == "cudnn":
-            return "cuDNN fused (jax.nn.dot_product_attention)"
-        return f"materialized [B, H, L, L] in fp32 ({self.reason})"
-
-
-def _why_not_cudnn(backend: Backend, dtype: Dtype, head_dim: int, dropout_rate: float):
-    """Why cuDNN's fused attention cannot serve here, or None when it can.
-
-    The rules are jax's (``jax._src.cudnn.fused_attention_stablehlo``: 16-bit q, k, v of one
-    dtype; head size a multiple of 8, at most 256 from compute capability 9.0 on and 128 before)
-    and XLA's (flash attention from compute capability 8.0, Ampere, on), plus what the API
-    lacks: ``jax.nn.dot_product_attention`` has no dropout on the attention probabilities.
-    """
-    if backend.platform != "gpu":
-        return f"not on a GPU: the backend is {backend.platform}"
-    if not backend.cudnn:
-        return "jax finds no cuDNN fused attention on this GPU"
-    capability = backend.compute_capability
-    if capability is None or capability < (8, 0):
-        return f"cuDNN flash attention needs compute capability 8.0 or newer, not {capability}"
-    name = jnp.dtype(dtype).name
-    if name not in ("bfloat16", "float16"):
-        return f"{name} compute: cuDNN attention takes bfloat16 or float16"
-    if dropout_rate > 0:
-        return f"dropout_rate={dropout_rate}: jax.nn.dot_product_attention has no dropout"
-    limit = 256 if capability >= (9, 0) else 128
-    if head_dim % 8 or head_dim > limit:
-        return f"head_dim={head_dim}: cuDNN takes multiples of 8 up to {limit} on this GPU"
-    return None
-
-
-def choose_attention(
-    requested: str,
-    *,
-    dtype: Dtype,
-    head_dim: int,
-    dropout_rate: float = 0.0,
-    backend: Backend | None = None,
-) -> AttentionChoice:
-    """Resolves ``model.attention`` (``"auto" | "cudnn" | "materialized"``); host-side.
-
-    ``"auto"`` is cuDNN wherever it can run on ``backend`` (default: ``local_backend()``) and
-    the materialised island elsewhere, as torch's ``scaled_dot_product_attention`` keeps its
-    math fallback; ``"cudnn"`` where it cannot run is a ``ValueError`` naming the key and why.
-    """
-    requested = errors.check_choice(ATTENTION_KEY, requested, ATTENTION_CHOICES)
-    if requested == "materialized":
-        return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
-    why = _why_not_cudnn(backend or local_backend(), dtype, head_dim, dropout_rate)
-    if why is None:
-        return AttentionChoice("cudnn")
-    if requested == "cudnn":
-        raise ValueError(
-            f"{ATTENTION_KEY}='cudnn' cannot run here: {why}; "
-            "'auto' uses cuDNN where it can run, 'materialized' runs anywhere"
-        )
-    return AttentionChoice("materialized", why)
-
-
-def _fused_attention(q, k, v, implementation: str):
-    """``jax.nn.dot_product_attention`` as the models call it: ``[B, L, H, D]`` in and out (the
-    layout the heads are split in, so no transpose), causal, scores scaled by ``D ** -0.5``.
-    ``local_backend`` traces the very same call to ask jax whether cuDNN can run it."""
-    scale = q.shape[-1] ** -0.5
-    return jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=True, implementation=implementation
-    )
-
-
-def causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    implementation: str,
-    *,
-    dropout: Callable[[jax.Array], jax.Array] | None = None,
-) -> jax.Array:
-    """Causal multi-head attention of ``[B, L, H, D]`` q, k, v in ``dtype`` -> ``[B, L, H, D]``.
-
-    ``implementation`` is a resolved choice (see ``choose_attention``). Either way the softmax
-    statistics are fp32: cuDNN keeps each row's running max and sum in fp32 registers and
-    stores only the fp32 log-sum-exp ``[B, H, L]`` for its backward pass, which recomputes the
-    probabilities; the materialised path computes fp32 scores and an fp32 softmax explicitly.
-    ``dropout`` (materialised only) is applied to the probabilities.
-    """
-    if implementation == "cudnn":
-        if dropout is not None:
-            raise ValueError("cuDNN attention has no dropout; use 'materialized'")
-        return _fused_attention(q, k, v, "cudnn")
-    if implementation != "materialized":
-        raise ValueError(f"attention implementation {implementation!r}: 'cudnn' | 'materialized'")
-    length, dtype = q.shape[1], q.dtype
-    q = q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
-    # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
-    scores = einsum_f32_out("bqhd,bkhd->bhqk", q, k)
-    causal = jnp.tril(jnp.ones((length, length), dtype=bool))  # query q sees keys k <= q
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
-    if dropout is not None:
-        probs = dropout(probs)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)

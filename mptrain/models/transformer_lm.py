@@ -14,7 +14,7 @@ Mixed-precision contract: the framework passes parameters already cast to the co
     before the loss, and its custom gradient keeps the backward matmuls in ``dtype`` too.
 
 Attention (``attention``, config key ``model.attention``) has two implementations, both with
-``dtype`` operands and fp32 softmax statistics (``layers.causal_attention``):
+``dtype`` operands and fp32 softmax statistics (``attention_lib.causal_attention``):
 
   * ``"cudnn"``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``). It walks the
     keys block by block, keeping each query row's running max and running sum of exponentials
@@ -28,8 +28,10 @@ Attention (``attention``, config key ``model.attention``) has two implementation
     tensors are held for the backward pass, whose matmuls the custom gradient keeps 16-bit.
 
 ``"auto"`` (the default) runs cuDNN where it can: a CUDA GPU with cuDNN, bf16/fp16 compute, no
-attention dropout, a head size cuDNN takes; the materialised path elsewhere (CPU, TPU, fp32,
-``dropout_rate > 0``). ``create_model`` logs the choice and why (``layers.choose_attention``).
+attention dropout, a head size cuDNN takes; on a TPU the Pallas flash kernel (``"flash"``, for
+16-bit compute, no dropout, sequences of a multiple of 128); the materialised path elsewhere
+(CPU, fp32, ``dropout_rate > 0``). ``create_model`` logs the choice and why
+(``attention.choose_attention``).
 Parameter names are the same either way. XLA counts cuDNN's attention among its GPU kernels
 whose results may vary from run to run; ``config.deterministic`` makes XLA ask cuDNN for its
 deterministic backward pass.
@@ -57,6 +59,7 @@ from absl import logging
 
 from mptrain import errors
 from mptrain import fp8 as fp8_lib
+from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 
 
@@ -83,7 +86,7 @@ class CausalSelfAttention(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
-    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+    backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -91,12 +94,13 @@ class CausalSelfAttention(nn.Module):
         if d_model % self.num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
         head_dim = d_model // self.num_heads
-        choice = layers.choose_attention(
+        choice = attention_lib.choose_attention(
             self.attention,
             dtype=self.dtype,
             head_dim=head_dim,
             dropout_rate=self.dropout_rate,
             backend=self.backend,
+            length=length,
         )
         qkv = layers.run_in(self.dtype, _dense(3 * d_model, "qkv", self.fp8), x)
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
@@ -104,7 +108,7 @@ class CausalSelfAttention(nn.Module):
         dropout = None
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
-        out = layers.causal_attention(q, k, v, choice.implementation, dropout=dropout)
+        out = attention_lib.causal_attention(q, k, v, choice.implementation, dropout=dropout)
         out = out.reshape(batch, length, d_model)
         return layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out)
 
@@ -134,7 +138,7 @@ class Block(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
-    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+    backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
@@ -175,7 +179,7 @@ class TransformerLM(nn.Module):
     dropout_rate: float = 0.0
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
-    backend: layers.Backend | None = None  # what it is compiled for (None: this process)
+    backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -259,7 +263,7 @@ def create_model(
     model_config: Any,
     compute_dtype: layers.Dtype = jnp.float32,
     fp8: Any = None,
-    backend: layers.Backend | None = None,
+    backend: attention_lib.Backend | None = None,
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -271,17 +275,18 @@ def create_model(
     ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8`` (an
     ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
     embedding and the head do not). ``backend``: what the model is compiled for
-    (``layers.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
+    (``attention_lib.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
     decides by.
     """
     with errors.config_errors():
         keys = _settings(model_config)
-        choice = layers.choose_attention(
+        choice = attention_lib.choose_attention(
             keys["attention"],
             dtype=compute_dtype,
             head_dim=keys["d_model"] // keys["num_heads"],
             dropout_rate=keys["dropout_rate"],
             backend=backend,
+            length=keys["max_len"],
         )
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
