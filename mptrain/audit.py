@@ -162,6 +162,15 @@ def _subjaxprs(eqn):
                 yield inner, times
 
 
+def _precision(eqn) -> str:
+    """A matmul's precision by jax's name ("default", "high", "highest"), the higher of its
+    operands'; an algorithm (`DotAlgorithmPreset`) by its own name."""
+    found = eqn.params.get("precision")
+    if isinstance(found, tuple):
+        found = max(found, key=lambda p: getattr(p, "value", -1) if p is not None else -1)
+    return "default" if found is None else getattr(found, "name", str(found)).lower()
+
+
 def _matmul_flops(eqn) -> int:
     out = eqn.outvars[0].aval
     if eqn.primitive.name == "dot_general":
@@ -197,6 +206,8 @@ class PrecisionReport:
     warnings: list[str]
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
+    # {operand dtype: {precision: FLOPs}}: "default", "high", "highest" (jax's names)
+    precisions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def compute_fraction(self) -> float:
@@ -221,7 +232,8 @@ class PrecisionReport:
         lines += [f"casting rule: {self.casting}"] if self.casting else []
         lines += ["", "matmul FLOPs:"]
         for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {dtype:<10} {flops:>18,}  {100 * flops / total:6.2f}%")
+            at = ", ".join(f"{p} {f:,}" for p, f in sorted(self.precisions.get(dtype, {}).items()))
+            lines.append(f"  {dtype:<10} {flops:>18,}  {100 * flops / total:6.2f}%  precision {at}")
         for where, dtype, flops in self.offenders():
             lines.append(f"  not {self.compute_dtype}: {where}  {dtype}  {flops:,} FLOPs")
         lines += ["", "collectives (bytes):"]
@@ -284,6 +296,7 @@ def make_report(
     converts: dict[str, int] = collections.Counter()
     islands: dict[str, set] = collections.defaultdict(set)
     hazards: dict[tuple[str, str, str, str], int] = collections.Counter()
+    precisions: dict[str, dict[str, int]] = collections.defaultdict(collections.Counter)
 
     def walk(jaxpr, times, outer):
         for eqn in jaxpr.eqns:
@@ -293,6 +306,7 @@ def make_report(
             if name in ("dot_general", "conv_general_dilated"):
                 dtype = np.dtype(eqn.invars[0].aval.dtype).name
                 by_line[(_where(eqn, outer), dtype)] += times * _matmul_flops(eqn)
+                precisions[dtype][_precision(eqn)] += times * _matmul_flops(eqn)
             elif name == "convert_element_type":
                 old, new = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
                 floats = jnp.issubdtype(old, jnp.floating) and jnp.issubdtype(new, jnp.floating)
@@ -334,12 +348,21 @@ def make_report(
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
         casting=policy.describe_rules(states[0].params) if states else "",
+        precisions={dtype: dict(by) for dtype, by in precisions.items()},
         hazards=sorted(
             (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),
             key=lambda h: (hlo.KINDS.index(h.kind), -h.count, h.where),
         ),
     )
     report.warnings += [hlo.warning(h) for h in report.hazards if h.kind == "16-bit"]
+    reduced = sum(f for p, f in report.precisions.get("float32", {}).items() if p != "highest")
+    if reduced:
+        report.warnings.append(
+            f"{reduced:,} FLOPs of float32 matmuls run at reduced precision: JAX's default runs "
+            "them as one bfloat16 pass on a TPU and in TensorFloat-32 on an NVIDIA GPU (Ampere "
+            "on); config.matmul_precision='highest' (what 'auto' picks under fp32 compute) makes "
+            "them float32"
+        )
     if compute != "float32" and report.compute_fraction < 0.95:
         where = "; ".join(f"{w} ({d}, {f:,} FLOPs)" for w, d, f in report.offenders()[:5])
         report.warnings.append(

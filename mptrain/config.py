@@ -30,6 +30,10 @@ def base_config() -> ml_collections.ConfigDict:
     # the compute dtype. None: embedding tables and norm scales/biases under 16-bit compute
     # (precision.DEFAULT_KEEP_FP32); "": cast every param
     c.keep_fp32 = config_dict.placeholder(str)
+    # precision of float32 matmuls, for the step alone: "auto" (highest under fp32 compute, the
+    # reference; default under 16-bit compute) | "default" (JAX's: one bf16 pass on a TPU,
+    # TF32 on an Ampere+ GPU) | "high" | "highest" (true float32)
+    c.matmul_precision = "auto"
     c.trainer = "mptrain.trainer:Trainer"  # "package.module:Class" of the Trainer to run
     c.num_train_steps = 1000  # batches to train on in total (a resumed run counts from 0)
     c.batch_size = 32  # global batch size, over all devices and hosts
@@ -290,6 +294,11 @@ def policy_of(config: ml_collections.ConfigDict):
     from mptrain import errors, fp8, precision
 
     policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
+    choices = ("auto", *precision.MATMUL_PRECISIONS)
+    matmuls = errors.check_choice(
+        "matmul_precision", config.get("matmul_precision", "auto"), choices
+    )
+    policy = dataclasses.replace(policy, matmul_precision=matmuls)
     section = config.get("fp8") or {}  # checked under every precision: a typo is an error
     default = fp8.Recipe()  # what an unset (None) key means
     history = errors.setting(section, "history", default.history)

@@ -243,7 +243,8 @@ def report_start(workdir, config, state, compiled_step, mesh, start: int, report
     memory = compiled_step.memory_analysis()
     used = f"{mesh.size}" + (f" of {jax.device_count()}" if mesh.size < jax.device_count() else "")
     logging.info(
-        f"mptrain: precision {state.policy}, param rounding {state.param_rounding}, loss scale "
+        f"mptrain: precision {state.policy} (matmul precision {state.policy.matmul_precision}), "
+        f"param rounding {state.param_rounding}, loss scale "
         f"{type(state.loss_scale).__name__} (scale {scale:g}), "
         f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
         f"bytes/param, mesh {used} devices: data {mesh.shape['data']} x fsdp "

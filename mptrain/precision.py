@@ -69,6 +69,7 @@ def to_f32(tree: Any) -> Any:
 
 # A flax/NNX embedding table (`.../embedding`, `pos_embedding`), and the scale and bias of a
 # module whose name says it normalises (`LayerNorm_0`, `ln_attn`, `bn1`, `proj_bn`, `stem_bn`).
+MATMUL_PRECISIONS = ("default", "high", "highest")  # jax's names: 1, 3 and 6 bf16 passes on TPU
 DEFAULT_KEEP_FP32 = (
     r"(?i)(embedding$|(^|/)([^/]*norm[^/]*|([^/]*_)?(ln|bn)(\d*|_[^/]*))/(scale|bias)$)"
 )
@@ -97,6 +98,11 @@ class Policy:
     keep_fp32: str | None = None
     # the model runs its selected matmuls in fp8 with this `mptrain.fp8.Recipe`; None: not
     fp8: Any = None
+    # the precision of float32 matmuls (`MATMUL_PRECISIONS`); "auto": "highest" under fp32
+    # compute, where it is the reference every mixed recipe is measured against (JAX's default
+    # runs float32 dots as one bfloat16 pass on a TPU, in TensorFloat-32 on an NVIDIA GPU),
+    # "default" under 16-bit compute, whose operands are 16-bit already
+    matmul_precision: str = "auto"
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -111,6 +117,18 @@ class Policy:
         except re.error as e:
             raise ValueError(f"keep_fp32={rule!r}: not a regular expression: {e}") from None
         object.__setattr__(self, "keep_fp32", rule)
+        wanted = str(self.matmul_precision).strip().lower()
+        if wanted not in ("auto", *MATMUL_PRECISIONS):
+            valid = ", ".join(("auto", *MATMUL_PRECISIONS))
+            raise ValueError(f"matmul_precision={self.matmul_precision!r}: valid values: {valid}")
+        if wanted == "auto":
+            wanted = "highest" if self.compute_dtype == F32 else "default"
+        object.__setattr__(self, "matmul_precision", wanted)
+
+    def matmuls(self):
+        """A context in which the matmuls JAX traces take `matmul_precision` (the step's own,
+        not the process's: `jax.default_matmul_precision` while its trace is built)."""
+        return jax.default_matmul_precision(self.matmul_precision)
 
     def kept_fp32(self, path: str) -> bool:
         """Whether the param at `path` ("/"-joined) is handed to the model in fp32."""

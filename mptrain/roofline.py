@@ -182,11 +182,14 @@ def peak(chip: Any, dtype: str) -> float:
 
 def floor(chip: Any, flops: dict[str, float], moved: float, compute: str) -> dict[str, Any]:
     """The floor of a step on `chip` from its FLOPs by dtype and its bytes moved, and the MFU
-    it implies against the peak of the `compute` dtype."""
+    it implies against the peak of the `compute` dtype (float32 at HIGHEST where most of the
+    float32 FLOPs ask for it: the rate of the precision that runs)."""
     peaks = {dtype: peak(chip, dtype) for dtype in flops}
     compute_s = sum(value / peaks[dtype] for dtype, value in flops.items())
     memory_s = moved / chip.roofline["bandwidth"]
     floor_s = max(compute_s, memory_s, 1e-12)
+    if compute == "float32" and flops.get("float32_highest", 0) > flops.get("float32", 0):
+        compute = "float32_highest"
     reference = peak(chip, compute)
     return {
         "compute_s": compute_s,

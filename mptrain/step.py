@@ -97,6 +97,10 @@ def make_train_step(
     """
 
     def train_step(state: train_state_lib.TrainState, batch: Any):
+        with state.policy.matmuls():  # float32 matmuls at the policy's precision
+            return _step(state, batch)
+
+    def _step(state: train_state_lib.TrainState, batch: Any):
         policy, scaler = state.policy, state.loss_scale
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
@@ -201,11 +205,10 @@ def make_eval_step(
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
-        metrics = metric_fn(
-            policy.cast_params(state.params),
-            state.model_state,
-            policy.cast_to_compute(batch),
-        )
+        with policy.matmuls():
+            metrics = metric_fn(
+                policy.cast_params(state.params), state.model_state, policy.cast_to_compute(batch)
+            )
         return precision.to_f32(metrics)
 
     return eval_step

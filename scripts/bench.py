@@ -203,6 +203,7 @@ def measure(model: str, case: str, args) -> dict:
     path = getattr(args, f"{model}_config")
     size = resolve_size(model, args.size, path)
     config = load_config(model, case, size, path)
+    config.matmul_precision = args.matmul_precision
     workdir = tempfile.TemporaryDirectory(prefix="bench_")
     with workdir, mptrain_sides(config, workdir.name) as (loop, bare, info, train):
         hand_step, fresh, hand_compile = make_hand(config, train)
@@ -244,6 +245,8 @@ def measure(model: str, case: str, args) -> dict:
         "size": size,
         "precision": config.precision,
         "loss_scale": config.loss_scale.kind,
+        # what float32 matmuls ran at, on both sides (the policy's; "default" is JAX's)
+        "matmul_precision": config_lib.policy_of(config).matmul_precision,
         "params": int(sum(x.size for x in jax.tree.leaves(hand_state["params"]))),
         "batch_size": config.batch_size,
         "compile_s": info["compile_s"],
@@ -291,6 +294,13 @@ def main(argv=None):
         "small on a CPU, full on an accelerator; tiny: the configs' :tiny variants "
         "(host-bound steps: the loop's own cost)",
     )
+    p.add_argument(
+        "--matmul_precision",
+        choices=("auto", "default", "high", "highest"),
+        default="auto",
+        help="config.matmul_precision of both sides; auto: highest for fp32 rows (strict fp32), "
+        "default (TF32 on NVIDIA, one bf16 pass on a TPU) for 16-bit ones",
+    )
     for model, path in MODELS.items():
         p.add_argument(f"--{model}_config", default=None, help=f"config file (default: {path})")
     p.add_argument(
@@ -330,8 +340,8 @@ def main(argv=None):
             rows.append(measure(model, case, args))
             r = rows[-1]
             print(
-                f"{model} {case}: loop {r['loop_ms']:.2f} ms, hand {r['hand_ms']:.2f} ms, "
-                f"loop/hand {r['loop_over_hand']:.3f}",
+                f"{model} {report.case_label(r)}: loop {r['loop_ms']:.2f} ms, "
+                f"hand {r['hand_ms']:.2f} ms, loop/hand {r['loop_over_hand']:.3f}",
                 flush=True,
             )
     report.print_tables(header, rows)
@@ -342,7 +352,6 @@ def main(argv=None):
         "device_kind": device.device_kind,
         "platform": device.platform,
         "device_count": jax.device_count(),
-        "matmul_precision": jax.config.jax_default_matmul_precision,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "size": args.size,
         "configs": {m: getattr(args, f"{m}_config") or MODELS[m] for m in models},

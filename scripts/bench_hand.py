@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mptrain import precision
+from mptrain import config as config_lib
 
 
 def make_hand(config, train_source):
     """`(compiled step, fresh, compile seconds)` for `config`'s model and preset written in plain
     flax + optax; `fresh()` is a new step-0 state (the step donates the one it is given)."""
-    policy = precision.get_policy(config.precision, config.get("keep_fp32"))
+    policy = config_lib.policy_of(config)  # the preset, the casting rule, the matmul precision
     compute, param_dtype = policy.compute_dtype, policy.param_dtype
     dynamic = config.loss_scale.kind == "dynamic"
     model = importlib.import_module(f"mptrain.models.{config.model.name}")
@@ -124,5 +124,6 @@ def make_hand(config, train_source):
     init_rng, _ = jax.random.split(jax.random.key(config.seed))  # as mptrain splits it
     fresh = functools.partial(jax.jit(init), init_rng, sample["inputs"][:1])
     started = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=0).lower(fresh(), jax.device_put(sample)).compile()
+    with policy.matmuls():  # float32 matmuls at mptrain's precision, as a careful user sets it
+        compiled = jax.jit(step, donate_argnums=0).lower(fresh(), jax.device_put(sample)).compile()
     return compiled, fresh, time.perf_counter() - started

@@ -30,15 +30,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
-from mptrain import precision
+from mptrain import config as config_lib
 from mptrain.models import layers
 
 # Dense matmul peaks per chip in TFLOP/s, from the vendors' datasheets (no sparsity), by
 # operand dtype. "float32" is an fp32 matmul as JAX runs it by default (TF32 on NVIDIA Ampere
 # and later, one bf16 pass on a TPU); "float32-highest" is strict fp32, what
-# `jax_default_matmul_precision="highest"` asks for. None: no such unit (TPUs have no fp16 one).
+# `config.matmul_precision="highest"` asks for ("auto" under fp32 compute): six bf16 passes on a
+# TPU (mptrain/targets/*.toml). None: no such unit (TPUs have no fp16 one).
 # Patterns match the lower-cased `device.device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5 lite");
 # variants not listed (H100 NVL, H200 NVL, ...) have other clocks and get no MFU rather than a
 # wrong one.
@@ -47,20 +46,21 @@ PEAKS: tuple[tuple[str, str, dict[str, float | None]], ...] = (
     (r"h100 pcie", "NVIDIA H100 PCIe", dict(bf16=756, f16=756, f32=378, strict=51)),
     (r"h200$", "NVIDIA H200 SXM", dict(bf16=989, f16=989, f32=495, strict=67)),
     (r"a100", "NVIDIA A100", dict(bf16=312, f16=312, f32=156, strict=19.5)),
-    (r"^tpu v4$", "Google TPU v4", dict(bf16=275, f16=None, f32=275, strict=None)),
-    (r"^tpu v5 ?(lite|e)$", "Google TPU v5e", dict(bf16=197, f16=None, f32=197, strict=None)),
-    (r"^tpu v5p?$", "Google TPU v5p", dict(bf16=459, f16=None, f32=459, strict=None)),
+    (r"^tpu v4$", "Google TPU v4", dict(bf16=275, f16=None, f32=275, strict=45.8)),
+    (r"^tpu v5 ?(lite|e)$", "Google TPU v5e", dict(bf16=197, f16=None, f32=197, strict=32.8)),
+    (r"^tpu v5p?$", "Google TPU v5p", dict(bf16=459, f16=None, f32=459, strict=76.5)),
 )
 _SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float32-highest": "strict"}
 
 
-def matmul_dtype(compute_dtype: str, matmul_precision: str | None = None) -> str:
-    """The `PEAKS` column for matmuls with `compute_dtype` operands: "float32-highest" for fp32
-    under `jax_default_matmul_precision` "highest" (or "float32"), else the dtype itself."""
-    if matmul_precision is None:
-        matmul_precision = jax.config.jax_default_matmul_precision
-    strict = str(matmul_precision).lower() in ("highest", "float32")
-    return "float32-highest" if compute_dtype == "float32" and strict else compute_dtype
+def matmul_dtype(config: Any) -> str:
+    """The `PEAKS` column for the matmuls of `config`'s step: its compute dtype, and
+    "float32-highest" for float32 at its policy's matmul precision "highest" (what
+    `matmul_precision="auto"` picks under fp32 compute)."""
+    policy = config_lib.policy_of(config)
+    compute = policy.compute_dtype.name
+    strict = compute == "float32" and policy.matmul_precision == "highest"
+    return "float32-highest" if strict else compute
 
 
 def peak_tflops(device_kind: str, dtype: str) -> tuple[float | None, str | None]:
@@ -112,7 +112,7 @@ def model_flops(config: Any, forward: Callable[[], Any]) -> tuple[int, str]:
 def flop_figures(config: Any, flops: int, step_ms: float, devices: list) -> dict:
     """A row's FLOP fields: the TFLOP/s that `flops` a step make in `step_ms`, the dense peak of
     `devices` for the preset's matmul dtype and the MFU against it (None: peak unknown)."""
-    dtype = matmul_dtype(precision.get_policy(config.precision).compute_dtype.name)
+    dtype = matmul_dtype(config)
     chip, name = peak_tflops(devices[0].device_kind, dtype)
     peak = None if chip is None else chip * len(devices)
     tflops = flops / step_ms / 1e9
@@ -141,6 +141,12 @@ def _num(value: float | None, spec: str, width: int) -> str:
     return f"{'n/a':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
+def case_label(row: dict) -> str:
+    """A row's case, with the matmul precision its float32 matmuls ran at ("fp32@highest")."""
+    fp32 = row["peak_dtype"].startswith("float32")
+    return f"{row['case']}@{row['matmul_precision']}" if fp32 else row["case"]
+
+
 def print_tables(header: str, rows: list[dict]) -> None:
     """Two tables, the times and the figures, under `header` (device, jax, date)."""
     head = (
@@ -150,7 +156,7 @@ def print_tables(header: str, rows: list[dict]) -> None:
     print(f"\n{header}\n\n{head}\n" + "-" * len(head))
     for r in rows:
         print(
-            f"{r['model']:<6} {r['case']:<15} {r['size']:<5} "
+            f"{r['model']:<6} {case_label(r):<15} {r['size']:<5} "
             f"{r['compile_s']:>5.1f}/{r['hand_compile_s']:<5.1f} "
             f"{r['loop_ms']:>8.2f} {r['bare_ms']:>8.2f} {r['hand_ms']:>8.2f} "
             f"{r['loop_over_hand']:>9.3f} {r['bare_over_hand']:>9.3f} "
@@ -173,7 +179,7 @@ def print_tables(header: str, rows: list[dict]) -> None:
         peak = "n/a" if r["peak_tflop_per_s"] is None else f"{r['peak_tflop_per_s']:g}"
         peak = f"{peak} {_SHORT[r['peak_dtype']]}"
         print(
-            f"{r['model']:<6} {r['case']:<15} {rate:>9.0f} {r['model_gflop_per_step']:>9.4g} "
+            f"{r['model']:<6} {case_label(r):<15} {rate:>9.0f} {r['model_gflop_per_step']:>9.4g} "
             f"{r['model_tflop_per_s']:>8.4g} {mfu:>6} {peak:>11} "
             f"{r['xla_gflop_per_step']:>10.4g} {r['bytes_per_param']:>8.2f} "
             f"{mem['temp_mib']:>7.1f}/{hand['temp_mib']:<7.1f} "
@@ -185,9 +191,9 @@ def print_tables(header: str, rows: list[dict]) -> None:
         "3x the forward's matmuls and convolutions (lm: from the config, attention's full T x T; "
         "others: the audit's count of the traced forward pass); TFLOP/s and MFU: those over the "
         "loop's step time, MFU against the dense peak of the chips for the row's matmul dtype "
-        "(f32: TF32 on NVIDIA, as JAX runs it by default; strict under matmul precision "
-        "'highest'). XLA GFLOP: XLA's cost analysis of the step, which misses cuDNN's work on a "
-        "GPU. temp, args: the compiled steps' memory analysis, mptrain/hand. dev MiB: the "
-        "devices' peak bytes in use so far in this process (both sides' states live at once; "
-        "run one case per process for a row's own peak)."
+        "(fp32@highest: strict fp32, the fp32 preset's own; fp32@default: TF32 on NVIDIA, one "
+        "bf16 pass on a TPU, as JAX runs it by default). XLA GFLOP: XLA's cost analysis of the "
+        "step, which misses cuDNN's work on a GPU. temp, args: the compiled steps' memory "
+        "analysis, mptrain/hand. dev MiB: the devices' peak bytes in use so far in this process "
+        "(both sides' states live at once; run one case per process for a row's own peak)."
     )

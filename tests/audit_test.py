@@ -1,7 +1,9 @@
 """State bytes per parameter, measured from the arrays, the unsafe-setup warnings, and the
 precision report: matmuls by dtype and line, and the GPU hazards (scatters, 16-bit sums)."""
 
+import contextlib
 import logging
+import re
 from pathlib import Path
 
 import flax.linen as nn
@@ -12,7 +14,7 @@ import pytest
 from conftest import needs_devices, tiny_config
 
 import mptrain
-from mptrain import audit, hlo, log_totals, optim
+from mptrain import audit, hlo, log_totals, optim, precision
 from mptrain import config as config_lib
 from mptrain.models import attention, layers
 
@@ -312,3 +314,49 @@ def test_a_16_bit_all_reduce_in_the_compiled_program_is_named():
     ]
     (warning,) = report.warnings
     assert "all-reduce sums bfloat16 across devices" in warning
+
+
+def _dot_precisions(trainer):
+    step, *args = _step_and_args(trainer, _lm_batch(trainer.config))
+    text = step.lower(*args).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    return text, [re.search(r"precision = \[([^\]]*)\]", line).group(1) for line in dots]
+
+
+def test_fp32_runs_every_matmul_at_highest_and_the_report_says_so(tmp_path):
+    """Read on the lowered program, which every backend compiles: jax's default precision would
+    run these float32 dots as one bfloat16 pass on a TPU and in TensorFloat-32 on an NVIDIA GPU."""
+    trainer = mptrain.Trainer(tiny_config(precision="fp32"), tmp_path)
+    _, precisions = _dot_precisions(trainer)
+    assert precisions and set(precisions) == {"HIGHEST, HIGHEST"}
+    report = audit.precision_report(*_step_and_args(trainer, _lm_batch(trainer.config)))
+    assert set(report.precisions) == {"float32"} and set(report.precisions["float32"]) == {
+        "highest"
+    }
+    assert "precision highest" in str(report) and not report.warnings
+
+
+def test_a_float32_matmul_at_reduced_precision_is_warned(tmp_path):
+    config = tiny_config(precision="fp32", matmul_precision="default")
+    report = audit.precision_report(
+        *_step_and_args(mptrain.Trainer(config, tmp_path), _lm_batch(config))
+    )
+    assert set(report.precisions["float32"]) == {"default"}
+    (warning,) = report.warnings
+    assert "run at reduced precision" in warning and "matmul_precision='highest'" in warning
+
+
+def test_bf16_mixed_lowers_its_matmuls_as_without_a_precision_context(tmp_path, monkeypatch):
+    """Under 16-bit compute "auto" asks for JAX's default: the matmuls lower as they did
+    before the policy had a precision."""
+    trainer = mptrain.Trainer(tiny_config(), tmp_path)
+
+    def matmuls():
+        text, precisions = _dot_precisions(trainer)
+        lines = [line for line in text.splitlines() if re.search(r"dot_general|convolution", line)]
+        return precisions, [re.sub(r"%[\w#]+", "%", line.strip()) for line in lines]
+
+    precisions, lines = matmuls()
+    assert set(precisions) == {"DEFAULT, DEFAULT"}
+    monkeypatch.setattr(precision.Policy, "matmuls", lambda self: contextlib.nullcontext())
+    assert matmuls() == (precisions, lines)

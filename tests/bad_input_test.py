@@ -32,6 +32,7 @@ from mptrain import config as config_lib
         ("optimizer.name", "AdamW"),
         ("optimizer.schedule", "Cosine"),
         ("param_rounding", "Nearest"),
+        ("matmul_precision", "Highest"),
     ],
 )
 def test_every_choice_is_read_in_any_case(key, value, tmp_path):

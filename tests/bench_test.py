@@ -136,6 +136,7 @@ H100, TPU = "NVIDIA H100 80GB HBM3", "TPU v5 lite"
         ("NVIDIA A100 80GB PCIe", "bfloat16", 312),
         (TPU, "bfloat16", 197),
         (TPU, "float32", 197),  # one bf16 pass
+        (TPU, "float32-highest", 32.8),  # six
         (TPU, "float16", None),  # no fp16 units
         ("TPU v5", "bfloat16", 459),
         ("TPU v4", "bfloat16", 275),
@@ -148,27 +149,36 @@ def test_the_peak_is_the_device_s_dense_rate_for_the_dtype(kind, dtype, peak):
 
 
 @pytest.mark.parametrize(
-    "preset, precision, dtype, peak",
+    "preset, matmuls, dtype, peak",
     [
-        ("bf16-mixed", None, "bfloat16", 989),
-        ("bf16-pure", None, "bfloat16", 989),
-        ("fp16-mixed", None, "float16", 989),
-        ("fp32", None, "float32", 495),
-        ("fp32", "highest", "float32-highest", 67),
+        ("bf16-mixed", "auto", "bfloat16", 989),
+        ("bf16-pure", "auto", "bfloat16", 989),
+        ("fp16-mixed", "auto", "float16", 989),
+        ("fp32", "auto", "float32-highest", 67),  # the fp32 preset is strict fp32
+        ("fp32", "default", "float32", 495),  # TF32, as JAX runs an fp32 matmul by default
         ("bf16-mixed", "highest", "bfloat16", 989),  # 16-bit operands: one pass anyway
     ],
 )
-def test_mfu_takes_the_peak_of_the_row_s_matmul_dtype(preset, precision, dtype, peak):
+def test_mfu_takes_the_peak_of_the_row_s_matmul_dtype(preset, matmuls, dtype, peak):
     config = bench["load_config"]("lm", "fp32", "tiny")
-    config.precision = preset
+    config.precision, config.matmul_precision = preset, matmuls
     chips = [types.SimpleNamespace(device_kind=H100)] * 2
-    with jax.default_matmul_precision(precision):
-        row = report.flop_figures(config, flops=peak * 1e9, step_ms=4.0, devices=chips)
+    row = report.flop_figures(config, flops=peak * 1e9, step_ms=4.0, devices=chips)
     assert (row["peak_dtype"], row["peak_tflop_per_s"]) == (dtype, 2 * peak)
     assert row["model_tflop_per_s"] == pytest.approx(peak / 4)
     assert row["mfu"] == pytest.approx(1 / 8)  # a quarter of one chip's peak, over two chips
     cpu = report.flop_figures(config, 1e9, 4.0, [types.SimpleNamespace(device_kind="cpu")])
     assert cpu["mfu"] is None and cpu["peak_tflop_per_s"] is None
+
+
+def test_a_float32_row_says_which_precision_its_matmuls_ran_at():
+    rows = [
+        {"case": "fp32", "peak_dtype": "float32-highest", "matmul_precision": "highest"},
+        {"case": "fp32", "peak_dtype": "float32", "matmul_precision": "default"},
+        {"case": "bf16-mixed", "peak_dtype": "bfloat16", "matmul_precision": "default"},
+    ]
+    labels = [report.case_label(row) for row in rows]
+    assert labels == ["fp32@highest", "fp32@default", "bf16-mixed"]
 
 
 def test_an_lm_of_over_a_tflop_a_step_runs_tiny_on_a_cpu_unless_full():
@@ -209,7 +219,7 @@ def test_bench_writes_its_table_and_json(tmp_path, capsys):
         assert row["model_tflop_per_s"] == pytest.approx(
             row["model_gflop_per_step"] / row["loop_ms"]
         )
-        assert row["peak_dtype"] == "bfloat16"
+        assert row["peak_dtype"] == "bfloat16" and row["matmul_precision"] == "default"
         assert row["mfu"] is None and row["device_peak_mib"] is None  # a CPU has neither
     config = bench["load_config"]("lm", "bf16-mixed", "tiny")
     assert result["rows"][0]["model_gflop_per_step"] == report.lm_flops(config) / 1e9

@@ -12,8 +12,8 @@ from mptrain import config as config_lib
 from mptrain import optim, runtime, sharding, train_state
 
 KEYS = {
-    "seed", "precision", "keep_fp32", "trainer", "num_train_steps", "batch_size",
-    "log_every_steps", "eval_every_steps", "eval_steps", "checkpoint_every_steps",
+    "seed", "precision", "keep_fp32", "matmul_precision", "trainer", "num_train_steps",
+    "batch_size", "log_every_steps", "eval_every_steps", "eval_steps", "checkpoint_every_steps",
     "max_checkpoints_to_keep",
     "max_consecutive_skips", "param_rounding", "deterministic", "steps_per_call", "data.prefetch",
     "loss_scale.kind", "loss_scale.init_scale", "loss_scale.growth_interval",
@@ -87,6 +87,7 @@ def test_every_key_is_commented_in_the_source():
         ("max_consecutive_skips", 0),
         ("mesh.data", 0),
         ("param_rounding", "up"),
+        ("matmul_precision", "tf32"),
     ],
 )
 def test_bad_values_name_the_key(key, value):

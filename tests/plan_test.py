@@ -93,10 +93,24 @@ def test_gpt2s_fp32_reports_materialized_attention_fp32_flops_and_no_false_hazar
     result = planned("lm_gpt2s", precision="fp32")
     assert result.attention["implementation"] == "materialized"
     assert result.attention["buffers"] > 0
-    assert set(result.matmul_flops) == {"float32"}
+    # every dot of the compiled program at HIGHEST: true float32, not TensorFloat-32
+    assert set(result.matmul_flops) == {"float32_highest"}
     assert result.hazards == [] and result.offenders == []
-    assert result.floor["mfu_dtype"] == "float32"
-    assert result.floor["peaks"]["float32"] == target.targets()["h100"].roofline["float32"]
+    assert result.floor["mfu_dtype"] == "float32_highest"
+    highest = target.targets()["h100"].roofline["float32_highest"]
+    assert result.floor["peaks"]["float32_highest"] == result.floor["mfu_peak"] == highest
+
+
+@pytest.mark.parametrize("tgt", ["h100", "v5e"])
+def test_fp32_runs_every_matmul_at_highest_on_the_target_and_default_asks_for_less(tgt):
+    """Read on the compiled program of each kind of chip: JAX's default runs these dots in
+    TensorFloat-32 on the H100 and as one bfloat16 pass on a TPU, whose compiler casts the
+    operands of most of them to bfloat16 in the program itself."""
+    strict = planned("lm_gpt2s", "tiny", tgt=tgt, precision="fp32").matmul_flops
+    assert set(strict) == {"float32_highest"}
+    reduced = planned("lm_gpt2s", "tiny", tgt=tgt, precision="fp32", matmul_precision="default")
+    assert set(reduced.matmul_flops) == ({"float32"} if tgt == "h100" else {"float32", "bfloat16"})
+    assert sum(reduced.matmul_flops.values()) == sum(strict.values())
 
 
 def test_fp8_matmuls_run_with_e4m3_and_e5m2_operands_on_the_h100():

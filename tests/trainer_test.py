@@ -87,8 +87,10 @@ def test_the_start_up_lines_and_the_report_name_the_casting_rule(tmp_path, caplo
     mptrain.run(tiny_config(num_train_steps=1), tmp_path)
     assert "casting rule keep_fp32=" in caplog.text
     assert "8 params in fp32 for compute (Embed_0/embedding, " in caplog.text
+    assert "(matmul precision default)" in caplog.text  # "auto" under bf16 compute
     report = (tmp_path / "precision_report.txt").read_text()
     assert "casting rule: keep_fp32=" in report and "Embed_0/embedding" in report
+    assert "precision default" in report
 
 
 def test_cli_exit_codes_in_a_subprocess(tmp_path):

@@ -225,6 +225,26 @@ def test_gradient_matmuls_are_bf16_too(params):
     assert "scatter" not in program
 
 
+def test_the_position_tables_gradient_is_summed_over_the_batch_in_fp32(params):
+    """The casting rule keeps `pos_embedding` fp32; its gradient, a sum over the batch of the
+    16-bit activations' gradient, is then taken in fp32 (as the all-reduce after it is)."""
+    model = _model(jnp.bfloat16)
+    tokens = _tokens(length=17)
+
+    def loss_fn(p):  # every param 16-bit but the position table, as the default rule has it
+        cast = {k: v if k == "pos_embedding" else _to_bf16(v) for k, v in p.items()}
+        return transformer_lm.lm_loss(model.apply({"params": cast}, tokens[:, :-1]), tokens[:, 1:])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params["params"])
+    shape = (16, 32)  # [length, d_model]: the batch summed away
+    sums = [
+        e
+        for e in jaxpr.eqns
+        if e.primitive.name == "reduce_sum" and e.outvars[0].aval.shape == shape
+    ]
+    assert sums and all(e.invars[0].aval.dtype == jnp.float32 for e in sums), sums
+
+
 @pytest.mark.parametrize("one_hot", [True, False])
 def test_embed_is_an_exact_lookup(one_hot):
     table = jax.random.normal(jax.random.key(0), (300, 8))

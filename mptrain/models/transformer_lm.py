@@ -199,7 +199,10 @@ class TransformerLM(nn.Module):
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
         positions = self.param("pos_embedding", init, (self.max_len, self.d_model))
-        x = x + positions[:length].astype(self.dtype)
+        # Broadcast over the batch before the cast: the table's gradient, a sum over the batch,
+        # is then taken in the table's dtype (fp32 under the default casting rule), as every
+        # kept param's is, not in 16 bits before the cast. The forward add is unchanged.
+        x = x + jnp.broadcast_to(positions[:length], x.shape).astype(self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
         for i in range(self.num_layers):
             block = Block(
