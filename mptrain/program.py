@@ -50,14 +50,19 @@ def dtype_name(hlo_dtype: str) -> str:
     return f"{kind}{hlo_dtype[1:]}" if kind and hlo_dtype[1:].isdigit() else hlo_dtype
 
 
-def arrays(type_text: str, hbm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    """`(dtype, dims)` of every array written in a type, e.g. `(f32[8]{0}, bf16[2,3]{1,0})`;
-    with `hbm`, only those in device memory (not in another memory space, `S(n)`)."""
+def placed(type_text: str) -> list[tuple[str, tuple[int, ...], bool]]:
+    """`(dtype, dims, in device memory)` of every array written in a type, in order, e.g.
+    `(f32[8]{0}, bf16[2,3]{1,0:S(1)})`: a TPU's other memory spaces (`S(n)`) are on chip."""
     return [
-        (dtype, tuple(int(n) for n in dims.split(",") if n))
+        (dtype, tuple(int(n) for n in dims.split(",") if n), not re.search(r"S\([1-9]", layout))
         for dtype, dims, layout in ARRAY.findall(type_text)
-        if not (hbm and re.search(r"S\([1-9]", layout))
     ]
+
+
+def arrays(type_text: str, hbm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """`(dtype, dims)` of every array written in a type; with `hbm`, only those in device
+    memory (see `placed`)."""
+    return [(dtype, dims) for dtype, dims, in_hbm in placed(type_text) if in_hbm or not hbm]
 
 
 def nbytes(dtype: str, dims: tuple[int, ...]) -> int:

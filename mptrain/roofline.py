@@ -204,11 +204,28 @@ def floor(chip: Any, flops: dict[str, float], moved: float, compute: str) -> dic
     }
 
 
+def dma_bytes(inst: program.Instruction) -> int:
+    """Device-memory bytes of an asynchronous copy (a TPU's DMA into or out of on-chip memory):
+    a `copy-start`, typed (destination, source, context), reads its source and writes its
+    destination; a `slice-start`, ((source), destination, context), reads of its source the
+    slice it writes. Each side counts where it is in device memory."""
+    sides = program.placed(inst.type)
+    if inst.opcode == "copy-start":
+        return sum(program.nbytes(d, dims) for d, dims, hbm in sides[:2] if hbm)
+    if inst.opcode == "slice-start":
+        (_, _, source), (dtype, dims, destination) = sides[:2]
+        return program.nbytes(dtype, dims) * (source + destination)
+    return 0
+
+
 def bytes_moved(prog: program.Program, per: int = 1) -> float:
-    """Bytes the kernels of `prog` read from and write to device memory (HBM; not a TPU's
-    on-chip memory), each once per run (no cache reuse), over `per`: the floor's memory side."""
+    """Bytes the kernels of `prog` and its asynchronous copies read from and write to device
+    memory (HBM; not a TPU's on-chip memory), each once per run (no cache reuse), over `per`:
+    the floor's memory side."""
     total = 0.0
     for inst, runs in prog.kernels():
         read = sum(program.type_bytes(prog.types.get(name, ""), hbm=True) for name in inst.operands)
         total += runs * (program.type_bytes(inst.type, hbm=True) + read)
+    for inst, runs in prog.instructions(control_only=True):
+        total += runs * dma_bytes(inst)
     return total / per

@@ -249,3 +249,30 @@ ENTRY %main (q: bf16[192,1024,64]) -> bf16[192,1024,64] {
     found = program.Program(text).attention(length=1024)
     assert (found["forward_calls"], found["backward_calls"], found["buffers"]) == (1, 2, 0)
     assert found["implementation"].startswith("Pallas TPU flash attention: 1 forward + 2 backward")
+
+
+def test_a_tpu_dma_counts_the_device_memory_side_of_each_copy():
+    """XLA's TPU compiler keeps small arrays in on-chip memory and moves them with
+    asynchronous copies: a prefetch reads device memory, an eviction writes it, and a sliced
+    prefetch reads only its slice."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[768,384], q: f32[128,768]) -> f32[128,768] {
+  %p = f32[768,384]{1,0:T(8,128)} parameter(0)
+  %q = f32[128,768]{1,0:T(8,128)} parameter(1)
+  %prefetch = (f32[128,768]{1,0:T(8,128)S(1)}, f32[128,768]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%q)
+  %got = f32[128,768]{1,0:T(8,128)S(1)} copy-done(%prefetch)
+  %evict = (f32[128,768]{1,0:T(8,128)}, f32[128,768]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%got)
+  %back = f32[128,768]{1,0:T(8,128)} copy-done(%evict)
+  %slice = ((f32[768,384]{1,0:T(8,128)}), f32[192,384]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:192], [0:384]}
+  %part = f32[192,384]{1,0:T(8,128)S(1)} slice-done(%slice)
+  ROOT %out = f32[128,768]{1,0:T(8,128)} add(%back, %back)
+}
+"""
+    prog = program.Program(text)
+    dmas = {
+        i.name: roofline.dma_bytes(i) for i, _ in prog.instructions() if i.opcode.endswith("start")
+    }
+    assert dmas == {"prefetch": 4 * 128 * 768, "evict": 4 * 128 * 768, "slice": 4 * 192 * 384}
+    kernel = 3 * 4 * 128 * 768  # the add reads %back twice and writes %out
+    assert roofline.bytes_moved(prog) == kernel + sum(dmas.values())
