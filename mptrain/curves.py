@@ -131,7 +131,8 @@ def summary(
     lines = [f"mptrain: done: {int(state.step)} steps in {_duration(seconds)}"]
     if last_eval and "eval_loss" in last_eval:
         loss = last_eval["eval_loss"]
-        text = f"  final eval loss {loss:.4f}" + (f" {loss_unit}" if loss_unit else "")
+        shown = f"{loss:.4f}" if abs(loss) >= 0.01 or loss == 0 else f"{loss:.3e}"  # not 0.0000
+        text = f"  final eval loss {shown}" + (f" {loss_unit}" if loss_unit else "")
         if loss_unit == "nats/byte":
             text += f" = {loss / math.log(2):.3f} bits/byte"
         lines.append(text)

@@ -94,3 +94,9 @@ def test_a_run_prints_the_unit_it_is_given(tmp_path, capsys):
     )
     loop.Run.finish(run, LAST_EVAL, "mean squared error")
     assert loss_line(capsys.readouterr().out) == "  final eval loss 1.5000 mean squared error"
+
+
+def test_a_small_loss_keeps_its_digits(tmp_path):
+    """A regression's mean squared error of 6.5e-6 is not printed as 0.0000."""
+    text = curves.summary(tmp_path, STATE, {"eval_loss": 6.468e-6}, 1.0, tiny_config())
+    assert loss_line(text) == "  final eval loss 6.468e-06"
