@@ -206,7 +206,7 @@ def test_a_bad_attention_on_the_command_line_exits_2_naming_the_key(tmp_path, ca
     [
         (jnp.bfloat16, 1024, 0.0, None),
         (jnp.float16, 128, 0.0, None),
-        (jnp.float32, 1024, 0.0, "float32 compute: the TPU flash kernel is for bfloat16"),
+        (jnp.float32, 1024, 0.0, "float32 compute: the TPU flash kernel takes bfloat16"),
         (jnp.bfloat16, 100, 0.0, "a sequence of 100: the TPU flash kernel tiles it by multiples"),
         (jnp.bfloat16, 1024, 0.1, "dropout_rate=0.1: the TPU flash kernel has no dropout"),
     ],

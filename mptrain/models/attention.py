@@ -115,14 +115,26 @@ def _why_not_cudnn(backend: Backend, dtype: Dtype, head_dim: int, dropout_rate: 
     capability = backend.compute_capability
     if capability is None or capability < (8, 0):
         return f"cuDNN flash attention needs compute capability 8.0 or newer, not {capability}"
-    name = jnp.dtype(dtype).name
-    if name not in ("bfloat16", "float16"):
-        return f"{name} compute: cuDNN attention takes bfloat16 or float16"
-    if dropout_rate > 0:
-        return f"dropout_rate={dropout_rate}: jax.nn.dot_product_attention has no dropout"
+    kernel = ("cuDNN attention takes", "jax.nn.dot_product_attention has")
+    if why := _why_not_16_bit(dtype, dropout_rate, *kernel):
+        return why
     limit = 256 if capability >= (9, 0) else 128
     if head_dim % 8 or head_dim > limit:
         return f"head_dim={head_dim}: cuDNN takes multiples of 8 up to {limit} on this GPU"
+    return None
+
+
+_FLASH_WORDS = ("the TPU flash kernel takes", "the TPU flash kernel has")
+
+
+def _why_not_16_bit(dtype: Dtype, dropout_rate: float, takes: str, has: str) -> str | None:
+    """What both fused kernels ask: 16-bit compute and no dropout ("`takes` bfloat16 or
+    float16", "`has` no dropout" otherwise)."""
+    name = jnp.dtype(dtype).name
+    if name not in ("bfloat16", "float16"):
+        return f"{name} compute: {takes} bfloat16 or float16"
+    if dropout_rate > 0:
+        return f"dropout_rate={dropout_rate}: {has} no dropout"
     return None
 
 
@@ -132,11 +144,8 @@ def _why_not_flash(backend: Backend, dtype: Dtype, length: int | None, dropout_r
     policy asks), no dropout, and a sequence the kernel's tiles divide (a multiple of 128)."""
     if backend.platform != "tpu":
         return f"not on a TPU: the backend is {backend.platform}"
-    name = jnp.dtype(dtype).name
-    if name not in ("bfloat16", "float16"):
-        return f"{name} compute: the TPU flash kernel is for bfloat16 or float16"
-    if dropout_rate > 0:
-        return f"dropout_rate={dropout_rate}: the TPU flash kernel has no dropout"
+    if why := _why_not_16_bit(dtype, dropout_rate, *_FLASH_WORDS):
+        return why
     if length is not None and length % FLASH_BLOCKS[-1]:
         return f"a sequence of {length}: the TPU flash kernel tiles it by multiples of 128"
     return None
