@@ -3,7 +3,8 @@
 `main.py` exits with `exit_code` of whatever reached it; nothing else in mptrain declares a code:
 
     0 done · 1 a checkpoint could not be written · 2 bad usage or config, or an unusable workdir
-    · 3 training went non-finite and could not recover · 75 preempted (SIGTERM), run again
+    · 3 training went non-finite and could not recover · 75 preempted (SIGTERM or a first
+    Ctrl-C), a checkpoint written: run again · 130 a second Ctrl-C, stopped at once
 
 The checks at the bottom are what every builder (`get_policy`, `make_optimizer`,
 `create_loss_scale`, `mesh_shape`, ...) uses to reject a bad value with one message that names

@@ -84,7 +84,7 @@ class TrainState(train_state.TrainState):
         loss_scale: Any = None,
         rng: Any = None,
         model_state: Any = None,
-        param_rounding: str = "nearest",
+        param_rounding: str = "auto",
         **kwargs,
     ) -> TrainState:
         """Stores `params` in `policy.param_dtype` and initialises the optimizer on them.
@@ -92,8 +92,9 @@ class TrainState(train_state.TrainState):
         `loss_scale`: a scaler, or None for no scaling. `rng`: an int seed, a typed key or raw key
         data. `param_rounding` decides how fp32 updates land on 16-bit params: "nearest" (plain
         cast), "stochastic" (unbiased random rounding, bf16 params only), "kahan" (keeps the
-        rounding error in `param_compensation` and adds it back on the next update) or "auto"
-        (stochastic for bf16 params, else nearest).
+        rounding error in `param_compensation` and adds it back on the next update) or "auto",
+        the default, as in a config (stochastic for bf16 params, else nearest): a library user
+        with bf16 params no more loses small updates than a Trainer's run does.
         """
         policy = precision.get_policy(policy)
         param_rounding = resolve_param_rounding(param_rounding, policy)

@@ -105,7 +105,9 @@ def test_bf16_params_keep_fp32_moments_unless_asked():
 def test_bf16_params_get_the_fp32_adamw_step_rounded_once():
     params, grads = _params(), _grads(_params(), 0)
     tx = optim.adamw(1e-2, weight_decay=0.1)
-    state = mptrain.TrainState.create(apply_fn=None, params=params, tx=tx, policy="bf16-pure")
+    state = mptrain.TrainState.create(
+        apply_fn=None, params=params, tx=tx, policy="bf16-pure", param_rounding="nearest"
+    )
     state = _apply(state, grads)
     params32 = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(jnp.float32), params)
     ref = optax.adamw(1e-2, weight_decay=0.1)

@@ -57,6 +57,20 @@ def _run(rounding, dtype=jnp.bfloat16, steps=200, compiler="jit"):
     return state
 
 
+@pytest.mark.parametrize(
+    ("policy", "rounding"),
+    [("bf16-pure", "stochastic"), ("p=f16,c=f16,o=f32", "nearest"), ("bf16-mixed", "nearest")],
+)
+def test_the_library_rounds_as_a_config_does_by_default(policy, rounding):
+    """`TrainState.create` without `param_rounding` is the config's "auto": bf16 params keep
+    the small updates that rounding to nearest would drop."""
+    params = {"w": jnp.ones((4,))}
+    state = mptrain.TrainState.create(
+        apply_fn=None, params=params, tx=optax.sgd(1.0), policy=policy
+    )
+    assert state.param_rounding == rounding
+
+
 def test_nearest_loses_small_updates():
     w = _run("nearest").params["w"]
     assert w.dtype == jnp.bfloat16 and np.all(np.asarray(w, np.float32) == 1.0)
