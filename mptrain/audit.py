@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import hlo, loss_scale, numerics, optim, precision, train_state
+from mptrain import hlo, loss_scale, numerics, optim, precision, program, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -328,13 +328,13 @@ def make_report(
                 walk(inner, times * more, _where(eqn, outer))
 
     walk(getattr(jaxpr, "jaxpr", jaxpr), 1, "?")
-    text = compiled.as_text()
+    prog = program.Program(compiled.as_text())
     # A 16-bit sum in the compiled program that no traced psum explains came from XLA (a
     # sharding's reduction, say): named by its op_name, as it has no source line.
     traced = {dtype for op, dtype, _, _ in hazards if op in hlo.TRACED_SUMS}
-    for op, dtype, name in hlo.sixteen_bit_sums(text):
+    for op, dtype, name, runs in hlo.sixteen_bit_sums(prog):
         if dtype not in traced:
-            hazards[(op, dtype, name or "compiled program", "16-bit")] += 1
+            hazards[(op, dtype, name or "compiled program", "16-bit")] += runs
     flops: dict[str, int] = collections.Counter()
     for (_, dtype), value in by_line.items():
         flops[dtype] += value
@@ -342,7 +342,7 @@ def make_report(
         compute_dtype=compute,
         matmul_flops=dict(flops),
         matmuls=dict(by_line),
-        collectives=collectives(text),
+        collectives=collectives(prog),
         converts=dict(converts),
         islands={where: sorted(ops) for where, ops in sorted(islands.items())},
         state_bytes=_state_parts(states[0]) if states else {},

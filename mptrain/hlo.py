@@ -32,21 +32,12 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "coll
 SUMS = ("all-reduce", "reduce-scatter")  # the collectives that add values across devices
 SIXTEEN_BIT = {"bf16": "bfloat16", "f16": "float16"}  # HLO's 16-bit floats, by numpy name
 
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\((.*)$"
-)
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def _array_bytes(text: str) -> list[tuple[str, int]]:
-    """(dtype, bytes) of every array type written in `text`, e.g. `f32[128,64]{1,0}`."""
-    found = []
-    for dtype, dims in _ARRAY.findall(text):
-        size = np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)
-        bits = 8 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
-        found.append((dtype, int(size) * bits // 8))
-    return found
+def _array_bytes(type_text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array of a type, e.g. `(f32[128,64]{1,0}, bf16[8]{0})`."""
+    return [(dtype, program.nbytes(dtype, dims)) for dtype, dims in program.arrays(type_text)]
 
 
 def _group_size(attributes: str) -> int | None:
@@ -66,48 +57,52 @@ def _group_size(attributes: str) -> int | None:
     return None
 
 
-def collective_ops(hlo_text: str) -> Iterator[tuple[str, str, int, str]]:
-    """`(op, dtype, bytes, op_name)` for every tensor of every collective that moves data.
+def collective_ops(source: str | program.Program) -> Iterator[tuple[str, str, int, str, float]]:
+    """`(op, dtype, bytes, op_name, runs)` for every tensor of every collective that moves data
+    in a compiled module (its text or its `program.Program`).
 
     `op_name` is the name JAX gave the instruction (`jit(step)/shard_map/psum`), or "" when
-    the program does not say. See `collectives` for what the bytes count.
+    the program does not say; `runs` is how often the instruction runs per call (a loop's trip
+    count: `steps_per_call` steps run their collectives that many times). See `collectives`
+    for what the bytes count.
     """
-    for line in hlo_text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match:
+    prog = source if isinstance(source, program.Program) else program.Program(source)
+    for inst, runs in prog.instructions(control_only=True):
+        op = inst.opcode.removesuffix("-start")
+        if op not in COLLECTIVES:
             continue
-        result, op, start, operands = match.groups()
-        if _group_size(operands) == 1 and op != "collective-permute":
+        group = _group_size(inst.attributes)
+        if group == 1 and op != "collective-permute":
             continue  # each device alone in its group: nothing moves
-        if start and op in ("all-gather", "reduce-scatter"):
+        if inst.opcode != op and op in ("all-gather", "reduce-scatter"):
             # the async form returns (operands, results): the gathered results count, or the
             # unscattered operands
-            parts = program.top_level(result)
+            parts = program.top_level(inst.type)
             half = len(parts) // 2
             sizes = _array_bytes(" ".join(parts[half:] if op == "all-gather" else parts[:half]))
-        elif op == "reduce-scatter":  # operands are printed as names: scale the result back up
-            parts = _group_size(operands) or 1
-            sizes = [(dtype, size * parts) for dtype, size in _array_bytes(result)]
+        elif op == "reduce-scatter":  # the result is a shard: scale it back up
+            sizes = [(dtype, size * (group or 1)) for dtype, size in _array_bytes(inst.type)]
         else:
-            sizes = _array_bytes(result)
-        name = _OP_NAME.search(operands)
+            sizes = _array_bytes(inst.type)
+        name = _OP_NAME.search(inst.attributes)
         for dtype, size in sizes:
-            yield op, dtype, size, name.group(1) if name else ""
+            yield op, dtype, size, name.group(1) if name else "", runs
 
 
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """`{op: {dtype: bytes}}` of the collectives in an HLO module's text (`compiled.as_text()`).
+def collectives(source: str | program.Program, per: int = 1) -> dict[str, dict[str, int]]:
+    """`{op: {dtype: bytes}}` of the collectives of a compiled module (`compiled.as_text()`, or
+    its `program.Program`), per call of it, or per step with `per` steps a call.
 
     The bytes are those of the whole logical tensor each op handles: an all-reduce's operand, a
     reduce-scatter's (unscattered) operand, an all-gather's (gathered) result; a combined op
-    counts each of its tensors. Async pairs count once (their `-start`); ops whose replica
-    groups hold one device each move nothing and are left out. The dtypes are HLO's (`f32`,
-    `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
+    counts each of its tensors, and an op in a loop counts each time it runs. Async pairs count
+    once (their `-start`); ops whose replica groups hold one device each move nothing and are
+    left out. The dtypes are HLO's (`f32`, `bf16`, `f16`, `u16`, `s32`, `pred`, ...).
     """
     found: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for op, dtype, size, _ in collective_ops(hlo_text):
-        found[op][dtype] += size
-    return {op: dict(by_dtype) for op, by_dtype in found.items()}
+    for op, dtype, size, _, runs in collective_ops(source):
+        found[op][dtype] += size * runs
+    return {op: {d: int(b // per) for d, b in by.items()} for op, by in found.items()}
 
 
 # --------------------------------------------------------------------------- GPU hazards
@@ -156,12 +151,13 @@ def scatter_kind(name: str, dtype, params: dict) -> str:
     return "deterministic" if exact else "nondeterministic"  # min, max, integer sums: any order
 
 
-def sixteen_bit_sums(hlo_text: str) -> Iterator[tuple[str, str, str]]:
-    """`(op, dtype, op_name)` of every 16-bit floating tensor an HLO module sums across
-    devices, dtype by its numpy name. XLA:CPU upcasts these: only other backends show them."""
-    for op, dtype, _, name in collective_ops(hlo_text):
+def sixteen_bit_sums(source: str | program.Program) -> Iterator[tuple[str, str, str, float]]:
+    """`(op, dtype, op_name, runs)` of every 16-bit floating tensor a compiled module sums across
+    devices, dtype by its numpy name, runs per call. XLA:CPU upcasts these: only other backends
+    show them."""
+    for op, dtype, _, name, runs in collective_ops(source):
         if op in SUMS and dtype in SIXTEEN_BIT:
-            yield op, SIXTEEN_BIT[dtype], name
+            yield op, SIXTEEN_BIT[dtype], name, runs
 
 
 def warning(h: Hazard) -> str:
@@ -220,8 +216,8 @@ def compiled_hazards(prog: program.Program, per: int = 1) -> list[Hazard]:
         if params["window_dimensions"] and params["window_strides"] is None:
             params["window_strides"] = (1,) * len(params["window_dimensions"])
         found[(name, dtype, prog.where(inst), scatter_kind(name, dtype, params))] += runs / per
-    for op, dtype, where in sixteen_bit_sums(prog.text):
-        found[(op, dtype, where or "compiled program", "16-bit")] += 1 / per
+    for op, dtype, where, runs in sixteen_bit_sums(prog):
+        found[(op, dtype, where or "compiled program", "16-bit")] += runs / per
     hazards = [
         Hazard(op, dtype, where, count, kind) for (op, dtype, where, kind), count in found.items()
     ]

@@ -263,9 +263,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
         fp8_kernels=matmuls["fp8_kernels"],
         attention=prog.attention(_length(sample), k),
         hazards=[dataclasses.asdict(h) for h in hazards],
-        collectives={
-            op: {d: b // k for d, b in by.items()} for op, by in hlo.collectives(text).items()
-        },
+        collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
         kept_fp32=policy.kept_fp32_paths(state.params),
         kernels=sum(runs for _, runs in prog.kernels()) / k,

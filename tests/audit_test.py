@@ -296,10 +296,11 @@ def test_a_sum_across_devices_in_bf16_is_named_and_the_framework_sums_in_fp32(
 def test_a_16_bit_all_reduce_in_the_compiled_program_is_named():
     """XLA:CPU upcasts 16-bit all-reduces, so this reads a GPU-like program's text."""
     text = (
+        "ENTRY %main (p: bf16[1024], q: f32[64]) -> f32[64] {\n"
         "  %all-reduce.1 = bf16[1024]{0} all-reduce(bf16[1024]{0} %p), channel_id=1, "
         'replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(step)/dot_general"}\n'
-        "  %all-reduce.2 = f32[64]{0} all-reduce(f32[64]{0} %q), replica_groups={{0,1}}, "
-        "to_apply=%add\n"
+        "  ROOT %all-reduce.2 = f32[64]{0} all-reduce(f32[64]{0} %q), replica_groups={{0,1}}, "
+        "to_apply=%add\n}\n"
     )
 
     class Compiled:

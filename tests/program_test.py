@@ -140,11 +140,33 @@ def test_kernels_attention_and_largest_buffers(prog):
 def test_an_async_all_gather_counts_its_gathered_results_once():
     assert hlo.collectives(MODULE) == {"all-gather": {"bf16": 128, "f32": 64}}
     scatter = (
+        "ENTRY %main (a: f32[16], b: bf16[8]) -> f32[4] {\n"
         "  %rs = ((f32[16]{0}, bf16[8]{0}), (f32[4]{0}, bf16[2]{0})) reduce-scatter-start(%a, %b),"
-        " replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add"
+        " replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add\n}\n"
     )
     assert hlo.collectives(scatter) == {"reduce-scatter": {"f32": 64, "bf16": 16}}
-    assert list(hlo.sixteen_bit_sums(scatter)) == [("reduce-scatter", "bfloat16", "")]
+    assert list(hlo.sixteen_bit_sums(scatter)) == [("reduce-scatter", "bfloat16", "", 1.0)]
+
+
+def test_a_collective_in_a_loop_counts_each_run_and_per_step_divides():
+    """`steps_per_call` steps are a while loop: its collectives run once per step, so a plan
+    of k steps a call reports each step's bytes, not a k-th of them."""
+    looped = """ENTRY %main (p: f32[64]) -> f32[64] {
+  ROOT %w = (s32[], f32[64]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    body = """%body (s: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %x = f32[64]{0} get-tuple-element(%s), index=1
+  %ar = f32[64]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %bf = bf16[64]{0} all-reduce(%y), replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[64]) tuple(%i, %ar)
+}
+"""
+    text = body + looped
+    assert hlo.collectives(text) == {"all-reduce": {"f32": 4 * 256, "bf16": 4 * 128}}
+    assert hlo.collectives(text, per=4) == {"all-reduce": {"f32": 256, "bf16": 128}}
+    (h,) = hlo.compiled_hazards(program.Program(text), per=4)
+    assert (h.op, h.dtype, h.count, h.kind) == ("all-reduce", "bfloat16", 1, "16-bit")
 
 
 def test_tpu_convolutions_count_only_the_taps_that_land_on_input():
