@@ -116,6 +116,12 @@ def draw(workdir: str | os.PathLike, title: str = "") -> Path | None:
     return path
 
 
+def loss_text(loss: float) -> str:
+    """A loss for people: four decimals (1.5048), or three digits where those would read
+    0.0000 (a regression's 3.545e-03)."""
+    return f"{loss:.4f}" if abs(loss) >= 0.01 or loss == 0 else f"{loss:.3e}"
+
+
 def summary(
     workdir: str | os.PathLike,
     state: Any,
@@ -131,8 +137,7 @@ def summary(
     lines = [f"mptrain: done: {int(state.step)} steps in {_duration(seconds)}"]
     if last_eval and "eval_loss" in last_eval:
         loss = last_eval["eval_loss"]
-        shown = f"{loss:.4f}" if abs(loss) >= 0.01 or loss == 0 else f"{loss:.3e}"  # not 0.0000
-        text = f"  final eval loss {shown}" + (f" {loss_unit}" if loss_unit else "")
+        text = f"  final eval loss {loss_text(loss)}" + (f" {loss_unit}" if loss_unit else "")
         if loss_unit == "nats/byte":
             text += f" = {loss / math.log(2):.3f} bits/byte"
         lines.append(text)

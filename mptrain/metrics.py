@@ -31,7 +31,7 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from mptrain import files
+from mptrain import curves, files
 
 _CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
 
@@ -305,9 +305,11 @@ class ProgressLine:
             self._rate = (step - self._last[0]) / max(now - self._last[1], 1e-9)
         self._last = (step, now)
         parts = [f"step {step}/{self.num_train_steps}"]
-        for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("loss_scale", "g")):
+        for key in ("loss", "eval_loss"):
             if key in values:
-                parts.append(f"{key} {values[key]:{fmt}}")
+                parts.append(f"{key} {curves.loss_text(values[key])}")
+        if "loss_scale" in values:
+            parts.append(f"loss_scale {values['loss_scale']:g}")
         if values.get("skipped_steps"):
             parts.append(f"skipped {int(values['skipped_steps'])}")
         if self._rate:

@@ -2,6 +2,7 @@
 zoo's for the built-in cross-entropy (nats/byte, and bits/byte, for the byte-level LM; nats for
 the image classifiers), none for a subclass's own loss unless it names one."""
 
+import io
 import math
 import runpy
 import time
@@ -10,7 +11,7 @@ import types
 import pytest
 from conftest import ROOT, load_config, tiny_config
 
-from mptrain import curves, launch, loop
+from mptrain import curves, launch, loop, metrics
 from mptrain import trainer as trainer_lib
 from mptrain.models import layers
 
@@ -97,6 +98,9 @@ def test_a_run_prints_the_unit_it_is_given(tmp_path, capsys):
 
 
 def test_a_small_loss_keeps_its_digits(tmp_path):
-    """A regression's mean squared error of 6.5e-6 is not printed as 0.0000."""
+    """A regression's mean squared error of 6.5e-6 is not printed as 0.0000, neither at the
+    end nor on the live progress line."""
     text = curves.summary(tmp_path, STATE, {"eval_loss": 6.468e-6}, 1.0, tiny_config())
     assert loss_line(text) == "  final eval loss 6.468e-06"
+    line = metrics.ProgressLine(10, io.StringIO()).update(5, {"loss": 6.468e-6, "eval_loss": 1.5})
+    assert line.startswith("step 5/10 | loss 6.468e-06 | eval_loss 1.5000"), line
