@@ -277,7 +277,8 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         devices = None if devices is None else list(devices)
         sharding.mesh_shape(config, None if devices is None else len(devices))
         example = data.check_config(config) if "data" in zoo else None
-        data.check_batch(config, example)
+        if devices is None:  # a run here builds its batches here; a plan's host does not
+            data.check_batch(config, example)
         if "model" in zoo:
             models.check_config(config, policy, example, devices)
     except ConfigError:  # already says `config.<key>=...`

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import jax
 import pytest
 from conftest import ROOT, run_cli, tiny_config
 
@@ -321,3 +322,15 @@ def test_the_casting_rule_does_what_it_says(tmp_path):
     assert "float32" in report.split("matmul FLOPs:")[1].splitlines()[1]  # fp32 leads
     kernel = lambda state: state.params["block_0"]["mlp"]["fc_in"]["kernel"]
     assert not (kernel(every) == kernel(default)).all()
+
+
+def test_the_host_batch_check_is_for_a_run_here_not_for_a_plan(monkeypatch):
+    """The batch must fit the host that builds it: this one for a run, not for `mptrain.plan`
+    (which passes the target's devices), whose error would send the reader to itself."""
+    from mptrain import runtime
+
+    monkeypatch.setattr(runtime, "host_memory", lambda: 1024)
+    config = tiny_config()
+    with pytest.raises(errors.ConfigError, match="a call's batches take"):
+        config_lib.validate(config)
+    config_lib.validate(config, devices=jax.devices())

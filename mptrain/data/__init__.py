@@ -43,7 +43,7 @@ def check_batch(config, example: Any) -> None:
     if not example:
         return
     per_example = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in jax.tree.leaves(example))
-    rows = config.batch_size * config.steps_per_call // max(jax.process_count(), 1)
+    rows = config.batch_size * config.steps_per_call // jax.process_count()
     need, have = rows * per_example, runtime.host_memory()
     if need > have:
         raise ValueError(
