@@ -66,8 +66,12 @@ def storage_cause(error: BaseException | str | None) -> str | None:
 
 def storage_error(error: BaseException, what: str, then: str = "") -> errors.StorageError | None:
     """`could not write <what>: <cause><then>` as one `StorageError` line when `error` is a
-    storage failure (see `storage_cause`), else None."""
-    if not isinstance(error, Exception) or isinstance(error, errors.StorageError):
+    storage failure (see `storage_cause`), else None. A `StorageError` raised inside (by
+    `writing`, say, around a file of the job) is told again as the caller's `what`: a reader
+    wants the export or the checkpoint that failed, not its staging file."""
+    if isinstance(error, errors.StorageError):
+        error = error.__cause__
+    if not isinstance(error, Exception):
         return None
     cause = storage_cause(error)
     return cause and errors.StorageError(f"could not write {what}: {cause}{then}")
@@ -83,7 +87,7 @@ def writing(what: str | os.PathLike):
         error = storage_error(e, str(what))
         if error is None:
             raise
-        raise error from None
+        raise error from e
 
 
 # What a run keeps in its workdir, as files and as folders: something else of the same name

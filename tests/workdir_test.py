@@ -224,6 +224,21 @@ def test_a_timeout_or_a_lost_connection_is_no_storage_failure(error):
     assert files.storage_error(OSError(errno.ENOSPC, "full"), "x") is not None
 
 
+def test_a_storage_error_inside_a_job_is_told_as_the_job(tmp_path, monkeypatch):
+    """The export's sidecar is written with `files.write_json`, which names its own (staging)
+    file; the export's handler tells the reader which export failed and why."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "_write_text", full)
+    out = tmp_path / "exports" / "e"
+    with pytest.raises(errors.StorageError) as info:
+        checkpoint.save_standalone(out, {"w": jnp.zeros(2, jnp.float32)}, {"step": 1})
+    assert str(info.value).startswith(f"could not write the export at {out}: disk full")
+    assert not out.exists() and os.listdir(out.parent) == []
+
+
 # --------------------------------------------------------------- a corrupt meta is skipped
 
 
