@@ -355,7 +355,8 @@ def make_report(
         ),
     )
     report.warnings += [hlo.warning(h) for h in report.hazards if h.kind == "16-bit"]
-    reduced = sum(f for p, f in report.precisions.get("float32", {}).items() if p != "highest")
+    full = precision.FULL_FLOAT32
+    reduced = sum(f for p, f in report.precisions.get("float32", {}).items() if p not in full)
     if reduced:
         report.warnings.append(
             f"{reduced:,} FLOPs of float32 matmuls run at reduced precision: JAX's default runs "

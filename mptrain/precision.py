@@ -70,6 +70,9 @@ def to_f32(tree: Any) -> Any:
 # A flax/NNX embedding table (`.../embedding`, `pos_embedding`), and the scale and bias of a
 # module whose name says it normalises (`LayerNorm_0`, `ln_attn`, `bn1`, `proj_bn`, `stem_bn`).
 MATMUL_PRECISIONS = ("default", "high", "highest")  # jax's names: 1, 3 and 6 bf16 passes on TPU
+# A float32 matmul at full precision, by the names the precision report and the plan read:
+# jax's HIGHEST, or the F32_F32_F32 algorithm (`jax.lax.DotAlgorithmPreset`).
+FULL_FLOAT32 = ("highest", "f32_f32_f32")
 DEFAULT_KEEP_FP32 = (
     r"(?i)(embedding$|(^|/)([^/]*norm[^/]*|([^/]*_)?(ln|bn)(\d*|_[^/]*))/(scale|bias)$)"
 )

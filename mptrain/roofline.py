@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import program
+from mptrain import precision, program
 
 GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 CONVOLUTIONS = ("__cudnn$convForward", "__cudnn$convBackwardInput", "__cudnn$convBackwardFilter")
@@ -138,7 +138,8 @@ def _valid_taps(size: int, out: int, window: int, stride: int, pad: int, lhs: in
 def is_highest(inst: program.Instruction) -> bool:
     """Whether a matmul asks for full float32 precision (HIGHEST, or the F32_F32_F32 algorithm)."""
     text = inst.attributes.lower()
-    return bool(re.search(r"operand_precision=\{highest|\"highest\"|dot_f32_f32_f32", text))
+    names = "|".join(precision.FULL_FLOAT32)  # as XLA prints them: `highest`, `dot_f32_f32_f32`
+    return bool(re.search(rf"operand_precision=\{{({names})|\"({names})\"|dot_({names})", text))
 
 
 def matmul_flops(prog: program.Program, compute: str, per: int = 1) -> dict[str, Any]:

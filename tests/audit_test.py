@@ -347,6 +347,13 @@ def test_a_float32_matmul_at_reduced_precision_is_warned(tmp_path):
     assert "run at reduced precision" in warning and "matmul_precision='highest'" in warning
 
 
+def test_the_f32_f32_f32_algorithm_is_full_precision_for_the_report_as_for_the_plan():
+    f = lambda a, b: jnp.dot(a, b, precision=jax.lax.DotAlgorithmPreset.F32_F32_F32)
+    report = audit.precision_report(f, jnp.ones((8, 8)), jnp.ones((8, 8)), policy="fp32")
+    assert report.precisions == {"float32": {"f32_f32_f32": 1024}}
+    assert not [w for w in report.warnings if "reduced precision" in w]
+
+
 def test_bf16_mixed_lowers_its_matmuls_as_without_a_precision_context(tmp_path, monkeypatch):
     """Under 16-bit compute "auto" asks for JAX's default: the matmuls lower as they did
     before the policy had a precision."""
