@@ -257,7 +257,8 @@ class Run:
         checkpointer's `StorageError`)."""
         self.report_pending(step_no)
         with allow_transfers():
-            meta = {"step": step_no, "log_totals": jax.device_get(self.totals).to_meta()}
+            totals = self.totals.replace(numerics=None)  # the scalars, not the layer tables
+            meta = {"step": step_no, "log_totals": jax.device_get(totals).to_meta()}
             self.checkpointer.save(step_no, self.state, meta | self.meta)
         self.saved_step = step_no
 

@@ -224,11 +224,11 @@ class EventWriter(_interface.MetricWriter):
             self._records.close()
 
 
-def report_start(workdir, config, state, compiled_step, mesh, start: int, report) -> None:
+def report_start(workdir, state, compiled_step, mesh, start: int, report) -> None:
     """Writes `<workdir>/precision_report.txt` (process 0) and logs how a run starts: precision,
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
-    mesh (`4 devices: data 4 x fsdp 1`), settings that cannot take effect, any warmup cut, and
-    the report's warnings (unsafe setups, matmuls outside the compute dtype)."""
+    mesh (`4 devices: data 4 x fsdp 1`), and the report's warnings (unsafe setups, matmuls
+    outside the compute dtype). Settings that cannot take effect are `loop.Run`'s to warn of."""
     from mptrain import audit
 
     if jax.process_index() == 0:

@@ -182,10 +182,7 @@ def workdir_lock(workdir: Path):
         return
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise errors.WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None
-    files.check_workdir(workdir)
-    try:
+        files.check_workdir(workdir)  # a WorkdirError of its own, not an OSError
         handle = open(workdir / ".lock", "a+")  # noqa: SIM115 (held for the whole run)
     except OSError as e:
         raise errors.WorkdirError(f"workdir {workdir} is not writable: {e.strerror or e}") from None

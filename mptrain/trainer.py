@@ -271,7 +271,7 @@ class Trainer:
             workdir=workdir,
         )
         run.hooks = self.build_hooks(run)
-        metrics_lib.report_start(workdir, cfg, state, train_step, self.mesh, start, report)
+        metrics_lib.report_start(workdir, state, train_step, self.mesh, start, report)
         return run
 
     def train_and_evaluate(self) -> train_state_lib.TrainState:
