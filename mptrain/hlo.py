@@ -67,7 +67,7 @@ def collective_ops(source: str | program.Program) -> Iterator[tuple[str, str, in
     for what the bytes count.
     """
     prog = source if isinstance(source, program.Program) else program.Program(source)
-    for inst, runs in prog.instructions(control_only=True):
+    for inst, runs in prog.instructions():  # a TPU's collectives sit in fusions too
         op = inst.opcode.removesuffix("-start")
         if op not in COLLECTIVES:
             continue

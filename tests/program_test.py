@@ -169,6 +169,22 @@ def test_a_collective_in_a_loop_counts_each_run_and_per_step_divides():
     assert (h.op, h.dtype, h.count, h.kind) == ("all-reduce", "bfloat16", 1, "16-bit")
 
 
+def test_a_collective_inside_a_fusion_counts_as_a_tpu_program_has_them():
+    """XLA's TPU compiler puts FSDP's all-gathers inside fusions (with the kernel that uses
+    them): they move data all the same."""
+    text = """%fused (p: bf16[96,2304]) -> bf16[768,2304] {
+  %p = bf16[96,2304]{1,0} parameter(0)
+  ROOT %ag = bf16[768,2304]{1,0} all-gather(%p), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+ENTRY %main (x: bf16[96,2304]) -> bf16[768,2304] {
+  %x = bf16[96,2304]{1,0} parameter(0)
+  ROOT %f = bf16[768,2304]{1,0} fusion(%x), kind=kOutput, calls=%fused
+}
+"""
+    assert hlo.collectives(text) == {"all-gather": {"bf16": 768 * 2304 * 2}}
+
+
 def test_tpu_convolutions_count_only_the_taps_that_land_on_input():
     """Lines of a v5e program: a matmul's input gradient as a padded convolution, and batched
     attention scores as a base-dilated one; their FLOPs are the matmuls'."""
