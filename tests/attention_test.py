@@ -1,6 +1,8 @@
 """Attention: cuDNN's fused kernel where it can run, the materialised fp32 island elsewhere;
-which one a model picks, and that both compute the same thing."""
+which one a model picks, and that all three implementations compute the same thing, grouped
+(fewer key/value heads than query heads) or not."""
 
+import functools
 import logging
 import re
 
@@ -113,16 +115,88 @@ def test_create_model_on_a_gpu_takes_cudnn_for_16_bit_compute_only(monkeypatch, 
     assert transformer_lm.create_model(pinned, jnp.bfloat16).attention == "materialized"
 
 
-def _qkv(shape, seed=0):
+def _qkv(shape, seed=0, *, kv_heads=None, dtype=jnp.bfloat16):
+    """Random q of `shape` ([B, L, H, D]) and k, v of `kv_heads` heads (default: H)."""
+    batch, length, heads, depth = shape
+    kv_shape = (batch, length, kv_heads or heads, depth)
     keys = jax.random.split(jax.random.key(seed), 3)
-    return [jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys]
+    return [
+        jax.random.normal(key, s, jnp.float32).astype(dtype)
+        for key, s in zip(keys, (shape, kv_shape, kv_shape), strict=True)
+    ]
 
 
-# The test model's heads ([B, L, H, D] = 2 x 16 x 4 x 8) and GPT-2 small's (12 heads of 64).
-@pytest.mark.parametrize("shape", [(2, 16, 4, 8), (2, 64, 12, 64)])
-def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, shape):
+def _repeated_kv_attention(q, k, v):
+    """Causal attention as HuggingFace's Llama computes grouped queries: `repeat_kv` copies
+    each kv head to the H // K query heads that follow one another (`jnp.repeat`, not
+    `jnp.tile`), then plain multi-head attention in fp32 at full precision."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    highest = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=highest) * q.shape[-1] ** -0.5
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=highest)
+
+
+# [B, L, H, D] = 2 x 16 x 8 x 8 q: 4 query heads a kv head; one kv head (multi-query); 8
+# (multi-head, the program of before grouping).
+@pytest.mark.parametrize("kv_heads", [2, 1, 8])
+def test_grouped_materialized_attention_is_attention_over_kv_heads_repeated_per_query_head(
+    kv_heads,
+):
+    shape = (2, 16, 8, 8)
+    q, k, v = _qkv(shape, kv_heads=kv_heads, dtype=jnp.float32)
+    weights = jax.random.normal(jax.random.key(9), shape)
+
+    def loss(attend, q, k, v):
+        out = attend(q, k, v)
+        return jnp.sum(out * weights), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+    materialized = functools.partial(attention.causal_attention, implementation="materialized")
+    grads, out = grad(materialized, q, k, v)
+    want_grads, want = grad(_repeated_kv_attention, q, k, v)
+    assert out.shape == shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert got.shape == expected.shape  # dk, dv at the kv heads: summed over each group
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dropout_hook_sees_grouped_probabilities_as_b_h_l_l():
+    """Grouped or not, the materialised path's dropout gets the ``[B, H, L, L]`` probabilities,
+    head ``h`` at index ``h``: here it silences query head 1 alone."""
+    q, k, v = _qkv((2, 16, 4, 8), kv_heads=2, dtype=jnp.float32)
+    seen = []
+
+    def silence_head_1(probs):
+        seen.append(probs.shape)
+        return probs * (jnp.arange(4) != 1)[:, None, None]
+
+    out = attention.causal_attention(q, k, v, "materialized", dropout=silence_head_1)
+    want = _repeated_kv_attention(q, k, v)
+    assert seen == [(2, 4, 16, 16)]
+    np.testing.assert_array_equal(out[:, :, 1], 0)
+    np.testing.assert_allclose(out[:, :, [0, 2, 3]], want[:, :, [0, 2, 3]], rtol=1e-5, atol=1e-6)
+
+
+# The test model's heads ([B, L, H, D] = 2 x 16 x 4 x 8) and GPT-2 small's (12 heads of 64),
+# each also grouped: 2 query heads a kv head, one kv head, 3 query heads a kv head.
+@pytest.mark.parametrize(
+    ("shape", "kv_heads"),
+    [
+        ((2, 16, 4, 8), 4),
+        ((2, 64, 12, 64), 12),
+        ((2, 16, 4, 8), 2),
+        ((2, 16, 4, 8), 1),
+        ((2, 64, 12, 64), 4),
+    ],
+    ids=["mha-4", "mha-12", "gqa-4-2", "mqa-4-1", "gqa-12-4"],
+)
+def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, shape, kv_heads):
     asked = cudnn_as_xla(monkeypatch)
-    q, k, v = _qkv(shape)
+    q, k, v = _qkv(shape, kv_heads=kv_heads)
     weights = jax.random.normal(jax.random.key(9), shape)
 
     def loss(implementation, q, k, v):
@@ -137,7 +211,7 @@ def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, sh
         out.astype(jnp.float32), want.astype(jnp.float32), atol=2e-2, rtol=2e-2
     )  # bf16 outputs of up to ~4: an ulp is 1/64
     for got, expected in ((dq, want_dq), (dk, want_dk), (dv, want_dv)):
-        assert got.dtype == jnp.bfloat16
+        assert got.dtype == jnp.bfloat16 and got.shape == expected.shape
         got, expected = got.astype(jnp.float32), expected.astype(jnp.float32)
         np.testing.assert_allclose(got, expected, atol=0.02 * float(jnp.abs(expected).max()))
 
@@ -195,6 +269,63 @@ def test_the_cudnn_path_lowers_to_cudnns_fused_kernels_for_cuda(monkeypatch, par
     assert all(operands == ("bf16", "bf16") for operands, _ in dots), dots
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_grouped_cudnn_attention_lowers_with_k_and_v_read_at_their_own_heads(monkeypatch, kv_heads):
+    # As above: the cuDNN version check answers, so the cuda program lowers on this CPU.
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
+    q = jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 16, kv_heads, 8), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(attention.causal_attention(q, k, v, "cudnn").astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    program = grad.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    lines = program.splitlines()
+    (forward,) = [line for line in lines if "custom_call @__cudnn$fmhaSoftmax(" in line]
+    (backward,) = [line for line in lines if "custom_call @__cudnn$fmhaSoftmaxBackward(" in line]
+    types = {"q": "tensor<2x16x4x8xbf16>", "kv": f"tensor<2x16x{kv_heads}x8xbf16>"}
+    # the kernels read the arguments themselves (%arg1, %arg2: k, v), at their kv heads: no
+    # broadcast or copy of k or v to the 4 query heads comes before them
+    assert "@__cudnn$fmhaSoftmax(%arg0, %arg1, %arg2)" in forward, forward
+    assert f"({types['q']}, {types['kv']}, {types['kv']}) -> " in forward, forward
+    assert "@__cudnn$fmhaSoftmaxBackward(%arg0, %arg1, %arg2, " in backward, backward
+    # and the backward kernel returns dk, dv at the kv heads ([B, K, L, D]: its layout)
+    dkv = f"tensor<2x{kv_heads}x16x8xbf16>"
+    assert f"-> (tensor<2x4x16x8xbf16>, {dkv}, {dkv}, " in backward, backward
+
+
+@pytest.mark.plan
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
+@pytest.mark.parametrize(("chip", "implementation"), [("h100", "cudnn"), ("v5e", "flash")])
+def test_grouped_attention_compiles_for_an_h100_and_a_tpu_with_kv_gradients_at_kv_heads(
+    chip, implementation
+):
+    """XLA:GPU's cuDNN and a TPU's Mosaic compiler, not only jax, take the grouped call (the
+    extra mptrain[plan]: compile-only devices, nothing runs): the dk, dv kernels write
+    ``[B, K, L, D]`` (cuDNN) or ``[B * K, L, D]`` (splash), never a copy at the query heads."""
+    from mptrain import target
+
+    sharding = jax.sharding.SingleDeviceSharding(target.targets()[chip].devices(1)[0])
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((2, 256, 1, 64), jnp.bfloat16, sharding=sharding)
+
+    def loss(q, k, v):
+        return jnp.sum(attention.causal_attention(q, k, v, implementation).astype(jnp.float32))
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower().compile()
+    kernels = [
+        line.split(" custom-call(")[0]
+        for line in compiled.as_text().splitlines()
+        if " custom-call(" in line and re.search(r"__cudnn\$fmha|tpu_custom_call", line)
+    ]
+    (dkv,) = [line for line in kernels if re.search(r"attention_bwd|dkv", line)]
+    kv_grad = "bf16[2,1,256,64]" if chip == "h100" else "bf16[2,256,64]"
+    assert dkv.count(kv_grad) == 2, kernels  # dk and dv, at the one kv head
+
+
 def test_a_bad_attention_on_the_command_line_exits_2_naming_the_key(tmp_path, capsys):
     code, err = run_cli(tmp_path / "run", "--config.model.attention=flash", capsys=capsys)
     assert code == 2 and "config.model.attention='flash'" in err and "Traceback" not in err
@@ -229,21 +360,30 @@ def test_auto_is_the_pallas_flash_kernel_on_a_tpu_and_says_why_not(
         attention.choose_attention("flash", backend=H100, **kwargs)
 
 
+_BF16_GAPS, _FP32_GAPS = (jnp.bfloat16, 2e-2, 6e-2), (jnp.float32, 2e-5, 1e-4)
+
+
+# Interpret mode is slow (seconds a case): each grouping once, 4:2 in fp32, whose tight gaps
+# would catch a kv head read for the wrong query head or example; one kv head in bf16.
 @pytest.mark.parametrize(
-    ("dtype", "forward", "gradient"), [(jnp.bfloat16, 2e-2, 6e-2), (jnp.float32, 2e-5, 1e-4)]
+    ("heads", "kv_heads", "dtype", "forward", "gradient"),
+    [(2, 2, *_BF16_GAPS), (2, 2, *_FP32_GAPS), (4, 2, *_FP32_GAPS), (4, 1, *_BF16_GAPS)],
+    ids=["mha-2-bf16", "mha-2-fp32", "gqa-4-2-fp32", "mqa-4-1-bf16"],
 )
 def test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode(
-    dtype, forward, gradient
+    heads, kv_heads, dtype, forward, gradient
 ):
     """The Pallas TPU kernel, run on this CPU by Pallas's TPU interpret mode, against the
     materialised island: outputs and q, k, v gradients, causal, in bf16 and fp32 (the gaps are
-    a few units in the last place of bf16; fp32's are summation order)."""
+    a few units in the last place of bf16; fp32's are summation order), with as many kv heads
+    as query heads, half as many, and one."""
     from jax.experimental.pallas import tpu as pltpu
 
-    shape = (2, 256, 2, 64)  # [B, L, H, D]: two tiles of 128 along the sequence
-    q, k, v = (
-        jax.random.normal(key, shape, dtype) for key in jax.random.split(jax.random.key(3), 3)
-    )
+    shape = (2, 256, heads, 64)  # [B, L, H, D]: two tiles of 128 along the sequence
+    kv_shape = (2, 256, kv_heads, 64)
+    keys = jax.random.split(jax.random.key(3), 3)
+    shapes = (shape, kv_shape, kv_shape)
+    q, k, v = (jax.random.normal(key, s, dtype) for key, s in zip(keys, shapes, strict=True))
     weights = jax.random.normal(jax.random.key(7), shape, jnp.float32)
 
     def loss(implementation, q, k, v):
@@ -258,6 +398,7 @@ def test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode(
     assert flash.dtype == dtype and flash.shape == shape
     assert jnp.abs(flash.astype(jnp.float32) - reference.astype(jnp.float32)).max() < forward
     for got, want in zip(grads, expected, strict=True):
+        assert got.shape == want.shape
         scale = jnp.abs(want.astype(jnp.float32)).max()
         gap = jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
         assert gap < gradient * scale, (gap, scale)
@@ -266,3 +407,23 @@ def test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode(
     with pltpu.force_tpu_interpret_mode():
         changed = attention.causal_attention(q, later, v, "flash")
     assert (changed[:, 0] == flash[:, 0]).all()
+
+
+@pytest.mark.parametrize("implementation", ["materialized", "cudnn", "flash"])
+@pytest.mark.parametrize(
+    ("kv_heads", "v_heads", "message"),
+    [
+        (3, 3, "4 query heads and 3 key/value heads: grouped-query attention needs the "),
+        (8, 8, "4 query heads and 8 key/value heads"),
+        (2, 1, "k has 2 heads and v 1"),
+    ],
+    ids=["3-of-4", "8-of-4", "k-2-v-1"],
+)
+def test_head_counts_that_do_not_group_are_refused_naming_both(
+    implementation, kv_heads, v_heads, message
+):
+    q = jnp.zeros((1, 128, 4, 8), jnp.bfloat16)
+    k = jnp.zeros((1, 128, kv_heads, 8), jnp.bfloat16)
+    v = jnp.zeros((1, 128, v_heads, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attention.causal_attention(q, k, v, implementation)

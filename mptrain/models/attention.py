@@ -18,6 +18,14 @@ Attention, shared by the zoo's transformer and the NNX example, comes in three i
     ``jax.nn.dot_product_attention(implementation="xla")``: its fp32-result einsums are
     differentiated into fp32 matmuls, while ``einsum_f32_out`` keeps them 16-bit.
 
+All three take grouped-query attention (GQA): k and v may have fewer heads than q, ``K`` of
+them for ``H`` query heads (``K`` divides ``H``; ``K == H`` is multi-head attention, ``K == 1``
+multi-query). Query head ``h`` reads kv head ``h // (H // K)``: the ``H // K`` query heads of a
+group sit side by side, as in jax's ``dot_product_attention`` (its XLA path reshapes q to
+``[B, L, K, H // K, D]``) and HuggingFace's ``repeat_kv``. None of them copies k or v to ``H``
+heads: cuDNN and the splash kernel read a kv head once per query head of its group, and the
+materialised path contracts q's group axis against the one kv head.
+
 ``choose_attention`` picks one of them: ``"auto"`` takes cuDNN wherever it can run (a CUDA GPU
 of compute capability 8.0 or newer with cuDNN, bf16/fp16 compute, no attention dropout, a head
 size cuDNN takes), the flash kernel on a TPU (bf16/fp16 compute, no dropout, sequences of a
@@ -207,44 +215,79 @@ def causal_attention(
     *,
     dropout: Callable[[jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
-    """Causal multi-head attention of ``[B, L, H, D]`` q, k, v in ``dtype`` -> ``[B, L, H, D]``.
+    """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
+    H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
+    ``h`` reads kv head ``h // (H // K)``, see the module docstring); other head counts are a
+    ``ValueError`` naming both.
 
     ``implementation`` is a resolved choice (see ``choose_attention``). Either way the softmax
     statistics are fp32: cuDNN keeps each row's running max and sum in fp32 registers and
     stores only the fp32 log-sum-exp ``[B, H, L]`` for its backward pass, which recomputes the
     probabilities; the materialised path computes fp32 scores and an fp32 softmax explicitly.
-    ``dropout`` (materialised only) is applied to the probabilities.
+    ``dropout`` (materialised only) is applied to the ``[B, H, L, L]`` probabilities.
     """
+    groups = _query_heads_per_kv_head(q, k, v)
     if implementation in ("cudnn", "flash") and dropout is not None:
         raise ValueError(f"{implementation} attention has no dropout; use 'materialized'")
     if implementation == "cudnn":
-        return _fused_attention(q, k, v, "cudnn")
+        return _fused_attention(q, k, v, "cudnn")  # it takes K < H heads as they are
     if implementation == "flash":
         return _pallas_flash(q, k, v)
     if implementation != "materialized":
         choices = "'cudnn' | 'flash' | 'materialized'"
         raise ValueError(f"attention implementation {implementation!r}: {choices}")
-    length, dtype = q.shape[1], q.dtype
-    q = q * jnp.asarray(q.shape[-1] ** -0.5, dtype)
+    batch, length, heads, depth = q.shape
+    kv_heads, dtype = k.shape[2], q.dtype
+    q = q * jnp.asarray(depth**-0.5, dtype)
+    # Grouped, q is [B, L, K, G, D] (a free reshape: a group's heads are adjacent) and the
+    # einsums carry the group axis g, so each kv head is read as it is, never copied G times.
+    # Multi-head (G == 1) has no g: the reshape is the identity and the einsums are as before.
+    g = "g" if groups > 1 else ""
+    q = q.reshape(batch, length, kv_heads, *[groups] * len(g), depth)
     # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
-    scores = einsum_f32_out("bqhd,bkhd->bhqk", q, k)
+    scores = einsum_f32_out(f"bqh{g}d,bkhd->bh{g}qk", q, k)  # [B, K, (G,) L, L]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))  # query q sees keys k <= q
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
-    if dropout is not None:
-        probs = dropout(probs)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    if dropout is not None:  # on [B, H, L, L], whatever the grouping; the reshapes are free
+        probs = dropout(probs.reshape(batch, heads, length, length)).reshape(probs.shape)
+    out = jnp.einsum(f"bh{g}qk,bkhd->bqh{g}d", probs, v)
+    return out.reshape(batch, length, heads, depth)
+
+
+def _query_heads_per_kv_head(q, k, v) -> int:
+    """``H // K`` of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v, checked before any of the
+    three runs, so that all refuse the same head counts with the same message: unchecked, the
+    materialised path fails in a reshape that names no heads, and the splash kernel's message
+    swaps query and key heads."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if v.shape[2] != kv_heads:
+        raise ValueError(f"k has {kv_heads} heads and v {v.shape[2]}: they must have as many")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"{heads} query heads and {kv_heads} key/value heads: grouped-query attention "
+            "needs the key/value heads to divide the query heads"
+        )
+    return heads // kv_heads
 
 
 def _pallas_flash(q, k, v):
     """jax's Pallas TPU splash attention, the flash kernel MaxText's TPU LMs run, on ``[B, L, H,
-    D]`` q, k, v: causal, scores scaled by ``D ** -0.5``. It walks the keys tile by tile with
-    each row's running max and sum in fp32 and never writes the ``[B, H, L, L]`` scores; its
-    backward pass recomputes them from the fp32 log-sum-exp ``[B, H, L]`` (the older
-    ``flash_attention`` kernel keeps those statistics 128 lanes wide: 2 GiB more of
+    D]`` q and ``[B, L, K, D]`` k, v: causal, scores scaled by ``D ** -0.5``. It walks the keys
+    tile by tile with each row's running max and sum in fp32 and never writes the ``[B, H, L,
+    L]`` scores; its backward pass recomputes them from the fp32 log-sum-exp ``[B, H, L]`` (the
+    older ``flash_attention`` kernel keeps those statistics 128 lanes wide: 2 GiB more of
     temporaries on GPT-2-small's shape). Tiles of the largest of ``FLASH_BLOCKS`` that divides
     ``L`` (``L`` itself when none does: Pallas's interpret mode on a CPU takes any, a TPU wants
-    multiples of 128)."""
+    multiples of 128).
+
+    Grouped queries are the kernel's own: ``make_splash_mha`` takes fewer kv heads than q
+    heads, reads kv head ``h // (q heads // kv heads)`` for q head ``h`` (its index maps), and
+    its dk, dv kernel sums over the q heads of each kv head. With the examples folded into the
+    heads, q head ``b * H + h`` reads kv head ``(b * H + h) // G == b * K + h // G`` (``G = H //
+    K``): its own example's, so one call serves every example and kv head, as for ``K == H``.
+    ``make_splash_mqa`` (one ``[L, D]`` k, v for all q heads) would need a vmap over ``B * K``
+    for the same work."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -258,7 +301,7 @@ def _pallas_flash(q, k, v):
         head_shards=1,
         q_seq_shards=1,
     )
-    # [B * H, L, D]: the kernel's layout, the examples as more heads
-    flat = lambda x: jnp.swapaxes(x, 1, 2).reshape(batch * heads, length, depth)
+    # [B * H, L, D] q and [B * K, L, D] k, v: the kernel's layout, the examples as more heads
+    flat = lambda x: jnp.swapaxes(x, 1, 2).reshape(-1, length, depth)
     out = kernel(flat(q * jnp.asarray(depth**-0.5, q.dtype)), flat(k), flat(v))
     return jnp.swapaxes(out.reshape(batch, heads, length, depth), 1, 2)
