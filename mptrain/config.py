@@ -87,6 +87,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.moment_rounding = "stochastic"
     c.optimizer.accumulation_steps = 1  # >1: average gradients over this many batches
 
+    # The language models' loss: a cross-entropy whose logits are fp32 (targets below 0 are
+    # masked; the mean is over the rest). Computed in chunks of sequence positions, the head's
+    # matmul and the fp32 log-softmax together, so the fp32 [tokens, vocab] logits never exist.
+    c.loss = ml_collections.ConfigDict()
+    # positions per chunk; None: one chunk while length x vocab <= 2**24, else chunks of the
+    # largest power of two whose logits stay within that (`lm_loss.auto_chunk`)
+    c.loss.chunk_tokens = config_dict.placeholder(int)
+    c.loss.z_loss = 0.0  # coefficient on the mean squared log Z (0: none), as MaxText's z-loss
+
     c.model = ml_collections.ConfigDict()
     # module under mptrain.models; its own keys sit beside it (the module's CONFIG_KEYS; a
     # Trainer whose build_model is its own reads what it likes here)

@@ -27,6 +27,7 @@ KEYS = {
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
+    "loss.chunk_tokens", "loss.z_loss",
 }  # fmt: skip
 
 
@@ -35,7 +36,12 @@ KEYS = {
 MODULE_KEYS = {
     "model.transformer_lm": {
         "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len", "dropout_rate",
-        "attention",
+        "attention", "remat",
+    },
+    "model.llama": {
+        "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff",
+        "max_len", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "attention",
+        "scan_layers", "remat",
     },
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},

@@ -1,0 +1,174 @@
+"""A language model's loss from its last hidden states: the head's matmul, the fp32 log-softmax
+and the cross-entropy, chunk by chunk over the sequence, so no fp32 ``[tokens, vocab]`` exists.
+
+The loss is an fp32 island (see ``layers``): the head's matmul takes 16-bit operands but sums
+in fp32 and returns fp32 logits, and the log-softmax runs on those, so no logit is rounded to
+16 bits. Done whole, that island is a step's largest array: at Llama 3's vocabulary of 128,256
+the fp32 logits of 2 x 8192 tokens are 8.4 GB, and autodiff keeps them (or their softmax) for
+the backward pass, then makes their gradient, as large again. ``token_loss`` takes ``chunk``
+sequence positions at a time, of every sequence of the batch together: the batch axis is the
+one data parallelism and FSDP shard, and a reshape across it would make XLA gather it.
+
+  * Forward, a ``lax.scan`` over the chunks computes each chunk's logits, their logsumexp
+    and the target's logit (picked by a compare-and-select: a gather's gradient would be a
+    scatter, which a GPU runs with atomics), and keeps per token only the logsumexp.
+  * Backward, a second scan recomputes each chunk's logits (the head's forward matmul again)
+    and turns the per-token cotangents into the logits' gradient, ``softmax * g_lse`` plus
+    ``onehot * g_picked``; casts it to the compute dtype, as ``layers.einsum_f32_out``'s
+    gradient does, for the two gradient matmuls; and adds the kernel's gradient to an fp32 carry.
+
+It is a ``jax.custom_vjp`` rather than autodiff of a ``jax.checkpoint``-ed scan because that
+would carry the kernel's gradient in the kernel's dtype: in bf16, one rounding per chunk (64
+of them for 8192 tokens in chunks of 128), where the unchunked matmul sums all the tokens in
+its fp32 accumulator and rounds once. The fp32 carry (``[D, V]``, 2 GB at Llama 3 8B's head)
+keeps that, and the result is cast to the kernel's dtype once. The masking, the means and the
+z-loss are plain JAX on fp32 ``[B, L]`` values outside the rule, differentiated by JAX into the
+per-token cotangents the rule takes. torchtune's ``LinearCrossEntropyLoss`` and torchtitan's
+``ChunkedLossWrapper`` chunk the head and the loss over tokens in the same way in PyTorch.
+
+The matmuls, each run on XLA:CPU with bf16 and fp16 operands (jax 0.10.2): the logits and the
+kernel's gradient are 16-bit x 16-bit -> fp32 dots (``preferred_element_type``), so the chunk's
+partial sum enters the carry unrounded; the hidden states' gradient is a 16-bit dot with a
+16-bit result, one per chunk and never summed across chunks, as ``einsum_f32_out`` has it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Elements of one sequence's fp32 logits per chunk under ``chunk=None``: 64 MiB of them.
+AUTO_CHUNK_ELEMENTS = 2**24
+
+
+def auto_chunk(length: int, vocab: int) -> int:
+    """Positions per chunk for ``chunk=None``: the whole ``length`` (one chunk) while
+    ``length * vocab <= 2**24``, else the largest power of two ``c`` with ``c * vocab <= 2**24``,
+    and at least 1. (Llama 3's vocabulary of 128,256 gets 128: ``[B, 128, V]`` per chunk.)"""
+    if length * vocab <= AUTO_CHUNK_ELEMENTS:
+        return length
+    return 1 << max(0, (AUTO_CHUNK_ELEMENTS // vocab).bit_length() - 1)
+
+
+def _check_chunk(chunk: Any, name: str) -> None:
+    if chunk is not None and (
+        isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1
+    ):
+        raise ValueError(f"{name}={chunk!r}: a positive number of sequence positions, or None")
+
+
+def settings(loss: Any) -> tuple[int | None, float]:
+    """``(chunk, z_loss)`` from a config's ``loss`` (``chunk_tokens``, ``z_loss``), checked by
+    the rule ``token_loss`` applies; a ValueError names the key, the value and what is valid."""
+    _check_chunk(loss.chunk_tokens, "loss.chunk_tokens")
+    z_loss = loss.z_loss
+    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not z_loss >= 0:
+        raise ValueError(f"loss.z_loss={z_loss!r}: a coefficient >= 0 (0: no z-loss)")
+    return loss.chunk_tokens, float(z_loss)
+
+
+def _logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
+    return jnp.einsum("bcd,dv->bcv", h, kernel, preferred_element_type=jnp.float32)
+
+
+def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
+    return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
+
+
+@jax.custom_vjp
+def _chunked_head(hidden, kernel, targets):
+    """Per token of ``hidden [N, B, c, D]`` (N chunks), fp32 ``[N, B, c]`` each: the logsumexp
+    of its logits, its target's logit (0 for a target < 0) and whether the argmax is the target."""
+    return _chunked_head_fwd(hidden, kernel, targets)[0]
+
+
+def _chunked_head_fwd(hidden, kernel, targets):
+    compute_kernel = kernel.astype(hidden.dtype)
+
+    def body(_, chunk):
+        h, t = chunk
+        logits = _logits(h, compute_kernel)
+        picked = jnp.sum(jnp.where(_is_target(t, logits.shape[-1]), logits, 0.0), axis=-1)
+        correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
+        return None, (jax.nn.logsumexp(logits, axis=-1), picked, correct)
+
+    _, (lse, picked, correct) = jax.lax.scan(body, None, (hidden, targets))
+    return (lse, picked, correct), (hidden, kernel, targets, lse)
+
+
+def _chunked_head_bwd(residuals, cotangents):
+    hidden, kernel, targets, lse = residuals
+    g_lse, g_picked, _ = cotangents  # ``correct`` is a count: no gradient
+    compute_kernel = kernel.astype(hidden.dtype)
+
+    def body(d_kernel, chunk):
+        h, t, lse_c, g_lse_c, g_picked_c = chunk
+        logits = _logits(h, compute_kernel)
+        softmax = jnp.exp(logits - lse_c[..., None])
+        picked = jnp.where(_is_target(t, logits.shape[-1]), g_picked_c[..., None], 0.0)
+        d_logits = (softmax * g_lse_c[..., None] + picked).astype(h.dtype)  # the island's end
+        d_h = jnp.einsum("bcv,dv->bcd", d_logits, compute_kernel)
+        d_kernel += jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
+        return d_kernel, d_h
+
+    chunks = (hidden, targets, lse, g_lse, g_picked)
+    d_kernel, d_hidden = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), chunks)
+    return d_hidden, d_kernel.astype(kernel.dtype), None
+
+
+_chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd)
+
+
+def token_loss(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk: int | None = None,
+    z_loss: float = 0.0,
+) -> dict[str, jax.Array]:
+    """The next-token loss of ``hidden [B, L, D] @ kernel [D, V]`` against ``targets [B, L]``.
+
+    ``hidden`` is in the compute dtype; ``kernel`` too, or fp32 where a casting rule kept it
+    (it is cast to ``hidden.dtype`` for the matmuls; its gradient comes back in its own dtype).
+    A target below 0 is masked. ``chunk``: sequence positions per chunk (``None``:
+    ``auto_chunk``; ``L`` or more: one chunk); where it does not divide ``L``, the last chunk is
+    padded with zero hidden states and masked targets.
+
+    Returns fp32 scalars, each mean over the valid tokens (all 0 when there are none, with
+    zero gradients): ``cross_entropy``; ``z_loss``, the mean of ``logsumexp(logits)**2`` (the
+    z-loss of MaxText and Levanter, which pulls log Z to 0); ``loss``, ``cross_entropy +
+    z_loss * z_loss-mean``, the one to differentiate; ``accuracy``, the fraction whose argmax
+    is the target; and ``tokens``, the number of valid tokens. The last two have no gradient.
+    """
+    batch, length, _ = hidden.shape
+    _check_chunk(chunk, "chunk")
+    chunk = min(auto_chunk(length, kernel.shape[1]) if chunk is None else chunk, length)
+    padded = -(-length // chunk) * chunk
+    valid = targets >= 0
+    if padded > length:
+        hidden = jnp.pad(hidden, ((0, 0), (0, padded - length), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, padded - length)), constant_values=-1)
+
+    def to_chunks(x):  # [B, N * c, ...] -> [N, B, c, ...]: the batch axis stays whole
+        return jnp.moveaxis(x.reshape(batch, padded // chunk, chunk, *x.shape[2:]), 1, 0)
+
+    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets))
+    lse, picked, correct = (
+        jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
+    )
+    # the mean of layers.cross_entropy: a select, then the sum times 1 / max(count, 1)
+    tokens = jnp.sum(valid, dtype=jnp.float32)
+    scale = 1.0 / jnp.maximum(tokens, 1.0)
+    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) * scale
+    cross_entropy, z = mean(lse - picked), mean(jnp.square(lse))
+    return {
+        "loss": cross_entropy + z_loss * z,
+        "cross_entropy": cross_entropy,
+        "z_loss": z,
+        "accuracy": mean(jax.lax.stop_gradient(correct)),
+        "tokens": tokens,
+    }
