@@ -109,6 +109,9 @@ class Plan:
         for part in ("params", "optimizer", "other_state", "inputs", "temporaries", "outputs"):
             lines.append(f"  {part.replace('_', ' '):<24} {self.memory[part] / GiB:9.3f}")
         lines.append(f"  {'total':<24} {self.memory['total'] / GiB:9.3f}   {self.verdict()}")
+        if self.memory.get("host"):
+            host = self.memory["host"] / GiB
+            lines.append(f"  {'host (pinned), apart':<24} {host:9.3f}   offloaded activations")
         lines += ["", "largest buffers the kernels write (count x type, GiB each, where):"]
         lines += [
             f"  {b['count']:>5g} x {b['array']:<26} {b['bytes'] / GiB:7.3f}  {b['where']}"
@@ -243,6 +246,9 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
         "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,  # not donated back
     }
     memory["total"] = sum(memory.values())
+    # what the step keeps in the host's pinned memory (activations an offloading remat policy
+    # moves there): not the device's, so outside the total
+    memory["host"] = getattr(stats, "host_temp_size_in_bytes", 0)
     matmuls = roofline.matmul_flops(prog, policy.compute_dtype.name, k)
     flops, moved = matmuls["flops"], roofline.bytes_moved(prog, k)
     hazards = hlo.compiled_hazards(prog, k)

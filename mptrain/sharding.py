@@ -18,6 +18,13 @@ compiled program cannot quietly do otherwise:
   reduction per leaf.
 Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
 statistics over those axes, so the model sees the same numbers as on one device.
+
+A model whose blocks run as one loop (`jax.lax.scan`) keeps them as one stack of params, the
+top-level param `STACKED` ("layers"), whose leading axis is the layer. Such params are never
+split along that axis, and they are not cast or gathered before the loss: the model hands each
+layer's slice to `layer_params` inside the loop, which casts it (and gathers it over `fsdp`)
+then, one layer at a time, so the step never holds every layer's 16-bit copy at once, and their
+gradients are cast to fp32 and reduce-scattered one layer at a time too, as FSDP2 does per block.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,8 +43,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mptrain import q8
 
 AXES = ("data", "fsdp")
+STACKED = "layers"  # the top-level param of a model's stacked layers (see the module doc)
 _BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "mptrain_batch_axes", default=None
+)
+_LAYER_FN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "mptrain_layer_params", default=None
 )
 
 
@@ -160,9 +171,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _leaf_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
+def _leaf_spec(shape: tuple[int, ...], fsdp: int, stacked: bool = False) -> PartitionSpec:
     if fsdp > 1:
-        for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+        for dim in sorted(range(int(stacked), len(shape)), key=lambda d: -shape[d]):
             if shape[dim] % fsdp == 0:
                 spec = [None] * len(shape)
                 spec[dim] = "fsdp"
@@ -170,21 +181,28 @@ def _leaf_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
     return PartitionSpec()
 
 
+def is_stacked(path: tuple) -> bool:
+    """Whether a leaf at `path` (a params or optimizer-state path) belongs to stacked layers."""
+    return any(getattr(key, "key", None) == STACKED for key in path)
+
+
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated.
-    An 8-bit moment (`q8.Q8`) is split as the tensor it stands for (see `q8.scales_spec`)."""
+    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated;
+    never on the layer axis of stacked layers (`is_stacked`), which the loop walks one layer at a
+    time. An 8-bit moment (`q8.Q8`) is split as the tensor it stands for (`q8.scales_spec`)."""
     fsdp = mesh.shape["fsdp"]
 
-    def one(x):
+    def one(path, x):
+        stacked = is_stacked(path)
         if not q8.is_q8(x):
-            return NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp))
-        spec = _leaf_spec(x.shape, fsdp)
+            return NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp, stacked))
+        spec = _leaf_spec(x.shape, fsdp, stacked)
         scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, fsdp)
         return x.replace(
             codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
         )
 
-    return jax.tree.map(one, state, is_leaf=q8.is_q8)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=q8.is_q8)
 
 
 def _specs(mesh: Mesh, tree: Any) -> Any:
@@ -242,6 +260,46 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
     return gather
 
 
+def layer_params(layer: Any) -> Any:
+    """One layer's slice of the stacked params (`STACKED`), as the model must compute with it:
+    what a model with stacked layers calls on each slice inside its loop. While a step is traced
+    (`grad_fn`, `cast_params`) it is cast by the policy there, and on a mesh gathered over
+    `fsdp`; elsewhere (`model.apply` called by hand) it comes back as it is."""
+    fn = _LAYER_FN.get()
+    return layer if fn is None else fn(layer)
+
+
+@contextlib.contextmanager
+def _per_layer(fn: Callable):
+    token = _LAYER_FN.set(fn)
+    try:
+        yield
+    finally:
+        _LAYER_FN.reset(token)
+
+
+def _unstacked(params: Any) -> tuple[Any, Any]:
+    """`(params without the stacked layers, the stacked layers or None)`."""
+    if isinstance(params, Mapping) and STACKED in params:
+        return {k: v for k, v in params.items() if k != STACKED}, params[STACKED]
+    return params, None
+
+
+@contextlib.contextmanager
+def cast_params(policy: Any, params: Any):
+    """`params` as the model gets them (`policy.cast_params`), for the trace inside the block:
+    stacked layers (`STACKED`) stay as they are and are cast one layer at a time when the model
+    asks (`layer_params`), so the step never holds all of their 16-bit copies at once."""
+    rest, stacked = _unstacked(params)
+    if stacked is None:
+        yield policy.cast_params(params)
+        return
+    dtypes = policy.compute_dtypes(params)[STACKED]
+    cast = lambda layer: jax.tree.map(lambda x, d: x.astype(d), layer, dtypes)
+    with _per_layer(cast):
+        yield {**policy.cast_params(rest), STACKED: stacked}
+
+
 def grad_fn(
     loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None
 ) -> Callable:
@@ -263,7 +321,8 @@ def grad_fn(
 
         def single(params, probes, batch, rng, *rest):
             def loss(params, probes):
-                return loss_fn(policy.cast_params(params), probes, batch, rng, *rest)
+                with cast_params(policy, params) as cast:
+                    return loss_fn(cast, probes, batch, rng, *rest)
 
             (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
             return grads, probe_grads, aux
@@ -283,8 +342,19 @@ def grad_fn(
             )
 
             def gathered_loss(params, probes):
-                whole = jax.tree.map(lambda gather, p: gather(p), gathers, params)
-                return loss_fn(whole, probes, batch, rng, *rest)
+                whole, stacked = _unstacked(params)
+                whole = jax.tree.map(lambda gather, p: gather(p), _unstacked(gathers)[0], whole)
+                if stacked is None:
+                    return loss_fn(whole, probes, batch, rng, *rest)
+                layer_gathers = jax.tree.map(
+                    lambda s, dtype: _gather(PartitionSpec(*s[1:]), dtype, mesh),
+                    specs[STACKED],
+                    policy.compute_dtypes(params)[STACKED],
+                    is_leaf=lambda x: isinstance(x, PartitionSpec),
+                )
+                gather_layer = lambda layer: jax.tree.map(lambda g, p: g(p), layer_gathers, layer)
+                with _per_layer(gather_layer):
+                    return loss_fn({**whole, STACKED: stacked}, probes, batch, rng, *rest)
 
             with _splitting_batch(AXES):
                 grad = jax.grad(gathered_loss, (0, 1), has_aux=True)

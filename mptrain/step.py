@@ -205,10 +205,8 @@ def make_eval_step(
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
-        with policy.matmuls():
-            metrics = metric_fn(
-                policy.cast_params(state.params), state.model_state, policy.cast_to_compute(batch)
-            )
+        with policy.matmuls(), sharding.cast_params(policy, state.params) as params:
+            metrics = metric_fn(params, state.model_state, policy.cast_to_compute(batch))
         return precision.to_f32(metrics)
 
     return eval_step

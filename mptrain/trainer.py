@@ -78,7 +78,8 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
-        return models.create(self.config.model, self.policy, self.mesh.devices.flat)
+        devices = self.mesh.devices.flat
+        return models.create(self.config.model, self.policy, devices, self.config.get("loss"))
 
     def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
@@ -127,11 +128,18 @@ class Trainer:
         a small LM a tenth of its step, for a number the evaluation reports anyway."""
         variables = {"params": params, **model_state}
         mutable = list(model_state) or False
+        # A model that computes its own loss (the LMs' chunked fp32 cross-entropy) is handed
+        # the targets, so the [tokens, vocab] logits never leave it.
+        extra = {"targets": batch["targets"]} if _computes_loss(self.model) else {}
         out = self.model.apply(
-            variables, batch["inputs"], train=True, rngs={"dropout": rng}, mutable=mutable
+            variables, batch["inputs"], train=True, rngs={"dropout": rng}, mutable=mutable, **extra
         )
-        logits, new_state = out if mutable else (out, model_state)
-        logits = self.policy.cast_to_output(logits)  # the loss sees the policy's output dtype
+        out, new_state = out if mutable else (out, model_state)
+        if extra:
+            z_loss = getattr(self.model, "z_loss", 0.0)
+            aux = {"cross_entropy": out["cross_entropy"]} if z_loss else {}
+            return out["loss"], (new_state, aux)
+        logits = self.policy.cast_to_output(out)  # the loss sees the policy's output dtype
         return layers.cross_entropy(logits, batch["targets"]), (new_state, {})
 
     def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
@@ -144,7 +152,11 @@ class Trainer:
         if type(self).loss_fn is not Trainer.loss_fn:
             loss, (_, aux) = self.loss_fn(params, model_state, batch, jax.random.key(0))
             return {"loss": loss, **aux}
-        logits = self.model.apply({"params": params, **model_state}, batch["inputs"], train=False)
+        variables = {"params": params, **model_state}
+        if _computes_loss(self.model):
+            out = self.model.apply(variables, batch["inputs"], targets=batch["targets"])
+            return {"loss": out["cross_entropy"], "accuracy": out["accuracy"]}
+        logits = self.model.apply(variables, batch["inputs"], train=False)
         return layers.classification_metrics(self.policy.cast_to_output(logits), batch["targets"])
 
     # ---- drivers --------------------------------------------------------------------------
@@ -308,3 +320,8 @@ class Trainer:
                 done = first + k
                 run.stepped(first, done, metrics, totals)
         run.report_pending(done)
+
+
+def _computes_loss(model: Any) -> bool:
+    """Whether `model` takes `targets` and returns its loss (`lm_loss.token_loss`'s dict)."""
+    return bool(getattr(model, "computes_loss", False))

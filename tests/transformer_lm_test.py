@@ -256,7 +256,7 @@ def test_embed_is_an_exact_lookup(one_hot):
     np.testing.assert_allclose(grad, jax.grad(lambda t: jnp.sum(t[ids] ** 2))(table), rtol=1e-6)
 
 
-def test_embed_scatters_only_large_vocabularies_and_in_the_tables_dtype():
+def test_embed_never_scatters_and_sums_a_large_tables_gradient_in_fp32(monkeypatch):
     def program(vocab, table_dtype):
         ids = jnp.zeros((2, 5), jnp.int32)
         loss = lambda t: jnp.sum(layers.embed(t, ids, jnp.bfloat16).astype(jnp.float32))
@@ -264,9 +264,21 @@ def test_embed_scatters_only_large_vocabularies_and_in_the_tables_dtype():
         return jax.jit(jax.grad(loss)).lower(table).as_text()
 
     assert "scatter" not in program(layers.ONE_HOT_MAX_VOCAB, jnp.bfloat16)
-    large = [line for line in program(layers.ONE_HOT_MAX_VOCAB + 1, jnp.float32).splitlines()
-             if "scatter" in line]  # fmt: skip
-    assert large and all("bf16" not in line for line in large), large  # gathered, then cast
+    assert "scatter" not in program(layers.ONE_HOT_MAX_VOCAB + 1, jnp.float32)
+    # Chunks of 3 tokens over 11 (the last one padded), ids repeated: the gradient is the
+    # scatter-add's, summed in fp32, in the table's dtype.
+    vocab = layers.ONE_HOT_MAX_VOCAB + 3
+    monkeypatch.setattr(layers, "EMBED_GRAD_CHUNK_ELEMENTS", 3 * vocab)
+    ids = jnp.array([0, 5, 5, vocab - 1, 5, 2, 7, 0, 5, 9, 9])
+    table = jax.random.normal(jax.random.key(0), (vocab, 4))
+    weights = jax.random.normal(jax.random.key(1), (ids.shape[0], 4))
+    loss = lambda t, f: jnp.sum(f(t).astype(jnp.float32) * weights)
+    got = jax.grad(loss)(table, lambda t: layers.embed(t, ids, jnp.bfloat16))
+    want = jax.grad(loss)(table, lambda t: jnp.take(t, ids, axis=0).astype(jnp.bfloat16))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
+    forward = layers.embed(table, ids, jnp.bfloat16)
+    np.testing.assert_array_equal(forward, table[ids].astype(jnp.bfloat16))
 
 
 @pytest.mark.parametrize("spec", ["ij,jk->ik", "bqhd,bkhd->bhqk", "aby,yz->abz"])
@@ -297,3 +309,25 @@ def test_einsum_f32_out_rejects_specs_it_cannot_differentiate():
     x, y = jnp.ones((3, 4)), jnp.ones((4, 5))
     with pytest.raises(ValueError, match="cannot differentiate 'ij,jk->i'"):
         jax.grad(lambda x: layers.einsum_f32_out("ij,jk->i", x, y).sum())(x)
+
+
+@pytest.mark.parametrize("remat", ["full", "minimal", "minimal_with_context"])
+def test_remat_changes_what_is_kept_not_what_is_computed(params, remat):
+    tokens, targets = _tokens(), _tokens(seed=1)
+
+    def run(model):
+        def loss(p):
+            logits = model.apply(p, tokens, train=True, rngs={"dropout": jax.random.key(0)})
+            return layers.cross_entropy(logits, targets)
+
+        value, grads = jax.jit(jax.value_and_grad(loss))(params)
+        saved = sum(x.size for x in jax.tree.leaves(jax.vjp(loss, params)[1]))
+        return value, grads, saved
+
+    want, want_grads, kept = run(_model(dropout_rate=0.1))
+    got, grads, fewer = run(_model(dropout_rate=0.1, remat=remat))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, want_grads
+    )
+    assert fewer < kept

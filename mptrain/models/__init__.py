@@ -26,11 +26,11 @@ def import_model(name: Any):
 
 def loss_unit(config) -> str:
     """The unit of the Trainer's built-in loss under `config`, a mean cross-entropy in nats per
-    target (`layers.cross_entropy`): "nats/byte" for `transformer_lm` on the byte-level text of
+    target (`layers.cross_entropy`): "nats/byte" for the language models on the byte-level text of
     `data.name="text"`, whose targets are bytes; else "nats" (the classifiers `cnn`, `mlp` and
     `resnet`: per image). A Trainer subclass with its own `loss_fn` names its own unit."""
     model, data = (str(name).strip().lower() for name in (config.model.name, config.data.name))
-    if model == "transformer_lm" and data == "text":
+    if model in ("transformer_lm", "llama") and data == "text":
         return "nats/byte"
     return "nats"
 
@@ -53,21 +53,28 @@ def _quiet():
         logger.removeFilter(below)
 
 
-def create(config_model: Any, policy: Any, devices: Any = None):
+def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None):
     """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
     dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
     a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
     precision). `devices`: what the step is compiled for (None: this process's own); the
-    models whose `create_model` takes a `backend` choose by it (`attention.backend_of` them)."""
+    models whose `create_model` takes a `backend` choose by it (`attention.backend_of` them),
+    those that take `host_memory` learn whether the devices have pinned host memory. `loss`:
+    `config.loss`, for the models that compute their own loss (`create_model` takes `loss`)."""
     import inspect
 
     from mptrain.models import attention
 
     module = import_model(config_model.name)
     takes = inspect.signature(module.create_model).parameters
+    devices = None if devices is None else list(devices)  # read more than once
     extra = {}
     if devices is not None and "backend" in takes:
         extra["backend"] = attention.backend_of(devices)
+    if "host_memory" in takes:
+        extra["host_memory"] = has_host_memory(devices)
+    if loss is not None and "loss" in takes:
+        extra["loss"] = loss
     if not policy.fp8:
         return module.create_model(config_model, policy.compute_dtype, **extra)
     if "fp8" not in takes:
@@ -76,6 +83,19 @@ def create(config_model: Any, policy: Any, devices: Any = None):
             "fp8 runs the dense layers of transformer_lm"
         )
     return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8, **extra)
+
+
+def has_host_memory(devices: Any = None) -> bool:
+    """Whether `devices` (None: this process's) have pinned host memory, where activations
+    saved for the backward pass can be offloaded."""
+    import jax
+
+    device = next(iter(devices)) if devices is not None else jax.local_devices()[0]
+    try:
+        kinds = {memory.kind for memory in device.addressable_memories()}
+    except Exception:  # a compile-only device (`mptrain.plan`'s) lists none: GPUs and TPUs have it
+        return device.platform in ("gpu", "tpu")
+    return "pinned_host" in kinds
 
 
 def check_config(config, policy: Any, example: Any = None, devices: Any = None) -> None:
@@ -89,7 +109,12 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
 
     module = import_model(config.model.name)
     with _quiet():
-        model = create(config.model, policy, devices)
+        model = create(config.model, policy, devices, config.get("loss"))
+    if config.numerics.per_layer and getattr(model, "scan_layers", False):
+        raise ValueError(
+            "model.scan_layers=True: numerics.per_layer names the layer where a value went "
+            "non-finite, and a scanned stack runs its layers as one; set model.scan_layers=False"
+        )
     if example is None:
         return
 

@@ -56,11 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain import fp8 as fp8_lib
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers
+from mptrain.models import remat as remat_lib
 
 
 def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense:
@@ -103,14 +105,17 @@ class CausalSelfAttention(nn.Module):
             length=length,
         )
         qkv = layers.run_in(self.dtype, _dense(3 * d_model, "qkv", self.fp8), x)
+        qkv = checkpoint_name(qkv, "qkv_proj")
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
         dropout = None
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
         out = attention_lib.causal_attention(q, k, v, choice.implementation, dropout=dropout)
-        out = out.reshape(batch, length, d_model)
-        return layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out)
+        out = checkpoint_name(out.reshape(batch, length, d_model), remat_lib.CONTEXT)
+        return checkpoint_name(
+            layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out), "out_proj"
+        )
 
 
 class MLP(nn.Module):
@@ -124,9 +129,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         d_model = x.shape[-1]
-        h = nn.gelu(layers.run_in(self.dtype, _dense(self.d_ff, "fc_in", self.fp8), x))
+        h = layers.run_in(self.dtype, _dense(self.d_ff, "fc_in", self.fp8), x)
+        h = nn.gelu(checkpoint_name(h, "mlp_up"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
-        return layers.run_in(self.dtype, _dense(d_model, "fc_out", self.fp8), h)
+        return checkpoint_name(
+            layers.run_in(self.dtype, _dense(d_model, "fc_out", self.fp8), h), "mlp_down"
+        )
 
 
 class Block(nn.Module):
@@ -141,7 +149,7 @@ class Block(nn.Module):
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         attn = CausalSelfAttention(
@@ -180,6 +188,7 @@ class TransformerLM(nn.Module):
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
+    remat: str = "none"  # `remat.POLICIES`: what each block keeps for the backward pass
 
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
@@ -204,8 +213,10 @@ class TransformerLM(nn.Module):
         # kept param's is, not in 16 bits before the cast. The forward add is unchanged.
         x = x + jnp.broadcast_to(positions[:length], x.shape).astype(self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
+        policy = remat_lib.make_policy(self.remat)  # `train` (argument 2) stays a Python bool
+        cls = Block if policy is None else nn.remat(Block, policy=policy, static_argnums=(2,))
         for i in range(self.num_layers):
-            block = Block(
+            block = cls(
                 self.num_heads,
                 self.d_ff,
                 self.dtype,
@@ -215,7 +226,7 @@ class TransformerLM(nn.Module):
                 self.backend,
                 name=f"block_{i}",
             )
-            x = block(x, train=train)
+            x = block(x, train)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
         head = _dense(self.vocab_size, "head", dot_general=layers.dot_general_f32_out)
@@ -243,6 +254,7 @@ CONFIG_KEYS = {
     "max_len": 128,
     "dropout_rate": 0.0,
     "attention": "auto",
+    "remat": "none",
 }
 
 
@@ -267,6 +279,7 @@ def create_model(
     compute_dtype: layers.Dtype = jnp.float32,
     fp8: Any = None,
     backend: attention_lib.Backend | None = None,
+    host_memory: bool = True,
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -279,7 +292,9 @@ def create_model(
     ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
     embedding and the head do not). ``backend``: what the model is compiled for
     (``attention_lib.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
-    decides by.
+    decides by. ``remat`` (``"none"``): what each block keeps for the backward pass
+    (``mptrain.models.remat``; ``host_memory``: whether the devices have pinned host memory, for
+    the offloading policies).
     """
     with errors.config_errors():
         keys = _settings(model_config)
@@ -291,6 +306,8 @@ def create_model(
             backend=backend,
             length=keys["max_len"],
         )
+        platform = backend.platform if backend else jax.default_backend()
+        remat = remat_lib.check(keys["remat"], host_memory, platform)
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
         vocab_size=keys["vocab_size"],
@@ -304,4 +321,5 @@ def create_model(
         attention=choice.implementation,
         fp8=fp8,
         backend=backend,
+        remat=remat,
     )
