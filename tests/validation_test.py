@@ -47,7 +47,7 @@ def _one_line_exit_2(workdir, err, code, *named):
         (["--config.data.seq_len=0"], ["config.data.seq_len=0: must be an integer >= 1"]),
         (
             ["--config.model.name=trnsformer_lm"],
-            ["config.model.name='trnsformer_lm'", "valid: cnn, mlp, resnet, transformer_lm"],
+            ["config.model.name='trnsformer_lm'", "valid: cnn, llama, mlp, resnet, transformer_lm"],
         ),
         (
             ["--config.data.name=txt"],

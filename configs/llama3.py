@@ -1,0 +1,111 @@
+"""Llama 3-shaped models, bf16-mixed: fp32 master params and moments, bf16 compute, the layers
+scanned, the loss chunked (`loss.chunk_tokens` automatic).
+
+    python -m mptrain.main --config=configs/llama3.py:tiny --workdir=runs/llama3_tiny
+    python -m mptrain.plan --config=configs/llama3.py:8b --target=h100 --devices=8
+
+Arguments:
+- `8b`: Llama 3.1 8B (8.03B params: width 4,096, 32 layers, 32 heads over 8 kv heads of 128,
+  MLP 14,336, vocabulary 128,256, untied; RoPE theta 500,000 with Llama 3 scaling 8 / 1 / 4 /
+  8,192), sequences of 8,192. Planned for 8 H100s (80 GB): FSDP 8, global batch 16 (2 a
+  device), remat `minimal_with_context` (the projections' and the attention's outputs kept):
+  torchtitan's published run of this model, batch and mesh (8 H100s, FSDP 8, selective
+  activation checkpointing, torch.compile) peaks at 77.0 GiB.
+- `70b`: Llama 3.1 70B (width 8,192, 80 layers, 64 heads over 8 kv heads, MLP 28,672).
+  Planned for 64 H100s: FSDP 64, global batch 64 (1 a device), sequences of 8,192, remat
+  `full` (only each block's input kept), as torchtitan's 70B runs do.
+- `1b`: Llama 3.2 1B (width 2,048, 16 layers, 32 heads over 8 kv heads of 64, MLP 8,192, tied
+  embeddings; RoPE scaling 32 / 1 / 4 / 8,192). Planned for one H100: batch 8 of 8,192, remat
+  `minimal_with_context`.
+- `tiny`: a byte-level Llama (vocabulary 256) on the embedded text (the Python standard
+  library), scanned, with remat `full`, that trains on a 2-core CPU in a few minutes.
+
+The data of the big ones here is the embedded byte-level text (vocabulary 256 is what it
+tokenizes to): they are for `mptrain.plan`, whose step is the same whatever the tokens mean.
+Expected: `8b` fits 8 H100s with at most 72 GiB a device (the plan's figure); `tiny`, 800
+steps: eval loss below 2.0 nats/byte, bf16-mixed within 1% of fp32.
+"""
+
+from ml_collections import config_dict
+
+from mptrain import config as config_lib
+
+LLAMA3_SCALING = (8.0, 1.0, 4.0, 8192)  # factor, low_freq_factor, high_freq_factor, original
+
+
+def _llama3(c, d_model, layers, heads, kv_heads, d_ff, vocab=128_256):
+    c.model.name = "llama"
+    c.model.vocab_size = vocab
+    c.model.d_model = d_model
+    c.model.num_layers = layers
+    c.model.num_heads = heads
+    c.model.num_kv_heads = kv_heads
+    c.model.head_dim = config_dict.placeholder(int)  # None: d_model / num_heads
+    c.model.d_ff = d_ff
+    c.model.max_len = 131_072
+    c.model.rope_theta = 500_000.0
+    c.model.rope_scaling = LLAMA3_SCALING
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.attention = "auto"
+    c.model.scan_layers = True
+    c.model.remat = "minimal_with_context"
+
+
+def get_config(arg: str | None = None):
+    c = config_lib.base_config()
+    c.precision = "bf16-mixed"
+    c.num_train_steps = 1000
+    c.log_every_steps = 10
+    c.eval_every_steps = 500
+    c.eval_steps = 4
+    c.checkpoint_every_steps = 500
+    c.optimizer.name = "adamw"
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.warmup_steps = 100
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.95
+    c.optimizer.eps = 1e-8
+    c.optimizer.weight_decay = 0.1
+    c.optimizer.grad_clip_norm = 1.0
+    c.data.name = "text"
+    c.data.max_bytes = config_dict.placeholder(int)
+    c.data.eval_fraction = 0.01
+
+    if arg in ("8b", None):
+        _llama3(c, 4096, 32, 32, 8, 14_336)
+        c.batch_size = 16
+        c.mesh.data, c.mesh.fsdp = 1, 8
+        c.data.seq_len = 8192
+    elif arg == "70b":
+        _llama3(c, 8192, 80, 64, 8, 28_672)
+        c.batch_size = 64
+        c.mesh.data, c.mesh.fsdp = 1, 64
+        c.data.seq_len = 8192
+        c.model.remat = "full"
+    elif arg == "1b":
+        _llama3(c, 2048, 16, 32, 8, 8192)
+        c.model.rope_scaling = (32.0, 1.0, 4.0, 8192)
+        c.model.tie_embeddings = True
+        c.batch_size = 8
+        c.data.seq_len = 8192
+    elif arg == "tiny":
+        _llama3(c, 128, 2, 4, 2, 344, vocab=256)
+        c.model.max_len = 256
+        c.model.rope_theta = 10_000.0
+        c.model.rope_scaling = None
+        c.model.remat = "full"
+        c.num_train_steps = 800
+        c.batch_size = 8
+        c.log_every_steps = 100
+        c.eval_every_steps = 400
+        c.eval_steps = 30
+        c.checkpoint_every_steps = 400
+        c.optimizer.learning_rate = 3e-3
+        c.optimizer.warmup_steps = 50
+        c.optimizer.b2 = 0.99
+        c.optimizer.weight_decay = 0.01
+        c.data.seq_len = 256
+    else:
+        raise ValueError(f"unknown config argument {arg!r}; valid: '8b', '70b', '1b', 'tiny'")
+    return c

@@ -1,0 +1,415 @@
+"""A Llama-style decoder (Llama 2/3, Mistral-like shapes) with its fp32 islands, its layers
+scanned and rematerialised by name.
+
+The blocks: RMSNorm, grouped-query attention with rotary positions (RoPE, with Llama 3's
+frequency scaling), RMSNorm, a SwiGLU MLP; no biases; tied or untied embeddings. Every matmul
+takes compute-dtype (``dtype``) operands, as in ``transformer_lm``. The fp32 islands:
+
+  * RMSNorm: the mean square, its rsqrt and the scaling in fp32 (the scale is a param the
+    default casting rule keeps in fp32); only the result is cast back to ``dtype``;
+  * RoPE: the angles ``position * inv_freq`` from fp32 positions, their sin and cos in fp32, and
+    the rotation of q and k applied in fp32, cast back to ``dtype`` just before the attention
+    matmul (torchtitan rotates in fp32; HF transformers casts cos/sin to the activations' dtype
+    and rotates in bf16). At position 8,000 an angle has fp32 rounding of about 5e-4 rad; in
+    bf16 a cos/sin value keeps 8 bits. ``docs/models-and-data.md`` gives the measured error of
+    q.k scores both ways;
+  * attention's softmax statistics (``attention.causal_attention``: cuDNN, the Pallas TPU
+    kernel and the materialised path all keep them in fp32);
+  * the logits: 16-bit operands, fp32 accumulation and result, never rounded to 16 bits;
+    with targets, ``lm_loss.token_loss`` computes them chunk by chunk, so the fp32
+    ``[tokens, vocab]`` array never exists.
+
+Layout (what a HuggingFace ``LlamaForCausalLM`` checkpoint maps onto, each torch ``[out, in]``
+weight transposed to flax's ``[in, out]`` kernel, nothing else reordered; ``i`` a layer, which
+``scan_layers`` stacks on a leading axis of each array under ``layers``):
+
+    embed/embedding [V, D]              model.embed_tokens.weight
+    layers/attn_norm/scale [D]          model.layers.i.input_layernorm.weight
+    layers/attn/{q,k,v,o}/kernel        model.layers.i.self_attn.{q,k,v,o}_proj.weight (T)
+    layers/mlp_norm/scale [D]           model.layers.i.post_attention_layernorm.weight
+    layers/mlp/{gate,up,down}/kernel    model.layers.i.mlp.{gate,up,down}_proj.weight (T)
+    final_norm/scale [D]                model.norm.weight
+    head/kernel [D, V] (untied)         lm_head.weight (T)
+
+q/k rotation convention: HF's "rotate half": a head's dimension j pairs with j + head_dim/2
+(not the adjacent pairs of Meta's original code, torchtitan and MaxText, which permute q and k
+on import). Keeping HF's order means an HF checkpoint loads with transposes only.
+
+Scan (``scan_layers``): the blocks' params are one stack (``sharding.STACKED``) walked by
+``jax.lax.scan``, so compile time does not grow with depth; each layer's slice is cast (and
+under FSDP gathered) inside the loop (``sharding.layer_params``). Unscanned, block ``i`` is
+``layers_i``; the two layouts are different checkpoints (a resume refuses the other one, as
+any model change). Remat (``remat``, ``remat.POLICIES``): applied per block with
+``jax.checkpoint`` and the names of ``mptrain.models.remat``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.ad_checkpoint import checkpoint_name
+
+from mptrain import errors, sharding
+from mptrain.models import attention as attention_lib
+from mptrain.models import layers, lm_loss
+from mptrain.models import remat as remat_lib
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """The inverse frequencies ``[head_dim // 2]`` (float32) of RoPE, with Llama 3's scaling
+    ``(factor, low_freq_factor, high_freq_factor, original_max_len)``: wavelengths longer than
+    ``original_max_len / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_len / high_freq_factor`` kept, and those between interpolated smoothly
+    (Meta's rule for Llama 3.1, also HF's ``rope_type="llama3"``). Computed in float64 on the
+    host, a constant of the program."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        factor, low, high, original = (float(v) for v in scaling)
+        wavelen = 2 * np.pi / inv
+        smooth = (original / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > original / low, inv / factor, inv)
+        between = (wavelen <= original / low) & (wavelen >= original / high)
+        inv = np.where(between, mixed, inv)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """``x [B, L, H, Dh]`` rotated by RoPE at ``positions [L]``: an fp32 island (see the module
+    doc), HF's rotate-half pairing; the result in ``x``'s dtype."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [L, 1, Dh/2]
+    x32 = x.astype(jnp.float32)
+    a, b = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * scale``, all of it in fp32, the result cast to ``dtype``."""
+
+    eps: float
+    dtype: layers.Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _dense(features: int, name: str, fp8: Any = None) -> nn.Dense:
+    init = nn.initializers.normal(stddev=0.02)
+    kwargs = {}
+    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
+        from mptrain import fp8 as fp8_lib
+
+        kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
+    return nn.Dense(features, dtype=None, use_bias=False, kernel_init=init, name=name, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A block's sizes and settings (hashable: a static part of the module)."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    norm_eps: float
+    inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
+
+
+class Attention(nn.Module):
+    shape: Shape
+    dtype: layers.Dtype
+    implementation: str
+    fp8: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        s, (batch, length, _) = self.shape, x.shape
+        # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
+        # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
+        project = lambda n, name, tag: checkpoint_name(
+            layers.run_in(self.dtype, _dense(n * s.head_dim, name, self.fp8), x), tag
+        ).reshape(batch, length, n, s.head_dim)
+        q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
+        k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
+        v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
+        inv_freq = np.asarray(s.inv_freq, np.float32)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = attention_lib.causal_attention(q, k, v, self.implementation)
+        out = out.reshape(batch, length, s.num_heads * s.head_dim)
+        out = checkpoint_name(out, remat_lib.CONTEXT)
+        out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8), out)
+        return checkpoint_name(out, remat_lib.PROJECTIONS[3])
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    shape: Shape
+    dtype: layers.Dtype
+    fp8: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        run = lambda n, name, tag, h: checkpoint_name(
+            layers.run_in(self.dtype, _dense(n, name, self.fp8), h), tag
+        )
+        gate, up, down = remat_lib.PROJECTIONS[4:7]
+        h = nn.silu(run(self.shape.d_ff, "gate", gate, x)) * run(self.shape.d_ff, "up", up, x)
+        return run(self.shape.d_model, "down", down, h)
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    shape: Shape
+    dtype: layers.Dtype
+    implementation: str
+    fp8: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        s = self.shape
+        h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
+        x = x + Attention(s, self.dtype, self.implementation, self.fp8, name="attn")(h, positions)
+        h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
+        return x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
+
+
+class _Kernel(nn.Module):
+    """Holds the head's kernel ``[D, V]`` (named ``head/kernel``, as ``nn.Dense`` names it)."""
+
+    shape: tuple[int, int]
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", nn.initializers.normal(stddev=0.02), self.shape)
+
+
+class Llama(nn.Module):
+    """``int32[B, L]`` tokens -> ``float32[B, L, V]`` logits; with ``targets`` (``int[B, L]``,
+    below 0 masked) the loss instead, ``lm_loss.token_loss``'s dict, computed chunk by chunk
+    (``loss_chunk``: positions per chunk, None: its automatic choice) with ``z_loss``."""
+
+    vocab_size: int
+    num_layers: int
+    shape: Shape
+    max_len: int
+    dtype: layers.Dtype = jnp.float32
+    tie_embeddings: bool = False
+    implementation: str = "materialized"
+    scan_layers: bool = True
+    remat: str = "none"
+    loss_chunk: int | None = None
+    z_loss: float = 0.0
+    fp8: Any = None
+    computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, train: bool = False, targets: Any = None) -> Any:
+        del train  # no dropout in a Llama
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be an integer [batch, length] array, got {tokens.dtype}"
+                f"{list(tokens.shape)}"
+            )
+        length = tokens.shape[1]
+        if length > self.max_len:
+            raise ValueError(
+                f"max_len={self.max_len}: shorter than the input (sequence length {length}); "
+                "raise it, or shorten the data's sequences (data.seq_len)"
+            )
+        init = nn.initializers.normal(stddev=0.02)
+        embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
+        x = embed(tokens)
+        positions = jnp.arange(length, dtype=jnp.int32)
+        x = self._blocks(x, positions)
+        x = RMSNorm(self.shape.norm_eps, self.dtype, name="final_norm")(x)
+        if self.tie_embeddings:
+            kernel = embed.variables["params"]["embedding"].T
+        else:
+            kernel = _Kernel((self.shape.d_model, self.vocab_size), name="head")()
+        if targets is None:  # 16-bit operands, fp32 accumulation and result
+            return layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(self.dtype))
+        return lm_loss.token_loss(x, kernel, targets, chunk=self.loss_chunk, z_loss=self.z_loss)
+
+    def _blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        policy = remat_lib.make_policy(self.remat)
+        args = (self.shape, self.dtype, self.implementation, self.fp8)
+        if not self.scan_layers:
+            cls = Block if policy is None else nn.remat(Block, policy=policy)
+            for i in range(self.num_layers):
+                x = cls(*args, name=f"layers_{i}")(x, positions)
+            return x
+        block = Block(*args, parent=None)  # applied to one layer's slice at a time
+
+        def init(rng, x, positions):
+            keys = jax.random.split(rng, self.num_layers)
+            return jax.vmap(lambda k: block.init(k, x, positions)["params"])(keys)
+
+        # Read as it is when it exists: under FSDP the loop gets each device's shard of the
+        # stack (gathered one layer at a time), which `self.param` would refuse by shape.
+        if self.has_variable("params", sharding.STACKED):
+            stacked = self.get_variable("params", sharding.STACKED)
+        else:
+            stacked = self.param(sharding.STACKED, init, x, positions)
+
+        def body(h, layer):
+            return block.apply({"params": sharding.layer_params(layer)}, h, positions), None
+
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return jax.lax.scan(body, x, stacked)[0]
+
+
+# The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
+# model. `head_dim` None: d_model / num_heads; `rope_scaling` None, or Llama 3's
+# (factor, low_freq_factor, high_freq_factor, original_max_len).
+CONFIG_KEYS = {
+    "vocab_size": 256,
+    "d_model": 256,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": None,
+    "d_ff": 688,
+    "max_len": 256,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "norm_eps": 1e-5,
+    "tie_embeddings": False,
+    "attention": "auto",
+    "scan_layers": True,
+    "remat": "none",
+}
+
+
+def _settings(model_config: Any) -> dict[str, Any]:
+    """The keys of `CONFIG_KEYS` as `model_config` sets them; a `ValueError` names a bad one."""
+    keys = errors.settings(model_config, CONFIG_KEYS)
+    for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff"):
+        errors.check_integer(f"model.{key}", keys[key], 1, errors.INT32_MAX)
+    errors.check_integer("model.max_len", keys["max_len"], 1, errors.INT32_MAX)
+    heads, kv = keys["num_heads"], keys["num_kv_heads"]
+    if heads % kv:
+        fits = [n for n in range(1, heads + 1) if heads % n == 0]
+        raise ValueError(
+            f"model.num_kv_heads={kv}: must divide model.num_heads={heads} (each kv head serves "
+            f"an equal group of query heads), e.g. {', '.join(map(str, fits))}"
+        )
+    if keys["head_dim"] is None:
+        if keys["d_model"] % heads:
+            raise ValueError(
+                f"model.num_heads={heads}: does not divide model.d_model={keys['d_model']}; "
+                "set model.head_dim, or a head count that divides the width"
+            )
+        keys["head_dim"] = keys["d_model"] // heads
+    head_dim = errors.check_integer("model.head_dim", keys["head_dim"], 2, 2**16)
+    if head_dim % 2:
+        raise ValueError(
+            f"model.head_dim={head_dim}: RoPE rotates pairs of dimensions; use an even size"
+        )
+    errors.check_number("model.rope_theta", keys["rope_theta"], 1.0, open_low=True)
+    errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
+    keys["rope_scaling"] = _rope_scaling(keys["rope_scaling"])
+    for key in ("tie_embeddings", "scan_layers"):
+        if not isinstance(keys[key], bool):
+            raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
+    return keys
+
+
+def _rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    key = "model.rope_scaling"
+    if not isinstance(value, tuple | list) or len(value) != 4:
+        raise ValueError(
+            f"{key}={value!r}: None, or Llama 3's (factor, low_freq_factor, high_freq_factor, "
+            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192)"
+        )
+    factor = errors.check_number(f"{key}[0] (factor)", value[0], 1.0)
+    low = errors.check_number(f"{key}[1] (low_freq_factor)", value[1], 0.0, open_low=True)
+    high = errors.check_number(f"{key}[2] (high_freq_factor)", value[2], low, open_low=True)
+    original = errors.check_integer(f"{key}[3] (original_max_len)", value[3], 1, 2**31 - 1)
+    return factor, low, high, original
+
+
+def create_model(
+    model_config: Any,
+    compute_dtype: layers.Dtype = jnp.float32,
+    fp8: Any = None,
+    backend: attention_lib.Backend | None = None,
+    loss: Any = None,
+    host_memory: bool = True,
+) -> Llama:
+    """Builds a ``Llama`` from ``config.model`` (``CONFIG_KEYS``; host-side, no params). A bad
+    value is a ``ConfigError`` naming its key. ``backend``: what the step is compiled for, which
+    ``attention="auto"`` decides by; ``host_memory``: whether its devices have pinned host
+    memory (the ``*_offloaded`` remat policies need it); ``loss``: ``config.loss``
+    (``chunk_tokens``, ``z_loss``); ``fp8``: the projections' matmuls in fp8."""
+    with errors.config_errors():
+        keys = _settings(model_config)
+        choice = attention_lib.choose_attention(
+            keys["attention"],
+            dtype=compute_dtype,
+            head_dim=keys["head_dim"],
+            backend=backend,
+            length=keys["max_len"],
+        )
+        platform = backend.platform if backend else jax.default_backend()
+        keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
+        if fp8 and keys["scan_layers"]:
+            raise ValueError(
+                "model.scan_layers=True: fp8-mixed keeps a scaling state per matmul, which the "
+                "scanned stack does not carry yet; set model.scan_layers=False"
+            )
+        chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
+    logging.info("mptrain: attention: %s", choice)
+    shape = Shape(
+        d_model=keys["d_model"],
+        num_heads=keys["num_heads"],
+        num_kv_heads=keys["num_kv_heads"],
+        head_dim=keys["head_dim"],
+        d_ff=keys["d_ff"],
+        norm_eps=float(keys["norm_eps"]),
+        inv_freq=tuple(
+            float(f)
+            for f in rope_frequencies(keys["head_dim"], keys["rope_theta"], keys["rope_scaling"])
+        ),
+    )
+    return Llama(
+        vocab_size=keys["vocab_size"],
+        num_layers=keys["num_layers"],
+        shape=shape,
+        max_len=keys["max_len"],
+        dtype=compute_dtype,
+        tie_embeddings=keys["tie_embeddings"],
+        implementation=choice.implementation,
+        scan_layers=keys["scan_layers"],
+        remat=keys["remat"],
+        loss_chunk=chunk,
+        z_loss=z_loss,
+        fp8=fp8,
+    )
+
+
+def num_params(model_config: Any) -> int:
+    """The parameter count of ``config.model`` (host arithmetic, no arrays)."""
+    k = _settings(model_config)
+    d, f, hd = k["d_model"], k["d_ff"], k["head_dim"]
+    attn = d * hd * (k["num_heads"] * 2 + k["num_kv_heads"] * 2)
+    block = attn + 3 * d * f + 2 * d
+    head = 0 if k["tie_embeddings"] else d * k["vocab_size"]
+    return k["num_layers"] * block + k["vocab_size"] * d + head + d
