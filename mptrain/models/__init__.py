@@ -93,7 +93,9 @@ def has_host_memory(devices: Any = None) -> bool:
     device = next(iter(devices)) if devices is not None else jax.local_devices()[0]
     try:
         kinds = {memory.kind for memory in device.addressable_memories()}
-    except Exception:  # a compile-only device (`mptrain.plan`'s) lists none: GPUs and TPUs have it
+    except Exception:
+        kinds = set()
+    if not kinds:  # a compile-only device (`mptrain.plan`'s) lists none: GPUs and TPUs have it
         return device.platform in ("gpu", "tpu")
     return "pinned_host" in kinds
 
