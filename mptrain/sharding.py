@@ -19,12 +19,10 @@ compiled program cannot quietly do otherwise:
 Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
 statistics over those axes, so the model sees the same numbers as on one device.
 
-A model whose blocks run as one loop (`jax.lax.scan`) keeps them as one stack of params, the
-top-level param `STACKED` ("layers"), whose leading axis is the layer. Such params are never
-split along that axis, and they are not cast or gathered before the loss: the model hands each
-layer's slice to `layer_params` inside the loop, which casts it (and gathers it over `fsdp`)
-then, one layer at a time, so the step never holds every layer's 16-bit copy at once, and their
-gradients are cast to fp32 and reduce-scattered one layer at a time too, as FSDP2 does per block.
+Stacked layers (the top-level param `STACKED`, its leading axis the layer, walked by a scan)
+are never split on that axis nor cast or gathered before the loss: the model hands each layer's
+slice to `layer_params` inside its loop, which casts (and gathers) it there, so no step holds
+every layer's 16-bit copy at once; gradients are reduce-scattered per layer, as FSDP2 does.
 """
 
 from __future__ import annotations
@@ -181,8 +179,7 @@ def _leaf_spec(shape: tuple[int, ...], fsdp: int, stacked: bool = False) -> Part
     return PartitionSpec()
 
 
-def is_stacked(path: tuple) -> bool:
-    """Whether a leaf at `path` (a params or optimizer-state path) belongs to stacked layers."""
+def is_stacked(path: tuple) -> bool:  # a params or optimizer-state leaf of stacked layers
     return any(getattr(key, "key", None) == STACKED for key in path)
 
 
@@ -261,10 +258,9 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
 
 
 def layer_params(layer: Any) -> Any:
-    """One layer's slice of the stacked params (`STACKED`), as the model must compute with it:
-    what a model with stacked layers calls on each slice inside its loop. While a step is traced
-    (`grad_fn`, `cast_params`) it is cast by the policy there, and on a mesh gathered over
-    `fsdp`; elsewhere (`model.apply` called by hand) it comes back as it is."""
+    """One layer's slice of the stacked params, as a model's loop must compute with it: cast by
+    the policy (on a mesh, gathered over `fsdp`) while a step is traced (`grad_fn`,
+    `cast_params`); as it is elsewhere (`model.apply` by hand)."""
     fn = _LAYER_FN.get()
     return layer if fn is None else fn(layer)
 
@@ -278,8 +274,7 @@ def _per_layer(fn: Callable):
         _LAYER_FN.reset(token)
 
 
-def _unstacked(params: Any) -> tuple[Any, Any]:
-    """`(params without the stacked layers, the stacked layers or None)`."""
+def _unstacked(params: Any) -> tuple[Any, Any]:  # (the rest, the stacked layers or None)
     if isinstance(params, Mapping) and STACKED in params:
         return {k: v for k, v in params.items() if k != STACKED}, params[STACKED]
     return params, None
@@ -287,9 +282,8 @@ def _unstacked(params: Any) -> tuple[Any, Any]:
 
 @contextlib.contextmanager
 def cast_params(policy: Any, params: Any):
-    """`params` as the model gets them (`policy.cast_params`), for the trace inside the block:
-    stacked layers (`STACKED`) stay as they are and are cast one layer at a time when the model
-    asks (`layer_params`), so the step never holds all of their 16-bit copies at once."""
+    """`params` as the model gets them (`policy.cast_params`), but stacked layers, cast one
+    layer at a time when the model asks (`layer_params`) inside the block."""
     rest, stacked = _unstacked(params)
     if stacked is None:
         yield policy.cast_params(params)

@@ -126,21 +126,10 @@ class Trainer:
         """Traced. `(loss, (new_model_state, aux))` from compute-dtype params and batch. The
         default's aux is empty: an accuracy (an argmax over the logits) in every train step cost
         a small LM a tenth of its step, for a number the evaluation reports anyway."""
-        variables = {"params": params, **model_state}
-        mutable = list(model_state) or False
-        # A model that computes its own loss (the LMs' chunked fp32 cross-entropy) is handed
-        # the targets, so the [tokens, vocab] logits never leave it.
-        extra = {"targets": batch["targets"]} if _computes_loss(self.model) else {}
-        out = self.model.apply(
-            variables, batch["inputs"], train=True, rngs={"dropout": rng}, mutable=mutable, **extra
-        )
+        variables, mutable = {"params": params, **model_state}, list(model_state) or False
+        out = _apply(self.model, variables, batch, True, rngs={"dropout": rng}, mutable=mutable)
         out, new_state = out if mutable else (out, model_state)
-        if extra:
-            z_loss = getattr(self.model, "z_loss", 0.0)
-            aux = {"cross_entropy": out["cross_entropy"]} if z_loss else {}
-            return out["loss"], (new_state, aux)
-        logits = self.policy.cast_to_output(out)  # the loss sees the policy's output dtype
-        return layers.cross_entropy(logits, batch["targets"]), (new_state, {})
+        return _loss(self.policy, out, batch["targets"]), (new_state, {})
 
     def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
         """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`).
@@ -152,12 +141,10 @@ class Trainer:
         if type(self).loss_fn is not Trainer.loss_fn:
             loss, (_, aux) = self.loss_fn(params, model_state, batch, jax.random.key(0))
             return {"loss": loss, **aux}
-        variables = {"params": params, **model_state}
-        if _computes_loss(self.model):
-            out = self.model.apply(variables, batch["inputs"], targets=batch["targets"])
+        out = _apply(self.model, {"params": params, **model_state}, batch, False)
+        if isinstance(out, dict):  # the model's own loss (`_apply`)
             return {"loss": out["cross_entropy"], "accuracy": out["accuracy"]}
-        logits = self.model.apply(variables, batch["inputs"], train=False)
-        return layers.classification_metrics(self.policy.cast_to_output(logits), batch["targets"])
+        return layers.classification_metrics(self.policy.cast_to_output(out), batch["targets"])
 
     # ---- drivers --------------------------------------------------------------------------
 
@@ -322,6 +309,18 @@ class Trainer:
         run.report_pending(done)
 
 
-def _computes_loss(model: Any) -> bool:
-    """Whether `model` takes `targets` and returns its loss (`lm_loss.token_loss`'s dict)."""
-    return bool(getattr(model, "computes_loss", False))
+def _apply(model: Any, variables: dict, batch: Any, train: bool, **kwargs: Any) -> Any:
+    """`model.apply` on the batch's inputs. A model that computes its own loss (`computes_loss`:
+    the LMs' chunked fp32 cross-entropy) gets the targets too, so the [tokens, vocab] logits
+    never leave it, and returns `lm_loss.token_loss`'s dict."""
+    if getattr(model, "computes_loss", False):
+        kwargs["targets"] = batch["targets"]
+    return model.apply(variables, batch["inputs"], train=train, **kwargs)
+
+
+def _loss(policy: Any, out: Any, targets: Any) -> Any:
+    """The train loss of `_apply`'s output: the model's own, or the cross-entropy of its logits
+    in the policy's output dtype."""
+    if isinstance(out, dict):
+        return out["loss"]
+    return layers.cross_entropy(policy.cast_to_output(out), targets)

@@ -19,18 +19,19 @@ TRIALS = 20
 STEPS = 400
 
 
-def _command(workdir, steps=STEPS, checkpoint_every=3):
+def _command(workdir, steps=STEPS, checkpoint_every=3, config="default.py"):
     return [
         sys.executable,
         "-m",
         "mptrain.main",
-        f"--config={ROOT / 'configs' / 'default.py'}:tiny",
+        f"--config={ROOT / 'configs' / config}:tiny",
         f"--workdir={workdir}",
         f"--config.num_train_steps={steps}",
         "--config.optimizer.schedule=constant",
         f"--config.checkpoint_every_steps={checkpoint_every}",  # often: kills land in saves
         "--config.log_every_steps=5",
         "--config.eval_every_steps=50",
+        "--config.eval_steps=2",
     ]
 
 
@@ -40,12 +41,20 @@ def _env():
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(
+    ("config", "trials"),
+    # llama3.py:tiny: scanned layers, remat "full", the chunked loss
+    [("default.py", TRIALS), ("llama3.py", 6)],
+)
+def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(
+    tmp_path, config, trials
+):
     rng = random.Random(0)
     crashed, env = tmp_path / "crashed", _env()
+    command = lambda workdir: _command(workdir, config=config)
     kills = 0
-    while kills < TRIALS:
-        proc = subprocess.Popen(_command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    while kills < trials:
+        proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         started = lambda: list(crashed.glob("events.out.tfevents.*"))  # the writer is up
         while not started() and proc.poll() is None:
@@ -58,12 +67,12 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
-    assert kills >= TRIALS, f"the run finished after only {kills} kills; raise STEPS"
-    final = subprocess.run(_command(crashed), cwd=ROOT, env=env, capture_output=True, text=True)
+    assert kills >= trials, f"the run finished after only {kills} kills; raise STEPS"
+    final = subprocess.run(command(crashed), cwd=ROOT, env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-3000:]
 
     straight = tmp_path / "straight"
-    done = subprocess.run(_command(straight), cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_trees_bytes_equal(plain_orbax_state(straight, STEPS), plain_orbax_state(crashed, STEPS))
 

@@ -8,6 +8,7 @@ is compiled once per session.
 
 import functools
 import json
+import math
 import re
 
 import pytest
@@ -233,3 +234,24 @@ def test_gpt2s_on_a_v5e_chip_runs_the_pallas_flash_kernel_in_every_layer():
     assert att["forward_calls"] == 12 and att["backward_calls"] == 24  # dq and dk/dv kernels
     assert att["buffers"] == 0 and result.memory["temporaries"] <= 5 * GiB, result.memory
     assert set(result.matmul_flops) == {"bfloat16"} and result.fits
+
+
+def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp32_logits():
+    # configs/llama3.py:8b as planned: FSDP 8, 2 sequences of 8,192 a device, bf16-mixed with
+    # fp32 master params and moments, remat "minimal", the loss in chunks
+    result = planned("llama3", "8b", 8)
+    assert result.fits and result.memory["total"] <= 72 * GiB, result.memory
+    assert result.compile_seconds < 300
+    att = result.attention
+    assert att["implementation"].startswith("cuDNN") and att["buffers"] == 0, att
+    assert att["forward_calls"] >= 32 and att["backward_calls"] >= 32, att
+    assert result.hazards == []  # no scatter: the embedding's gradient is a matmul
+    assert set(result.matmul_flops) == {"bfloat16"}
+    gathers, scatters = result.collectives["all-gather"], result.collectives["reduce-scatter"]
+    assert set(scatters) == {"float32"} and gathers["bfloat16"] > 10 * gathers["float32"]
+    # the kernels' gathers and reduce-scatters come from inside the loop over layers
+    assert any("sharding.py" in site for site in result.collective_sites["all-gather"])
+    # no [tokens, vocab] fp32 array: 2 x 8192 x 128,256 floats is 8.4 GB
+    logits = 2 * 8192 * 128_256
+    big = [b for b in result.largest if b["array"].startswith("f32[") and "128256" in b["array"]]
+    assert all(math.prod(map(int, re.findall(r"\d+", b["array"][3:]))) < logits for b in big), big

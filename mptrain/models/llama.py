@@ -36,11 +36,9 @@ q/k rotation convention: HF's "rotate half": a head's dimension j pairs with j +
 on import). Keeping HF's order means an HF checkpoint loads with transposes only.
 
 Scan (``scan_layers``): the blocks' params are one stack (``sharding.STACKED``) walked by
-``jax.lax.scan``, so compile time does not grow with depth; each layer's slice is cast (and
-under FSDP gathered) inside the loop (``sharding.layer_params``). Unscanned, block ``i`` is
-``layers_i``; the two layouts are different checkpoints (a resume refuses the other one, as
-any model change). Remat (``remat``, ``remat.POLICIES``): applied per block with
-``jax.checkpoint`` and the names of ``mptrain.models.remat``.
+``jax.lax.scan``; each layer's slice is cast (under FSDP gathered) inside the loop
+(``sharding.layer_params``). Unscanned, block ``i`` is ``layers_i``, another checkpoint layout.
+Remat: ``mptrain.models.remat``, per block.
 """
 
 from __future__ import annotations
@@ -128,7 +126,7 @@ class Shape:
     inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
 
 
-class Attention(nn.Module):
+class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     shape: Shape
     dtype: layers.Dtype
     implementation: str
@@ -154,9 +152,7 @@ class Attention(nn.Module):
         return checkpoint_name(out, remat_lib.PROJECTIONS[3])
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
+class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
     shape: Shape
     dtype: layers.Dtype
     fp8: Any = None
@@ -188,9 +184,7 @@ class Block(nn.Module):
         return x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
 
 
-class _Kernel(nn.Module):
-    """Holds the head's kernel ``[D, V]`` (named ``head/kernel``, as ``nn.Dense`` names it)."""
-
+class _Kernel(nn.Module):  # the head's kernel [D, V], `head/kernel` as nn.Dense names it
     shape: tuple[int, int]
 
     @nn.compact
@@ -301,7 +295,7 @@ def _settings(model_config: Any) -> dict[str, Any]:
     keys = errors.settings(model_config, CONFIG_KEYS)
     for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff"):
         errors.check_integer(f"model.{key}", keys[key], 1, errors.INT32_MAX)
-    errors.check_integer("model.max_len", keys["max_len"], 1, errors.INT32_MAX)
+    errors.check_integer("model.max_len", keys["max_len"], 1, errors.INT32_MAX)  # only a bound
     heads, kv = keys["num_heads"], keys["num_kv_heads"]
     if heads % kv:
         fits = [n for n in range(1, heads + 1) if heads % n == 0]
@@ -331,9 +325,9 @@ def _settings(model_config: Any) -> dict[str, Any]:
 
 
 def _rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
+    key = "model.rope_scaling"
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
-    key = "model.rope_scaling"
     if not isinstance(value, tuple | list) or len(value) != 4:
         raise ValueError(
             f"{key}={value!r}: None, or Llama 3's (factor, low_freq_factor, high_freq_factor, "
@@ -403,13 +397,3 @@ def create_model(
         z_loss=z_loss,
         fp8=fp8,
     )
-
-
-def num_params(model_config: Any) -> int:
-    """The parameter count of ``config.model`` (host arithmetic, no arrays)."""
-    k = _settings(model_config)
-    d, f, hd = k["d_model"], k["d_ff"], k["head_dim"]
-    attn = d * hd * (k["num_heads"] * 2 + k["num_kv_heads"] * 2)
-    block = attn + 3 * d * f + 2 * d
-    head = 0 if k["tie_embeddings"] else d * k["vocab_size"]
-    return k["num_layers"] * block + k["vocab_size"] * d + head + d
