@@ -248,7 +248,7 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     assert result.hazards == []  # no scatter: the embedding's gradient is a matmul
     assert set(result.matmul_flops) == {"bfloat16"}
     gathers, scatters = result.collectives["all-gather"], result.collectives["reduce-scatter"]
-    assert set(scatters) == {"float32"} and gathers["bfloat16"] > 10 * gathers["float32"]
+    assert set(scatters) == {"f32"} and gathers["bf16"] > 10 * gathers["f32"]
     # the kernels' gathers and reduce-scatters come from inside the loop over layers
     assert any("sharding.py" in site for site in result.collective_sites["all-gather"])
     # no [tokens, vocab] fp32 array: 2 x 8192 x 128,256 floats is 8.4 GB
