@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mptrain import q8
 
 AXES = ("data", "fsdp")
-STACKED = "layers"  # the top-level param of a model's stacked layers (see the module doc)
+STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
 _BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "mptrain_batch_axes", default=None
 )
@@ -328,26 +329,23 @@ def grad_fn(
 
         def local(params, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
-            gathers = jax.tree.map(
-                lambda s, dtype: _gather(s, dtype, mesh),
+            # a stacked leaf's gather takes one layer's slice: its spec without the layer axis
+            gathers = jax.tree_util.tree_map_with_path(
+                lambda path, s, dtype: _gather(
+                    PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh
+                ),
                 specs,
                 policy.compute_dtypes(params),
                 is_leaf=lambda x: isinstance(x, PartitionSpec),
             )
+            gather_all = lambda gathers, tree: jax.tree.map(lambda g, p: g(p), gathers, tree)
 
             def gathered_loss(params, probes):
-                whole, stacked = _unstacked(params)
-                whole = jax.tree.map(lambda gather, p: gather(p), _unstacked(gathers)[0], whole)
+                (whole, stacked), (outer, per_layer) = _unstacked(params), _unstacked(gathers)
+                whole = gather_all(outer, whole)
                 if stacked is None:
                     return loss_fn(whole, probes, batch, rng, *rest)
-                layer_gathers = jax.tree.map(
-                    lambda s, dtype: _gather(PartitionSpec(*s[1:]), dtype, mesh),
-                    specs[STACKED],
-                    policy.compute_dtypes(params)[STACKED],
-                    is_leaf=lambda x: isinstance(x, PartitionSpec),
-                )
-                gather_layer = lambda layer: jax.tree.map(lambda g, p: g(p), layer_gathers, layer)
-                with _per_layer(gather_layer):
+                with _per_layer(functools.partial(gather_all, per_layer)):
                     return loss_fn({**whole, STACKED: stacked}, probes, batch, rng, *rest)
 
             with _splitting_batch(AXES):

@@ -14,7 +14,7 @@ from conftest import matmul_dtypes, needs_devices
 from jax.sharding import PartitionSpec
 
 from mptrain import precision, sharding
-from mptrain.models import llama
+from mptrain.models import layers, llama
 
 SCALING = (4.0, 1.0, 4.0, 32)  # original context 32: positions 32..47 lie past it
 
@@ -49,6 +49,12 @@ def _tokens(batch=2, length=48, vocab=64, seed=1):
 
 def _init(model, tokens):
     return jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+
+
+def _loss(model, params, tokens, targets):
+    """The model's loss: its own (chunked), or the cross-entropy of the logits it returns."""
+    out = model.apply({"params": params}, tokens, targets=targets)
+    return out["loss"] if isinstance(out, dict) else layers.cross_entropy(out, targets)
 
 
 # ---- the reference, in numpy, float64 ------------------------------------------------------
@@ -90,7 +96,7 @@ def _ref_forward(p, tokens, c):
     b, length, _ = x.shape
     group = c.num_heads // c.num_kv_heads
     for i in range(c.num_layers):
-        w = jax.tree.map(lambda a, i=i: f64(a[i]), p["layers"])
+        w = jax.tree.map(lambda a, i=i: f64(a[i]), p[sharding.STACKED])
         h = _ref_rms(x, w["attn_norm"]["scale"], c.norm_eps)
         q = (h @ w["attn"]["q"]["kernel"]).reshape(b, length, c.num_heads, c.head_dim)
         k = (h @ w["attn"]["k"]["kernel"]).reshape(b, length, c.num_kv_heads, c.head_dim)
@@ -162,7 +168,7 @@ def test_scan_and_remat_compute_what_unrolled_layers_without_remat_do(remat):
     assert jax.tree.structure(flat) == jax.tree.structure(_init(unrolled, tokens))
 
     def loss(model, params):
-        return model.apply({"params": params}, tokens, targets=targets)["loss"]
+        return _loss(model, params, tokens, targets)
 
     got, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(scanned, p)))(params)
     want, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(unrolled, p)))(flat)
@@ -178,7 +184,7 @@ def _saved(model, params, tokens):
     """What the backward pass keeps of the forward: the residuals' shapes, by jax's own count."""
     from jax.ad_checkpoint import print_saved_residuals  # noqa: F401 (documents the tool)
 
-    f = lambda p: model.apply({"params": p}, tokens, targets=tokens)["loss"]
+    f = lambda p: _loss(model, p, tokens, tokens)
     _, vjp = jax.vjp(f, params)
     return sum(x.size for x in jax.tree.leaves(vjp) if hasattr(x, "size"))
 
@@ -226,8 +232,7 @@ def test_bad_settings_are_config_errors_naming_the_key(overrides, message):
 
 def _grads(model, policy, mesh, params, batch):
     def loss(p, probes, batch, rng):
-        out = model.apply({"params": p}, batch["inputs"], targets=batch["targets"])
-        return out["loss"], {}
+        return _loss(model, p, batch["inputs"], batch["targets"]), {}
 
     fn = jax.jit(sharding.grad_fn(loss, policy, mesh))
     if mesh is not None:
@@ -261,7 +266,7 @@ def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
     # bf16 kernels as their bits (XLA:CPU has no bf16 collectives), the kept norm scales fp32
     assert sorted(dtype for dtype, _ in gathers) == ["f32"] * 2 + ["u16"] * 7, gathers
     assert [dtype for dtype, _ in scatters] == ["f32"] * 9, scatters
-    layer = {",".join(map(str, a.shape[1:])) for a in jax.tree.leaves(params["layers"])}
+    layer = {",".join(map(str, a.shape[1:])) for a in jax.tree.leaves(params[sharding.STACKED])}
     assert {shape for _, shape in gathers} <= layer  # one layer's slice, not the stack
     # only the embedding, the final norm and the head are gathered outside the loop
     assert len(re.findall(r" all-gather\(", entry)) <= 3

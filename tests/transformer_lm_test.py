@@ -331,3 +331,16 @@ def test_remat_changes_what_is_kept_not_what_is_computed(params, remat):
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, want_grads
     )
     assert fewer < kept
+
+
+def test_with_targets_the_model_chunks_its_loss_and_adds_the_z_loss(params):
+    tokens, targets = _tokens(), _tokens(seed=1).at[0, :3].set(-1)  # 3 masked targets
+    logits = _apply(_model(), params, tokens)
+    want = layers.cross_entropy(logits, targets)
+    # one chunk and no z-loss: the logits come back, the Trainer takes their cross-entropy
+    assert _apply(_model(), params, tokens, targets=targets).shape == logits.shape
+    out = _apply(_model(loss_chunk=4, z_loss=1e-3), params, tokens, targets=targets)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    z = jnp.sum(jnp.where(targets >= 0, lse**2, 0.0)) / jnp.sum(targets >= 0)
+    np.testing.assert_allclose(out["cross_entropy"], want, rtol=1e-6)
+    np.testing.assert_allclose(out["loss"], want + 1e-3 * z, rtol=1e-6)

@@ -10,8 +10,8 @@ one, the helper ends with the cast back to ``dtype``:
     rounded to 16 bits first. Left to JAX, a matmul with ``preferred_element_type=float32`` is
     differentiated with the fp32 cotangent and the other operand upcast, i.e. its two gradient
     matmuls would run in fp32; its custom gradient casts the cotangent to the operands' dtype
-    first, as plain 16-bit autodiff would, so the backward matmuls are 16-bit too.
-    ``dot_general_f32_out`` is the same matmul in the form ``nn.Dense(dot_general=...)`` takes;
+    first, as plain 16-bit autodiff would, so the backward matmuls are 16-bit too (the LMs'
+    heads, ``lm_loss.Head``, run it);
   * ``layer_norm_f32`` and ``batch_norm_f32``: normalisation with its statistics in fp32 (a 16-bit
     sum of squares over many activations overflows fp16 and loses bits in bf16). Only the result
     is cast back to ``dtype``, so the next matmul still gets 16-bit operands instead of being
@@ -87,15 +87,6 @@ def _einsum_f32_out_bwd(spec, residuals, g):
 einsum_f32_out.defvjp(_einsum_f32_out_fwd, _einsum_f32_out_bwd)
 
 
-def dot_general_f32_out(lhs, rhs, dimension_numbers, precision=None, **unused_kwargs):
-    """What ``nn.Dense`` calls (``lhs[..., k] @ rhs[k, n]``), routed to ``einsum_f32_out``."""
-    del precision, unused_kwargs
-    if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
-        raise ValueError(f"unsupported dimension numbers {dimension_numbers}")
-    batch = "abcdefgh"[: lhs.ndim - 1]
-    return einsum_f32_out(f"{batch}y,yz->{batch}z", lhs, rhs)
-
-
 def layer_norm_f32(x: jax.Array, dtype: Dtype, name: str) -> jax.Array:
     """LayerNorm computed in fp32 (mean, variance, rsqrt), result cast back to ``dtype``.
 
@@ -141,6 +132,23 @@ def run_in(dtype: Dtype, layer: nn.Module, x: jax.Array, output: Dtype | None = 
     in fp32 makes its matmul fp32, as the rule says. The result is cast to ``output`` (default
     ``dtype``), so it never widens the next layer."""
     return layer(x.astype(dtype)).astype(output or dtype)
+
+
+def check_tokens(tokens: jax.Array, max_len: int) -> int:
+    """The length of a language model's ``int[batch, length]`` tokens; a ``ValueError`` for
+    other inputs, or a length past ``max_len`` (naming the key, for ``models.check_config``)."""
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be an integer [batch, length] array, got {tokens.dtype}"
+            f"{list(tokens.shape)}"
+        )
+    length = tokens.shape[1]
+    if length > max_len:
+        raise ValueError(
+            f"max_len={max_len}: shorter than the input (sequence length {length} exceeds "
+            f"max_len={max_len}); raise it, or shorten the data's sequences (data.seq_len)"
+        )
+    return length
 
 
 def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head") -> jax.Array:

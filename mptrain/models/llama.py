@@ -20,16 +20,16 @@ takes compute-dtype (``dtype``) operands, as in ``transformer_lm``. The fp32 isl
     ``[tokens, vocab]`` array never exists.
 
 Layout (what a HuggingFace ``LlamaForCausalLM`` checkpoint maps onto, each torch ``[out, in]``
-weight transposed to flax's ``[in, out]`` kernel, nothing else reordered; ``i`` a layer, which
-``scan_layers`` stacks on a leading axis of each array under ``layers``):
+weight transposed to flax's ``[in, out]`` kernel, nothing else reordered; ``L`` is
+``stacked_layers`` with layer ``i`` on each array's leading axis, or ``layers_i`` unscanned):
 
-    embed/embedding [V, D]              model.embed_tokens.weight
-    layers/attn_norm/scale [D]          model.layers.i.input_layernorm.weight
-    layers/attn/{q,k,v,o}/kernel        model.layers.i.self_attn.{q,k,v,o}_proj.weight (T)
-    layers/mlp_norm/scale [D]           model.layers.i.post_attention_layernorm.weight
-    layers/mlp/{gate,up,down}/kernel    model.layers.i.mlp.{gate,up,down}_proj.weight (T)
-    final_norm/scale [D]                model.norm.weight
-    head/kernel [D, V] (untied)         lm_head.weight (T)
+    embed/embedding [V, D]         model.embed_tokens.weight
+    L/attn_norm/scale [D]          model.layers.i.input_layernorm.weight
+    L/attn/{q,k,v,o}/kernel        model.layers.i.self_attn.{q,k,v,o}_proj.weight (T)
+    L/mlp_norm/scale [D]           model.layers.i.post_attention_layernorm.weight
+    L/mlp/{gate,up,down}/kernel    model.layers.i.mlp.{gate,up,down}_proj.weight (T)
+    final_norm/scale [D]           model.norm.weight
+    head/kernel [D, V] (untied)    lm_head.weight (T)
 
 q/k rotation convention: HF's "rotate half": a head's dimension j pairs with j + head_dim/2
 (not the adjacent pairs of Meta's original code, torchtitan and MaxText, which permute q and k
@@ -184,14 +184,6 @@ class Block(nn.Module):
         return x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
 
 
-class _Kernel(nn.Module):  # the head's kernel [D, V], `head/kernel` as nn.Dense names it
-    shape: tuple[int, int]
-
-    @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("kernel", nn.initializers.normal(stddev=0.02), self.shape)
-
-
 class Llama(nn.Module):
     """``int32[B, L]`` tokens -> ``float32[B, L, V]`` logits; with ``targets`` (``int[B, L]``,
     below 0 masked) the loss instead, ``lm_loss.token_loss``'s dict, computed chunk by chunk
@@ -214,30 +206,17 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, *, train: bool = False, targets: Any = None) -> Any:
         del train  # no dropout in a Llama
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be an integer [batch, length] array, got {tokens.dtype}"
-                f"{list(tokens.shape)}"
-            )
-        length = tokens.shape[1]
-        if length > self.max_len:
-            raise ValueError(
-                f"max_len={self.max_len}: shorter than the input (sequence length {length}); "
-                "raise it, or shorten the data's sequences (data.seq_len)"
-            )
+        length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
         embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
         x = embed(tokens)
         positions = jnp.arange(length, dtype=jnp.int32)
         x = self._blocks(x, positions)
         x = RMSNorm(self.shape.norm_eps, self.dtype, name="final_norm")(x)
-        if self.tie_embeddings:
-            kernel = embed.variables["params"]["embedding"].T
-        else:
-            kernel = _Kernel((self.shape.d_model, self.vocab_size), name="head")()
-        if targets is None:  # 16-bit operands, fp32 accumulation and result
-            return layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(self.dtype))
-        return lm_loss.token_loss(x, kernel, targets, chunk=self.loss_chunk, z_loss=self.z_loss)
+        head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss, name="head")
+        if not self.tie_embeddings:
+            return head(x, targets)
+        return head(x, targets, embed.variables["params"]["embedding"].T.astype(self.dtype))
 
     def _blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         policy = remat_lib.make_policy(self.remat)

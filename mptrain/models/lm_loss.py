@@ -37,8 +37,11 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from mptrain.models import layers
 
 # Elements of one sequence's fp32 logits per chunk under ``chunk=None``: 64 MiB of them.
 AUTO_CHUNK_ELEMENTS = 2**24
@@ -172,3 +175,31 @@ def token_loss(
         "accuracy": mean(jax.lax.stop_gradient(correct)),
         "tokens": tokens,
     }
+
+
+class Head(nn.Module):
+    """A language model's head, inside a compact module: ``x [B, L, D] @ kernel [D, V]`` as fp32
+    logits (16-bit operands, fp32 accumulation: ``layers.einsum_f32_out``), or with ``targets``
+    ``token_loss``'s dict (``chunk``, ``z_loss``) where it needs more than one chunk or has a
+    z-loss; otherwise the logits, whose loss the caller takes (the Trainer takes either): a
+    whole-sequence chunk would hold the same fp32 logits, and the loss then stays outside the
+    model's module calls, which the per-layer numerics follow. Its kernel is its param
+    ``kernel`` (as ``nn.Dense`` names it), or one handed over (tied embeddings, cast by the
+    caller). The matmul runs in the wider of the two dtypes: a kernel the casting rule keeps in
+    fp32 makes it fp32."""
+
+    vocab_size: int
+    kernel_init: Any = nn.initializers.lecun_normal()  # nn.Dense's
+    chunk: int | None = None
+    z_loss: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
+        if kernel is None:
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.vocab_size))
+        x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
+        length = x.shape[1]
+        whole = (self.chunk or auto_chunk(length, self.vocab_size)) >= length
+        if targets is None or (whole and not self.z_loss):
+            return layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
+        return token_loss(x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss)

@@ -10,8 +10,9 @@ Mixed-precision contract: the framework passes parameters already cast to the co
     a kernel the casting rule keeps in fp32 (``keep_fp32``) makes its own matmul fp32;
   * the fp32 islands are the LayerNorm statistics (``layers.layer_norm_f32``), the attention
     softmax, and the logits: the logits use ``dtype`` operands with fp32 results
-    (``layers.dot_general_f32_out`` in the head's ``nn.Dense``), so they never round to 16 bits
-    before the loss, and its custom gradient keeps the backward matmuls in ``dtype`` too.
+    (``lm_loss.Head``: ``layers.einsum_f32_out``), so they never round to 16 bits before the
+    loss, and its custom gradient keeps the backward matmuls in ``dtype`` too. Given targets and
+    ``config.loss`` asking for chunks or a z-loss, the head computes the loss chunk by chunk.
 
 Attention (``attention``, config key ``model.attention``) has two implementations, both with
 ``dtype`` operands and fp32 softmax statistics (``attention_lib.causal_attention``):
@@ -62,6 +63,7 @@ from mptrain import errors
 from mptrain import fp8 as fp8_lib
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers
+from mptrain.models import lm_loss as lm_loss_lib
 from mptrain.models import remat as remat_lib
 
 
@@ -189,21 +191,13 @@ class TransformerLM(nn.Module):
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
     remat: str = "none"  # `remat.POLICIES`: what each block keeps for the backward pass
+    loss_chunk: int | None = None  # `config.loss`: see `lm_loss_lib.token_loss`
+    z_loss: float = 0.0
+    computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False) -> jax.Array:
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(
-                f"tokens must be an integer [batch, length] array, got {tokens.dtype}"
-                f"{list(tokens.shape)}"
-            )
-        length = tokens.shape[1]
-        if length > self.max_len:
-            raise ValueError(  # names the config key, for `models.check_config` to report
-                f"max_len={self.max_len}: shorter than the input (sequence length {length} "
-                f"exceeds max_len={self.max_len}); raise it, or shorten the data's sequences "
-                "(data.seq_len)"
-            )
+    def __call__(self, tokens: jax.Array, *, train: bool = False, targets: Any = None) -> Any:
+        length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
@@ -229,8 +223,11 @@ class TransformerLM(nn.Module):
             x = block(x, train)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
-        head = _dense(self.vocab_size, "head", dot_general=layers.dot_general_f32_out)
-        return layers.run_in(self.dtype, head, x, jnp.float32)  # already fp32: the matmul's
+        # With targets, the loss itself, chunked (`lm_loss.token_loss`).
+        head = lm_loss_lib.Head(
+            self.vocab_size, chunk=self.loss_chunk, z_loss=self.z_loss, name="head"
+        )
+        return head(x, targets)
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -280,6 +277,7 @@ def create_model(
     fp8: Any = None,
     backend: attention_lib.Backend | None = None,
     host_memory: bool = True,
+    loss: Any = None,
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -294,7 +292,8 @@ def create_model(
     (``attention_lib.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
     decides by. ``remat`` (``"none"``): what each block keeps for the backward pass
     (``mptrain.models.remat``; ``host_memory``: whether the devices have pinned host memory, for
-    the offloading policies).
+    the offloading policies). ``loss``: ``config.loss`` (``chunk_tokens``, ``z_loss``), for the
+    loss the model computes when handed targets (``lm_loss.Head``).
     """
     with errors.config_errors():
         keys = _settings(model_config)
@@ -308,6 +307,7 @@ def create_model(
         )
         platform = backend.platform if backend else jax.default_backend()
         remat = remat_lib.check(keys["remat"], host_memory, platform)
+        chunk, z_loss = (None, 0.0) if loss is None else lm_loss_lib.settings(loss)
     logging.info("mptrain: attention: %s", choice)
     return TransformerLM(
         vocab_size=keys["vocab_size"],
@@ -322,4 +322,6 @@ def create_model(
         fp8=fp8,
         backend=backend,
         remat=remat,
+        loss_chunk=chunk,
+        z_loss=z_loss,
     )
