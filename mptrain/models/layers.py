@@ -167,27 +167,34 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     a gather (``take_along_axis``) would be differentiated into a scatter.
 
     A target below 0 is masked (padding, a prompt): the mean is over the other tokens, so a
-    batch's loss does not depend on how much of it is padding. The masked tokens are selected to
-    0 and the sum is multiplied by 1 / count, which is what XLA makes of ``jnp.mean``'s division
-    by a constant: with every target valid, loss and gradient are ``jnp.mean``'s, to the bit in
-    the golden steps (XLA:CPU may sum the select in another order, at most an ulp off). With no
-    valid target the loss is 0 and its gradient zeros (the count is taken as at least 1), not
-    the NaN of 0 / 0 that would poison a step.
+    batch's loss does not depend on how much of it is padding.
     """
+
+    def losses(logits, targets):
+        vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+        picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+        return jax.nn.logsumexp(logits, axis=-1) - picked
+
     logits = logits.astype(jnp.float32)
-    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
-    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    valid = targets >= 0
-    losses = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
-    return jnp.sum(losses) * (1.0 / jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0))
+    whole = jax.lax.optimization_barrier(jnp.mean(losses(logits, targets)))
+    masked = masked_mean(losses(*jax.lax.optimization_barrier((logits, targets))), targets >= 0)
+    return jnp.where(jnp.all(targets >= 0), whole, masked)
+
+
+def masked_mean(values: jax.Array, valid: jax.Array) -> jax.Array:
+    """The mean of ``values`` where ``valid``: their sum over the count, at least 1 (with none
+    valid: 0 and zero gradients, not the NaN of 0 / 0)."""
+    count = jnp.sum(valid, dtype=jnp.float32)
+    return jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(count, 1.0)
 
 
 def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
-    """Mean cross-entropy (nats) and accuracy over integer targets, computed from fp32 logits."""
+    """Mean cross-entropy (nats) and accuracy over integer targets (those >= 0), computed from
+    fp32 logits."""
     logits = logits.astype(jnp.float32)
     loss = cross_entropy(logits, targets)
-    accuracy = (jnp.argmax(logits, -1) == targets).astype(jnp.float32).mean()
-    return {"loss": loss, "accuracy": accuracy}
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    return {"loss": loss, "accuracy": masked_mean(correct, targets >= 0)}
 
 
 # A one-hot lookup costs 2 * vocab * features FLOPs per token each way, what an LM head of that

@@ -163,10 +163,8 @@ def token_loss(
     lse, picked, correct = (
         jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
     )
-    # the mean of layers.cross_entropy: a select, then the sum times 1 / max(count, 1)
     tokens = jnp.sum(valid, dtype=jnp.float32)
-    scale = 1.0 / jnp.maximum(tokens, 1.0)
-    mean = lambda x: jnp.sum(jnp.where(valid, x, 0.0)) * scale
+    mean = lambda x: layers.masked_mean(x, valid)  # layers.cross_entropy's
     cross_entropy, z = mean(lse - picked), mean(jnp.square(lse))
     return {
         "loss": cross_entropy + z_loss * z,
