@@ -167,7 +167,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     a gather (``take_along_axis``) would be differentiated into a scatter.
 
     A target below 0 is masked (padding, a prompt): the mean is over the other tokens, so a
-    batch's loss does not depend on how much of it is padding.
+    batch's loss does not depend on how much of it is padding. A batch without masks takes
+    ``jnp.mean`` of the losses as before masks existed, and the masked mean is computed apart,
+    behind an optimization barrier: any masking fused with that mean made XLA:CPU evaluate the
+    losses differently in a step and in a scan of steps (``steps_per_call``), an ulp apart. The
+    second pass costs one more read of the logits, small beside the head's matmul that made them.
     """
 
     def losses(logits, targets):
