@@ -166,10 +166,15 @@ def run_cli(workdir, *overrides, capsys=None, config=TINY):
     return code, err
 
 
-def run_cli_process(*args, devices: int = 1, timeout: int = 300, module: str = "mptrain.main"):
+def run_cli_process(
+    *args, devices: int = 1, timeout: int = 300, module: str = "mptrain.main", tests=False
+):
     """`python -m mptrain.main ARGS` (or another `module`) in a fresh process from the
-    repository root (so that `examples` is importable), with `devices` fake CPU devices."""
+    repository root (so that `examples` is importable; with `tests`, `tests/` too), with
+    `devices` fake CPU devices."""
     env = fake_cpu_env(devices)
+    if tests:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", module, *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout

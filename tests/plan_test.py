@@ -65,15 +65,20 @@ def test_materialized_attention_turns_the_buffer_and_memory_checks_red():
     assert "cudnn forward in every layer" in failed
 
 
+# mptrain's own embedding no longer scatters (its gradient is a one-hot matmul); the scatter
+# these two tests need the plan to find comes from a test Trainer that gathers plainly.
+SCATTERING = "scatter_trainer:GatherTrainer"
+
+
 def test_a_16_bit_scatter_turns_the_scatter_check_red():
-    """A vocabulary too big for the one-hot lookup gathers rows; with the table cast to bf16
-    (`keep_fp32=""`) its gradient is a bf16 scatter-add on the GPU. `make test-plan` compiles
-    with XLA's deterministic kernels (a default run's), which sort the updates first."""
-    result = planned("lm_gpt2s", "tiny", model__vocab_size=8192, keep_fp32="")
+    """A plain gather of rows from a large table cast to bf16 (`keep_fp32=""`): its gradient is
+    a bf16 scatter-add on the GPU. `make test-plan` compiles with XLA's deterministic kernels
+    (a default run's), which sort the updates first."""
+    result = planned("lm_gpt2s", "tiny", model__vocab_size=8192, keep_fp32="", trainer=SCATTERING)
     assert "scatters" in gpt2s_failures(result, layers_=2)
     (scatter,) = [h for h in result.hazards if "scatter" in h["op"]]
     assert scatter["op"] == "scatter-add" and scatter["dtype"] == "bfloat16"
-    assert scatter["kind"] == "deterministic" and "layers.py" in scatter["where"]
+    assert scatter["kind"] == "deterministic" and "scatter_trainer.py" in scatter["where"]
 
 
 def test_without_deterministic_kernels_a_bf16_scatter_is_a_16_bit_hazard():
@@ -83,9 +88,11 @@ def test_without_deterministic_kernels_a_bf16_scatter_is_a_16_bit_hazard():
         "--config.model.vocab_size=8192",
         "--config.keep_fp32=",
         "--config.deterministic=False",
+        f"--config.trainer={SCATTERING}",
+        tests_importable=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"16-bit +scatter-add +bfloat16 +x1 +mptrain/models/layers.py", done.stdout)
+    assert re.search(r"16-bit +scatter-add +bfloat16 +x1 +tests/scatter_trainer.py", done.stdout)
     assert "runs with 16-bit atomics on GPUs" in done.stdout
     assert "compiled without XLA's deterministic GPU kernels" in done.stdout
 
@@ -185,8 +192,8 @@ def test_a_v5e_plan_compiles_and_reports_the_tpu_rules():
 # ---- the command line
 
 
-def _plan_cli(*args):
-    return run_cli_process(*args, module="mptrain.plan", timeout=600)
+def _plan_cli(*args, tests_importable=False):
+    return run_cli_process(*args, module="mptrain.plan", timeout=600, tests=tests_importable)
 
 
 def test_a_config_that_cannot_fit_exits_4_naming_the_largest_buffers(tmp_path):
