@@ -1,0 +1,167 @@
+"""Writes HuggingFace Llama folders made by transformers itself, for `mptrain.hf`'s tests and
+for timing its loader. mptrain never imports torch or transformers: run this in a venv of its
+own (the CPU is enough; plain PyPI, no extra index):
+
+    python3 -m venv /tmp/hfvenv
+    /tmp/hfvenv/bin/pip install transformers torch safetensors numpy
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py                 # tests/hf_fixture
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py --size=1b --out=/tmp/llama1b
+
+`--size=tiny` (the default) writes the committed fixture, well under 1 MB:
+
+  * `tests/hf_fixture/`: a random `LlamaForCausalLM` with grouped-query attention (4 query
+    heads over 2 kv heads of 16 dims, on a width of 48, so head_dim is not width / heads),
+    2 layers, a vocabulary of 300, untied embeddings, rope_theta 500,000 and Llama 3's
+    rope scaling (factor 8, low/high frequency factors 1 and 4) over an original context of
+    16 positions, so the reference's 48 positions reach three times past it. Its config.json
+    is in transformers 4.x's form (`rope_theta`, `rope_scaling`), the form Hub checkpoints of
+    Llama 3.x carry; the script checks that transformers loads that form to the same logits.
+  * `tests/hf_fixture/tied/`: the same shapes with tied embeddings and plain RoPE
+    (rope_theta 50,000, no scaling), its config.json as transformers 5.x writes it
+    (`rope_parameters`).
+
+Each holds `model.safetensors` (fp32) and `reference.npz`: `ids` (int32 [2, 48], fixed) and
+`logits` (float32 [2, 48, 300]) as transformers computes them in eval mode with
+attn_implementation="eager". The weights are not HF's default init (normal, std 0.02): with
+that, attention scores are near zero and a wrong RoPE barely moves the logits. Here the
+projections and embedding rows are normal with variance 1 / width in, norm scales uniform in
+[0.5, 1.5], so scores are of order one and every mistake shows.
+
+`--size=1b` writes a random Llama with Llama 3.2 1B's shapes (1.24 B params, tied, vocab
+128,256) in bf16, sharded in 1 GB files with an index, to `--out` (not committed): the folder
+`scripts/hf_load_bench.py` times `mptrain.hf.load_params` on.
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # the tiny fixture's
+    "vocab_size": 300,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+LLAMA_3_2_1B = {
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+IDS_SHAPE = (2, 48)
+
+
+def _config(shapes: dict, theta: float, scaling: dict | None, **kwargs) -> LlamaConfig:
+    rope = {"rope_type": "default"} if scaling is None else dict(scaling)
+    return LlamaConfig(**shapes, rope_parameters={**rope, "rope_theta": theta}, **kwargs)
+
+
+@torch.no_grad()
+def _randomise(model: LlamaForCausalLM, generator: torch.Generator) -> None:
+    """Weights that make scores and logits of order one (the module doc says why)."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.5 + torch.rand(p.shape, generator=generator))
+        else:  # a torch Linear's [out, in]; the embedding's rows of norm ~1 (a tied head too)
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[1] ** 0.5)
+
+
+def _logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    model = LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids).long()).logits.float().numpy()
+
+
+def _as_transformers_4(folder: Path) -> None:
+    """Rewrites config.json in transformers 4.x's form: `rope_theta` at the top, the scaling
+    (or null) as `rope_scaling`, the dtype as `torch_dtype` too."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    config["torch_dtype"] = config.get("dtype", "float32")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_tiny(out: Path, *, tied: bool, theta: float, scaling: dict | None, v4: bool) -> None:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1234 + tied)
+    config = _config(SHAPES, theta, scaling, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    _randomise(model, generator)
+    if out.exists():
+        for path in out.iterdir():  # keep the tied variant's subfolder
+            if path.is_file():
+                path.unlink()
+    model.save_pretrained(out, safe_serialization=True)
+    ids = np.random.default_rng(5 + tied).integers(0, SHAPES["vocab_size"], IDS_SHAPE, np.int32)
+    logits = _logits(out, ids)
+    if v4:
+        _as_transformers_4(out)
+        again = _logits(out, ids)  # transformers reads the 4.x form to the same model
+        assert np.array_equal(again, logits), np.abs(again - logits).max()
+    np.savez(out / "reference.npz", ids=ids, logits=logits.astype(np.float32))
+    print(f"{out}: logits max |value| {np.abs(logits).max():.3f}")
+
+
+def write_1b(out: Path) -> None:
+    config = _config(LLAMA_3_2_1B, 500_000.0, {**LLAMA3_SCALING, "factor": 32.0})
+    config.rope_parameters["original_max_position_embeddings"] = 8192
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of 1.2 B params
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1GB")
+    size = sum(p.stat().st_size for p in out.iterdir())
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {count / 1e9:.3f} B params, {size / 1e9:.2f} GB on disk")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=("tiny", "1b"), default="tiny")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.size == "1b":
+        if args.out is None:
+            parser.error("--size=1b needs --out (a folder outside the repository)")
+        write_1b(args.out)
+        return
+    out = args.out or ROOT / "tests" / "hf_fixture"
+    write_tiny(out, tied=False, theta=500_000.0, scaling=LLAMA3_SCALING, v4=True)
+    write_tiny(out / "tied", tied=True, theta=50_000.0, scaling=None, v4=False)
+
+
+if __name__ == "__main__":
+    main()
