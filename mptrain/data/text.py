@@ -1,4 +1,9 @@
-"""Byte-level text from the Python standard library: the offline default dataset.
+"""Text as windows of tokens: by default the bytes of the Python standard library (offline).
+
+The default corpus (`data.files` None, `data.tokenizer="bytes"`) is described below; with
+`data.files` (globs of `.txt`, `.md`, `.py` and `.jsonl` files) or a `data.tokenizer` (a
+HuggingFace `tokenizer.json`), the corpus is tokenized once into a cache file that later runs
+memory-map (`tokenize.py` says how). Either way the windows are cut as `TextSource` says.
 
 The corpus is the source of the standard library that ships with the running interpreter, so it
 needs no download and is the same on every machine with the same Python build. Files are read in
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from mptrain import errors
+from mptrain.data import tokenize
 
 # Directory names never entered when walking the stdlib (see the module docstring).
 EXCLUDED_DIRS = frozenset(
@@ -33,10 +39,22 @@ EXCLUDED_DIRS = frozenset(
 )
 SEPARATOR = b"\n"
 DEFAULT_EVAL_FRACTION = 0.01
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # the files `data.files` may name
 # The keys this source reads under `config.data` (besides `name` and `prefetch`), with their
-# defaults: bytes per window, the corpus cut to its first max_bytes (None: all of it), and the
-# fraction of it held out at the end for eval.
-CONFIG_KEYS = {"seq_len": 128, "max_bytes": None, "eval_fraction": DEFAULT_EVAL_FRACTION}
+# defaults: tokens per window, the corpus cut to its first max_bytes tokens (bytes under the
+# byte tokenizer; None: all of it), the fraction of it held out at the end for eval, the files
+# (None: the standard library), the tokenizer ("bytes" or a tokenizer.json or a folder holding
+# one), the token that joins documents (None: the tokenizer's own end-of-text token) and the
+# folder of token caches (None: $MPTRAIN_CACHE/tokens, else ~/.cache/mptrain/tokens).
+CONFIG_KEYS = {
+    "seq_len": 128,
+    "max_bytes": None,
+    "eval_fraction": DEFAULT_EVAL_FRACTION,
+    "files": None,
+    "tokenizer": tokenize.BYTES,
+    "eos_token": None,
+    "cache_dir": None,
+}
 
 # Full concatenated corpus per root directory; slices of it are handed out (read-only).
 _CORPUS_CACHE: dict[str, np.ndarray] = {}
@@ -89,23 +107,33 @@ def load_corpus(max_bytes: int | None = None, *, root: str | None = None) -> np.
 def split_corpus(
     data: np.ndarray, eval_fraction: float = DEFAULT_EVAL_FRACTION
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Splits ``data`` into ``(train, eval)``; eval is the last ``eval_fraction`` of the bytes."""
+    """Splits ``data`` into ``(train, eval)``; eval is the last ``eval_fraction`` of the tokens."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
-    num_eval = round(len(data) * eval_fraction)
+    num_eval, unit = round(len(data) * eval_fraction), unit_of(data)
     if num_eval < 2 or num_eval > len(data) - 2:
         raise ValueError(
-            f"eval_fraction={eval_fraction!r} of {len(data)} bytes leaves {num_eval} eval bytes "
-            f"and {len(data) - num_eval} train bytes; each side needs at least 2"
+            f"eval_fraction={eval_fraction!r} of {len(data)} {unit} leaves {num_eval} eval "
+            f"{unit} and {len(data) - num_eval} train {unit}; each side needs at least 2"
         )
     split = len(data) - num_eval
     return data[:split], data[split:]
 
 
-class TextSource:
-    """Batches of byte windows: ``{"inputs", "targets"}``, both ``int32[batch_size, seq_len]``.
+TOKEN_DTYPES = tuple(np.dtype(t) for t in (np.uint8, np.uint16, np.uint32))
 
-    ``targets`` is ``inputs`` shifted left by one byte (next-byte prediction).
+
+def unit_of(data: Any) -> str:
+    """What one element of a token array is called in messages: "bytes" or "tokens"."""
+    return "bytes" if data.dtype == np.uint8 else "tokens"
+
+
+class TextSource:
+    """Batches of token windows: ``{"inputs", "targets"}``, both ``int32[batch_size, seq_len]``.
+
+    ``targets`` is ``inputs`` shifted left by one token (next-token prediction). ``data`` is a
+    1-D array of uint8 (bytes), uint16 or uint32 token ids (a memory map is read in place), or
+    anything with ``ndim``, ``dtype``, ``len`` and numpy indexing (`tokens.Concatenated`).
 
     With ``random=True`` (training) batch ``index`` holds windows at offsets drawn from
     ``np.random.default_rng([seed, index])``: a pure function of ``(seed, index)``, so any batch can
@@ -126,10 +154,12 @@ class TextSource:
         *,
         random: bool = True,
     ):
-        data = np.asarray(data)
-        if data.ndim != 1 or data.dtype != np.uint8:
+        if not (hasattr(data, "ndim") and hasattr(data, "dtype")):
+            data = np.asarray(data)
+        if data.ndim != 1 or data.dtype not in TOKEN_DTYPES:
             raise ValueError(
-                f"data must be a 1-D uint8 array, got shape {data.shape} dtype {data.dtype}"
+                f"data must be a 1-D uint8, uint16 or uint32 array, got shape {data.shape} "
+                f"dtype {data.dtype}"
             )
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
             if not isinstance(value, int | np.integer) or value <= 0:
@@ -138,8 +168,8 @@ class TextSource:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if len(data) < seq_len + 1:
             raise ValueError(
-                f"data has {len(data)} bytes, fewer than seq_len + 1 = {seq_len + 1} needed for "
-                "one window; lower seq_len or use more data"
+                f"data has {len(data)} {unit_of(data)}, fewer than seq_len + 1 = {seq_len + 1} "
+                "needed for one window; lower seq_len or use more data"
             )
         self.data = data
         self.seq_len = int(seq_len)
@@ -175,7 +205,7 @@ class TextSource:
 
     def __repr__(self) -> str:
         return (
-            f"TextSource(bytes={len(self.data)}, seq_len={self.seq_len}, "
+            f"TextSource({unit_of(self.data)}={len(self.data)}, seq_len={self.seq_len}, "
             f"batch_size={self.batch_size}, seed={self.seed}, random={self.random})"
         )
 
@@ -193,9 +223,27 @@ def _settings(data_config: Any) -> tuple[int, int | None, float]:
     return seq_len, max_bytes, fraction
 
 
-def _check_sizes(total: int, seq_len: int, fraction: float, max_bytes: int | None) -> None:
-    """Both sides of the split of `total` bytes hold at least one window (seq_len + 1 bytes: the
-    inputs and the byte after them); else a `ValueError` naming the key to change."""
+def corpus_of(data_config: Any) -> tokenize.Corpus | None:
+    """The token cache's `tokenize.Corpus` that `data.files`, `data.tokenizer`, `data.eos_token`
+    and `data.cache_dir` describe (each checked: a `ValueError` naming the key), or None for
+    the default: the standard library's bytes, read as they are."""
+    keys = errors.settings(data_config, CONFIG_KEYS)
+    files, tokenizer = keys["files"], keys["tokenizer"]
+    if files is None and tokenizer == tokenize.BYTES and keys["eos_token"] is None:
+        return None
+    if files is None:
+        root = stdlib_root()
+        files = tuple(os.path.join(root, rel) for rel in list_files(root))
+    else:
+        files = tokenize.find_files("data.files", files, TEXT_SUFFIXES)
+    return tokenize.create_corpus(files, tokenizer, keys["eos_token"], keys["cache_dir"])
+
+
+def _check_sizes(
+    total: int, seq_len: int, fraction: float, max_bytes: int | None, unit: str = "bytes"
+) -> None:
+    """Both sides of the split of `total` tokens hold at least one window (seq_len + 1 tokens:
+    the inputs and the one after them); else a `ValueError` naming the key to change."""
 
     def sides(n: int) -> tuple[int, int]:
         held_out = round(n * fraction)  # as `split_corpus` cuts
@@ -205,11 +253,11 @@ def _check_sizes(total: int, seq_len: int, fraction: float, max_bytes: int | Non
     if min(sides(total)) >= need:
         return
     train, held_out = sides(total)
-    split = f"{train} train and {held_out} eval bytes (data.eval_fraction={fraction:g})"
+    split = f"{train} train and {held_out} eval {unit} (data.eval_fraction={fraction:g})"
     if max_bytes is None:
         raise ValueError(
-            f"data.seq_len={seq_len}: the corpus's {total} bytes split into {split}; each side "
-            f"needs one window of seq_len + 1 = {need} bytes"
+            f"data.seq_len={seq_len}: the corpus's {total} {unit} split into {split}; each side "
+            f"needs one window of seq_len + 1 = {need} {unit}"
         )
 
     # Both sides only grow with n, so the n that work are all those from the least one on: find
@@ -223,20 +271,24 @@ def _check_sizes(total: int, seq_len: int, fraction: float, max_bytes: int | Non
     least = bisect.bisect_left(range(high // 2, high + 1), True, key=enough) + high // 2
     raise ValueError(
         f"data.max_bytes={max_bytes}: splits into {split}; each side needs one window of "
-        f"data.seq_len + 1 = {need} bytes, so max_bytes must be at least {least}"
+        f"data.seq_len + 1 = {need} {unit}, so max_bytes must be at least {least}"
     )
 
 
 def check_config(config: Any) -> dict[str, Any]:
     """What `config.validate` calls: the keys of `config.data` checked as `create_sources` reads
     them, without reading the corpus (a `max_bytes` too small for one window on either side of
-    the split is caught here; the corpus itself is 12 MB). Returns the abstract shapes of one
-    example, `{"inputs", "targets"}: int32[1, seq_len]`, for the model to be tried on."""
+    the split is caught here; the corpus itself is 12 MB), the files' globs expanded and the
+    tokenizer loaded: its vocabulary must fit `model.vocab_size` (the byte tokenizer's 256
+    too). Returns the abstract shapes of one example, `{"inputs", "targets"}: int32[1,
+    seq_len]`, for the model to be tried on."""
     import jax
 
     seq_len, max_bytes, fraction = _settings(config.data)
     if max_bytes is not None:
         _check_sizes(max_bytes, seq_len, fraction, max_bytes)
+    corpus = corpus_of(config.data)
+    tokenize.check_vocab(config, *((corpus.vocab, corpus.tokenizer) if corpus else (256, "bytes")))
     example = jax.ShapeDtypeStruct((1, seq_len), np.int32)
     return {"inputs": example, "targets": example}
 
@@ -247,17 +299,33 @@ def build_text_sources(
     """Host-side: ``(train, eval)`` sources from a config with the keys of `CONFIG_KEYS`.
 
     ``data_config`` keys (an ``ml_collections.ConfigDict`` or anything with attributes):
-      seq_len:       bytes per window (the model's ``max_len`` must be at least this).
-      max_bytes:     truncate the corpus first (``None``: whole corpus).
+      seq_len:       tokens per window (the model's ``max_len`` must be at least this).
+      max_bytes:     truncate the corpus first (``None``: whole corpus), in tokens.
       eval_fraction: fraction held out at the end of the corpus for eval (default 0.01).
+      files, tokenizer, eos_token, cache_dir: the corpus (`corpus_of`), tokenized into the
+                     cache by `tokenize.tokens` unless it is the default.
     A bad value is a `ValueError` naming its key (``data.seq_len=0: ...``); a corpus too small
     for the split an `errors.ConfigError`, raised before anything touches the workdir.
     """
     seq_len, max_bytes, fraction = _settings(data_config)
-    corpus = load_corpus(max_bytes)
     with errors.config_errors():
-        _check_sizes(len(corpus), seq_len, fraction, max_bytes)
-    train, evaluation = split_corpus(corpus, fraction)
+        corpus = corpus_of(data_config)
+    data = load_corpus(max_bytes) if corpus is None else tokenize.tokens(corpus)[:max_bytes]
+    with errors.config_errors():
+        _check_sizes(len(data), seq_len, fraction, max_bytes, unit_of(data))
+    return sources(data, seq_len, fraction, batch_size, seed, eval_batch_size)
+
+
+def sources(
+    data: Any,
+    seq_len: int,
+    fraction: float,
+    batch_size: int,
+    seed: int,
+    eval_batch_size: int | None = None,
+) -> tuple[TextSource, TextSource]:
+    """``(train, eval)`` sources of ``data`` split as `split_corpus` cuts it (`tokens.py`'s too)."""
+    train, evaluation = split_corpus(data, fraction)
     eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
     return (
         TextSource(train, seq_len, batch_size, seed),

@@ -1,0 +1,361 @@
+"""Text files tokenized once into a cache of token ids, shared by runs and processes.
+
+What `data.name="text"` reads when `data.files` or `data.tokenizer` is set (`text.py` keeps the
+embedded byte-level corpus, the default, to itself):
+
+  * Files: `find_files` expands `data.files` (a glob, or a list of them; `**` recurses) into
+    the sorted list of matching files. A `.jsonl` file is one document a line (its `text`
+    field); a `.txt`, `.md` or `.py` file is one document.
+  * Tokenizer: `"bytes"` (each byte a token: vocabulary 256, documents joined by a newline, as
+    the embedded corpus is), or a HuggingFace `tokenizer.json` (a file, or a folder holding one)
+    read with the `tokenizers` package. Each document is encoded as the tokenizer encodes a
+    text on its own, its template's special tokens included (Llama 3's adds
+    `<|begin_of_text|>`); special tokens spelt out in the text stay plain text. Documents are
+    joined by the end-of-text token: `data.eos_token`, else the first of `EOS_TOKENS` that
+    the tokenizer knows.
+  * Cache: the token stream is written once as a `.npy` file (uint8 for bytes, uint16 where
+    the vocabulary fits, else uint32) under `data.cache_dir` (None: `$MPTRAIN_CACHE/tokens`,
+    else `~/.cache/mptrain/tokens`), named by a hash of the files' paths, sizes and modification
+    times, the tokenizer file's content, the separator and `FORMAT_VERSION`; later runs
+    memory-map it. It is written to a temporary file and renamed into place, under an
+    exclusive `fcntl.flock` on a lock file beside it, so processes that start together build it
+    once: the others wait and then read it. (A lock on a network file system is only as good
+    as that file system's locking.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from mptrain import errors
+
+FORMAT_VERSION = 1  # bump when the layout or the encoding rule of a cache file changes
+BYTES = "bytes"
+# End-of-text tokens looked for, in order: Llama 3's, GPT-2's, SentencePiece's (Llama 2,
+# Mistral), Gemma's.
+EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+BYTES_SEPARATOR = b"\n"
+_BATCH_CHARS = 8 << 20  # characters of documents handed to the tokenizer at a time
+_COPY_TOKENS = 1 << 24  # tokens copied at a time into the final file
+_TOKENIZERS: dict[tuple[str, int, int], Any] = {}  # loaded tokenizers, by (path, size, mtime)
+_OPENED: dict[str, np.ndarray] = {}  # cache files this process has opened, by path
+
+
+def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The absolute paths of the files that `globs` (a glob or a list of them; `~` and `**`
+    expand) match, sorted, each once. A glob that matches no file, or a file whose suffix is
+    not one of `suffixes`, is a `ValueError` naming `key`."""
+    items = [globs] if isinstance(globs, str) else globs
+    if not isinstance(items, list | tuple) or not items:
+        raise ValueError(f"{key}={globs!r}: must be a glob or a list of globs")
+    found = set()
+    for pattern in items:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ValueError(f"{key}={globs!r}: {pattern!r} is not a glob (a non-empty string)")
+        matched = [
+            os.path.abspath(p)
+            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+            if os.path.isfile(p)
+        ]
+        if not matched:
+            raise ValueError(f"{key}={globs!r}: {pattern!r} matches no file")
+        found.update(matched)
+    for path in found:
+        if not path.endswith(suffixes):
+            raise ValueError(
+                f"{key}={globs!r}: {path} is not one of the files it reads "
+                f"({', '.join('*' + s for s in suffixes)})"
+            )
+    return tuple(sorted(found))
+
+
+def tokenizer_file(spec: Any) -> str:
+    """The `tokenizer.json` that `data.tokenizer=spec` names (the file, or the folder holding
+    it); a `ValueError` naming `data.tokenizer` when there is none."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"data.tokenizer={spec!r}: must be 'bytes' or the path of a tokenizer.json "
+            "(or of a folder holding one)"
+        )
+    path = os.path.abspath(os.path.expanduser(spec))
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"data.tokenizer={spec!r}: no such file {path}; name a tokenizer.json, a folder "
+            "holding one, or 'bytes'"
+        )
+    return path
+
+
+def load_tokenizer(path: str):
+    """The `tokenizers.Tokenizer` in the file `path` (loaded once a process while unchanged);
+    a `ValueError` naming `data.tokenizer` when the file is not one."""
+    import tokenizers
+
+    stat = os.stat(path)
+    key = (path, stat.st_size, stat.st_mtime_ns)
+    if key not in _TOKENIZERS:
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises plain Exceptions
+            raise ValueError(
+                f"data.tokenizer={path!r}: not a tokenizers file ({errors.first_line(e)})"
+            ) from None
+        tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a text is just text
+        _TOKENIZERS[key] = tokenizer
+    return _TOKENIZERS[key]
+
+
+def eos_id(tokenizer: Any, path: str, eos_token: Any) -> int:
+    """The id of the token that ends a document: `eos_token`'s, else that of the first of
+    `EOS_TOKENS` the tokenizer knows; a `ValueError` when there is none."""
+    if eos_token is not None:
+        found = tokenizer.token_to_id(eos_token) if isinstance(eos_token, str) else None
+        if found is None:
+            raise ValueError(f"data.eos_token={eos_token!r}: not a token of {path}")
+        return found
+    for token in EOS_TOKENS:
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"data.tokenizer={path!r}: has no end-of-text token (none of {', '.join(EOS_TOKENS)}); "
+        "set data.eos_token to the token that ends a document"
+    )
+
+
+def token_dtype(vocab: int) -> np.dtype:
+    """The narrowest of uint8 (bytes), uint16 and uint32 that holds ids below `vocab`."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"a vocabulary of {vocab:,} does not fit 32-bit token ids")
+
+
+def default_cache_dir() -> str:
+    """`$MPTRAIN_CACHE/tokens`, else `~/.cache/mptrain/tokens`."""
+    root = os.environ.get("MPTRAIN_CACHE") or os.path.join("~", ".cache", "mptrain")
+    return os.path.join(os.path.expanduser(root), "tokens")
+
+
+def model_vocab(config: Any) -> int | None:
+    """`model.vocab_size` as the model of `config.model.name` reads it (its default where
+    unset); None for a model without a vocabulary, or one that is not of the zoo."""
+    from mptrain import models
+
+    try:
+        keys = models.import_model(config.model.name).CONFIG_KEYS
+    except (ValueError, AttributeError):
+        return None
+    if "vocab_size" not in keys:
+        return None
+    vocab = errors.setting(config.model, "vocab_size", keys["vocab_size"])
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """What a token cache holds: `files` (absolute paths, in order) encoded by `tokenizer`
+    (`"bytes"` or the tokenizer.json path), joined by `separator` (token ids)."""
+
+    files: tuple[str, ...]
+    tokenizer: str
+    separator: tuple[int, ...]
+    vocab: int
+    digest: str  # of the tokenizer file's content ("bytes" for the byte tokenizer)
+    cache_dir: str
+
+    @property
+    def dtype(self) -> np.dtype:
+        return token_dtype(self.vocab)
+
+    def key(self) -> str:
+        """The cache file's name: a hash of everything its tokens depend on."""
+        stats = [(p, s.st_size, s.st_mtime_ns) for p in self.files for s in [os.stat(p)]]
+        what = [FORMAT_VERSION, self.digest, list(self.separator), stats]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
+
+    def path(self) -> str:
+        return os.path.join(self.cache_dir, f"{self.key()}.npy")
+
+
+def create_corpus(files: tuple[str, ...], tokenizer: Any, eos_token: Any, cache_dir: Any):
+    """The `Corpus` of `files` under `data.tokenizer=tokenizer`, `data.eos_token` and
+    `data.cache_dir` (None: `default_cache_dir()`), each checked (a `ValueError` naming the
+    key). Cheap: the tokenizer file is read and hashed, no document is."""
+    if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+        raise ValueError(f"data.cache_dir={cache_dir!r}: must be a folder's path or None")
+    folder = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
+    if tokenizer == BYTES:
+        if eos_token is not None:
+            raise ValueError(
+                f"data.eos_token={eos_token!r}: data.tokenizer='bytes' joins documents with a "
+                "newline and has no end-of-text token; name a tokenizer.json to use one"
+            )
+        return Corpus(files, BYTES, tuple(BYTES_SEPARATOR), 256, BYTES, folder)
+    path = tokenizer_file(tokenizer)
+    loaded = load_tokenizer(path)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    vocab = loaded.get_vocab_size(with_added_tokens=True)
+    return Corpus(files, path, (eos_id(loaded, path, eos_token),), vocab, digest, folder)
+
+
+def check_vocab(config: Any, vocab: int, tokenizer: str) -> None:
+    """A vocabulary of `vocab` tokens (`data.tokenizer=tokenizer`'s) must fit the model's
+    `model.vocab_size`: else a `ValueError` naming both."""
+    size = model_vocab(config)
+    if size is not None and vocab > size:
+        raise ValueError(
+            f"data.tokenizer={tokenizer!r}: its vocabulary of {vocab:,} tokens exceeds "
+            f"model.vocab_size={size:,}; set model.vocab_size to at least {vocab:,}"
+        )
+
+
+def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
+    """The documents of one file: `str`s with `as_text`, else the bytes as they are (a `.jsonl`
+    line's `text` field in UTF-8). A line that is not JSON with a string `text`, or a file that
+    is not UTF-8 text, is a `ConfigError` naming the file (and the line)."""
+    if not path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            content = f.read()
+        if not as_text:
+            yield content
+            return
+        try:
+            yield content.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise errors.ConfigError(
+                f"config.data.files: {path} is not UTF-8 text (byte {e.start}: {e.reason})"
+            ) from None
+        return
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line).get("text")
+            except (ValueError, AttributeError) as e:
+                why = errors.first_line(e) if isinstance(e, ValueError) else "not an object"
+                text, problem = None, f"not a JSON object ({why})"
+            else:
+                problem = "no string 'text' field"
+            if not isinstance(text, str):
+                raise errors.ConfigError(f"config.data.files: {path} line {number}: {problem}")
+            yield text if as_text else text.encode("utf-8")
+
+
+def _encoded(corpus: Corpus) -> Iterator[np.ndarray]:
+    """The token ids of the corpus's documents, one array each, in order."""
+    if corpus.tokenizer == BYTES:
+        for path in corpus.files:
+            for document in documents(path, as_text=False):
+                yield np.frombuffer(document, np.uint8)
+        return
+    tokenizer = load_tokenizer(corpus.tokenizer)
+    batch, chars = [], 0
+
+    def encode(batch):
+        for encoding in tokenizer.encode_batch_fast(batch):
+            yield np.asarray(encoding.ids, corpus.dtype)
+
+    for path in corpus.files:
+        for document in documents(path, as_text=True):
+            batch.append(document)
+            chars += len(document)
+            if chars >= _BATCH_CHARS:
+                yield from encode(batch)
+                batch, chars = [], 0
+    yield from encode(batch)
+
+
+def _write(corpus: Corpus, path: str) -> int:
+    """Tokenizes the corpus into the `.npy` file `path` (through temporary files beside it, the
+    last renamed into place); returns its token count."""
+    raw, staged = f"{path}.{os.getpid()}.tmp.bin", f"{path}.{os.getpid()}.tmp.npy"
+    separator = np.asarray(corpus.separator, corpus.dtype).tobytes()
+    try:
+        count = 0
+        with open(raw, "wb") as out:  # the length is known at the end: ids first, then .npy
+            for n, ids in enumerate(_encoded(corpus)):
+                if n:
+                    out.write(separator)
+                    count += len(corpus.separator)
+                out.write(ids.tobytes())
+                count += len(ids)
+        if count == 0:
+            first = corpus.files[0] + (", ..." if len(corpus.files) > 1 else "")
+            raise errors.ConfigError(f"config.data.files: no text in {first}")
+        source = np.memmap(raw, corpus.dtype, "r", shape=(count,))
+        target = np.lib.format.open_memmap(staged, "w+", corpus.dtype, (count,))
+        for start in range(0, count, _COPY_TOKENS):
+            target[start : start + _COPY_TOKENS] = source[start : start + _COPY_TOKENS]
+        target.flush()
+        del source, target
+        with open(staged, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(staged, path)
+        return count
+    finally:
+        for leftover in (raw, staged):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def tokens(corpus: Corpus) -> np.ndarray:
+    """The corpus's token ids, a read-only memory-mapped 1-D array, built into the cache first
+    where no run has (one log line says which). A cache folder that cannot be written is a
+    `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
+    path = corpus.path()
+    if path in _OPENED:
+        return _OPENED[path]
+    if not os.path.exists(path):
+        try:
+            os.makedirs(corpus.cache_dir, exist_ok=True)
+            lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
+        except OSError as e:
+            raise errors.ConfigError(
+                f"config.data.cache_dir={corpus.cache_dir!r}: cannot write there "
+                f"({e.strerror or e})"
+            ) from None
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it
+            if not os.path.exists(path):
+                for leftover in glob.glob(glob.escape(path) + ".*.tmp.*"):
+                    os.remove(leftover)  # a build killed part-way; only the lock's holder builds
+                start = time.perf_counter()
+                try:
+                    count = _write(corpus, path)
+                except OSError as e:
+                    raise errors.StorageError(
+                        f"could not write the token cache {path}: {e.strerror or e}"
+                    ) from None
+                logging.info(
+                    "data: tokenized %d files into %s tokens in %.1f s: %s",
+                    len(corpus.files),
+                    f"{count:,}",
+                    time.perf_counter() - start,
+                    path,
+                )
+                _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
+                return _OPENED[path]
+    _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
+    logging.info(
+        "data: reusing %s tokens of %d files: %s",
+        f"{len(_OPENED[path]):,}",
+        len(corpus.files),
+        path,
+    )
+    return _OPENED[path]
