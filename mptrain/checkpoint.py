@@ -53,8 +53,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from mptrain import checkpoint_meta, errors, files, fingerprints, version
 from mptrain import config as config_lib
-from mptrain import errors, files, fingerprints, version
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -215,8 +215,8 @@ class Checkpointer:
             )
         return None
 
-    def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong."""
+    def read_meta(self, step: int) -> dict:
+        """Checkpoint `step`'s meta, checked; InvalidCheckpointError says what is wrong."""
         path = os.path.join(self.directory, str(step), META_ITEM)
         try:
             meta = self._manager.restore(
@@ -224,9 +224,26 @@ class Checkpointer:
             )[META_ITEM]
         except Exception as e:  # orbax and tensorstore raise many types for unreadable files
             raise InvalidCheckpointError(f"cannot read {path}: {_summary(e)}") from e
-        problem = _meta_problem(meta, step)
-        if problem:
+        if problem := checkpoint_meta.problem(meta, step):
             raise InvalidCheckpointError(f"{path} is corrupt: {problem}")
+        return meta
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Checkpoint `step`'s params alone (for `init_from`: never the optimizer state), each
+        leaf in `abstract_params`' dtype and sharding, so a process reads only its devices'
+        shards. The fingerprint covers the whole state: callers check `read_meta`'s `arrays`."""
+        to_args = lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype)
+        args = {"params": jax.tree.map(to_args, abstract_params)}
+        item = ocp.args.PyTreeRestore({"params": abstract_params}, args, partial_restore=True)
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(state=item))["state"]
+        except Exception as e:  # orbax and tensorstore raise many types for unreadable files
+            raise InvalidCheckpointError(f"cannot read params: {_summary(e)}") from e
+        return state["params"]
+
+    def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong."""
+        meta = self.read_meta(step)
         _check_specs(step, meta["arrays"], fingerprints.array_specs(abstract_state))
         try:
             state = self._manager.restore(
@@ -276,33 +293,13 @@ class Checkpointer:
         return removed
 
 
-# What a meta holds; without it a meta is corrupt, skipped like corrupt arrays (not a KeyError).
-_META = dict(step=int, fingerprint=str, arrays=dict, config=dict | None, policy=str | None)
-
-
-def _meta_problem(meta: Any, step: int) -> str | None:
-    """Why a checkpoint's meta is unusable, or None."""
-    if not isinstance(meta, dict):
-        return f"a JSON {type(meta).__name__}, not an object"
-    for key, kind in _META.items():
-        if isinstance(value := meta.get(key), bool) or not isinstance(value, kind):
-            return f"{key} is {str(value)[:40]!r}" if key in meta else f"it holds no {key}"
-    return f"it says step {meta['step']}" if meta["step"] != step else None
-
-
 def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
-    if saved == wanted:
-        return
-    diffs = [
-        f"{path}: saved {saved.get(path, 'nothing')}, expected {wanted.get(path, 'nothing')}"
-        for path in list(wanted) + [p for p in saved if p not in wanted]
-        if saved.get(path) != wanted.get(path)
-    ]
-    shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
-    raise CheckpointMismatchError(
-        f"checkpoint at step {step} does not fit the state being restored ({shown}); was the "
-        "model, optimizer or precision policy changed?"
-    )
+    if diffs := checkpoint_meta.differences(saved, wanted):
+        raise CheckpointMismatchError(
+            f"checkpoint at step {step} does not fit the state being restored "
+            f"({checkpoint_meta.shown(diffs)}); was the model, optimizer or precision policy "
+            "changed?"
+        )
 
 
 def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, Any, Any]:

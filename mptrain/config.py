@@ -55,6 +55,11 @@ def base_config() -> ml_collections.ConfigDict:
     # so runs and resumes repeat bit for bit on a GPU: cuDNN's fused attention backward and any
     # scatter (a gather's gradient) otherwise add with atomics. False trades that for speed.
     c.deterministic = True
+    # the params of step 0, read from a HuggingFace Llama folder (config.json, *.safetensors),
+    # an mptrain workdir (its newest checkpoint) or one of its checkpoints/<step> folders; the
+    # optimizer state, step and loss scale start fresh. None: params from the model's own init.
+    # A workdir with checkpoints of its own resumes from them and never reads this again
+    c.init_from = config_dict.placeholder(str)
 
     c.loss_scale = ml_collections.ConfigDict()
     c.loss_scale.kind = "auto"  # "auto" (dynamic for fp16 compute) | "none" | "static" | "dynamic"
@@ -172,6 +177,9 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
         raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
+    init_from = _get(config, "init_from")
+    if init_from is not None and (not isinstance(init_from, str) or not init_from.strip()):
+        raise ValueError(f"init_from={init_from!r}: must be None or the path of a folder")
     k = errors.check_integer("steps_per_call", _get(config, "steps_per_call"), 1)
     for key in ("num_train_steps", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
         if config[key] % k:
