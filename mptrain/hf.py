@@ -1,0 +1,336 @@
+"""HuggingFace Llama folders in and out: `read_config`, `load`, `load_params`, `save`.
+
+A folder is what transformers' `save_pretrained` writes for a `LlamaForCausalLM`: config.json
+and `model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf_io` reads
+and writes the files). Its tensors map onto `mptrain.models.llama`'s param tree by name, each
+torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in llama.py's
+module doc); layers are stacked on a leading axis (`scan_layers`) or kept as `layers_i`.
+
+config.json comes in two forms, both read: transformers 4.x's `rope_theta` and `rope_scaling`
+(what Hub checkpoints of Llama 3.x carry, with `rope_type` or the older `type`), and 5.x's
+`rope_parameters` (`rope_theta` inside). RoPE types: "default" and Llama 3's "llama3"; any
+other ("yarn", "linear", "dynamic", ...) is an error rather than a model that runs and is
+quietly worse. `save` writes the 4.x form, which transformers 4.x and 5.x both load.
+
+Against the peers:
+  * q and k are loaded as HF stores them. HF Llama rotates "half" pairs (dimension j with
+    j + head_dim/2), and so does mptrain's llama, so nothing is permuted. torchtitan's
+    state-dict adapter and MaxText's converter permute q/k rows to their interleaved RoPE
+    (and back on export); Levanter, like us, keeps HF's order.
+  * `load_params` builds each param straight into its sharding: every device's shard is read
+    from its slice of the file (`jax.make_array_from_callback` + safetensors' `get_slice`),
+    each distinct slice once, cast to the target dtype on the way (bf16 -> fp32 exactly). No
+    host holds the whole model, not even one whole tensor of a sharded param. Levanter reads
+    whole tensors before sharding them; torchtitan goes through DCP's HF reader.
+  * `save` shards at 5 GB by default (HF's own default; Levanter's is 10 GB), rounds to the
+    export dtype round-to-nearest-even from the fp32 masters, and writes one file's worth of
+    tensors at a time.
+  * Bad input is one line naming the file and the key or tensor (`errors.ConfigError`, exit 2):
+    another architecture, an unimplemented RoPE type, a missing key or tensor, a shape that
+    disagrees (both shapes), a file that is not safetensors or is cut short, a bias, or a
+    tensor nothing maps onto. Peers raise a KeyError or a shape error from deep inside.
+
+Multi-process: `load_params` reads only what a process's devices hold; `save` gathers each
+tensor (`np.asarray`), so it runs where the params are fully addressable (one process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from mptrain import errors, hf_io, precision, sharding
+from mptrain.models import llama
+
+_LAYER_PREFIX = "model.layers.{}."
+# A block's params (path under the layer) -> HF name under model.layers.i., transposed?
+_LAYER_NAMES = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", False),
+    ("attn", "q", "kernel"): ("self_attn.q_proj.weight", True),
+    ("attn", "k", "kernel"): ("self_attn.k_proj.weight", True),
+    ("attn", "v", "kernel"): ("self_attn.v_proj.weight", True),
+    ("attn", "o", "kernel"): ("self_attn.o_proj.weight", True),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
+    ("mlp", "down", "kernel"): ("mlp.down_proj.weight", True),
+}
+_TOP_NAMES = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", False),
+    ("final_norm", "scale"): ("model.norm.weight", False),
+    ("head", "kernel"): ("lm_head.weight", True),
+}
+# Tensors some checkpoints carry that no param is made from: RoPE's frequencies (recomputed
+# from the config), and lm_head.weight where the config ties it to the embedding (as
+# transformers does, the embedding is then the head).
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder with a config.json and at least one `*.safetensors`."""
+    folder = Path(path)
+    return (folder / hf_io.CONFIG_FILE).is_file() and any(folder.glob("*.safetensors"))
+
+
+def _settings(model_config: Any) -> dict[str, Any]:
+    """`config.model`'s llama keys with their defaults, checked by the model's own rules."""
+    section = model_config
+    if isinstance(model_config, dict):
+        section = ml_collections.ConfigDict({k: v for k, v in model_config.items()})
+    name = getattr(section, "name", "llama")
+    if name not in (None, "llama"):
+        raise errors.ConfigError(f"config.model.name={name!r}: only a llama maps onto HF Llama")
+    with errors.config_errors():
+        return llama._settings(section)
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The `config.model` section (`name="llama"` and the keys of `llama.CONFIG_KEYS` that a
+    checkpoint fixes) for an HF Llama folder (or its config.json). Keys transformers has
+    defaults for may be absent (`num_key_value_heads`: one per head; `head_dim`: width /
+    heads; `rope_theta` 10,000; `rms_norm_eps` 1e-6; `max_position_embeddings` 2,048;
+    untied); the sizes may not. Errors: `ConfigError` naming the file and the key."""
+    file = Path(path)
+    return hf_io.read_llama_config(file / hf_io.CONFIG_FILE if file.is_dir() else file)
+
+
+def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:
+    """config.json's content (transformers 4.x form) for a llama `config.model`."""
+    return hf_io.llama_config_json(_settings(model_config), dtype)
+
+
+# --------------------------------------------------------------------------- the param tree
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One param and the HF tensors it is made of: one per layer when stacked."""
+
+    path: str  # "stacked_layers/attn/q/kernel", for messages
+    names: tuple[str, ...]
+    transposed: bool
+    stacked: bool
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        one = shape[1:] if self.stacked else shape
+        return tuple(reversed(one)) if self.transposed else tuple(one)
+
+
+def _leaf(keys: tuple[str, ...], shape: tuple[int, ...]) -> _Leaf:
+    path = "/".join(keys)
+    top, rest = keys[0], keys[1:]
+    layer = re.fullmatch(r"layers_(\d+)", top)
+    if top == sharding.STACKED and rest in _LAYER_NAMES and shape:
+        name, transposed = _LAYER_NAMES[rest]
+        names = tuple(_LAYER_PREFIX.format(i) + name for i in range(shape[0]))
+        return _Leaf(path, names, transposed, stacked=True)
+    if layer and rest in _LAYER_NAMES:
+        name, transposed = _LAYER_NAMES[rest]
+        return _Leaf(path, (_LAYER_PREFIX.format(layer[1]) + name,), transposed, stacked=False)
+    if keys in _TOP_NAMES:
+        name, transposed = _TOP_NAMES[keys]
+        return _Leaf(path, (name,), transposed, stacked=False)
+    raise errors.ConfigError(f"params/{path}: no tensor of an HF {hf_io.ARCHITECTURE} maps onto it")
+
+
+def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
+    """The llama param tree's shapes (tuples) for `config.model`, scanned or not."""
+    c = _settings(model_config)
+    d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
+    q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
+    layer = {
+        "attn_norm": {"scale": (d,)},
+        "attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}},
+        "mlp_norm": {"scale": (d,)},
+        "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
+    }
+    layer["attn"]["o"] = {"kernel": (q, d)}
+    tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
+    if not c["tie_embeddings"]:
+        tree["head"] = {"kernel": (d, v)}
+    is_shape = lambda x: isinstance(x, tuple)
+    if scan_layers:
+        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), layer, is_leaf=is_shape)
+    else:
+        tree.update({f"layers_{i}": layer for i in range(n)})
+    return tree
+
+
+def _keys(path: tuple) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+# --------------------------------------------------------------------------- in
+
+
+def load(path: str | os.PathLike, *, scan_layers: bool = True) -> tuple[dict, dict]:
+    """`(model_config, params)`: config.json's `config.model` section and the params as
+    float32 numpy arrays in the llama's tree (`stacked_layers` or `layers_i`)."""
+    config = read_config(path)
+    shapes = param_shapes(config, scan_layers)
+    is_shape = lambda x: isinstance(x, tuple)
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), shapes, is_leaf=is_shape)
+    return config, _read_tree(path, config, target, lambda read, t: read(_full(t.shape)))
+
+
+def load_params(path: str | os.PathLike, target: Any, *, scan_layers: bool = True) -> Any:
+    """The params of the folder at `path` as jax.Arrays with exactly `target`'s shardings and
+    dtypes (a pytree of `jax.ShapeDtypeStruct`, e.g. the train state's abstract params: float32
+    masters, or bfloat16 under bf16-pure, rounded to nearest). Each is made by
+    `jax.make_array_from_callback`, so a process reads only the slices its devices hold, and
+    each distinct slice once. `scan_layers` must agree with `target`'s layout. A tensor that is
+    missing, or whose shape disagrees with the target, is a `ConfigError` naming the file, the
+    tensor and both shapes."""
+    config = read_config(path)
+    top = {_keys(p)[0] for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
+    if (sharding.STACKED in top) != scan_layers:
+        raise errors.ConfigError(
+            f"scan_layers={scan_layers}: the target's params are "
+            f"{'stacked' if sharding.STACKED in top else 'per layer'}; pass scan_layers to match"
+        )
+
+    def build(read, t):
+        where = t.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        done: dict[tuple, np.ndarray] = {}  # replicated shards are read once
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            key = tuple(s.indices(n) for s, n in zip(index, t.shape, strict=True))
+            if key not in done:
+                done[key] = read(index)
+            return done[key]
+
+        return jax.make_array_from_callback(t.shape, where, shard)
+
+    return _read_tree(path, config, target, build)
+
+
+def _full(shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
+
+
+def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
+    """`target` with each leaf `build(read, leaf)`, where `read(index)` returns that slice of
+    the param (in the leaf's dtype) from the files; every shape is checked before any read."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    leaves = [_leaf(_keys(p), tuple(t.shape)) for p, t in flat]
+    with hf_io.Reader(path) as reader:
+        for leaf, (_, t) in zip(leaves, flat, strict=True):
+            want = leaf.hf_shape(tuple(t.shape))
+            for name in leaf.names:
+                have = reader.shape(name)
+                if have != want:
+                    raise errors.ConfigError(
+                        f"{reader.file(name)}: tensor {name} has shape {list(have)}, but "
+                        f"params/{leaf.path} {list(t.shape)} needs {list(want)}"
+                    )
+        _check_unused(reader, leaves, config)
+        out = []
+        for leaf, (_, t) in zip(leaves, flat, strict=True):
+            dtype = np.dtype(t.dtype)
+            out.append(
+                build(lambda index, leaf=leaf, dtype=dtype: _read(reader, leaf, index, dtype), t)
+            )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _read(reader: hf_io.Reader, leaf: _Leaf, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+    def one(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if leaf.transposed:  # the kernel's [in, out] slice is the weight's [out, in] one
+            return reader.read(name, index[::-1], dtype).T
+        return reader.read(name, index, dtype)
+
+    if not leaf.stacked:
+        return np.ascontiguousarray(one(leaf.names[0], index))
+    layers = range(*index[0].indices(len(leaf.names)))
+    return np.stack([one(leaf.names[i], index[1:]) for i in layers])
+
+
+def _check_unused(reader: hf_io.Reader, leaves: list[_Leaf], config: dict) -> None:
+    used = {name for leaf in leaves for name in leaf.names}
+    if config["tie_embeddings"]:
+        used.add(_TOP_NAMES[("head", "kernel")][0])
+    unused = sorted(n for n in reader.files if n not in used and not _IGNORED.fullmatch(n))
+    if unused:
+        raise errors.ConfigError(
+            f"{reader.files[unused[0]]}: tensor {unused[0]} has no place in the llama that "
+            f"config.json describes ({len(unused)} such tensors)"
+        )
+
+
+# --------------------------------------------------------------------------- out
+
+
+def save(
+    path: str | os.PathLike,
+    model_config: Any,
+    params: Any,
+    dtype: str = "bfloat16",
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+) -> None:
+    """Writes an HF Llama folder that transformers loads: config.json (4.x form) and
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards and their index when the
+    tensors exceed `max_shard_bytes`. Each tensor is rounded to `dtype` (round-to-nearest-even;
+    float16 values past its range are an error, not infinities). `params` (numpy or jax
+    arrays, scanned or not) must have the shapes `model_config` gives."""
+    with errors.config_errors():
+        out_dtype = precision.parse_dtype(dtype, "dtype")
+        errors.check_integer("max_shard_bytes", max_shard_bytes, 1)
+    name = {precision.F32: "float32", precision.BF16: "bfloat16", precision.F16: "float16"}
+    hf_config = to_hf_config(model_config, name[out_dtype])
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    scanned = any(_keys(p)[0] == sharding.STACKED for p, _ in flat)
+    want = {
+        _keys(p): s
+        for p, s in jax.tree_util.tree_flatten_with_path(
+            param_shapes(model_config, scanned), is_leaf=lambda x: isinstance(x, tuple)
+        )[0]
+    }
+    tensors: dict[str, hf_io.ShardTensor] = {}
+    for p, x in flat:
+        keys = _keys(p)
+        if keys not in want or tuple(np.shape(x)) != want[keys]:
+            needs = list(want[keys]) if keys in want else "no such param"
+            raise errors.ConfigError(
+                f"params/{'/'.join(keys)}: shape {list(np.shape(x))}, but the model config "
+                f"needs {needs}"
+            )
+        leaf = _leaf(keys, tuple(np.shape(x)))
+        for i, hf_name in enumerate(leaf.names):
+            shape = leaf.hf_shape(tuple(np.shape(x)))
+            get = lambda x=x, i=i, leaf=leaf, n=hf_name: _export(
+                x[i] if leaf.stacked else x, leaf, n, out_dtype
+            )
+            tensors[hf_name] = (hf_name, shape, int(np.prod(shape)) * out_dtype.itemsize, get)
+    ordered = sorted(tensors.values(), key=lambda t: _order(t[0]))
+    files = {hf_io.CONFIG_FILE: json.dumps(hf_config, indent=2) + "\n"}
+    hf_io.write(Path(path), ordered, max_shard_bytes, files)
+
+
+def _export(x: Any, leaf: _Leaf, name: str, dtype: np.dtype) -> np.ndarray:
+    x = np.asarray(x)
+    out = x.astype(dtype)
+    if dtype == precision.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
+        big = float(np.abs(x.astype(np.float32)).max())
+        raise errors.ConfigError(
+            f"params/{leaf.path}: |value| {big:g} is past float16's range (65504); export "
+            "in bfloat16 or float32"
+        )
+    return out.T if leaf.transposed else out
+
+
+def _order(name: str) -> tuple:
+    """HF's order: the embedding, the layers in turn, the final norm, the head."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer:
+        within = [n for n, _ in _LAYER_NAMES.values()].index(name[layer.end() :])
+        return (1, int(layer[1]), within)
+    return (0 if "embed" in name else 2 if "norm" in name else 3, 0, 0)

@@ -1,0 +1,319 @@
+"""The files of a HuggingFace Llama folder: config.json in either of transformers' forms, and
+safetensors tensors found by name, read by slices, written in shards with an index.
+`mptrain.hf` maps them onto mptrain's llama and its param tree; this module knows the files.
+
+A folder holds either one `model.safetensors`, or shards `model-0000i-of-0000n.safetensors`
+listed by `model.safetensors.index.json` (its `weight_map`: tensor name -> file); a folder with
+neither is read from every `*.safetensors` in it. Files are memory-mapped by safetensors (its
+numpy API, which reads bf16 through ml_dtypes): opening one reads only its header, and
+`get_slice(name)[a:b, c:d]` copies only those rows and columns. What cannot be read is a
+`ConfigError` of one line naming the file, the tensor and the bad value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from mptrain import errors
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# The safetensors dtypes a float param may be stored in; each widens to float32 exactly
+# (float64 rounds, as torch's `.float()` does).
+FLOATS = ("F64", "F32", "BF16", "F16")
+CONFIG_FILE = "config.json"
+ARCHITECTURE = "LlamaForCausalLM"
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ShardTensor = tuple[str, tuple[int, ...], int, Callable[[], np.ndarray]]  # name, shape, bytes, get
+
+
+def read_json(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise errors.ConfigError(f"{file}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.ConfigError(f"{file}: not readable JSON: {errors.first_line(e)}") from None
+    if not isinstance(value, dict):
+        raise errors.ConfigError(f"{file}: a JSON object expected, found {type(value).__name__}")
+    return value
+
+
+class Reader:
+    """A folder's tensors by name; each file opened once, closed on leaving the `with`."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, Any] = {}
+        self.files = self._locate()  # tensor name -> the file that holds it
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _locate(self) -> dict[str, Path]:
+        index = self.folder / INDEX
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()
+            ):
+                raise errors.ConfigError(f"{index}: no 'weight_map' of tensor names to files")
+            return {name: self.folder / file for name, file in weight_map.items()}
+        if (self.folder / SINGLE).exists():
+            files = [self.folder / SINGLE]
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise errors.ConfigError(
+                f"{self.folder}: no *.safetensors files (a folder saved by transformers' "
+                "save_pretrained has model.safetensors or its shards and an index)"
+            )
+        return {name: file for file in files for name in self.handle(file).keys()}  # noqa: SIM118
+
+    def handle(self, file: Path) -> Any:
+        if file not in self._handles:
+            if not file.exists():
+                listed = f", though {INDEX} lists it" if (self.folder / INDEX).exists() else ""
+                raise errors.ConfigError(f"{file}: no such file{listed}")
+            try:
+                opened = safetensors.safe_open(str(file), framework="numpy")
+                self._handles[file] = self._stack.enter_context(opened)
+            except Exception as e:  # SafetensorError, OSError: a header that does not parse
+                raise errors.ConfigError(
+                    f"{file}: not a readable safetensors file: {errors.first_line(e)}"
+                ) from None
+        return self._handles[file]
+
+    def file(self, name: str) -> Path:
+        if name not in self.files:
+            files = set(self.files.values())
+            if (self.folder / INDEX).exists():
+                where = self.folder / INDEX
+            else:
+                where = files.pop() if len(files) == 1 else self.folder / "*.safetensors"
+            raise errors.ConfigError(f"{where}: no tensor {name}")
+        return self.files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape; a `ConfigError` when it is missing or not a float tensor."""
+        file = self.file(name)
+        try:
+            view = self.handle(file).get_slice(name)
+            shape, dtype = tuple(view.get_shape()), view.get_dtype()
+        except errors.ConfigError:
+            raise
+        except Exception as e:  # the index lists it, the file does not have it
+            raise errors.ConfigError(f"{file}: no tensor {name} ({errors.first_line(e)})") from None
+        if dtype not in FLOATS:
+            raise errors.ConfigError(
+                f"{file}: tensor {name} is {dtype}; a param must be one of {', '.join(FLOATS)}"
+            )
+        return shape
+
+    def read(self, name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+        """`tensor[index]` in `dtype` (from bf16/fp16/fp32, exact for fp32 and wider)."""
+        file = self.file(name)
+        try:
+            part = self.handle(file).get_slice(name)[index]
+        except Exception as e:  # the header promised bytes the file does not deliver
+            raise errors.ConfigError(
+                f"{file}: tensor {name} could not be read: {errors.first_line(e)}"
+            ) from None
+        return np.asarray(part).astype(dtype, copy=False)
+
+
+def read_llama_config(file: Path) -> dict[str, Any]:
+    """`mptrain.hf.read_config`'s dict from the config.json `file` (the doc is there)."""
+    raw = read_json(file)
+    architectures = raw.get("architectures")
+    if architectures is not None and ARCHITECTURE not in (architectures or []):
+        raise errors.ConfigError(
+            f"{file}: architectures={architectures!r}: mptrain.hf reads {ARCHITECTURE} only"
+        )
+    if architectures is None and raw.get("model_type") != "llama":
+        raise errors.ConfigError(
+            f"{file}: model_type={raw.get('model_type')!r} and no architectures: mptrain.hf "
+            f"reads {ARCHITECTURE} (model_type 'llama') only"
+        )
+    for key, fine in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if raw.get(key, fine) not in (fine, None):
+            raise errors.ConfigError(
+                f"{file}: {key}={raw[key]!r}: mptrain's llama has {key}={fine!r} only"
+            )
+
+    def get(key: str, default: Any = None, low: int = 1) -> Any:
+        value = raw.get(key)
+        if value is None and default is None:
+            raise errors.ConfigError(f"{file}: no {key!r}, which a Llama's config must give")
+        value = default if value is None else value
+        try:
+            integer = isinstance(default, int) and not isinstance(default, bool)
+            return errors.check_integer(key, value, low) if integer else value
+        except ValueError as e:
+            raise errors.ConfigError(f"{file}: {e}") from None
+
+    heads = get("num_attention_heads", 0)
+    hidden = get("hidden_size", 0)
+    theta, scaling = _rope(file, raw)
+    config = {
+        "name": "llama",
+        "vocab_size": get("vocab_size", 0),
+        "d_model": hidden,
+        "num_layers": get("num_hidden_layers", 0),
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads", heads),
+        "head_dim": get("head_dim", hidden // heads, low=2),
+        "d_ff": get("intermediate_size", 0),
+        "max_len": get("max_position_embeddings", 2048),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "norm_eps": get("rms_norm_eps", 1e-6),
+        "tie_embeddings": get("tie_word_embeddings", False),
+    }
+    for key in ("norm_eps", "rope_theta"):
+        if isinstance(config[key], bool) or not isinstance(config[key], int | float):
+            raise errors.ConfigError(f"{file}: {key}={config[key]!r}: must be a number")
+        config[key] = float(config[key])
+    return config
+
+
+def _rope(file: Path, raw: dict) -> tuple[float, tuple | None]:
+    """`(rope_theta, rope_scaling)` from either form of config.json."""
+    if raw.get("rope_parameters") is not None:  # transformers 5.x
+        key, rope = "rope_parameters", raw["rope_parameters"]
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0)) if rope else None
+    else:  # 4.x: the scaling apart, null when there is none
+        key, rope = "rope_scaling", raw.get("rope_scaling") or {}
+        theta = raw.get("rope_theta", 10_000.0)
+    if not isinstance(rope, dict):
+        raise errors.ConfigError(f"{file}: {key}={rope!r}: an object expected")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return theta, None
+    if kind != "llama3":
+        raise errors.ConfigError(
+            f"{file}: {key}.rope_type={kind!r}: not implemented; mptrain's llama has RoPE "
+            "types 'default' and 'llama3'"
+        )
+    missing = [k for k in _ROPE_KEYS if rope.get(k) is None]
+    if missing:
+        raise errors.ConfigError(f"{file}: no {key}.{missing[0]}, which rope_type 'llama3' needs")
+    factor, low, high, original = (rope[k] for k in _ROPE_KEYS)
+    return theta, (float(factor), float(low), float(high), int(original))
+
+
+def llama_config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json's content, transformers 4.x's form, for a llama's checked settings `c`."""
+    scaling = c["rope_scaling"]
+    rope = None
+    if scaling is not None:
+        rope = {"rope_type": "llama3", **dict(zip(_ROPE_KEYS, scaling, strict=True))}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["d_model"],
+        "intermediate_size": c["d_ff"],
+        "num_hidden_layers": c["num_layers"],
+        "num_attention_heads": c["num_heads"],
+        "num_key_value_heads": c["num_kv_heads"],
+        "head_dim": c["head_dim"],
+        "max_position_embeddings": c["max_len"],
+        "rms_norm_eps": float(c["norm_eps"]),
+        "rope_theta": float(c["rope_theta"]),
+        "rope_scaling": rope,
+        "tie_word_embeddings": c["tie_embeddings"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _shards(tensors: list[ShardTensor], max_bytes: int) -> list[list[ShardTensor]]:
+    """Tensors in order, cut into files of at most `max_bytes` (a larger tensor alone)."""
+    shards: list[list[ShardTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor[2] > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor[2]
+    return shards
+
+
+def write(
+    folder: Path, tensors: list[ShardTensor], max_bytes: int, files: dict[str, str]
+) -> list[Path]:
+    """Writes `tensors` (each made when its file is written, so one file's worth is in memory
+    at a time) as `model.safetensors`, or as shards and an index when they exceed `max_bytes`;
+    then `files` (name -> text, e.g. config.json). Each file appears whole (written beside,
+    then renamed); model files of an earlier save that this one does not write are removed.
+    An `OSError` is a `StorageError` naming the file."""
+    shards = _shards(tensors, max_bytes)
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    written = []
+    target = folder
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, shard in zip(names, shards, strict=True):
+            target = folder / name
+            arrays = {tensor[0]: np.ascontiguousarray(tensor[3]()) for tensor in shard}
+            _atomic(target, lambda f, a=arrays: safetensors.numpy.save_file(a, f, {"format": "pt"}))
+            written.append(target)
+        if len(shards) > 1:
+            weight_map = {
+                t[0]: name for name, shard in zip(names, shards, strict=True) for t in shard
+            }
+            total = sum(t[2] for t in tensors)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            files = {INDEX: json.dumps(index, indent=2) + "\n", **files}
+        for name, text in files.items():
+            target = folder / name
+            _atomic(target, lambda f, text=text: Path(f).write_text(text))
+            written.append(target)
+        for stale in _stale(folder, written):
+            target = stale
+            stale.unlink()
+    except OSError as e:
+        raise errors.StorageError(f"{target}: could not write: {errors.first_line(e)}") from None
+    return written
+
+
+def _atomic(path: Path, write_fn: Callable[[str], Any]) -> None:
+    staging = path.with_name(f".{path.name}.partial")
+    write_fn(str(staging))
+    os.replace(staging, path)
+
+
+def _stale(folder: Path, written: Iterable[Path]) -> list[Path]:
+    keep = set(written)
+    candidates = [*folder.glob("model*.safetensors"), folder / INDEX]
+    return [p for p in candidates if p.exists() and p not in keep]
