@@ -30,6 +30,12 @@ projections and embedding rows are normal with variance 1 / width in, norm scale
 `--size=1b` writes a random Llama with Llama 3.2 1B's shapes (1.24 B params, tied, vocab
 128,256) in bf16, sharded in 1 GB files with an index, to `--out` (not committed): the folder
 `scripts/hf_load_bench.py` times `mptrain.hf.load_params` on.
+
+`--check=DIR` loads a folder (one `mptrain.hf.save` or `mptrain.export --format=hf` wrote, say)
+with transformers and prints the largest difference of its logits from a reference.npz's
+(`--reference`, default the fixture's): that transformers reads what mptrain writes.
+
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py --check=/tmp/exported
 """
 
 import argparse
@@ -152,7 +158,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=("tiny", "1b"), default="tiny")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--check", type=Path, default=None)
+    parser.add_argument("--reference", type=Path, default=ROOT / "tests/hf_fixture/reference.npz")
     args = parser.parse_args()
+    if args.check is not None:
+        reference = np.load(args.reference)
+        logits = _logits(args.check, reference["ids"])
+        scale = np.abs(reference["logits"]).max()
+        error = np.abs(logits - reference["logits"]).max()
+        print(f"{args.check}: logits differ by at most {error:.3g} ({error / scale:.3g} of max)")
+        return
     if args.size == "1b":
         if args.out is None:
             parser.error("--size=1b needs --out (a folder outside the repository)")
