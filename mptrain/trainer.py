@@ -41,6 +41,7 @@ from mptrain import (
     data,
     errors,
     files,
+    init_from,
     log_totals,
     loop,
     models,
@@ -228,18 +229,18 @@ class Trainer:
         batches = (self.device_batch(source, i) for i in range(self.config.eval_steps))
         return loop.average(eval_step, state, batches, prefix="eval_")
 
-    def setup(self, train_source: Any, eval_source: Any) -> loop.Run:
-        """Host-side. Builds everything a run needs, once: the state (restored from the newest
-        valid checkpoint if there is one), the compiled train and eval steps, the writer, the
-        checkpointer and the hooks. Writes `config.json`. Use the `Run` as a context manager."""
+    def setup(self, train_source: Any, eval_source: Any, pretrained: Any = None) -> loop.Run:
+        """Host-side. Builds everything a run needs, once: the state (the newest valid
+        checkpoint's, else with `pretrained`'s params: `init_from.resume`), the compiled steps,
+        the writer, checkpointer and hooks. Writes `config.json`; the `Run` is a context manager."""
         cfg, workdir = self.config, self.workdir
         state = self.init_state(train_source.get_batch(0))
         with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
             )
-            state, saved_step, meta = checkpoint.resume(
-                checkpointer, state, self.policy, config_lib.to_dict(cfg)
+            state, saved_step, meta = init_from.resume(
+                checkpointer, state, self.policy, cfg, pretrained
             )
             start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
             if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
@@ -282,9 +283,10 @@ class Trainer:
         """
         with loop.allow_transfers():  # data problems surface before anything touches the workdir
             sources = self.build_datasets()
+            pretrained = init_from.read(self, sources[0])  # config.init_from's too: no workdir
         with runtime.workdir_lock(self.workdir), runtime.PreemptionFlag() as preemption:
             with preemption.starting_up():  # nothing to save yet: SIGTERM exits at once
-                run = self.setup(*sources)
+                run = self.setup(*sources, pretrained)
             with run:
                 self.train(run, preemption)
                 run.finish(self.last_eval, self.loss_unit)
