@@ -157,9 +157,9 @@ def test_build_text_sources_from_a_config():
 def test_too_small_max_bytes_names_the_least_that_works(seq_len, fraction):
     def suggested(max_bytes):
         with pytest.raises(ValueError, match="max_bytes must be at least") as caught:
-            text._check_sizes(max_bytes, seq_len, fraction, max_bytes)
+            text.check_sizes(max_bytes, seq_len, fraction, max_bytes)
         return int(str(caught.value).rsplit(" ", 1)[-1])
 
     least = suggested(seq_len)  # too small for any split
-    text._check_sizes(least, seq_len, fraction, least)  # enough: no error
+    text.check_sizes(least, seq_len, fraction, least)  # enough: no error
     assert suggested(least - 1) == least  # one byte fewer is not

@@ -239,7 +239,7 @@ def corpus_of(data_config: Any) -> tokenize.Corpus | None:
     return tokenize.create_corpus(files, tokenizer, keys["eos_token"], keys["cache_dir"])
 
 
-def _check_sizes(
+def check_sizes(
     total: int, seq_len: int, fraction: float, max_bytes: int | None, unit: str = "bytes"
 ) -> None:
     """Both sides of the split of `total` tokens hold at least one window (seq_len + 1 tokens:
@@ -286,7 +286,7 @@ def check_config(config: Any) -> dict[str, Any]:
 
     seq_len, max_bytes, fraction = _settings(config.data)
     if max_bytes is not None:
-        _check_sizes(max_bytes, seq_len, fraction, max_bytes)
+        check_sizes(max_bytes, seq_len, fraction, max_bytes)
     corpus = corpus_of(config.data)
     tokenize.check_vocab(config, *((corpus.vocab, corpus.tokenizer) if corpus else (256, "bytes")))
     example = jax.ShapeDtypeStruct((1, seq_len), np.int32)
@@ -312,7 +312,7 @@ def build_text_sources(
         corpus = corpus_of(data_config)
     data = load_corpus(max_bytes) if corpus is None else tokenize.tokens(corpus)[:max_bytes]
     with errors.config_errors():
-        _check_sizes(len(data), seq_len, fraction, max_bytes, unit_of(data))
+        check_sizes(len(data), seq_len, fraction, max_bytes, unit_of(data))
     return sources(data, seq_len, fraction, batch_size, seed, eval_batch_size)
 
 
