@@ -21,12 +21,28 @@ Arguments:
   `minimal`.
 - `tiny`: a byte-level Llama (vocabulary 256) on the embedded text (the Python standard
   library), scanned, with remat `full`, that trains on a 2-core CPU in a few minutes.
+- `hf=DIR`: fine-tuning the HuggingFace Llama in folder DIR (config.json, *.safetensors, and
+  tokenizer.json if it has one). The model section is DIR's (`mptrain.hf.read_config`), the
+  step-0 params are DIR's (`init_from=DIR`: fp32 masters from its weights, exactly), the text
+  is tokenized by DIR's tokenizer.json (bytes without one), and the recipe is a fine-tune's:
+  AdamW at 2e-5 after 20 warmup updates, cosine decay, no weight decay, clipping at 1.0,
+  bf16-mixed, global batch 8 of 1,024 tokens (fewer if the model's context is shorter), a
+  checkpoint every 200 steps. Your text is `--config.data.files=GLOB` (.txt, .md, .py, .jsonl
+  with a "text" field; default: the embedded text); any key can be overridden. One command:
+
+      python -m mptrain.main --config=configs/llama3.py:hf=/models/Llama-3.2-1B \
+          --workdir=runs/ft --config.data.files='notes/**/*.md' --config.num_train_steps=500
+
+  Then `python -m mptrain.export --workdir=runs/ft --format=hf --out=exports/ft` writes a
+  folder transformers loads, DIR's tokenizer files copied in (docs/fine-tuning.md).
 
 The data of the big ones here is the embedded byte-level text (vocabulary 256 is what it
 tokenizes to): they are for `mptrain.plan`, whose step is the same whatever the tokens mean.
 Expected: `8b` fits 8 H100s with at most 72 GiB a device (the plan's figure); `tiny`, 800
 steps: eval loss below 2.0 nats/byte, bf16-mixed within 1% of fp32.
 """
+
+import os
 
 from ml_collections import config_dict
 
@@ -54,6 +70,24 @@ def _llama3(c, d_model, layers, heads, kv_heads, d_ff, vocab=128_256):
     c.model.remat = "minimal"
 
 
+def _fine_tune(c, folder: str) -> None:
+    """The `hf=DIR` variant (module doc): DIR's model, weights and tokenizer."""
+    from mptrain import hf
+
+    c.model.update(hf.read_config(folder))  # name "llama" and every key the weights fix
+    c.model.attention, c.model.scan_layers, c.model.remat = "auto", True, "minimal"
+    c.init_from = folder
+    c.batch_size = 8
+    c.data.seq_len = min(1024, c.model.max_len)
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        c.data.tokenizer = folder
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 20
+    c.optimizer.weight_decay = 0.0
+    c.checkpoint_every_steps = 200
+    c.eval_every_steps = 200
+
+
 def get_config(arg: str | None = None):
     c = config_lib.base_config()
     c.precision = "bf16-mixed"
@@ -73,6 +107,10 @@ def get_config(arg: str | None = None):
     c.data.name = "text"
     c.data.max_bytes = config_dict.placeholder(int)
     c.data.eval_fraction = 0.01
+    c.data.files = config_dict.placeholder(object)  # a glob or a list of globs; None: embedded
+    c.data.tokenizer = "bytes"  # or a tokenizer.json, or a folder holding one
+    c.data.eos_token = config_dict.placeholder(str)  # None: the tokenizer's end-of-text token
+    c.data.cache_dir = config_dict.placeholder(str)  # None: $MPTRAIN_CACHE/tokens or ~/.cache
 
     if arg in ("8b", None):
         _llama3(c, 4096, 32, 32, 8, 14_336)
@@ -108,6 +146,10 @@ def get_config(arg: str | None = None):
         c.optimizer.b2 = 0.99
         c.optimizer.weight_decay = 0.01
         c.data.seq_len = 256
+    elif arg.startswith("hf="):
+        _fine_tune(c, arg[3:])
     else:
-        raise ValueError(f"unknown config argument {arg!r}; valid: '8b', '70b', '1b', 'tiny'")
+        raise ValueError(
+            f"unknown config argument {arg!r}; valid: '8b', '70b', '1b', 'tiny', 'hf=DIR'"
+        )
     return c
