@@ -317,7 +317,8 @@ def save(
 
 def _export(x: Any, leaf: _Leaf, name: str, dtype: np.dtype) -> np.ndarray:
     x = np.asarray(x)
-    out = x.astype(dtype)
+    with np.errstate(over="ignore"):  # float16's overflow is told below, with the param's name
+        out = x.astype(dtype)
     if dtype == precision.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
         big = float(np.abs(x.astype(np.float32)).max())
         raise errors.ConfigError(

@@ -155,52 +155,55 @@ def read_llama_config(file: Path) -> dict[str, Any]:
                 f"{file}: {key}={raw[key]!r}: mptrain's llama has {key}={fine!r} only"
             )
 
-    def get(key: str, default: Any = None, low: int = 1) -> Any:
-        value = raw.get(key)
-        if value is None and default is None:
-            raise errors.ConfigError(f"{file}: no {key!r}, which a Llama's config must give")
-        value = default if value is None else value
-        try:
-            integer = isinstance(default, int) and not isinstance(default, bool)
-            return errors.check_integer(key, value, low) if integer else value
-        except ValueError as e:
-            raise errors.ConfigError(f"{file}: {e}") from None
+    def get(key: str, default: Any = None, kind: type = int) -> Any:
+        """`raw[key]`, else `default` (transformers' own; None: the key is required)."""
+        value = default if raw.get(key) is None else raw[key]
+        if value is None:
+            raise errors.ConfigError(f"{file}: no {key!r}, which a Llama's config.json must give")
+        return _checked(file, key, value, kind)
 
-    heads = get("num_attention_heads", 0)
-    hidden = get("hidden_size", 0)
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
     theta, scaling = _rope(file, raw)
-    config = {
+    return {
         "name": "llama",
-        "vocab_size": get("vocab_size", 0),
+        "vocab_size": get("vocab_size"),
         "d_model": hidden,
-        "num_layers": get("num_hidden_layers", 0),
+        "num_layers": get("num_hidden_layers"),
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads", heads),
-        "head_dim": get("head_dim", hidden // heads, low=2),
-        "d_ff": get("intermediate_size", 0),
+        "head_dim": get("head_dim", hidden // heads),
+        "d_ff": get("intermediate_size"),
         "max_len": get("max_position_embeddings", 2048),
-        "rope_theta": theta,
+        "rope_theta": _checked(file, "rope_theta", theta, float),
         "rope_scaling": scaling,
-        "norm_eps": get("rms_norm_eps", 1e-6),
-        "tie_embeddings": get("tie_word_embeddings", False),
+        "norm_eps": get("rms_norm_eps", 1e-6, float),
+        "tie_embeddings": get("tie_word_embeddings", False, bool),
     }
-    for key in ("norm_eps", "rope_theta"):
-        if isinstance(config[key], bool) or not isinstance(config[key], int | float):
-            raise errors.ConfigError(f"{file}: {key}={config[key]!r}: must be a number")
-        config[key] = float(config[key])
-    return config
+
+
+def _checked(file: Path, key: str, value: Any, kind: type) -> Any:
+    """`value` when it is a positive int, a positive number (as a float) or a bool, as `kind`
+    says; else a `ConfigError` naming the file and the key."""
+    try:
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}: must be true or false")
+        if kind is int:
+            return errors.check_integer(key, value, 1)
+        return errors.check_number(key, value, 0.0, open_low=True) if kind is float else value
+    except ValueError as e:
+        raise errors.ConfigError(f"{file}: {e}") from None
 
 
 def _rope(file: Path, raw: dict) -> tuple[float, tuple | None]:
     """`(rope_theta, rope_scaling)` from either form of config.json."""
-    if raw.get("rope_parameters") is not None:  # transformers 5.x
+    if raw.get("rope_parameters") is not None:  # transformers 5.x: rope_theta inside
         key, rope = "rope_parameters", raw["rope_parameters"]
-        theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0)) if rope else None
-    else:  # 4.x: the scaling apart, null when there is none
+    else:  # 4.x: rope_theta apart, the scaling null when there is none
         key, rope = "rope_scaling", raw.get("rope_scaling") or {}
-        theta = raw.get("rope_theta", 10_000.0)
     if not isinstance(rope, dict):
         raise errors.ConfigError(f"{file}: {key}={rope!r}: an object expected")
+    theta = rope.get("rope_theta") if key == "rope_parameters" else None
+    theta = raw.get("rope_theta", 10_000.0) if theta is None else theta
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return theta, None
@@ -212,8 +215,12 @@ def _rope(file: Path, raw: dict) -> tuple[float, tuple | None]:
     missing = [k for k in _ROPE_KEYS if rope.get(k) is None]
     if missing:
         raise errors.ConfigError(f"{file}: no {key}.{missing[0]}, which rope_type 'llama3' needs")
-    factor, low, high, original = (rope[k] for k in _ROPE_KEYS)
-    return theta, (float(factor), float(low), float(high), int(original))
+    kinds = (float, float, float, int)
+    factor, low, high, original = (
+        _checked(file, f"{key}.{k}", rope[k], kind)
+        for k, kind in zip(_ROPE_KEYS, kinds, strict=True)
+    )
+    return theta, (factor, low, high, original)
 
 
 def llama_config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
