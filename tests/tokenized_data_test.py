@@ -292,7 +292,8 @@ def test_each_bad_setting_of_text_is_one_line_naming_it(corpus_dir, tokenizer_di
         return _error(text.corpus_of, config)
 
     assert "data.files=" in fails(files=str(tmp_path / "none*.txt"))
-    assert "none*.txt' matches no file" in fails(files=str(tmp_path / "none*.txt"))
+    assert "none*.txt': matches no file" in fails(files=str(tmp_path / "none*.txt"))
+    assert "'nothing*' matches no file" in fails(files=[str(corpus_dir / "*.txt"), "nothing*"])
     (tmp_path / "x.csv").write_text("a,b\n")
     assert "x.csv is not one of the files it reads (*.txt" in fails(files=str(tmp_path / "*.csv"))
     assert "must be a glob or a list of globs" in fails(files=[])

@@ -69,7 +69,8 @@ def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ..
             if os.path.isfile(p)
         ]
         if not matched:
-            raise ValueError(f"{key}={globs!r}: {pattern!r} matches no file")
+            which = "" if isinstance(globs, str) else f" {pattern!r}"
+            raise ValueError(f"{key}={globs!r}:{which} matches no file")
         found.update(matched)
     for path in found:
         if not path.endswith(suffixes):
