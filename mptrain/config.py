@@ -177,7 +177,7 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     trainer = _get(config, "trainer")
     if not isinstance(trainer, str) or not trainer.strip():
         raise ValueError(f"trainer={trainer!r}: must name a class as 'package.module:Class'")
-    init_from = _get(config, "init_from")
+    init_from = config.get("init_from")  # absent from the config.json of an older run
     if init_from is not None and (not isinstance(init_from, str) or not init_from.strip()):
         raise ValueError(f"init_from={init_from!r}: must be None or the path of a folder")
     k = errors.check_integer("steps_per_call", _get(config, "steps_per_call"), 1)

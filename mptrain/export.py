@@ -2,6 +2,16 @@
 
     python -m mptrain.export --workdir=runs/default --out=exports/default-bf16 \
         --dtype=bfloat16 --keep_fp32='(^|/)ln_|norm|scale'
+    python -m mptrain.export --workdir=runs/ft --format=hf --out=exports/ft-hf
+
+`--format=hf` (a Llama run only) writes a HuggingFace Llama folder instead, with
+`mptrain.hf.save`: config.json (transformers 4.x form, which 4.x and 5.x load), the weights in
+`--dtype` (round-to-nearest-even from the fp32 masters) as `model.safetensors` or 5 GB shards
+with an index, `export.json`, and the run's tokenizer files (`tokenizer.json`, and beside it
+`tokenizer_config.json` and `special_tokens_map.json` where they are) when its
+`data.tokenizer` names one; `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it.
+Another model under `--format=hf`, or `--keep_fp32` with it (a folder holds one dtype), exits 2
+with one line and writes nothing. `--format=orbax`, the default, is the rest of this page.
 
 Reads the newest valid checkpoint of `--workdir` (or `--step=N`) with the same validation as a
 resume (array specs, fingerprint, finite params; an unusable newest checkpoint falls back to an
@@ -31,6 +41,9 @@ from typing import Any
 from mptrain import errors
 
 DTYPES = ("bfloat16", "float16", "float32")
+FORMATS = ("orbax", "hf")
+# What an HF folder holds of a tokenizer besides tokenizer.json, copied with it when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _path(keys) -> str:
@@ -43,11 +56,12 @@ def export(
     dtype: str = "bfloat16",
     step: int | None = None,
     keep_fp32: str | None = None,
+    format: str = "orbax",
 ) -> dict[str, Any]:
-    """Exports the params of `workdir`'s checkpoint to `out` (see the module doc); returns the
-    sidecar. Raises `errors.ConfigError` for bad arguments, `errors.WorkdirError` for a workdir
-    it cannot use (nothing is written then), `errors.StorageError` when `out` cannot be
-    written."""
+    """Exports the params of `workdir`'s checkpoint to `out` as `format` (see the module doc);
+    returns the sidecar. Raises `errors.ConfigError` for bad arguments, `errors.WorkdirError`
+    for a workdir it cannot use (nothing is written then), `errors.StorageError` when `out`
+    cannot be written."""
     import jax
     import ml_collections
     import numpy as np
@@ -57,6 +71,13 @@ def export(
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
+    if format not in FORMATS:
+        raise errors.ConfigError(f"--format={format!r}: not supported; valid values: {FORMATS}")
+    if format == "hf" and keep_fp32:
+        raise errors.ConfigError(
+            f"--keep_fp32={keep_fp32!r}: --format=hf writes every weight in one dtype "
+            "(--dtype); leave --keep_fp32 out"
+        )
     try:
         keep = re.compile(keep_fp32) if keep_fp32 else None
     except re.error as e:
@@ -81,6 +102,11 @@ def export(
         raise errors.WorkdirError(
             f"--workdir={workdir}: {config_path} is unusable: {errors.first_line(e)}"
         ) from None
+    if format == "hf" and config.model.name != "llama":
+        raise errors.ConfigError(
+            f"--format=hf: the run in {workdir} trains model.name={config.model.name!r}; only "
+            "a 'llama' maps onto a HuggingFace Llama folder (use --format=orbax)"
+        )
     trainer = launch.import_trainer(config.trainer)(config, workdir)
     init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
     abstract = jax.eval_shape(init, *args)
@@ -124,8 +150,65 @@ def export(
         "config": meta.get("config"),
         "dtypes": dtypes,
     }
-    checkpoint.save_standalone(out, params, sidecar)
+    if format == "hf":
+        sidecar["format"] = "hf"
+        _save_hf(out, config, params, dtype, sidecar)
+    else:
+        checkpoint.save_standalone(out, params, sidecar)
     return sidecar
+
+
+def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> None:
+    """`hf.save` of `params` (numpy, already in `dtype`) into a folder made beside `out` and
+    renamed to it once whole (all or nothing), with the run's tokenizer files and `sidecar`."""
+    import secrets
+    import shutil
+
+    from absl import logging
+
+    from mptrain import config as config_lib
+    from mptrain import files, hf
+
+    tokenizer = _tokenizer_files(config)
+    staging = out.absolute().parent / f".export-{secrets.token_hex(4)}"
+    try:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()  # 0777 less the umask, as the orbax export's
+        hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
+        for path in tokenizer:
+            shutil.copyfile(path, staging / path.name)
+        files.write_json(staging / "export.json", sidecar)
+        if out.is_dir():  # an empty folder the user made for it
+            out.rmdir()
+        staging.rename(out)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, errors.StorageError):  # hf.save's names a file of the staging folder
+            raise errors.StorageError(f"the export at {out}: {e}") from None
+        error = files.storage_error(e, f"the export at {out}")
+        if error is None:
+            raise
+        raise error from e
+    if tokenizer:
+        logging.info("mptrain.export: tokenizer files %s", ", ".join(p.name for p in tokenizer))
+
+
+def _tokenizer_files(config: Any) -> list[Path]:
+    """The run's tokenizer files (`TOKENIZER_FILES` beside the tokenizer.json that its
+    `data.tokenizer` names); none for bytes or another data source, or when it is gone."""
+    from absl import logging
+
+    spec = config.data.get("tokenizer")
+    if not isinstance(spec, str) or spec == "bytes":
+        return []
+    path = Path(spec).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if not (folder / TOKENIZER_FILES[0]).is_file() and not path.is_file():
+        logging.warning("mptrain.export: the run's data.tokenizer %s is gone: none copied", spec)
+        return []
+    found = [path] if path.is_file() else []
+    found += [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return list(dict.fromkeys(p.absolute() for p in found))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,19 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(DTYPES)}")
     parser.add_argument("--step", type=int, default=None, help="default: newest valid")
     parser.add_argument("--keep_fp32", default=None, help="regex of param paths kept in fp32")
+    parser.add_argument("--format", default="orbax", help=f"one of {', '.join(FORMATS)}")
     args = parser.parse_args(argv)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
     try:
-        sidecar = export(args.workdir, args.out, args.dtype, args.step, args.keep_fp32)
+        sidecar = export(
+            args.workdir, args.out, args.dtype, args.step, args.keep_fp32, format=args.format
+        )
     except (errors.ConfigError, errors.WorkdirError, errors.StorageError) as e:
         sys.stderr.write(f"mptrain.export: error: {e}\n")
         return e.exit_code
     print(
         f"mptrain.export: step {sidecar['source']['step']} of {args.workdir}: "
         f"{sidecar['params']:,} params as {args.dtype} ({len(sidecar['kept_fp32'])} kept in "
-        f"float32) in {args.out}"
+        f"float32) in {args.out}{' (a HuggingFace folder)' if args.format == 'hf' else ''}"
     )
     return errors.EXIT_OK
 
