@@ -408,3 +408,51 @@ def test_bad_token_files_are_one_line_naming_the_file(tmp_path):
     assert message == f"config.data.files: {path} holds token id 256 >= model.vocab_size=256"
     with pytest.raises(errors.ConfigError):  # exit 2 from the command line
         tokens.create_sources(config)
+
+
+def test_ids_take_the_narrowest_type_that_holds_the_vocabulary():
+    assert [tokenize.token_dtype(v) for v in (256, 257, 65_536, 65_537, 128_256)] == [
+        np.uint8,
+        np.uint16,
+        np.uint16,
+        np.uint32,
+        np.uint32,
+    ]
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_it(
+    corpus_dir, tokenizer_dir, tmp_path
+):
+    (tmp_path / "plain").write_text("a file, not a folder")
+    config = _data(corpus_dir, tokenizer_dir, cache_dir=str(tmp_path / "plain" / "cache"))
+    message = _error(_build, config)
+    assert message.startswith(f"config.data.cache_dir={str(tmp_path / 'plain' / 'cache')!r}")
+    assert "cannot write there" in message
+
+
+def test_a_llama_3_style_tokenizer_starts_each_document_and_ends_it_with_its_own_tokens(
+    corpus_dir, tmp_path
+):
+    """Llama 3's tokenizer.json prepends <|begin_of_text|> to what it encodes (its template);
+    documents keep that and are joined by <|end_of_text|>, found by name."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", EOS]  # both: Llama 3's name wins
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=specials, show_progress=False)
+    bpe.train_from_iterator([_prose(0, 300)], trainer)
+    bos, eos = bpe.token_to_id(specials[0]), bpe.token_to_id(specials[1])
+    bpe.post_processor = processors.TemplateProcessing(
+        single=f"{specials[0]} $A", special_tokens=[(specials[0], bos)]
+    )
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    train, evaluation = _build(_data(corpus_dir, tmp_path, files=str(corpus_dir / "*.txt")))
+    one_doc = bpe.encode((corpus_dir / "b.txt").read_text()).ids
+    assert one_doc[0] == bos
+    np.testing.assert_array_equal(np.concatenate([train.data, evaluation.data]), one_doc)
+    jsonl = _data(corpus_dir, tmp_path, files=str(corpus_dir / "*.jsonl"), seq_len=4)
+    train, evaluation = _build(jsonl)
+    stream = np.concatenate([train.data, evaluation.data])
+    assert stream[0] == bos and (stream == bos).sum() == 3 and (stream == eos).sum() == 2
+    assert list(stream[np.flatnonzero(stream == eos) + 1]) == [bos, bos]
