@@ -37,7 +37,7 @@ from mptrain.data import tokenize
 EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 )
-SEPARATOR = b"\n"
+SEPARATOR = tokenize.BYTES_SEPARATOR
 DEFAULT_EVAL_FRACTION = 0.01
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # the files `data.files` may name
 # The keys this source reads under `config.data` (besides `name` and `prefetch`), with their
@@ -288,7 +288,10 @@ def check_config(config: Any) -> dict[str, Any]:
     if max_bytes is not None:
         check_sizes(max_bytes, seq_len, fraction, max_bytes)
     corpus = corpus_of(config.data)
-    tokenize.check_vocab(config, *((corpus.vocab, corpus.tokenizer) if corpus else (256, "bytes")))
+    tokenize.check_vocab(
+        config,
+        *((corpus.vocab, corpus.tokenizer) if corpus else (tokenize.BYTES_VOCAB, tokenize.BYTES)),
+    )
     example = jax.ShapeDtypeStruct((1, seq_len), np.int32)
     return {"inputs": example, "targets": example}
 

@@ -45,7 +45,8 @@ BYTES = "bytes"
 # End-of-text tokens looked for, in order: Llama 3's, GPT-2's, SentencePiece's (Llama 2,
 # Mistral), Gemma's.
 EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-BYTES_SEPARATOR = b"\n"
+BYTES_SEPARATOR = b"\n"  # what joins documents under the byte tokenizer
+BYTES_VOCAB = 256
 _BATCH_CHARS = 8 << 20  # characters of documents handed to the tokenizer at a time
 _COPY_TOKENS = 1 << 24  # tokens copied at a time into the final file
 _TOKENIZERS: dict[tuple[str, int, int], Any] = {}  # loaded tokenizers, by (path, size, mtime)
@@ -205,7 +206,7 @@ def create_corpus(files: tuple[str, ...], tokenizer: Any, eos_token: Any, cache_
                 f"data.eos_token={eos_token!r}: data.tokenizer='bytes' joins documents with a "
                 "newline and has no end-of-text token; name a tokenizer.json to use one"
             )
-        return Corpus(files, BYTES, tuple(BYTES_SEPARATOR), 256, BYTES, folder)
+        return Corpus(files, BYTES, tuple(BYTES_SEPARATOR), BYTES_VOCAB, BYTES, folder)
     path = tokenizer_file(tokenizer)
     loaded = load_tokenizer(path)
     with open(path, "rb") as f:
@@ -227,23 +228,23 @@ def check_vocab(config: Any, vocab: int, tokenizer: str) -> None:
 
 def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
     """The documents of one file: `str`s with `as_text`, else the bytes as they are (a `.jsonl`
-    line's `text` field in UTF-8). A line that is not JSON with a string `text`, or a file that
-    is not UTF-8 text, is a `ConfigError` naming the file (and the line)."""
-    if not path.endswith(".jsonl"):
-        with open(path, "rb") as f:
-            content = f.read()
-        if not as_text:
-            yield content
+    line's `text` field in UTF-8). A file that cannot be read or is not UTF-8 text, or a line
+    that is not JSON with a string `text`, is a `ConfigError` naming the file (and the line)."""
+    try:
+        file = open(path, "rb")  # noqa: SIM115 (closed by the `with` below)
+    except OSError as e:
+        raise errors.ConfigError(f"config.data.files: cannot read {path} ({e.strerror})") from None
+    with file:
+        if not path.endswith(".jsonl"):
+            content = file.read()
+            try:
+                yield content.decode("utf-8") if as_text else content
+            except UnicodeDecodeError as e:
+                raise errors.ConfigError(
+                    f"config.data.files: {path} is not UTF-8 text (byte {e.start}: {e.reason})"
+                ) from None
             return
-        try:
-            yield content.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise errors.ConfigError(
-                f"config.data.files: {path} is not UTF-8 text (byte {e.start}: {e.reason})"
-            ) from None
-        return
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(file, 1):  # a line at a time: a .jsonl may be large
             if not line.strip():
                 continue
             try:
@@ -317,46 +318,47 @@ def _write(corpus: Corpus, path: str) -> int:
 
 def tokens(corpus: Corpus) -> np.ndarray:
     """The corpus's token ids, a read-only memory-mapped 1-D array, built into the cache first
-    where no run has (one log line says which). A cache folder that cannot be written is a
-    `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
+    where no run has (one log line says which)."""
     path = corpus.path()
-    if path in _OPENED:
-        return _OPENED[path]
-    if not os.path.exists(path):
+    if path not in _OPENED:
+        built = None if os.path.exists(path) else _build(corpus, path)
+        _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
+        if built is None:
+            count = f"{len(_OPENED[path]):,}"
+            logging.info("data: reusing %s tokens of %d files: %s", count, len(corpus.files), path)
+    return _OPENED[path]
+
+
+def _build(corpus: Corpus, path: str) -> int | None:
+    """Writes the cache file `path` under the lock beside it, unless another process has by the
+    time the lock is ours; its token count, or None. A cache folder that cannot be written is a
+    `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
+    try:
+        os.makedirs(corpus.cache_dir, exist_ok=True)
+        lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
+    except OSError as e:
+        raise errors.ConfigError(
+            f"config.data.cache_dir={corpus.cache_dir!r}: cannot write there ({e.strerror or e})"
+        ) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it
+        if os.path.exists(path):
+            return None
+        for leftover in glob.glob(glob.escape(path) + ".*.tmp.*"):
+            os.remove(leftover)  # of a build killed part-way: only the lock's holder builds
+        start = time.perf_counter()
         try:
-            os.makedirs(corpus.cache_dir, exist_ok=True)
-            lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
+            count = _write(corpus, path)
         except OSError as e:
-            raise errors.ConfigError(
-                f"config.data.cache_dir={corpus.cache_dir!r}: cannot write there "
-                f"({e.strerror or e})"
+            raise errors.StorageError(
+                f"could not write the token cache {path}: {e.strerror or e}"
             ) from None
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it
-            if not os.path.exists(path):
-                for leftover in glob.glob(glob.escape(path) + ".*.tmp.*"):
-                    os.remove(leftover)  # a build killed part-way; only the lock's holder builds
-                start = time.perf_counter()
-                try:
-                    count = _write(corpus, path)
-                except OSError as e:
-                    raise errors.StorageError(
-                        f"could not write the token cache {path}: {e.strerror or e}"
-                    ) from None
-                logging.info(
-                    "data: tokenized %d files into %s tokens in %.1f s: %s",
-                    len(corpus.files),
-                    f"{count:,}",
-                    time.perf_counter() - start,
-                    path,
-                )
-                _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
-                return _OPENED[path]
-    _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
+    seconds = time.perf_counter() - start
     logging.info(
-        "data: reusing %s tokens of %d files: %s",
-        f"{len(_OPENED[path]):,}",
+        "data: tokenized %d files into %s tokens in %.1f s: %s",
         len(corpus.files),
+        f"{count:,}",
+        seconds,
         path,
     )
-    return _OPENED[path]
+    return count
