@@ -31,6 +31,7 @@ safetensors slices; `checkpoint.Checkpointer.restore_params`, orbax shards).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -98,16 +99,26 @@ def load(config: Any, target: Any) -> Pretrained:
     if not path.exists():
         raise errors.ConfigError(f"{where}: no such folder; expected {FORMS}")
     try:
-        if hf.is_hf_folder(path):
+        if not hf.is_hf_folder(path):
+            return _from_checkpoint(path, config, target, where)
+        with _naming(where):  # hf's one line names the file and the key or tensor
             model = hf.read_config(path)
-            check_model(config.model, model, f"{path / 'config.json'}", where)
-            scanned = sharding.STACKED in target
-            params = hf.load_params(path, target, scan_layers=scanned)
-            return Pretrained(params, f"{path} (HF Llama, {_count(params):,} params)")
-        return _from_checkpoint(path, config, target, where)
+        check_model(config.model, model, f"{path / 'config.json'}", where)
+        with _naming(where):
+            params = hf.load_params(path, target, scan_layers=sharding.STACKED in target)
+        return Pretrained(params, f"{path} (HF Llama, {_count(params):,} params)")
     except OSError as e:  # a folder that cannot be listed or read, whichever reader says so
         what = f"{where}: cannot read {e.filename or path}: {e.strerror or e}"
         raise errors.ConfigError(what) from None
+
+
+@contextlib.contextmanager
+def _naming(where: str):
+    """A `ConfigError` raised within, prefixed with `where` (the key that led there)."""
+    try:
+        yield
+    except errors.ConfigError as e:
+        raise errors.ConfigError(f"{where}: {e}") from None
 
 
 def _from_checkpoint(path: Path, config: Any, target: Any, where: str) -> Pretrained:
