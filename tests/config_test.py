@@ -27,7 +27,7 @@ KEYS = {
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
-    "loss.chunk_tokens", "loss.z_loss",
+    "loss.chunk_tokens", "loss.z_loss", "init_from",
 }  # fmt: skip
 
 
@@ -46,7 +46,10 @@ MODULE_KEYS = {
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},
     "model.resnet": {"stage_sizes", "width", "num_classes", "bn_momentum"},
-    "data.text": {"seq_len", "max_bytes", "eval_fraction"},
+    "data.text": {
+        "seq_len", "max_bytes", "eval_fraction", "files", "tokenizer", "eos_token", "cache_dir",
+    },
+    "data.tokens": {"files", "dtype", "seq_len", "eval_fraction"},
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
     "data.synthetic_images": {"image_shape", "num_classes", "signal"},
 }  # fmt: skip

@@ -45,6 +45,8 @@ _CACHE = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
+# Tokenized text's cache (mptrain.data.tokenize) in the session's temp folder, never ~/.cache.
+_CACHE["MPTRAIN_CACHE"] = str(Path(tempfile.gettempdir()) / "mptrain-tests-cache")
 for _key, _value in _CACHE.items():
     os.environ.setdefault(_key, _value)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -11,7 +11,7 @@ import types
 import pytest
 from conftest import ROOT, load_config, tiny_config
 
-from mptrain import curves, launch, loop, metrics
+from mptrain import curves, launch, loop, metrics, models
 from mptrain import trainer as trainer_lib
 from mptrain.models import layers
 
@@ -77,6 +77,17 @@ def test_an_image_classifier_says_nats(tmp_path, name, model):
     trainer = trainer_lib.Trainer(load_config(name, **{"model.name": model}), tmp_path)
     assert trainer.loss_unit == "nats"
     assert loss_line(summary_of(trainer)) == "  final eval loss 1.5000 nats"
+
+
+@pytest.mark.parametrize(
+    ("data", "tokenizer"), [("text", "/t/tokenizer.json"), ("tokens", "bytes"), ("tokens", None)]
+)
+def test_a_language_model_on_tokens_says_nats_per_token(data, tokenizer):
+    config = tiny_config(**{"data.name": data})
+    config.data.tokenizer = tokenizer
+    assert models.loss_unit(config) == "nats/token"
+    config.data.name, config.data.tokenizer = "text", "bytes"
+    assert models.loss_unit(config) == "nats/byte"
 
 
 def test_the_resnet_config_says_nats(tmp_path):
