@@ -36,6 +36,7 @@ tensor (`np.asarray`), so it runs where the params are fully addressable (one pr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -118,10 +119,11 @@ class _Leaf:
     names: tuple[str, ...]
     transposed: bool
     stacked: bool
+    shape: tuple[int, ...]  # one layer's, as the param has it
 
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        one = shape[1:] if self.stacked else shape
-        return tuple(reversed(one)) if self.transposed else tuple(one)
+    @property
+    def hf_shape(self) -> tuple[int, ...]:  # as the file has each of `names`
+        return tuple(reversed(self.shape)) if self.transposed else self.shape
 
 
 def _leaf(keys: tuple[str, ...], shape: tuple[int, ...]) -> _Leaf:
@@ -131,13 +133,14 @@ def _leaf(keys: tuple[str, ...], shape: tuple[int, ...]) -> _Leaf:
     if top == sharding.STACKED and rest in _LAYER_NAMES and shape:
         name, transposed = _LAYER_NAMES[rest]
         names = tuple(_LAYER_PREFIX.format(i) + name for i in range(shape[0]))
-        return _Leaf(path, names, transposed, stacked=True)
+        return _Leaf(path, names, transposed, stacked=True, shape=shape[1:])
     if layer and rest in _LAYER_NAMES:
         name, transposed = _LAYER_NAMES[rest]
-        return _Leaf(path, (_LAYER_PREFIX.format(layer[1]) + name,), transposed, stacked=False)
+        names = (_LAYER_PREFIX.format(layer[1]) + name,)
+        return _Leaf(path, names, transposed, stacked=False, shape=shape)
     if keys in _TOP_NAMES:
         name, transposed = _TOP_NAMES[keys]
-        return _Leaf(path, (name,), transposed, stacked=False)
+        return _Leaf(path, (name,), transposed, stacked=False, shape=shape)
     raise errors.ConfigError(f"params/{path}: no tensor of an HF {hf_io.ARCHITECTURE} maps onto it")
 
 
@@ -184,11 +187,12 @@ def load(path: str | os.PathLike, *, scan_layers: bool = True) -> tuple[dict, di
 def load_params(path: str | os.PathLike, target: Any, *, scan_layers: bool = True) -> Any:
     """The params of the folder at `path` as jax.Arrays with exactly `target`'s shardings and
     dtypes (a pytree of `jax.ShapeDtypeStruct`, e.g. the train state's abstract params: float32
-    masters, or bfloat16 under bf16-pure, rounded to nearest). Each is made by
-    `jax.make_array_from_callback`, so a process reads only the slices its devices hold, and
-    each distinct slice once. `scan_layers` must agree with `target`'s layout. A tensor that is
-    missing, or whose shape disagrees with the target, is a `ConfigError` naming the file, the
-    tensor and both shapes."""
+    masters, or bfloat16 under bf16-pure, rounded to nearest). A process reads only the slices
+    its devices hold, each distinct slice once, and puts it on those devices before reading
+    the next (`jax.make_array_from_single_device_arrays`: `make_array_from_callback` would
+    hold a whole param's slices on the host before the first copy). `scan_layers` must agree
+    with `target`'s layout. A tensor that is missing, or whose shape disagrees with the target,
+    is a `ConfigError` naming the file, the tensor and both shapes."""
     config = read_config(path)
     top = {_keys(p)[0] for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
     if (sharding.STACKED in top) != scan_layers:
@@ -199,15 +203,18 @@ def load_params(path: str | os.PathLike, target: Any, *, scan_layers: bool = Tru
 
     def build(read, t):
         where = t.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        done: dict[tuple, np.ndarray] = {}  # replicated shards are read once
-
-        def shard(index: tuple[slice, ...]) -> np.ndarray:
-            key = tuple(s.indices(n) for s, n in zip(index, t.shape, strict=True))
-            if key not in done:
-                done[key] = read(index)
-            return done[key]
-
-        return jax.make_array_from_callback(t.shape, where, shard)
+        # Devices by the slice they hold: a slice is read once, copied to each device that
+        # holds it (replicas), and dropped; the host holds one device's slice at a time.
+        holders = collections.defaultdict(list)
+        for device, index in where.addressable_devices_indices_map(t.shape).items():
+            holders[tuple(s.indices(n) for s, n in zip(index, t.shape, strict=True))].append(
+                (device, index)
+            )
+        arrays = []
+        for devices in holders.values():
+            part = read(devices[0][1])
+            arrays += [jax.device_put(part, device) for device, _ in devices]
+        return jax.make_array_from_single_device_arrays(t.shape, where, arrays)
 
     return _read_tree(path, config, target, build)
 
@@ -223,7 +230,7 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
     leaves = [_leaf(_keys(p), tuple(t.shape)) for p, t in flat]
     with hf_io.Reader(path) as reader:
         for leaf, (_, t) in zip(leaves, flat, strict=True):
-            want = leaf.hf_shape(tuple(t.shape))
+            want = leaf.hf_shape
             for name in leaf.names:
                 have = reader.shape(name)
                 if have != want:
@@ -242,15 +249,20 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
 
 
 def _read(reader: hf_io.Reader, leaf: _Leaf, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
-    def one(name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The param's `index` slice in `dtype` (bf16 and fp16 widen exactly; fp32 to bf16 rounds
+    to nearest even), read a layer at a time into the one array it returns."""
+    names = leaf.names
+    if leaf.stacked:
+        names = [names[i] for i in range(*index[0].indices(len(names)))]
+        index = index[1:]
+    shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape, strict=True))
+    out = np.empty((len(names), *shape), dtype)
+    for layer, name in enumerate(names):
         if leaf.transposed:  # the kernel's [in, out] slice is the weight's [out, in] one
-            return reader.read(name, index[::-1], dtype).T
-        return reader.read(name, index, dtype)
-
-    if not leaf.stacked:
-        return np.ascontiguousarray(one(leaf.names[0], index))
-    layers = range(*index[0].indices(len(leaf.names)))
-    return np.stack([one(leaf.names[i], index[1:]) for i in layers])
+            hf_io.transpose_into(out[layer], reader.read(name, index[::-1]))
+        else:
+            out[layer] = reader.read(name, index)
+    return out if leaf.stacked else out[0]
 
 
 def _check_unused(reader: hf_io.Reader, leaves: list[_Leaf], config: dict) -> None:
@@ -304,28 +316,30 @@ def save(
                 f"needs {needs}"
             )
         leaf = _leaf(keys, tuple(np.shape(x)))
+        nbytes = int(np.prod(leaf.hf_shape)) * out_dtype.itemsize
         for i, hf_name in enumerate(leaf.names):
-            shape = leaf.hf_shape(tuple(np.shape(x)))
-            get = lambda x=x, i=i, leaf=leaf, n=hf_name: _export(
-                x[i] if leaf.stacked else x, leaf, n, out_dtype
-            )
-            tensors[hf_name] = (hf_name, shape, int(np.prod(shape)) * out_dtype.itemsize, get)
+            get = lambda x=x, i=i, leaf=leaf: _export(x[i] if leaf.stacked else x, leaf, out_dtype)
+            tensors[hf_name] = (hf_name, leaf.hf_shape, nbytes, get)
     ordered = sorted(tensors.values(), key=lambda t: _order(t[0]))
     files = {hf_io.CONFIG_FILE: json.dumps(hf_config, indent=2) + "\n"}
     hf_io.write(Path(path), ordered, max_shard_bytes, files)
 
 
-def _export(x: Any, leaf: _Leaf, name: str, dtype: np.dtype) -> np.ndarray:
-    x = np.asarray(x)
+def _export(x: Any, leaf: _Leaf, dtype: np.dtype) -> np.ndarray:
+    """One layer's param as the file holds it: rounded to `dtype`, transposed for a kernel."""
+    x, out = np.asarray(x), np.empty(leaf.hf_shape, dtype)
     with np.errstate(over="ignore"):  # float16's overflow is told below, with the param's name
-        out = x.astype(dtype)
+        if leaf.transposed:
+            hf_io.transpose_into(out, x)
+        else:
+            out[...] = x
     if dtype == precision.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
         big = float(np.abs(x.astype(np.float32)).max())
         raise errors.ConfigError(
             f"params/{leaf.path}: |value| {big:g} is past float16's range (65504); export "
             "in bfloat16 or float32"
         )
-    return out.T if leaf.transposed else out
+    return out
 
 
 def _order(name: str) -> tuple:

@@ -124,8 +124,8 @@ class Reader:
             )
         return shape
 
-    def read(self, name: str, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
-        """`tensor[index]` in `dtype` (from bf16/fp16/fp32, exact for fp32 and wider)."""
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """`tensor[index]`, in the file's dtype: only those bytes are copied from the file."""
         file = self.file(name)
         try:
             part = self.handle(file).get_slice(name)[index]
@@ -133,7 +133,16 @@ class Reader:
             raise errors.ConfigError(
                 f"{file}: tensor {name} could not be read: {errors.first_line(e)}"
             ) from None
-        return np.asarray(part).astype(dtype, copy=False)
+        return np.asarray(part)
+
+
+def transpose_into(out: np.ndarray, part: np.ndarray) -> None:
+    """`out[...] = part.T` (2-D, cast to `out`'s dtype on the way), a block that fits the
+    cache at a time: 2-3x faster than numpy's strided copy of the whole."""
+    rows, cols = part.shape
+    for i in range(0, rows, 128):
+        for k in range(0, cols, 512):
+            out[k : k + 512, i : i + 128] = part[i : i + 128, k : k + 512].T
 
 
 def read_llama_config(file: Path) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import safetensors.numpy
 from conftest import needs_devices
 from jax.sharding import Mesh
 
-from mptrain import errors, hf, precision, sharding
+from mptrain import errors, hf, hf_io, precision, sharding
 from mptrain.models import llama
 
 FIXTURE = Path(__file__).parent / "hf_fixture"
@@ -414,3 +414,10 @@ def test_load_params_refuses_a_target_that_disagrees_naming_both_shapes():
         hf.load_params(FIXTURE, target)
     with pytest.raises(errors.ConfigError, match="scan_layers=False: the target's params are"):
         hf.load_params(FIXTURE, target, scan_layers=False)
+
+
+def test_the_tiled_transpose_is_numpys_for_shapes_that_are_not_whole_tiles():
+    part = np.random.default_rng(0).normal(size=(300, 1100)).astype(jnp.bfloat16)
+    out = np.empty((1100, 300), np.float32)
+    hf_io.transpose_into(out, part)
+    assert np.array_equal(out, part.T.astype(np.float32))
