@@ -18,10 +18,12 @@ Against the peers:
     state-dict adapter and MaxText's converter permute q/k rows to their interleaved RoPE
     (and back on export); Levanter, like us, keeps HF's order.
   * `load_params` builds each param straight into its sharding: every device's shard is read
-    from its slice of the file (`jax.make_array_from_callback` + safetensors' `get_slice`),
-    each distinct slice once, cast to the target dtype on the way (bf16 -> fp32 exactly). No
-    host holds the whole model, not even one whole tensor of a sharded param. Levanter reads
-    whole tensors before sharding them; torchtitan goes through DCP's HF reader.
+    from its slice of the file (safetensors' `get_slice`), each distinct slice once (replicas
+    share the read), cast to the target dtype on the way (bf16 -> fp32 exactly) and put on
+    its devices before the next is read. No host holds the whole model, nor one whole tensor
+    of a sharded param. Levanter's fsspec reader also reads device slices, but one read per
+    device, and transposes nothing (its linear layers keep torch's [out, in]); torchtitan
+    goes through DCP's HF storage reader and its adapter. The 1B figure: scripts/hf_load_bench.py.
   * `save` shards at 5 GB by default (HF's own default; Levanter's is 10 GB), rounds to the
     export dtype round-to-nearest-even from the fp32 masters, and writes one file's worth of
     tensors at a time.
@@ -70,8 +72,8 @@ _TOP_NAMES = {
     ("head", "kernel"): ("lm_head.weight", True),
 }
 # Tensors some checkpoints carry that no param is made from: RoPE's frequencies (recomputed
-# from the config), and lm_head.weight where the config ties it to the embedding (as
-# transformers does, the embedding is then the head).
+# from the config). lm_head.weight is skipped too where config.json ties it to the embedding,
+# as transformers skips it (`_check_unused`).
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
@@ -316,10 +318,14 @@ def save(
                 f"needs {needs}"
             )
         leaf = _leaf(keys, tuple(np.shape(x)))
+        want.pop(keys)
         nbytes = int(np.prod(leaf.hf_shape)) * out_dtype.itemsize
         for i, hf_name in enumerate(leaf.names):
             get = lambda x=x, i=i, leaf=leaf: _export(x[i] if leaf.stacked else x, leaf, out_dtype)
             tensors[hf_name] = (hf_name, leaf.hf_shape, nbytes, get)
+    if want:
+        missing = "/".join(next(iter(want)))
+        raise errors.ConfigError(f"params/{missing}: missing, and the model config needs it")
     ordered = sorted(tensors.values(), key=lambda t: _order(t[0]))
     files = {hf_io.CONFIG_FILE: json.dumps(hf_config, indent=2) + "\n"}
     hf_io.write(Path(path), ordered, max_shard_bytes, files)

@@ -251,6 +251,21 @@ def test_float16_files_load_exactly_and_an_out_of_range_export_is_refused(tmp_pa
         hf.save(tmp_path / "big", model_config, params, "float16")
 
 
+def test_save_refuses_params_that_disagree_with_the_model_config(tmp_path):
+    model_config, params = hf.load(FIXTURE)
+    untied = {k: v for k, v in params.items() if k != "head"}
+    with pytest.raises(errors.ConfigError, match="params/head/kernel: missing"):
+        hf.save(tmp_path, model_config, untied)
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"params/embed/embedding: shape \[300, 48\], but the model config needs \[256, 48\]",
+    ):
+        hf.save(tmp_path, {**model_config, "vocab_size": 256}, params)
+    with pytest.raises(errors.ConfigError, match="only a llama maps onto HF Llama"):
+        hf.save(tmp_path, {**model_config, "name": "transformer_lm"}, params)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 # ---- what cannot be read: one line naming the file and the key or tensor ------------------
 
 
