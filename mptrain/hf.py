@@ -92,7 +92,7 @@ def _settings(model_config: Any) -> dict[str, Any]:
     if name not in (None, "llama"):
         raise errors.ConfigError(f"config.model.name={name!r}: only a llama maps onto HF Llama")
     with errors.config_errors():
-        return llama._settings(section)
+        return llama.settings(section)
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -269,7 +269,7 @@ CONFIG_KEYS = {
 }
 
 
-def _settings(model_config: Any) -> dict[str, Any]:
+def settings(model_config: Any) -> dict[str, Any]:
     """The keys of `CONFIG_KEYS` as `model_config` sets them; a `ValueError` names a bad one."""
     keys = errors.settings(model_config, CONFIG_KEYS)
     for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff"):
@@ -333,7 +333,7 @@ def create_model(
     memory (the ``*_offloaded`` remat policies need it); ``loss``: ``config.loss``
     (``chunk_tokens``, ``z_loss``); ``fp8``: the projections' matmuls in fp8."""
     with errors.config_errors():
-        keys = _settings(model_config)
+        keys = settings(model_config)
         choice = attention_lib.choose_attention(
             keys["attention"],
             dtype=compute_dtype,
