@@ -184,7 +184,7 @@ def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> 
     except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(e, errors.StorageError):  # hf.save's names a file of the staging folder
-            raise errors.StorageError(f"the export at {out}: {e}") from None
+            e = RuntimeError(str(e))  # its cause, told as the export's
         error = files.storage_error(e, f"the export at {out}")
         if error is None:
             raise

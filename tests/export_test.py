@@ -7,10 +7,18 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from absl import logging
-from conftest import plain_orbax_state, run_cli, run_cli_process, stderr_lines
+from conftest import (
+    assert_trees_bytes_equal,
+    plain_orbax_state,
+    run_cli,
+    run_cli_process,
+    stderr_lines,
+)
 
 from mptrain import checkpoint, export
 
@@ -174,3 +182,96 @@ def test_an_export_gets_the_modes_the_umask_gives(finished_run, tmp_path):
     made = [tmp_path / "out", *(tmp_path / "out").rglob("*")]
     assert {p.stat().st_mode & 0o777 for p in made if p.is_dir()} == {0o755}
     assert {p.stat().st_mode & 0o777 for p in made if p.is_file()} == {0o644}
+
+
+# ---- --format=hf -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """A fine-tune of a copy of the HF fixture on text its own tokenizer.json encodes: the
+    init_from tests' (the same compiled programs), ending at step 20."""
+    from init_from_test import FIXTURE, STEPS, hf_flag, make_text, make_tokenizer, overrides
+
+    base = tmp_path_factory.mktemp("llama")
+    folder = Path(shutil.copytree(FIXTURE, base / "llama"))
+    text = make_text(base / "notes")
+    make_tokenizer(folder, [p.read_text() for p in sorted((base / "notes").iterdir())])
+    flags = overrides(text, base / "cache", steps=STEPS)
+    assert run_cli(base / "run", *flags, config=hf_flag(folder))[0] == 0
+    return base / "run", folder
+
+
+def test_an_hf_export_loads_with_mptrain_hf_bit_identical_in_fp32(llama_run, tmp_path):
+    from mptrain import hf
+
+    workdir, folder = llama_run
+    sidecar = export.export(workdir, tmp_path / "fp32", "float32", format="hf")
+    assert sidecar["format"] == "hf" and sidecar["source"]["step"] == 20
+    model, params = hf.load(tmp_path / "fp32", scan_layers=True)
+    assert model == hf.read_config(folder)
+    master = plain_orbax_state(workdir, 20)["params"]
+    assert_trees_bytes_equal(params, master)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the run's, copied in
+        assert (tmp_path / "fp32" / name).read_bytes() == (folder / name).read_bytes()
+    assert not (tmp_path / "fp32" / "special_tokens_map.json").exists()  # the run had none
+
+    export.export(workdir, tmp_path / "bf16", format="hf")  # the default dtype, bfloat16
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" == _safetensors_dtype(tmp_path / "bf16")
+    _, params = hf.load(tmp_path / "bf16", scan_layers=True)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), master)
+    assert_trees_bytes_equal(params, rounded)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--format=hf"], "--format=hf: the run in"),
+        (["--format=safetensors"], "--format='safetensors'"),
+        (["--format=hf", "--keep_fp32=norm"], "--keep_fp32='norm'"),
+    ],
+)
+def test_an_hf_export_it_cannot_make_is_one_line_exit_2(
+    finished_run, tmp_path, export_cli, args, says
+):
+    code, err = export_cli(f"--workdir={finished_run}", f"--out={tmp_path / 'out'}", *args)
+    assert code == 2
+    _one_line(err, says)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".export-*"))
+
+
+def test_an_hf_export_that_cannot_be_written_is_exit_1_naming_it(llama_run, unwritable, export_cli):
+    folder, says = unwritable
+    code, err = export_cli(f"--workdir={llama_run[0]}", f"--out={folder / 'hf'}", "--format=hf")
+    assert code == 1
+    _one_line(err, str(folder / "hf"), says)
+    assert not list(folder.iterdir())  # nothing half-written left there
+
+
+def _safetensors_dtype(folder) -> str:
+    """The one dtype of the tensors in `folder`/model.safetensors, as a numpy name."""
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", "numpy") as f:
+        names = {f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
+    assert len(names) == 1, names
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[names.pop()]
+
+
+def test_a_failed_write_inside_hf_save_is_told_as_the_exports(
+    llama_run, tmp_path, monkeypatch, export_cli
+):
+    from mptrain import errors, hf
+
+    def full(path, *args, **kwargs):  # hf_io's line for an OSError, naming its file
+        raise errors.StorageError(
+            f"{path}/config.json: could not write: [Errno 28] No space left on device: "
+            f"'{path}/.config.json.partial'"
+        )
+
+    monkeypatch.setattr(hf, "save", full)
+    code, err = export_cli(f"--workdir={llama_run[0]}", f"--out={tmp_path / 'hf'}", "--format=hf")
+    assert code == 1
+    line = _one_line(err, f"could not write the export at {tmp_path / 'hf'}: disk full")
+    assert ".export-" not in line and not list(tmp_path.iterdir())
