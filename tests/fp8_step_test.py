@@ -100,6 +100,7 @@ def test_a_resumed_fp8_run_equals_the_uninterrupted_one(tmp_path):
     assert_trees_bytes_equal(plain_orbax_state(straight, 8), state)
 
 
+@pytest.mark.slow  # make test keeps the resume on one mesh; a 4x2 mesh compiles twice more
 @needs_devices(8)
 def test_an_fp8_checkpoint_from_a_4x2_mesh_resumes_on_one_device(tmp_path):
     wide = _trainer(tmp_path, **{"mesh.data": 4, "mesh.fsdp": 2})

@@ -241,6 +241,7 @@ def _grads(model, policy, mesh, params, batch):
     return fn(*args)[0], fn.lower(*args).compile().as_text()
 
 
+@pytest.mark.slow  # make test-plan reads the same per-layer gathers in the 8B's H100 program
 @needs_devices(4)
 def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
     model = llama.create_model(_config(num_kv_heads=2), jnp.bfloat16)

@@ -26,7 +26,19 @@ from mptrain import nnx_models
 CONFIG = f"--config={ROOT / 'examples' / 'nnx_trainer' / 'config.py'}:tiny"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
+# One preset in make test; the others (a CLI process each, about 15 s cold) in make test-slow.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        pytest.param("fp32", marks=SLOW),
+        "bf16-mixed",
+        pytest.param("fp16-mixed", marks=SLOW),
+        pytest.param("bf16-pure", marks=SLOW),
+    ],
+)
 def test_trains_from_the_command_line_under_every_preset(precision, tmp_path):
     result = run_cli_process(CONFIG, f"--workdir={tmp_path}", f"--config.precision={precision}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -103,8 +103,8 @@ def test_every_injection_site_is_named_with_its_direction(injected, direction):
     "data, fsdp, every_step",
     [
         pytest.param(1, 1, False, id="one_device"),
-        pytest.param(2, 2, False, id="mesh_2x2", marks=needs_devices(4)),
-        pytest.param(1, 1, True, id="every_step"),
+        pytest.param(2, 2, False, id="mesh_2x2", marks=[needs_devices(4), pytest.mark.slow]),
+        pytest.param(1, 1, True, id="every_step", marks=pytest.mark.slow),
     ],
 )
 def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
@@ -187,6 +187,7 @@ def test_off_the_step_is_the_step_without_it(tmp_path, monkeypatch):
     assert lower() == off and len(on) > len(off)
 
 
+@pytest.mark.slow  # an optimisation's check: two per-layer steps compiled
 def test_numbers_read_from_another_tap_equal_numbers_measured(tmp_path, monkeypatch):
     # A value passed from one call's tap straight to another's is measured once; the table
     # must be the one measuring the gradients at every call gives.

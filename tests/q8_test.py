@@ -196,6 +196,7 @@ def test_a_resumed_q8_run_equals_the_uninterrupted_one(tmp_path):
     assert_trees_bytes_equal(plain_orbax_state(straight, 8), state)
 
 
+@pytest.mark.slow  # make test keeps the resume on one mesh; a 4x2 mesh compiles twice more
 @needs_devices(8)
 def test_a_q8_checkpoint_from_a_4x2_mesh_resumes_on_one_device(tmp_path):
     overrides = {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8"}
