@@ -37,6 +37,8 @@ NOT_RUN = {
     "benchmarks": "the full benchmark takes about 16 minutes on this CPU",
     "gpu-benchmarks": "they are sized for a GPU",
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan_test.py",
+    "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
+    "transformers": "it needs PyTorch and transformers, which make test does not install",
 }
 MAX_STEPS = 8
 CONTINUES = "# continues the block above"  # a Python block's first line: it runs on its names
