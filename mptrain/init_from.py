@@ -26,7 +26,10 @@ weights' meaning alone (`RUN_CHOICES`) may differ.
 
 At scale no host holds the whole model: the params are made straight in the state's
 shardings, each process reading only the slices its own devices hold (`hf.load_params` reads
-safetensors slices; `checkpoint.Checkpointer.restore_params`, orbax shards).
+safetensors slices; `checkpoint.Checkpointer.restore_params`, orbax shards). Read before the
+workdir is touched, they share the devices with the fresh state for a moment, until its own
+params are deleted: one more copy of the params (4 bytes a param for fp32 masters) beside
+AdamW's 12, less than the gradients a train step holds beside the state anyway.
 """
 
 from __future__ import annotations
@@ -211,9 +214,9 @@ def _count(params: Any) -> int:
 
 def resume(checkpointer, state, policy, config, pretrained: Pretrained | None = None):
     """`checkpoint.resume`'s `(state, step, meta)`; when the workdir has no checkpoint and
-    `config.init_from` is set, the fresh `state` with `pretrained`'s params (read now, into
-    the state's shardings, when None). The replaced params are deleted first, so the state and
-    the new params are never on the devices twice."""
+    `config.init_from` is set, the fresh `state` with `pretrained`'s params, or, when None
+    (a caller of `Trainer.setup` that did not `read` first), with params read now into the
+    state's shardings. The fresh params are deleted before the new ones take their place."""
     state, step, meta = checkpoint.resume(checkpointer, state, policy, config_lib.to_dict(config))
     if config.get("init_from") is None:
         return state, step, meta
