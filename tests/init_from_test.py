@@ -271,10 +271,12 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(finet
     ]  # fmt: skip
     env = fake_cpu_env(1)
     rng, crashed, kills, trials = random.Random(0), tmp_path / "crashed", [], 4
+    events = lambda: len(list(crashed.glob("events.out.tfevents.*")))  # one a process
     while len(kills) < trials:
+        before = events()
         proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
-        while not list(crashed.glob("events.out.tfevents.*")) and proc.poll() is None:
+        while events() == before and proc.poll() is None:  # until its writer is up: training
             assert time.monotonic() < deadline
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.0))
