@@ -325,7 +325,12 @@ def write(
 
 def _atomic(path: Path, write_fn: Callable[[str], Any]) -> None:
     staging = path.with_name(f".{path.name}.partial")
+    # A file of ours first, so it has the mode every new file gets (0666 less the umask): the
+    # safetensors writer makes its own files 0600, which would hide an export from its readers.
+    os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
+    mode = os.stat(staging).st_mode & 0o777
     write_fn(str(staging))
+    os.chmod(staging, mode)
     os.replace(staging, path)
 
 

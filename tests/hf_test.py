@@ -19,6 +19,7 @@ tells a right load from a wrong one.
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -212,6 +213,16 @@ def test_sharded_folders_are_read_and_written_with_an_index(tmp_path):
     assert _same(got, params)
     hf.save(tmp_path, model_config, params, "float32")  # saved again in one file: no stale shards
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_saved_files_get_the_modes_the_umask_gives(tmp_path):
+    model_config, params = hf.load(FIXTURE)
+    previous = os.umask(0o022)
+    try:
+        hf.save(tmp_path / "out", model_config, params, max_shard_bytes=60_000)
+    finally:
+        os.umask(previous)
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {0o644}
 
 
 def _bf16_bits(x):
