@@ -191,7 +191,7 @@ def test_an_export_gets_the_modes_the_umask_gives(finished_run, tmp_path):
 def llama_run(tmp_path_factory):
     """A fine-tune of a copy of the HF fixture on text its own tokenizer.json encodes: the
     init_from tests' (the same compiled programs), ending at step 20."""
-    from init_from_test import FIXTURE, STEPS, hf_flag, make_text, make_tokenizer, overrides
+    from conftest import FIXTURE, STEPS, hf_flag, make_text, make_tokenizer, overrides
 
     base = tmp_path_factory.mktemp("llama")
     folder = Path(shutil.copytree(FIXTURE, base / "llama"))

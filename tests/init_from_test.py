@@ -21,70 +21,24 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import (
+    FIXTURE,
     ROOT,
+    STEPS,
     assert_trees_bytes_equal,
     checkpoint_steps_on_disk,
     fake_cpu_env,
+    hf_flag,
     load_config,
+    make_text,
+    make_tokenizer,
     needs_devices,
+    overrides,
     plain_orbax_state,
     run_cli,
 )
 
 from mptrain import checkpoint, hf, init_from, sharding
 from mptrain import trainer as trainer_lib
-
-FIXTURE = ROOT / "tests" / "hf_fixture"
-STEPS = 20
-EOT = "<|endoftext|>"
-
-
-def make_tokenizer(folder: Path, texts: list[str], vocab_size: int = 290) -> Path:
-    """A byte-level BPE `tokenizer.json` (with its `tokenizer_config.json`) trained on `texts`:
-    every text encodes, and the vocabulary fits the fixture's 300."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOT}) + "\n")
-    return folder / "tokenizer.json"
-
-
-def make_text(folder: Path) -> str:
-    """A few documents of this repository's prose, as a user's folder of notes; their glob."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for page in ("README.md", "docs/precision.md", "docs/loss-scaling.md"):
-        (folder / Path(page).name).write_text((ROOT / page).read_text())
-    return str(folder / "*.md")
-
-
-def overrides(text: str, cache: Path, steps: int = STEPS, more: dict | None = None) -> list:
-    """The `--config.` flags of the runs here: short and small, the text and its cache."""
-    keys = {
-        "num_train_steps": steps,
-        "batch_size": 2,
-        "data.seq_len": 32,
-        "data.files": text,
-        "data.cache_dir": str(cache),
-        "checkpoint_every_steps": 10,
-        "eval_every_steps": steps,
-        "log_every_steps": 10,
-        "eval_steps": 1,
-    } | (more or {})
-    return [f"--config.{key}={value}" for key, value in keys.items()]
-
-
-def hf_flag(folder) -> str:
-    return f"--config={ROOT / 'configs' / 'llama3.py'}:hf={folder}"
 
 
 @pytest.fixture(scope="module")

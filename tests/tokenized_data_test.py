@@ -12,13 +12,13 @@ import time
 import ml_collections
 import numpy as np
 import pytest
-from conftest import ROOT, load_config
+from conftest import EOT, ROOT, load_config, make_tokenizer
 
 from mptrain import config as config_lib
 from mptrain import errors
 from mptrain.data import text, tokenize, tokens
 
-EOS = "<|endoftext|>"
+EOS = EOT
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "mixed", "precision")
 
 
@@ -31,20 +31,8 @@ def _prose(seed: int, words: int) -> str:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """A byte-level BPE tokenizer of 300 words with GPT-2's end-of-text token, trained here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder = tmp_path_factory.mktemp("tokenizer")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator([_prose(0, 2000)], trainer)
-    bpe.save(str(folder / "tokenizer.json"))
+    make_tokenizer(folder, [_prose(0, 2000)], vocab_size=300)
     return folder
 
 
