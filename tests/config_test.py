@@ -14,7 +14,7 @@ from mptrain import optim, runtime, sharding, train_state
 KEYS = {
     "seed", "precision", "keep_fp32", "matmul_precision", "trainer", "num_train_steps",
     "batch_size", "log_every_steps", "eval_every_steps", "eval_steps", "checkpoint_every_steps",
-    "max_checkpoints_to_keep",
+    "max_checkpoints_to_keep", "checkpoint_async",
     "max_consecutive_skips", "param_rounding", "deterministic", "steps_per_call", "data.prefetch",
     "loss_scale.kind", "loss_scale.init_scale", "loss_scale.growth_interval",
     "loss_scale.growth_factor", "loss_scale.backoff_factor", "loss_scale.min_scale",
