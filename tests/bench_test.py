@@ -26,7 +26,7 @@ report = bench["report"]  # scripts/bench_report.py
         ("lm", "bf16-mixed"),
         ("lm", "fp16-mixed+dyn"),
         ("resnet", "bf16-mixed+dyn"),
-        ("resnet", "bf16-pure"),
+        pytest.param("resnet", "bf16-pure", marks=pytest.mark.slow),
     ],
 )
 def test_the_hand_written_side_trains_the_same_model(model, case, tmp_path):

@@ -305,7 +305,23 @@ def test_the_readmes_own_model_is_the_getting_started_pages():
     assert readme and readme.items() <= files(GETTING_STARTED).items()
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# The pages whose commands cost most (several runs compiled anew each, 15-35 s on a fresh
+# machine) run in make test-slow, so that make test stays under 10 minutes there; the README,
+# the getting-started path and the rest run in make test.
+SLOW_PAGES = (
+    "trainer.md",
+    "models-and-data.md",
+    "precision.md",
+    "multi-host.md",
+    "loss-scaling.md",
+)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES else p for p in PAGES],
+    ids=lambda p: p.name,
+)
 def test_every_command_and_snippet_of_the_page_runs(page, tmp_path, monkeypatch):
     scratch = tmp_path / "page"
     scratch.mkdir()

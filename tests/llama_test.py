@@ -157,7 +157,9 @@ def _unstacked(params, num_layers):
     return rest
 
 
-@pytest.mark.parametrize("remat", ["full", "minimal", "minimal_with_context"])
+@pytest.mark.parametrize(
+    "remat", ["full", "minimal", pytest.param("minimal_with_context", marks=pytest.mark.slow)]
+)
 def test_scan_and_remat_compute_what_unrolled_layers_without_remat_do(remat):
     tokens = _tokens()
     targets = jnp.roll(tokens, -1, axis=1)

@@ -68,6 +68,7 @@ def test_the_tiny_default_trains_and_writes_events_without_tensorflow(tmp_path, 
         assert all(np.isfinite(v) and v > 0 for v in series.values()), (tag, series)
 
 
+@pytest.mark.slow  # a second CLI run; the one above already finds no TensorFlow module loaded
 @pytest.mark.skipif(
     importlib.util.find_spec("tensorflow") is None, reason="needs TensorFlow installed"
 )

@@ -212,7 +212,7 @@ def test_conv_kernels_are_drawn_with_their_fan_in():
     np.testing.assert_allclose(np.std(kernel), np.sqrt(2.0 / (3 * 3 * 64)), rtol=0.05)
 
 
-@pytest.mark.parametrize("keep_fp32", [None, ""])
+@pytest.mark.parametrize("keep_fp32", [None, pytest.param("", marks=pytest.mark.slow)])
 def test_a_large_vocabulary_scatters_under_neither_casting_rule(keep_fp32, tmp_path):
     # Above the one-hot size the embedding gathers, and its gradient is a one-hot matmul in
     # chunks (`layers.embed`), not a scatter-add, whether the table reaches it in fp32 (the

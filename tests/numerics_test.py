@@ -131,6 +131,7 @@ def test_every_skipped_step_of_an_overflowing_fp16_run_names_its_module(
     assert "head (backward)" in caplog.text.split("training went non-finite")[-1]
 
 
+@pytest.mark.slow  # a CLI run with per-layer numerics on; the tables themselves are tested above
 def test_every_log_step_writes_measured_amax_to_tensorboard(tmp_path):
     # Log steps are measured by the replay: TensorBoard must get real numbers at each of them.
     overrides = ["--config.numerics.per_layer=True", "--config.num_train_steps=5"]
@@ -141,6 +142,7 @@ def test_every_log_step_writes_measured_amax_to_tensorboard(tmp_path):
         assert sorted(values) == [2, 4, 5] and min(values.values()) > 0, (direction, values)
 
 
+@pytest.mark.slow  # three steps compiled: make test keeps the sites' names and the report
 def test_tables_measured_on_demand_are_the_tables_measured_always(injected):
     # The trainer measures only log steps and skipped steps, by differentiating once more; the
     # tables it gets must be those of measuring in every step's own gradient, the rest zeros.

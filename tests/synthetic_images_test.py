@@ -142,6 +142,7 @@ def test_the_same_keys_dtypes_and_shapes_as_tfds_under_mock_data(name, tmp_path)
     }
 
 
+@pytest.mark.slow  # 24 steps of training; make test keeps the batches' shapes and purity
 def test_the_classes_are_learnable(tmp_path):
     # The tiny CNN, 24 steps at a higher learning rate: well above chance on held-out batches.
     config = load_config(

@@ -79,7 +79,15 @@ TWO_STEP_RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", TWO_STEP_RUNS)
+# lm_gpt2s and lm_1b are transformer_lm at other sizes (compiled in make test-plan for an H100):
+# their two CPU steps, 10 s each on a fresh machine, run in make test-slow.
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("lm_gpt2s", "lm_1b") else n
+        for n in TWO_STEP_RUNS
+    ],
+)
 def test_two_steps_of_every_tiny_config_run(name, tmp_path, caplog):
     overrides, logged = TWO_STEP_RUNS[name]
     path = ROOT / "examples" / "custom_trainer" / "config.py"
