@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def summary(
         ("curves", workdir / PICTURE),
     ):
         lines.append(f"  {name + ':':18s}{where}")
-    lines.append(f"  tensorboard --logdir {workdir}")
+    lines.append(f"  tensorboard --logdir {shlex.quote(str(workdir))}")  # a shell's words
     return "\n".join(lines)
 
 

@@ -97,7 +97,14 @@ WORKDIR_FOLDERS = ("checkpoints", "numerics")
 
 
 def check_workdir(workdir: str | os.PathLike) -> None:
-    """A `WorkdirError` (exit 2) naming the first path of the workdir that has the wrong kind."""
+    """A `WorkdirError` (exit 2) when the workdir is a folder this process cannot write in (a
+    finished run's made read-only: its `.lock` may still be writable, and is left untouched), or
+    naming the first path of the workdir that has the wrong kind."""
+    if os.path.isdir(workdir) and not _writable(workdir):
+        raise errors.WorkdirError(
+            f"workdir {workdir} is not writable (permission denied, or a read-only filesystem): "
+            "a run writes its record and checkpoints there; use another --workdir"
+        )
     for name in (*WORKDIR_FILES, *WORKDIR_FOLDERS):
         path = os.path.join(workdir, name)
         folder = name in WORKDIR_FOLDERS
@@ -107,6 +114,18 @@ def check_workdir(workdir: str | os.PathLike) -> None:
                 f"{path} is {have} where a run keeps {want} of that name: move it away, or "
                 "use another --workdir"
             )
+
+
+def _writable(directory: str | os.PathLike) -> bool:
+    """Whether a file can be made in `directory`: tried, not `os.access`'d, which says yes to
+    root in a folder without write permission only to fail on a read-only filesystem."""
+    probe = os.path.join(directory, f".mptrain-probe.{secrets.token_hex(4)}.tmp")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError:
+        return False
+    return True
 
 
 def quiet_storage_failures(library: str) -> None:

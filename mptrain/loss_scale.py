@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mptrain import errors, precision
 
@@ -98,12 +99,22 @@ def _scale_tree(tree: Any, factor: jax.Array | None) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, _F32) * factor, tree)
 
 
+def _inf_in_float32(value: float) -> bool:
+    with np.errstate(over="ignore"):
+        return bool(np.isinf(np.float32(value)))
+
+
 def _check_settings(**settings: Any) -> None:
     """Rejects bad Python-number settings by name; arrays (e.g. restored state) pass as they are."""
     settings = {k: v for k, v in settings.items() if isinstance(v, int | float)}
     for key in ("scale", "min_scale", "max_scale"):
         if key in settings:
             errors.check_number(key, settings[key], 0.0, open_low=True)
+            if _inf_in_float32(settings[key]):  # a Python float holds 1e39, the device's not
+                raise ValueError(
+                    f"{key}={settings[key]!r}: inf in float32, the dtype the device keeps it "
+                    f"in; must be at most {float(np.finfo(np.float32).max):g}"
+                )
     for key in ("growth_interval", "hysteresis"):
         if key in settings:
             errors.check_integer(key, settings[key], 1, errors.INT32_MAX, errors.INT32_WHY)
