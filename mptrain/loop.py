@@ -20,7 +20,17 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
-from mptrain import checkpoint, curves, errors, fp8, log_totals, numerics, numerics_log, preemption
+from mptrain import (
+    checkpoint,
+    curves,
+    errors,
+    fp8,
+    log_totals,
+    numerics,
+    numerics_log,
+    preemption,
+    throughput,
+)
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
 from mptrain import metrics as metrics_lib
@@ -147,9 +157,11 @@ class Run:
     started: float = dataclasses.field(default_factory=time.monotonic)
     pending: tuple | None = None  # the newest log step's (step, metrics, totals), not yet read
     fp8_saturated: Any = None  # the fp8 layers' clip counters at the last log step
+    clock: throughput.Clock = dataclasses.field(default_factory=throughput.Clock)  # goodput
 
     def __post_init__(self):
         cfg, main = self.config, jax.process_index() == 0
+        self.clock.spent["set-up and compiles"] = time.monotonic() - self.clock.began
         self.eval_step = _stoppable(self.eval_step)
         # The record resumes like the state: what a crash left past the step resumed from (a
         # log or eval line written after the newest checkpoint) goes, here and in TensorBoard.
@@ -166,6 +178,7 @@ class Run:
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
         self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves
+        self.meter = throughput.create_meter(cfg, self.state, self.start, self.clock)
 
     def report(self, step_no: int, metrics, totals, done: int) -> None:
         """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when
@@ -173,6 +186,7 @@ class Run:
         with allow_transfers():
             metrics, totals = jax.device_get((metrics, totals))
             values = metrics_lib.scalars(metrics) | totals.to_scalars()
+            values |= self.meter.values(step_no)  # the steps up to it are done: timed
             if "fp8_amax" in metrics:  # names from the state's structure: no transfer
                 names = fp8.counter_names(self.state.model_state)
                 values |= fp8.log_values(metrics, names)
@@ -213,7 +227,8 @@ class Run:
         for step_no in range(first + 1, done + 1):  # clu's actions want every step
             for hook in self.hooks:
                 try:
-                    hook(step_no)
+                    with self.clock.section("evaluation and hooks"):
+                        hook(step_no)
                 except EvalStopped as stopped:  # the partial evaluation is dropped
                     logging.warning("mptrain: %s received; checkpointing step %d", stopped, done)
                     self.stop(done, errors.Preempted(done, str(stopped)))
@@ -250,6 +265,8 @@ class Run:
                 self.workdir, self.state, last_eval, seconds, self.config, loss_unit=loss_unit
             )
             print(summary, flush=True)
+            print(f"mptrain: {self.clock.summary()}", flush=True)
+            self.writer.write_scalars(int(self.state.step), {"goodput": self.clock.goodput()})
 
     def save(self, step_no: int) -> None:
         """Host-side. Writes checkpoint `step_no` of `state`, with the log interval's totals so
@@ -259,7 +276,8 @@ class Run:
         with allow_transfers():
             totals = self.totals.replace(numerics=None)  # the scalars, not the layer tables
             meta = {"step": step_no, "log_totals": jax.device_get(totals).to_meta()}
-            self.checkpointer.save(step_no, self.state, meta | self.meta)
+            with self.clock.section("checkpoints"):
+                self.checkpointer.save(step_no, self.state, meta | self.meta)
         self.saved_step = step_no
 
     def stop(self, done: int, error: errors.StopTraining) -> None:
@@ -327,8 +345,9 @@ class Prefetcher:
     changes no result. An error in the thread is raised where the batch is asked for.
     """
 
-    def __init__(self, fetch: Callable[[int], Any], starts: range, depth: int):
+    def __init__(self, fetch: Callable[[int], Any], starts: range, depth: int, clock=None):
         self.fetch, self.starts, self.depth = fetch, starts, depth
+        self.clock = clock or throughput.Clock()  # the time the loop waits for a batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._thread = None
@@ -350,12 +369,16 @@ class Prefetcher:
 
     def __iter__(self):
         if self.depth == 0:
-            yield from (self.fetch(i) for i in self.starts)
+            for i in self.starts:
+                with self.clock.section("data waits"):
+                    batch = self.fetch(i)
+                yield batch
             return
         self._thread = threading.Thread(target=self._fill, name="mptrain-prefetch", daemon=True)
         self._thread.start()
         for _ in self.starts:
-            batch, error = self._queue.get()
+            with self.clock.section("data waits"):
+                batch, error = self._queue.get()
             if error is not None:
                 raise error
             yield batch

@@ -286,7 +286,8 @@ def _fmt_secs(seconds: float) -> str:
 
 
 class ProgressLine:
-    """One live status line (step, loss, scale, steps/s, ETA) when the stream is a terminal.
+    """One live status line (step, loss, scale, tokens/s or examples/s, MFU, steps/s, ETA) when
+    the stream is a terminal.
 
     On a terminal the line is redrawn in place; otherwise nothing is printed, since the log
     lines of the writer already carry the same numbers into files and pipes.
@@ -312,6 +313,11 @@ class ProgressLine:
             parts.append(f"loss_scale {values['loss_scale']:g}")
         if values.get("skipped_steps"):
             parts.append(f"skipped {int(values['skipped_steps'])}")
+        for key, unit in (("tokens_per_s", "tok/s"), ("examples_per_s", "ex/s")):
+            if key in values:
+                parts.append(f"{values[key]:,.0f} {unit}")
+        if "mfu" in values:
+            parts.append(f"MFU {values['mfu']:.1%}")
         if self._rate:
             eta = (self.num_train_steps - step) / self._rate
             parts.append(f"{self._rate:.2f} steps/s ETA {_fmt_secs(eta)}")

@@ -51,6 +51,7 @@ from mptrain import (
     schedules,
     sharding,
     step,
+    throughput,
 )
 from mptrain import config as config_lib
 from mptrain import loss_scale as loss_scale_lib
@@ -100,13 +101,7 @@ class Trainer:
             self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
             run.record(step, self.last_eval, draw=True)
 
-        return [
-            periodic_actions.ReportProgress(
-                num_train_steps=cfg.num_train_steps,
-                writer=run.writer,
-                every_steps=cfg.log_every_steps,
-                every_secs=None,
-            ),
+        return [  # the speed of the steps is `Run.report`'s (`throughput`)
             periodic_actions.PeriodicCallback(
                 every_steps=cfg.eval_every_steps, on_steps=last, callback_fn=evaluate
             ),
@@ -233,7 +228,7 @@ class Trainer:
         """Host-side. Builds everything a run needs, once: the state (the newest valid
         checkpoint's, else with `pretrained`'s params: `init_from.resume`), the compiled steps,
         the writer, checkpointer and hooks. Writes `config.json`; the `Run` is a context manager."""
-        cfg, workdir = self.config, self.workdir
+        cfg, workdir, clock = self.config, self.workdir, throughput.Clock()  # set-up is timed
         state = self.init_state(train_source.get_batch(0))
         with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
@@ -269,6 +264,7 @@ class Trainer:
             saved_step=saved_step,
             calls=calls,
             workdir=workdir,
+            clock=clock,
         )
         run.hooks = self.build_hooks(run)
         metrics_lib.report_start(workdir, state, train_step, self.mesh, start, report)
@@ -299,7 +295,7 @@ class Trainer:
         calls = range(run.start, cfg.num_train_steps, k)
         fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
         depth = loop.prefetch_depth(cfg.data.prefetch, sharding.platform(self.mesh))
-        with loop.Prefetcher(fetch, calls, depth) as batches:
+        with loop.Prefetcher(fetch, calls, depth, run.clock) as batches:
             for first, batch in zip(calls, batches, strict=True):
                 if preemption.reached(done):
                     name = preemption.signal_name
