@@ -137,6 +137,12 @@ def base_config() -> ml_collections.ConfigDict:
     # of differentiating again, only on log and skipped steps, the only tables read (about 1%)
     c.numerics.every_step = False
 
+    # jax.profiler traces into <workdir>/plugins/profile (`python -m mptrain.profile WORKDIR`)
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start_step = 5  # the first step traced, counted from 1 (at least 2)
+    c.profile.num_steps = 0  # steps traced (0: no trace); results are the same traced or not
+    # the record's homes, comma-separated: "tensorboard" (always), "wandb", "mlflow" (loggers.py)
+    c.log_to = "tensorboard"
     # Several processes (hosts): every process runs the same command with its own process_id.
     # All None: one process, or JAX's auto-detection when a cluster (Slurm, Open MPI, Cloud TPU)
     # reports several.
@@ -193,6 +199,11 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
     if _get(config, "data.prefetch") is not None:
         why = "batches made further ahead only hold memory: the step takes one call's at a time"
         errors.check_integer("data.prefetch", config.data.prefetch, 0, 64, why)
+    if errors.check_integer("profile.num_steps", _get(config, "profile.num_steps"), 0):
+        errors.check_integer("profile.start_step", _get(config, "profile.start_step"), 2)
+    names = set(str(_get(config, "log_to")).replace(" ", "").split(",")) - {""}
+    if bad := names - {"tensorboard", "wandb", "mlflow"}:
+        raise ValueError(f"log_to={config.log_to!r}: {', '.join(bad)} not tensorboard|wandb|mlflow")
     for key in ("model.name", "data.name"):
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():

@@ -28,6 +28,7 @@ KEYS = {
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "loss.chunk_tokens", "loss.z_loss", "init_from",
+    "profile.start_step", "profile.num_steps", "log_to",
 }  # fmt: skip
 
 
