@@ -54,7 +54,6 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mptrain import checkpoint_meta, errors, files, fingerprints, version
-from mptrain import config as config_lib
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -84,8 +83,12 @@ class Checkpointer:
     """Saves and restores `(state, meta)` pairs under `directory`, one folder per step.
 
     `max_to_keep`: how many of the newest checkpoints to keep (None: all). `async_save`: when
-    True, `save` returns once the arrays are copied off the device and the files are written in
-    the background; call `wait()` (or `close()`) before relying on them. `read_only`: for
+    True, `save` returns once the state's fingerprint is taken and its arrays are copied to host
+    memory, and orbax writes the files in the background while training goes on (the state may
+    then be donated to the next step); `check()` between steps raises a failed write's
+    `StorageError` as soon as it is known, `wait()` (or `close()`) blocks until the files are
+    durable. Every read (`restore`, `read_meta`, `restore_params`) waits first: no checkpoint is
+    read before it is complete. `read_only`: for
     readers of another run's directory; nothing is created, pruned or written. Every process of
     a multi-host job must call `save` and `restore` together.
     """
@@ -218,6 +221,7 @@ class Checkpointer:
     def read_meta(self, step: int) -> dict:
         """Checkpoint `step`'s meta, checked; InvalidCheckpointError says what is wrong."""
         path = os.path.join(self.directory, str(step), META_ITEM)
+        self.wait()  # never read a checkpoint still being written
         try:
             meta = self._manager.restore(
                 step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()})
@@ -234,6 +238,7 @@ class Checkpointer:
         shards. The fingerprint covers the whole state: callers check `read_meta`'s `arrays`."""
         to_args = lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, dtype=x.dtype)
         args = {"params": jax.tree.map(to_args, abstract_params)}
+        self.wait()
         item = ocp.args.PyTreeRestore({"params": abstract_params}, args, partial_restore=True)
         try:
             state = self._manager.restore(step, args=ocp.args.Composite(state=item))["state"]
@@ -262,6 +267,16 @@ class Checkpointer:
         if bad:
             raise InvalidCheckpointError(f"non-finite params in {', '.join(bad)}")
         return state, meta
+
+    def in_flight(self) -> int | None:
+        """The step of an asynchronous save whose files are still being written, or None."""
+        return self._pending if self._manager.is_saving_in_progress() else None
+
+    def check(self) -> None:
+        """Host-side and cheap enough for every step: raises the `StorageError` of a background
+        save as soon as it has failed, without waiting for one still being written."""
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves (and deletions of old steps) are done."""
@@ -323,41 +338,11 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     if restored is not None:
         state, meta = restored
         step = int(meta["step"])
-        _check_resumable(meta, str(policy), config, f"{checkpointer.directory}/{step}")
+        checkpoint_meta.check_resumable(
+            meta, str(policy), config, f"{checkpointer.directory}/{step}"
+        )
     checkpointer.remove_leftovers()
     return state, step, meta
-
-
-def _check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
-    """Raises `ConfigError` when `config` cannot continue the checkpoint at `where`. A model key
-    that only one of the two configs has (another mptrain version's) is not a difference."""
-    saved, new = (meta.get("config") or {}).get("model"), config.get("model")
-    both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
-    changed = config_lib.changes(meta.get("config") or {}, config)
-    model = [key for key in changed if key.startswith("model.") and key.split(".")[1] in both]
-    step, wanted, problem = meta["step"], config.get("num_train_steps"), None
-    if meta.get("policy") not in (None, policy):
-        problem = (
-            f"config.precision={config.get('precision')!r}: the checkpoint {where} was trained "
-            f"with precision '{meta['policy']}', the config asks for '{policy}'; resuming would "
-            "recast the master params. Resume with the old precision"
-        )
-    elif model:
-        (old, new), more = changed[model[0]], len(model) - 1
-        problem = (
-            f"config.{model[0]}={new!r}: the checkpoint {where} was trained with {model[0]}="
-            f"{old!r}{f' (and {more} more model keys)' if more else ''}; its weights would be "
-            f"misread by another model. Resume with --config.{model[0]}={old!r}"
-        )
-    elif isinstance(wanted, int) and wanted < step:
-        problem = (
-            f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "
-            f"resume with num_train_steps >= {step}"
-        )
-    if problem:
-        raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
-    for key, (old, new) in changed.items():
-        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
 
 
 # --------------------------------------------------------------------------- export

@@ -5,11 +5,17 @@ state's fingerprint, and `arrays`, each array leaf's `"dtype[shape]"` by path
 (`fingerprints.array_specs`). The checks here read only that JSON, so a checkpoint that cannot
 fit is refused before a byte of its arrays is read: by a resume (the whole state) and by a new
 run initialised from it (`init_from`: the params, whose dtype may change on the way in).
+`check_resumable` says whether a config may continue a checkpoint (the same model and policy).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from absl import logging
+
+from mptrain import config as config_lib
+from mptrain import errors
 
 # What a meta holds; without it a meta is corrupt, skipped like corrupt arrays (not a KeyError).
 REQUIRED = dict(step=int, fingerprint=str, arrays=dict, config=dict | None, policy=str | None)
@@ -45,3 +51,35 @@ def shown(diffs: list[str], limit: int = 5) -> str:
     """The first `limit` of `differences`, joined, and how many more there are."""
     more = f"; and {len(diffs) - limit} more" if len(diffs) > limit else ""
     return "; ".join(diffs[:limit]) + more
+
+
+def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
+    """Raises `ConfigError` when `config` cannot continue the checkpoint at `where`. A model key
+    that only one of the two configs has (another mptrain version's) is not a difference."""
+    saved, new = (meta.get("config") or {}).get("model"), config.get("model")
+    both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
+    changed = config_lib.changes(meta.get("config") or {}, config)
+    model = [key for key in changed if key.startswith("model.") and key.split(".")[1] in both]
+    step, wanted, problem = meta["step"], config.get("num_train_steps"), None
+    if meta.get("policy") not in (None, policy):
+        problem = (
+            f"config.precision={config.get('precision')!r}: the checkpoint {where} was trained "
+            f"with precision '{meta['policy']}', the config asks for '{policy}'; resuming would "
+            "recast the master params. Resume with the old precision"
+        )
+    elif model:
+        (old, new), more = changed[model[0]], len(model) - 1
+        problem = (
+            f"config.{model[0]}={new!r}: the checkpoint {where} was trained with {model[0]}="
+            f"{old!r}{f' (and {more} more model keys)' if more else ''}; its weights would be "
+            f"misread by another model. Resume with --config.{model[0]}={old!r}"
+        )
+    elif isinstance(wanted, int) and wanted < step:
+        problem = (
+            f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "
+            f"resume with num_train_steps >= {step}"
+        )
+    if problem:
+        raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
+    for key, (old, new) in changed.items():
+        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
