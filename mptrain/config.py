@@ -43,8 +43,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every_steps = 500  # save every this many steps, and always at the last step
     c.max_checkpoints_to_keep = 3  # older checkpoints are deleted
     # write checkpoints in the background (orbax's async save): the step goes on once the state
-    # is copied to host memory; False blocks each save until its files are durable
-    c.checkpoint_async = True
+    # is copied to host memory. None: on for GPUs and TPUs, off for CPUs, whose step shares the
+    # memory and cores the write uses (`checkpoint.use_async`); False blocks each save
+    c.checkpoint_async = config_dict.placeholder(bool)
     c.max_consecutive_skips = 25  # stop (exit 3) after this many non-finite steps in a row
     # steps per dispatch: k > 1 runs k steps in one compiled call (a scan over k stacked
     # batches), with the same results as k single steps, for steps shorter than the host's
