@@ -79,6 +79,17 @@ def _summary(error: Exception, limit: int = 300) -> str:
     return f"{type(error).__name__}: {first[:limit]}{' ...' if len(first) > limit else ''}"
 
 
+def use_async(setting: bool | None, platform: str) -> bool:
+    """`config.checkpoint_async`, with None resolved for the devices' `platform`: background
+    saves on an accelerator, whose state is copied to host memory and written by host cores the
+    step does not use; foreground saves on a CPU, where the copy and the write share the step's
+    memory and cores (scripts/checkpoint_stall.py: the steps during a background write lost
+    more than the save call it shortened)."""
+    if setting is not None:
+        return bool(setting)
+    return platform != "cpu"
+
+
 class Checkpointer:
     """Saves and restores `(state, meta)` pairs under `directory`, one folder per step.
 

@@ -124,6 +124,20 @@ def test_check_raises_a_failed_background_write_once_it_is_over(tmp_path, monkey
         assert_trees_bytes_equal(reopened.restore(jax.eval_shape(lambda: state))[0], state)
 
 
+@pytest.mark.parametrize(
+    "setting, platform, expected",
+    [
+        (None, "gpu", True),
+        (None, "tpu", True),
+        (None, "cpu", False),
+        (True, "cpu", True),
+        (False, "gpu", False),
+    ],
+)
+def test_checkpoint_async_is_on_by_default_on_accelerators(setting, platform, expected):
+    assert checkpoint.use_async(setting, platform) is expected
+
+
 def _async_runs(monkeypatch) -> None:
     """The trainer's checkpointer saves in the background (what config.checkpoint_async asks)."""
     monkeypatch.setattr(
