@@ -5,7 +5,6 @@ with async saves are `make test-slow`'s (tests/crash_test.py, tests/fault_tolera
 
 import asyncio
 import errno
-import functools
 import json
 import os
 import threading
@@ -138,13 +137,16 @@ def test_checkpoint_async_is_on_by_default_on_accelerators(setting, platform, ex
     assert checkpoint.use_async(setting, platform) is expected
 
 
-def _async_runs(monkeypatch) -> None:
-    """The trainer's checkpointer saves in the background (what config.checkpoint_async asks)."""
-    monkeypatch.setattr(
-        checkpoint,
-        "Checkpointer",
-        functools.partial(checkpoint.Checkpointer, async_save=True),
-    )
+def _async_runs(monkeypatch) -> tuple[str, ...]:
+    """The trainer's checkpointer saves in the background, as `--config.checkpoint_async=True`
+    (returned, for the command line) asks on any platform."""
+    real = checkpoint.Checkpointer
+
+    def background(*args, **kwargs):
+        return real(*args, **{**kwargs, "async_save": True})
+
+    monkeypatch.setattr(checkpoint, "Checkpointer", background)
+    return ("--config.checkpoint_async=True",)
 
 
 def _history_steps(workdir) -> list[int]:
@@ -168,11 +170,11 @@ def straight(tmp_path_factory):
 
 
 def test_a_run_trains_on_while_its_checkpoint_is_written(tmp_path, monkeypatch, capsys, straight):
-    _async_runs(monkeypatch)
+    flags = _async_runs(monkeypatch)
     # Checkpoint 4 is held unfinished until the run has logged step 7: a run that waited for
     # its save would never get there, and the hold would end unmet after 20 s.
     seen = _hold_finalize(monkeypatch, 4, lambda: max(_history_steps(tmp_path), default=0) >= 7)
-    code, err = run_cli(tmp_path, *_RUN, "--config.checkpoint_every_steps=4", capsys=capsys)
+    code, err = run_cli(tmp_path, *_RUN, *flags, "--config.checkpoint_every_steps=4", capsys=capsys)
     assert code == 0, err
     assert seen == {"held": True, "released": True}
     assert_trees_bytes_equal(plain_orbax_state(tmp_path, 8), plain_orbax_state(straight, 8))
@@ -182,9 +184,9 @@ def test_a_run_trains_on_while_its_checkpoint_is_written(tmp_path, monkeypatch, 
 def test_a_failed_background_write_stops_the_run_in_one_line(
     tmp_path, monkeypatch, capsys, straight
 ):
-    _async_runs(monkeypatch)
+    flags = _async_runs(monkeypatch)
     _fail_writes(monkeypatch, 4)
-    code, err = run_cli(tmp_path, *_RUN, "--config.checkpoint_every_steps=2", capsys=capsys)
+    code, err = run_cli(tmp_path, *_RUN, *flags, "--config.checkpoint_every_steps=2", capsys=capsys)
     assert code == 1, err
     (line,) = [line for line in stderr_lines(err) if line.startswith("mptrain")]
     assert f"{tmp_path}/checkpoints/4" in line and "disk full" in line and "steps [2]" in line
