@@ -105,6 +105,87 @@ def collectives(source: str | program.Program, per: int = 1) -> dict[str, dict[s
     return {op: {d: int(b // per) for d, b in by.items()} for op, by in found.items()}
 
 
+def _first_group(attributes: str) -> list[int] | int | None:
+    """The device ids of a collective's first replica group where XLA lists them or writes
+    them as an iota (`[2,4]<=[4,2]T(1,0)`), else only its size (`_group_size`)."""
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if listed:
+        return [int(i) for i in listed.group(1).split(",") if i]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attributes)
+    if iota:
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+        return ids.reshape(int(iota.group(1)), int(iota.group(2)))[0].tolist()
+    return _group_size(attributes)
+
+
+# what a ring sends per device, in units of the op's whole tensor, over a group of g
+_WIRE = {"all-gather": 1.0, "reduce-scatter": 1.0, "all-reduce": 2.0, "all-to-all": 1.0}
+
+
+def traffic(prog: program.Program, link_fn, devices: int, per: int = 1) -> dict[str, dict]:
+    """`{link name: {"bytes": ..., "seconds": ...}}`: what each device sends a step over each
+    kind of link, and how long that takes at the link's rate, `devices` in all. `link_fn(group)`
+    names the slowest link a group crosses and its bytes/s each way (`target.Target.link`). A
+    ring over g devices sends (g-1)/g of the whole tensor in an all-gather, a reduce-scatter or
+    an all-to-all, twice that in an all-reduce; a collective-permute sends its tensor once. The
+    seconds assume nothing overlaps them with compute: the collectives' side of the floor."""
+    found: dict[str, dict[str, float]] = {}
+    for inst, runs in prog.instructions():
+        op = inst.opcode.removesuffix("-start")
+        if op not in COLLECTIVES:
+            continue
+        group = _first_group(inst.attributes)
+        size = len(group) if isinstance(group, list) else group
+        if size is None:
+            size = group = devices  # `{}`: one group of every device
+        if size <= 1 and op != "collective-permute":
+            continue
+        parts = program.top_level(inst.type)
+        if inst.opcode != op and op in ("all-gather", "reduce-scatter"):
+            half = len(parts) // 2
+            parts = parts[half:] if op == "all-gather" else parts[:half]
+        moved = sum(b for _, b in _array_bytes(" ".join(parts)))
+        if op == "reduce-scatter" and inst.opcode == op:
+            moved *= size  # the result is a shard: the whole tensor is g of them
+        wire = moved * (_WIRE[op] * (size - 1) / size if op in _WIRE else 1.0) * runs / per
+        name, rate = link_fn(group)
+        entry = found.setdefault(name, {"bytes": 0.0, "seconds": 0.0, "rate": rate})
+        entry["bytes"] += wire
+        entry["seconds"] += wire / rate if rate else 0.0
+    return found
+
+
+_ATTENTION_NAME = re.compile(r"attn|attention|softmax", re.IGNORECASE)
+
+
+def attention(prog: program.Program, length: int | None, per: int = 1) -> dict:
+    """`program.Program.attention` (which fused kernel runs, its calls), with the `[.., L, L]`
+    buffers of a materialised attention counted only where they are attention scores: an
+    array whose last two dims are both `length`, at least two of them, written by an op JAX
+    names as attention's (its module path or source line says attn, attention or softmax). A
+    shape alone cannot tell: a LayerNorm's `[B, L, D]` or a scan's `[layers, B, L, D]` with
+    D = L has it too (the tiny config's width and length are both 32; Llama 8B at 4,096)."""
+    found = prog.attention(None, per)
+    count, size, sites = 0.0, 0, set()
+    for inst, runs in prog.kernels() if length else ():
+        named = f"{inst.attribute('op_name') or ''} {prog.where(inst)}"
+        if not _ATTENTION_NAME.search(named):
+            continue
+        for dtype, dims in program.arrays(inst.type):
+            if len(dims) >= 3 and dims[-2:] == (length, length) and np.prod(dims) >= 2 * length**2:
+                count, size = count + runs / per, size + program.nbytes(dtype, dims)
+                sites.add(prog.where(inst))
+    name = found["implementation"]  # as it reads with no buffers
+    if count:
+        fused = found["forward_calls"]
+        name = name.removesuffix(", no [B, H, L, L] buffer") if fused else "materialized"
+    found |= {"implementation": name, "buffers": count, "buffer_bytes": size}
+    return found | {"buffer_sites": sorted(sites)}
+
+
 # --------------------------------------------------------------------------- GPU hazards
 
 SCATTERS = {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}

@@ -34,12 +34,11 @@ import sys
 import time
 from typing import Any
 
-from mptrain import errors, hlo, program, roofline
+from mptrain import errors, hlo, plan_memory, program, roofline
 from mptrain import target as target_lib
 
 EXIT_DOES_NOT_FIT = 4
 GiB = 2**30
-PREALLOCATED = 0.75  # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
 TARGETS = target_lib.targets()  # every target by name, from mptrain/targets/*.toml
 
 
@@ -58,7 +57,10 @@ class Plan:
     precision: str
     steps_per_call: int
     memory: dict[str, int]
-    capacity: int
+    capacity: int  # the bytes the run will have: the device's, times `share`
+    share: dict[str, Any]  # {"fraction": 0.75, "why": "JAX's default ...", "device": bytes}
+    xla_remat: dict[str, Any]  # XLA's own rematerialisation: {} where it did none
+    state_bytes_per_param: float  # params and optimizer state, all devices, per parameter
     largest: list[dict[str, Any]]
     matmul_flops: dict[str, float]
     offenders: list[dict[str, Any]]
@@ -83,6 +85,13 @@ class Plan:
         total, share = self.memory["total"] / GiB, self.memory["total"] / self.capacity
         if self.fits:
             return f"fits, {100 * share:.0f}% of {self.capacity / GiB:.1f} GiB"
+        if self.memory["total"] <= self.share["device"]:
+            return (
+                f"does not fit the {self.capacity / GiB:.1f} GiB the run will have "
+                f"({self.share['why']}): needs {total:.1f} GiB; {plan_memory.MEM_FRACTION}="
+                f"{math.ceil(100 * self.memory['total'] / self.share['device']) / 100:.2f} "
+                "would give it that"
+            )
         where = "; ".join(
             f"{b['count']:g} x {b['array']} ({b['bytes'] / GiB:.2f} GiB) at {b['where']}"
             for b in self.largest[:3]
@@ -97,80 +106,19 @@ class Plan:
         return json.dumps(data, indent=2)
 
     def __str__(self) -> str:
-        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh.items())
-        lines = [
-            f"plan: {self.precision} on {self.devices} x {self.description} ({self.target}), "
-            f"mesh {mesh}",
-            f"  per device and per step; compiled for the target on this host in "
-            f"{self.compile_seconds:.1f} s (jax {self.jax_version}); nothing ran",
-            "",
-            "memory                          GiB",
-        ]
-        for part in ("params", "optimizer", "other_state", "inputs", "temporaries", "outputs"):
-            lines.append(f"  {part.replace('_', ' '):<24} {self.memory[part] / GiB:9.3f}")
-        lines.append(f"  {'total':<24} {self.memory['total'] / GiB:9.3f}   {self.verdict()}")
-        if self.memory.get("host"):
-            host = self.memory["host"] / GiB
-            lines.append(f"  {'host (pinned), apart':<24} {host:9.3f}   offloaded activations")
-        lines += ["", "largest buffers the kernels write (count x type, GiB each, where):"]
-        lines += [
-            f"  {b['count']:>5g} x {b['array']:<26} {b['bytes'] / GiB:7.3f}  {b['where']}"
-            for b in self.largest[:5]
-        ]
-        total = sum(self.matmul_flops.values()) or 1.0
-        kept = f"; {len(self.kept_fp32)} params kept fp32" if self.kept_fp32 else ""
-        lines += ["", f"matmul FLOPs by operand dtype{kept}:"]
-        for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {dtype:<24} {flops / 1e12:10.3f} TFLOP  {100 * flops / total:6.2f}%")
-        lines += [
-            f"  not in the compute dtype: {o['where']} ({o['dtype']})" for o in self.offenders
-        ]
-        att = self.attention
-        lines += ["", f"attention: {att['implementation']}"]
-        if att["buffers"]:
-            lines.append(
-                f"  {att['buffers']:g} [.., L, L] buffers ({att['buffer_bytes'] / GiB:.2f} GiB in "
-                f"all) at {', '.join(att['buffer_sites'])}"
-            )
-        lines += ["", "hazards (scatters; 16-bit sums across devices):"]
-        lines += [
-            f"  {h['kind']:<16} {h['op']:<22} {h['dtype']:<9} x{h['count']:g}  {h['where']}"
-            for h in self.hazards
-        ] or ["  none"]
-        lines += ["", "collectives (bytes a step):"]
-        for op, by_dtype in sorted(self.collectives.items()):
-            lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
-            sites = self.collective_sites.get(op, [])
-            lines += (
-                [f"    at {', '.join(sites[:4])}" + (", ..." if len(sites) > 4 else "")]
-                if sites
-                else []
-            )
-        lines += [] if self.collectives else ["  none"]
-        floor = self.floor
-        lines += [
-            "",
-            f"kernels: {self.kernels:,.0f} a step (a lower bound: a library call may launch "
-            "several)",
-            "",
-            "roofline floor: the least time this chip's peaks allow, NOT a measurement",
-            f"  compute {total / 1e12:9.3f} TFLOP at "
-            + ", ".join(f"{p / 1e12:.0f} TFLOP/s ({d})" for d, p in floor["peaks"].items())
-            + f": {1e3 * floor['compute_s']:.3f} ms",
-            f"  memory  {self.bytes_moved / 1e9:9.3f} GB read and written at "
-            f"{floor['bandwidth'] / 1e12:.2f} TB/s: {1e3 * floor['memory_s']:.3f} ms",
-            f"  floor   {1e3 * floor['floor_s']:.3f} ms a step, {floor['bound']}-bound: at most "
-            f"{100 * floor['mfu']:.0f}% MFU (of {floor['mfu_peak'] / 1e12:.0f} TFLOP/s, "
-            f"{floor['mfu_dtype']})",
-        ]
-        lines += [""] + [f"note: {note}" for note in self.notes] if self.notes else []
-        return "\n".join(lines) + "\n"
+        from mptrain import plan_report
+
+        return plan_report.render(self)
 
 
-def plan(config, target: str | target_lib.Target, devices: int | None = None) -> Plan:
+def plan(
+    config, target: str | target_lib.Target, devices: int | None = None, check_remat=True
+) -> Plan:
     """The `Plan` of `config` on `devices` devices of `target` (a name from `TARGETS`, or a
     `target.Target`); a `ConfigError` for a bad config, target or device count, or a compiler
-    that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`)."""
+    that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`).
+    With `check_remat`, a GPU step near XLA's memory limit is compiled a second time without
+    XLA's own rematerialisation, to report the FLOPs it recomputes (`Plan.xla_remat`)."""
     import jax
 
     from mptrain import config as config_lib
@@ -179,15 +127,28 @@ def plan(config, target: str | target_lib.Target, devices: int | None = None) ->
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     with errors.config_errors():
         runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
+    if devices is not None and named is not None and devices != named:
+        raise errors.ConfigError(
+            f"--target={target} names {named} devices and --devices={devices}: give one count"
+        )
+    if devices is not None and devices < 1:
+        raise errors.ConfigError(f"--devices={devices}: a plan is for 1 device or more")
     count = devices or named or math.prod(max(n, 1) for n in (config.mesh.data, config.mesh.fsdp))
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)
     trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
+    share = plan_memory.share(chip)
     started = time.monotonic()
     traced, state, sample = _trace(trainer)
-    compiled = traced.lower().compile()
+    lowered = traced.lower()
+    compiled, log = plan_memory.compile_logged(lowered)
     seconds = time.monotonic() - started
-    return _read(chip, trainer, compiled, state, sample, seconds, jax.__version__)
+    result = _read(chip, trainer, compiled, state, sample, seconds, jax.__version__, share)
+    result.xla_remat = plan_memory.logged_remat(log)
+    near = result.memory["total"] > 0.6 * chip.memory_bytes  # where XLA may have recomputed
+    if check_remat and chip.platform == "gpu" and (result.xla_remat or near):
+        result.xla_remat = plan_memory.recompute(result, lowered, trainer)
+    return result
 
 
 def _trace(trainer) -> tuple[Any, Any, dict]:
@@ -217,6 +178,14 @@ def _trace(trainer) -> tuple[Any, Any, dict]:
     return jitted.trace(state, batches, totals), state, sample
 
 
+def _global_bytes(tree: Any) -> int:
+    """Bytes of an abstract tree, all devices' shards together."""
+    import jax
+    import numpy as np
+
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _shard_bytes(tree: Any) -> int:
     """Bytes of one device's shards of an abstract tree."""
     import jax
@@ -229,8 +198,10 @@ def _shard_bytes(tree: Any) -> int:
     return total
 
 
-def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) -> Plan:
+def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, share) -> Plan:
     """The `Plan` read off the compiled program (see the module doc)."""
+    import jax
+
     config, policy, k = trainer.config, trainer.policy, trainer.config.steps_per_call
     text = compiled.as_text()
     prog = program.Program(text)
@@ -253,7 +224,8 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
     flops, moved = matmuls["flops"], roofline.bytes_moved(prog, k)
     hazards = hlo.compiled_hazards(prog, k)
     notes = [hlo.warning(h) for h in hazards if h.kind == "16-bit"]
-    notes += _notes(chip, config, memory["total"], flops, matmuls["fp8_kernels"])
+    notes += _notes(chip, config, flops, matmuls["fp8_kernels"])
+    network = hlo.traffic(prog, chip.link, trainer.mesh.size, k)
     return Plan(
         target=chip.name,
         description=chip.description,
@@ -262,19 +234,23 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str) 
         precision=str(config.precision),
         steps_per_call=k,
         memory=memory,
-        capacity=chip.memory_bytes,
+        capacity=int(share["fraction"] * chip.memory_bytes),
+        share=share,
+        xla_remat={},
+        state_bytes_per_param=_global_bytes((state.params, state.opt_state))
+        / max(1, sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
         largest=prog.largest(k),
         matmul_flops=flops,
         offenders=matmuls["offenders"],
         fp8_kernels=matmuls["fp8_kernels"],
-        attention=prog.attention(_length(sample), k),
+        attention=hlo.attention(prog, _length(sample), k),
         hazards=[dataclasses.asdict(h) for h in hazards],
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
         kept_fp32=policy.kept_fp32_paths(state.params),
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
-        floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name),
+        floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),
         notes=notes,
         compile_seconds=round(seconds, 1),
         jax_version=version,
@@ -299,16 +275,11 @@ def _length(sample: Any) -> int | None:
     return inputs.shape[-1] if tokens else None
 
 
-def _notes(chip, config, total: int, flops: dict[str, float], lowered) -> list[str]:
+def _notes(chip, config, flops: dict[str, float], lowered) -> list[str]:
     """What a reader of the plan should know beyond its tables."""
     from mptrain import runtime
 
     notes = []
-    if chip.platform == "gpu" and PREALLOCATED * chip.memory_bytes < total <= chip.memory_bytes:
-        notes.append(
-            f"above the {100 * PREALLOCATED:.0f}% of GPU memory JAX takes by default: run "
-            "with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (or XLA_PYTHON_CLIENT_PREALLOCATE=false)"
-        )
     if lowered:
         kinds = ", ".join(f"{n:g} as {kind}" for kind, n in sorted(lowered.items()))
         notes.append(
@@ -341,60 +312,14 @@ def _notes(chip, config, total: int, flops: dict[str, float], lowered) -> list[s
     return notes
 
 
-def _usage(flag_values) -> str:
-    names = ", ".join(sorted(TARGETS))
-    return (
-        "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
-        "[--json=PATH] [--config.KEY=VALUE ...]\n\n"
-        "Compiles the run's train step for an accelerator that need not be here and reports "
-        "its memory, dtypes, hazards and roofline floor. Exit codes: 0 it fits, 4 it does not, "
-        f"2 bad usage, config or target.\n\ntargets: {names} (a TPU name may carry its "
-        "chip count, e.g. v5e-8)\n\nflags:\n"
-        + "\n".join(
-            f"  --{n}: {flag_values[n].help}" for n in ("config", "target", "devices", "json")
-        )
-        + "\n"
-    )
+def fit(config, target: str | target_lib.Target, devices: int | None = None):
+    """The search of `python -m mptrain.plan --fit` as data: `mptrain.fit.fit` (see there)."""
+    from mptrain import fit as fit_lib
 
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (see the module doc); returns the exit code."""
-    target_lib.compile_only()  # no backend looks for a driver: this process only compiles
-    from absl import flags, logging
-
-    from mptrain import main as main_lib
-
-    argv = list(sys.argv if argv is None else argv)
-
-    def define(fv) -> None:
-        flags.DEFINE_string("target", None, "The accelerator, e.g. h100 or v5e-8.", flag_values=fv)
-        flags.DEFINE_integer(
-            "devices",
-            None,
-            "Devices of the target (default: the config's mesh, else 1).",
-            flag_values=fv,
-        )
-        flags.DEFINE_string("json", None, "Also write the plan as JSON here.", flag_values=fv)
-
-    flag_values = main_lib.parse_flags(argv, _usage, define)
-    if flag_values is None:  # --help
-        return errors.EXIT_OK
-    if not flag_values.target:
-        main_lib.usage_error(f"--target is required; known targets: {', '.join(sorted(TARGETS))}")
-    logging.set_verbosity(logging.WARNING)
-    try:
-        result = plan(flag_values.config, flag_values.target, flag_values.devices)
-    except errors.ConfigError as e:
-        main_lib.usage_error(str(e))
-    if not result.fits:
-        sys.stdout.write(result.verdict() + "\n\n")
-    sys.stdout.write(str(result))
-    if flag_values.json:
-        from mptrain import files
-
-        files.write_json(flag_values.json, json.loads(result.to_json()))
-    return errors.EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
+    return fit_lib.fit(config, target, devices)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mptrain import plan_cli
+
+    sys.exit(plan_cli.main())

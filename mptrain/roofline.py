@@ -5,10 +5,11 @@ GEMM fusions included), convolution, cuBLAS GEMM and cuDNN convolution or fused 
 its operand dtype and FLOPs. `matmul_flops` sums them by how the chip runs them: the operand
 dtype, with float32 split by precision: XLA's default (TensorFloat-32
 on NVIDIA tensor cores, one bfloat16 pass on a TPU) or HIGHEST (true float32). `floor` turns
-those and the bytes the kernels move into the least time a step can take, max(FLOPs / peak,
-bytes / bandwidth), and the MFU that floor implies. The floor is a bound, not a measurement:
-a real step also waits on launches, collectives, non-matmul work that is not memory-bound,
-and kernels that do not reach the peak.
+those, the bytes the kernels move and the bytes the collectives send into the least time a
+step can take, max(FLOPs / peak, bytes / bandwidth, sent / link rate), and the MFU that floor
+implies. The floor is a bound, not a measurement: a real step also waits on launches, on
+collectives that do not overlap, on non-matmul work that is not memory-bound, and on kernels
+that do not reach the peak.
 """
 
 from __future__ import annotations
@@ -181,22 +182,33 @@ def peak(chip: Any, dtype: str) -> float:
     return chip.roofline["float32_highest"]
 
 
-def floor(chip: Any, flops: dict[str, float], moved: float, compute: str) -> dict[str, Any]:
-    """The floor of a step on `chip` from its FLOPs by dtype and its bytes moved, and the MFU
-    it implies against the peak of the `compute` dtype (float32 at HIGHEST where most of the
-    float32 FLOPs ask for it: the rate of the precision that runs)."""
+def floor(
+    chip: Any, flops: dict[str, float], moved: float, compute: str, network: dict | None = None
+) -> dict[str, Any]:
+    """The floor of a step on `chip` from its FLOPs by dtype, its bytes moved and its
+    collectives' traffic (`hlo.traffic`: seconds by link), max(compute, memory, collectives),
+    with the side that binds named, and the MFU it implies against the peak of the `compute`
+    dtype (float32 at HIGHEST where most of the float32 FLOPs ask for it: the rate of the
+    precision that runs). Nothing is taken to overlap less than perfectly: each side is the
+    least time its own resource needs."""
     peaks = {dtype: peak(chip, dtype) for dtype in flops}
-    compute_s = sum(value / peaks[dtype] for dtype, value in flops.items())
-    memory_s = moved / chip.roofline["bandwidth"]
-    floor_s = max(compute_s, memory_s, 1e-12)
+    sides = {
+        "compute": sum(value / peaks[dtype] for dtype, value in flops.items()),
+        "memory": moved / chip.roofline["bandwidth"],
+        "collectives": sum(link["seconds"] for link in (network or {}).values()),
+    }
+    bound = max(sides, key=sides.get)
+    floor_s = max(sides[bound], 1e-12)
     if compute == "float32" and flops.get("float32_highest", 0) > flops.get("float32", 0):
         compute = "float32_highest"
     reference = peak(chip, compute)
     return {
-        "compute_s": compute_s,
-        "memory_s": memory_s,
+        "compute_s": sides["compute"],
+        "memory_s": sides["memory"],
+        "collectives_s": sides["collectives"],
+        "network": network or {},
         "floor_s": floor_s,
-        "bound": "compute" if compute_s >= memory_s else "memory",
+        "bound": bound,
         "bandwidth": chip.roofline["bandwidth"],
         "peaks": peaks,
         "mfu_dtype": compute,

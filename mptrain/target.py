@@ -9,7 +9,9 @@ extra `mptrain[plan]`), and a JAX whose backends start with `JAX_PLATFORMS=cpu` 
 plugin looks for a driver, and the GPU compiler is not there to ask).
 
 A spec is TOML (`tomllib`): `name`, `description`, `platform` ("gpu" | "tpu"), `memory_bytes`
-(what one device reports), `[roofline]` (`bandwidth` in bytes/s; FLOP/s by operand dtype:
+(what one device reports), `[interconnect]` (`node`: devices on the fast links; `within`,
+`between`: bytes/s each way per device on them and on the network between nodes, and their
+names), `[roofline]` (`bandwidth` in bytes/s; FLOP/s by operand dtype:
 `bfloat16`, `float16`, `float8`, `float32` at XLA's default precision, `float32_highest`), and
 either `[device]` (a GPU: the chip facts XLA's GPU compiler reads, as its GpuTargetConfigProto
 names them, `compute_capability` as "9.0"; `cudnn` at the top as "9.10") or `[topology]` (a TPU:
@@ -56,6 +58,18 @@ class Target:
     roofline: dict[str, float]
     spec: dict[str, Any]  # [device] of a GPU, [topology] of a TPU
     cudnn: str = ""
+    interconnect: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def link(self, group: list[int] | int) -> tuple[str, float]:
+        """`(name, bytes/s each way per device)` of the slowest link a collective over `group`
+        (its device ids, or only its size: then devices 0..size-1) crosses: the node's own
+        (NVLink, a TPU slice's ICI) while it stays within `interconnect.node` devices, else
+        the network between nodes (a GPU cluster's, a TPU's DCN)."""
+        ids = range(group) if isinstance(group, int) else group
+        net, node = self.interconnect, int(self.interconnect.get("node", 0)) or None
+        if node is None or len({i // node for i in ids}) <= 1:
+            return net.get("within_name", "link"), net.get("within", 0.0)
+        return net.get("between_name", "network"), net.get("between", 0.0)
 
     def peak(self, dtype: str) -> float | None:
         """Peak matmul FLOP/s for operands of `dtype` ("bfloat16", "float8_e4m3fn", "float32",
@@ -174,11 +188,17 @@ def get(name: str) -> tuple[Target, int | None]:
     """The target called `name`, and the device count its name gives (`v5e-8`: 8), if any; a
     `ConfigError` listing the known names for anything else."""
     known = targets()
-    base, _, count = str(name).strip().lower().rpartition("-")
-    if base in known and count.isdigit():
+    text = str(name).strip().lower()
+    base, _, count = text.rpartition("-")
+    if base in known:  # a count: ASCII digits only ("²".isdigit() is True, int("²") fails)
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
+            raise errors.ConfigError(
+                f"--target={name!r}: the chip count after '-' must be a whole number of at "
+                f"least 1; a {base} plan takes {', '.join(map(str, known[base].counts()))}"
+            )
         return known[base], int(count)
-    if str(name).strip().lower() in known:
-        return known[str(name).strip().lower()], None
+    if text in known:
+        return known[text], None
     names = ", ".join(sorted(known))
     raise errors.ConfigError(
         f"--target={name!r}: unknown; known targets: {names} (a TPU name may carry its chip "

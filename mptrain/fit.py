@@ -1,0 +1,353 @@
+"""`python -m mptrain.plan --fit`: the fastest configuration of a run that fits the target.
+
+Starting from the config as given, the memory knobs mptrain owns are tried in the order of
+what they cost, each candidate by a deviceless compile of the real step (`plan.plan`):
+
+1. free: the loss in chunks of 256 positions (`loss.chunk_tokens`), where it is one chunk;
+   and the run's share of a GPU's memory up to 95% (`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`,
+   an environment variable, where the plan's own environment does not set it): no FLOPs.
+2. FLOPs, ranked by the floor: rematerialisation (`model.remat`) from the given policy
+   towards `full`, and micro-batches (`batch_size` / k with `optimizer.accumulation_steps`
+   x k, the step counts x k: the same global batch, the same updates). Gradient
+   accumulation keeps an fp32 sum of the gradients, so memory falls with k only from k = 2.
+3. precision, only where nothing above fits: Adam's moments fp32 -> bf16 -> q8
+   (`optimizer.mu_dtype`/`nu_dtype`), then bf16 params with stochastic rounding
+   (`precision=bf16-pure`, `param_rounding=stochastic`).
+
+Memory is monotone in each knob, which the search uses instead of compiling every
+combination: the least precision level is the first at which the most memory-saving
+structure fits; at that level, each remat policy from light to heavy gets the least number
+of micro-batches that fits (a binary search, bounded by the lighter policy's answer), and the
+fitting candidate with the lowest roofline floor (compute, memory or collectives: XLA's own
+rematerialisation counted where it recomputed) wins. A host-memory knob (optimizer state in
+pinned host memory) is not among them: see docs/make-it-fit.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+from mptrain import plan, plan_memory
+from mptrain import target as target_lib
+
+GiB = 2**30
+MAX_FRACTION = 0.95  # the most of a GPU a run is told to take: cuDNN, NCCL and CUDA need the rest
+REMAT = ("none", "minimal_with_context", "minimal", "full")  # light to heavy
+CHUNK = 256  # loss.chunk_tokens the free knob sets
+# cumulative precision levels, cheapest first
+PRECISION = (
+    {},
+    {"optimizer.mu_dtype": "bfloat16", "optimizer.nu_dtype": "bfloat16"},
+    {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8"},
+    {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8", "precision": "bf16-pure"}
+    | {"param_rounding": "stochastic"},
+)
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One compiled configuration: its overrides of the given config and what it costs."""
+
+    knobs: dict[str, Any]
+    memory: int  # bytes a device
+    state: int  # of which params and optimizer state
+    state_bytes_per_param: float
+    floor_s: float  # per global batch: a compiled step's floor x its micro-batches
+    bound: str
+    xla_remat_flops: float
+    fits: bool = False
+    fraction: float = 0.0  # the share of the GPU's memory the run needs to be given (0: as it is)
+
+    def overrides(self) -> list[str]:
+        return [f"--config.{key}={value}" for key, value in self.knobs.items()]
+
+    def label(self) -> str:
+        short = {"optimizer.accumulation_steps": "accum", "model.remat": "remat"}
+        short |= {"optimizer.mu_dtype": "moments", "loss.chunk_tokens": "chunk"}
+        shown = {k: v for k, v in self.knobs.items() if not k.endswith(("_steps", "nu_dtype"))}
+        shown |= {k: v for k, v in self.knobs.items() if k == "optimizer.accumulation_steps"}
+        return " ".join(f"{short.get(k, k.split('.')[-1])}={v}" for k, v in shown.items()) or "-"
+
+
+@dataclasses.dataclass
+class Fit:
+    """What `fit` tried and found; `str(fit)` is the table `--fit` prints."""
+
+    target: str
+    devices: int
+    capacity: int  # the bytes a run has as the environment stands
+    device_memory: int
+    tried: list[Candidate]
+    best: Candidate | None
+    closest: Candidate
+    need: str
+    seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+    def verdict(self) -> str:
+        if self.best is None:
+            return (
+                f"nothing fits {self.devices} x {self.target}: closest "
+                f"{self.closest.memory / GiB:.1f} GiB with {self.closest.label()}; {self.need}"
+            )
+        if not self.best.knobs and not self.best.fraction:
+            return "fits as given"
+        return "fits with " + (" ".join(self.best.overrides()) or "the config as given")
+
+    def command_prefix(self) -> str:
+        found = self.best
+        return f"{plan_memory.MEM_FRACTION}={found.fraction:.2f} " if found.fraction else ""
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
+        return json.dumps(data, indent=2)
+
+    def __str__(self) -> str:
+        lines = [
+            f"fit: {self.devices} x {self.target}, {self.capacity / GiB:.2f} GiB a device as "
+            f"the run stands ({self.device_memory / GiB:.1f} GiB on the device); "
+            f"{len(self.tried)} compiles in {self.seconds:.0f} s",
+            "",
+            "  GiB a device, state bytes a param, floor of a global batch (every micro-batch)",
+            f"  {'GiB':>7} {'state B/param':>13} {'floor ms':>9} {'bound':<11} {'fits':<9} knobs",
+        ]
+        for c in self.tried:
+            fits = ("yes" if not c.fraction else f"at {c.fraction:.2f}") if c.fits else "no"
+            remat = (
+                f" (+{c.xla_remat_flops / 1e12:.0f} TFLOP XLA remat)" if c.xla_remat_flops else ""
+            )
+            mark = "*" if c is self.best else " "
+            lines.append(
+                f"{mark} {c.memory / GiB:7.2f} {c.state_bytes_per_param:13.2f} "
+                f"{1e3 * c.floor_s:9.1f} {c.bound:<11} {fits:<9} {c.label()}{remat}"
+            )
+        lines.append("")
+        if self.best is None:
+            lines.append(self.verdict())
+        else:
+            best = self.best
+            lines.append(
+                f"fastest that fits: {best.memory / GiB:.1f} GiB a device, "
+                f"{best.state_bytes_per_param:.2f} bytes of state a parameter, floor "
+                f"{1e3 * best.floor_s:.1f} ms ({best.bound}-bound)"
+            )
+            if best.knobs or best.fraction:
+                lines.append(f"  {self.command_prefix()}python -m mptrain.main ...")
+                lines += [f"    {o}" for o in best.overrides()]
+            else:
+                lines.append("  fits as given: no override")
+        return "\n".join(lines) + "\n"
+
+
+def fit(config, target: str | target_lib.Target, devices: int | None = None) -> Fit:
+    """The search of the module doc for `config` on `devices` of `target` (a `Fit`); a
+    `ConfigError` for a bad config or target, as `plan.plan` raises them."""
+    started = time.monotonic()
+    chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
+    count = devices or named or 1
+    share = plan_memory.share(chip)
+    capacity = int(share["fraction"] * chip.memory_bytes)
+    fixed = plan_memory.MEM_FRACTION in os.environ or chip.platform != "gpu"
+    stretch = capacity if fixed else int(MAX_FRACTION * chip.memory_bytes)
+    done: dict[str, Candidate] = {}
+
+    def measure(knobs: dict[str, Any]) -> Candidate:
+        key = json.dumps(knobs, sort_keys=True)
+        if key not in done:
+            from mptrain import config as config_lib
+
+            changed = copy.deepcopy(config)
+            with changed.unlocked():  # a model key the config leaves at its default
+                config_lib.override(changed, knobs)
+            result = plan.plan(changed, chip, count, check_remat=False)
+            total = result.memory["total"]
+            found = Candidate(
+                knobs=knobs,
+                memory=total,
+                state=result.memory["params"] + result.memory["optimizer"],
+                state_bytes_per_param=result.state_bytes_per_param,
+                floor_s=result.floor["floor_s"]
+                * knobs.get("optimizer.accumulation_steps", 1)
+                / _get(config, "optimizer.accumulation_steps", 1),
+                bound=result.floor["bound"],
+                xla_remat_flops=result.xla_remat.get("recompute_flops", 0.0),
+                fits=total <= stretch,
+            )
+            if found.fits and total > capacity:
+                found.fraction = math.ceil(100 * total / chip.memory_bytes) / 100
+            done[key] = found
+        return done[key]
+
+    base = _mesh_knobs(config, count)
+    given = measure(base)
+    if given.fits and not given.fraction:
+        return _found(chip, count, capacity, done, given, started)
+    base |= _chunk_knob(config)
+    remats = _remat_ladder(config)
+    micro = _micro_batches(config, count)
+    # a level whose params and moments alone, at their least bytes a parameter, exceed the
+    # memory is not compiled
+    per_device = given.state / max(given.state_bytes_per_param, 1e-9)
+    levels = [p for p in PRECISION if _applies(config, p)]
+    least = lambda p: _least_bytes(p, config) * per_device if p else given.state
+    levels = [p for p in levels if least(p) <= stretch]
+
+    def at(level: dict, remat: str, k: int) -> dict[str, Any]:
+        knobs = dict(base) | level
+        if remat != remats[0]:
+            knobs["model.remat"] = remat
+        return knobs | _micro_knobs(config, k)
+
+    def fits(level, remat, k) -> bool:
+        return measure(at(level, remat, k)).fits
+
+    level = next(
+        (
+            p
+            for p in levels
+            if fits(p, remats[-1], 1) or (micro[-1] > 1 and fits(p, remats[-1], micro[-1]))
+        ),
+        None,
+    )
+    if level is not None:
+        # indices into micro (k >= 2: memory falls as k grows) still worth a compile: a heavier
+        # policy with as many micro-batches as a lighter one that fits only recomputes more
+        bound = len(micro)
+        for remat in remats:
+            if fits(level, remat, 1):
+                break  # no micro-batches needed; heavier policies only recompute more
+            lo, hi = 1, bound - 1
+            if lo > hi or not fits(level, remat, micro[hi]):
+                continue
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(level, remat, micro[mid]) else (mid + 1, hi)
+            bound = lo  # the next policy is tried with fewer micro-batches only
+    fitting = [c for c in done.values() if c.fits]
+    best = None
+    if fitting:  # the lowest floor; within 1% of it, the fewest knobs and the least memory share
+        least = min(c.floor_s for c in fitting)
+        near = [c for c in fitting if c.floor_s <= 1.01 * least]
+        best = min(near, key=lambda c: (len(c.knobs), c.fraction, c.floor_s))
+    return _found(chip, count, capacity, done, best, started)
+
+
+def _found(chip, count, capacity, done, best, started) -> Fit:
+    tried = list(done.values())
+    closest = best or min(tried, key=lambda c: c.memory)
+    return Fit(
+        target=chip.name,
+        devices=count,
+        capacity=capacity,
+        device_memory=chip.memory_bytes,
+        tried=tried,
+        best=best,
+        closest=closest,
+        need="" if best else _need(chip, count, closest),
+        seconds=time.monotonic() - started,
+    )
+
+
+def _need(chip, count: int, closest: Candidate) -> str:
+    """What the closest candidate would need: a bigger chip, or more devices to shard over."""
+    room = MAX_FRACTION * chip.memory_bytes
+    bigger = [
+        t.name
+        for t in target_lib.targets().values()
+        if t.platform == chip.platform and MAX_FRACTION * t.memory_bytes >= closest.memory
+    ]
+    ratio = closest.memory / room
+    more = next((n for n in chip.counts() if n >= count * ratio * 1.25), None)
+    parts = [f"needs {closest.memory / GiB:.1f} GiB a device, {ratio:.1f}x what one has"]
+    if bigger:
+        parts.append(f"a target with more memory: {', '.join(sorted(bigger))}")
+    if more:
+        parts.append(f"or more devices to shard it over, about --devices={more}")
+    return "; ".join(parts)
+
+
+def _least_bytes(level: dict, config) -> float:
+    """The fewest bytes a parameter of a precision level's params and moments take: fp32 or
+    bf16 params, two moments of 4, 2 or 1 bytes (q8's scales, sums and counters on top)."""
+    moment = {"bfloat16": 2, "q8": 1}.get(level.get("optimizer.mu_dtype"), 4)
+    pure = "bf16-pure" in (level.get("precision"), str(_get(config, "precision")))
+    return (2 if pure else 4) + 2 * moment
+
+
+def _get(config, key: str, default=None):
+    section = config
+    for part in key.split("."):
+        if part not in section:
+            return default
+        section = section[part]
+    return section
+
+
+def _applies(config, level: dict) -> bool:
+    """Whether a precision level changes anything of `config` (an Adam, bf16-mixed run)."""
+    if not level:
+        return True
+    if _get(config, "optimizer.name") != "adamw":
+        return False
+    if "precision" in level and str(_get(config, "precision")) != "bf16-mixed":
+        return False
+    return any(str(_get(config, k)) != str(v) for k, v in level.items())
+
+
+def _mesh_knobs(config, count: int) -> dict[str, Any]:
+    """The mesh `count` devices need where the config's does not divide them: all FSDP."""
+    data, fsdp = _get(config, "mesh.data", -1), _get(config, "mesh.fsdp", 1)
+    if count % fsdp == 0 and (data == -1 or data * fsdp == count):
+        return {}
+    return {"mesh.data": -1, "mesh.fsdp": count}
+
+
+def _chunk_knob(config) -> dict[str, Any]:
+    """`loss.chunk_tokens` where a language model's loss runs as one big chunk."""
+    from mptrain.models import lm_loss
+
+    length, vocab = _get(config, "data.seq_len"), _get(config, "model.vocab_size")
+    if not (length and vocab) or _get(config, "loss") is None:
+        return {}
+    chunk = _get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab)
+    return {"loss.chunk_tokens": CHUNK} if chunk > CHUNK else {}
+
+
+def _remat_ladder(config) -> list[str | None]:
+    """The given remat policy (the model's default where the config has none), then the
+    heavier ones; [None] for a model without `remat`."""
+    import importlib
+
+    given = _get(config, "model.remat")
+    if given is None and _get(config, "model.name"):
+        module = importlib.import_module(f"mptrain.models.{config.model.name}")
+        given = getattr(module, "CONFIG_KEYS", {}).get("remat")
+    return list(REMAT[REMAT.index(given) :]) if given in REMAT else [given]
+
+
+def _micro_batches(config, count: int) -> list[int]:
+    """k = 1, 2, 4, ... while `batch_size` / k still splits over `count` devices."""
+    batch, found = config.batch_size, [1]
+    while batch % (found[-1] * 2 * count) == 0:
+        found.append(found[-1] * 2)
+    return found
+
+
+def _micro_knobs(config, k: int) -> dict[str, Any]:
+    """`k` micro-batches a global batch: the batch / k, k x the accumulation and step counts."""
+    if k == 1:
+        return {}
+    knobs = {"batch_size": config.batch_size // k}
+    knobs["optimizer.accumulation_steps"] = config.optimizer.accumulation_steps * k
+    for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps"):
+        knobs[key] = config[key] * k
+    return knobs

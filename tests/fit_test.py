@@ -1,0 +1,107 @@
+"""`mptrain.plan.fit` (`python -m mptrain.plan --fit`): the search over the memory knobs, on a
+small language model and an H100 given a small memory, so that each search compiles a few
+programs of milliseconds. Marked `plan` (the extra `mptrain[plan]`, run by `make test-plan`).
+"""
+
+import dataclasses
+import functools
+
+import pytest
+from conftest import ROOT, load_config, run_cli_process
+
+from mptrain import fit as fit_lib
+from mptrain import plan as plan_lib
+from mptrain import target
+
+pytestmark = [
+    pytest.mark.plan,
+    pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry"),
+]
+MB = 10**6
+# activations dominate: [32, 128] tokens through a width of 64; about 180 MB as given, 40 MB
+# in 8 micro-batches
+ACTIVATIONS = {"batch_size": 32, "data.seq_len": 128, "model.max_len": 128}
+ACTIVATIONS |= {"model.vocab_size": 4096, "model.d_model": 64, "model.num_heads": 2}
+ACTIVATIONS |= {"model.remat": "minimal"}
+# the state dominates: 8.5 M params (a 16,384-token vocabulary, untied head) and few tokens
+STATE = {"batch_size": 2, "data.seq_len": 32, "model.max_len": 32, "model.vocab_size": 16384}
+STATE |= {"model.d_model": 256, "model.num_heads": 2}
+
+
+def chip_with(megabytes: float) -> target.Target:
+    """An H100 whose run may take `megabytes` (95% of the memory it reports)."""
+    h100 = target.targets()["h100"]
+    return dataclasses.replace(h100, memory_bytes=int(megabytes * MB / fit_lib.MAX_FRACTION))
+
+
+@functools.cache
+def fitted(keys: tuple, megabytes: float):
+    return plan_lib.fit(load_config("lm_gpt2s", "tiny", **dict(keys)), chip_with(megabytes), 1)
+
+
+def test_a_config_that_fits_comes_back_unchanged():
+    found = fitted((), 10_000)
+    assert found.verdict() == "fits as given" and found.best.knobs == {}
+    assert len(found.tried) == 1 and "fits as given: no override" in str(found)
+
+
+def test_activations_too_big_take_micro_batches_and_keep_every_precision():
+    found = fitted(tuple(ACTIVATIONS.items()), 100)
+    best = found.best
+    assert best is not None and best.memory <= 100 * MB, str(found)
+    assert not {"precision", "optimizer.mu_dtype", "param_rounding"} & set(best.knobs)
+    k = best.knobs["optimizer.accumulation_steps"]
+    assert best.knobs["batch_size"] * k == 32 and best.knobs["num_train_steps"] % k == 0
+    # the fastest by floor among what fits (within 1%, the one that needs no bigger memory
+    # share), and fewer compiles than the grid of knobs
+    fitting = [c for c in found.tried if c.fits]
+    assert best.floor_s <= 1.01 * min(c.floor_s for c in fitting) and best.fraction == 0
+    assert len(found.tried) <= 8 < 2 * 6 * len(fit_lib.PRECISION)  # remats x micro x levels
+    assert str(found).count("\n* ") == 1 and "--config.optimizer.accumulation_steps=" in str(found)
+
+
+def test_state_too_big_takes_the_cheapest_precision_knob_that_fits():
+    # 102 MB of fp32 params and moments, 129 MB in all; with bf16 moments 97 MB in all
+    found = fitted(tuple(STATE.items()), 100)
+    best = found.best
+    assert best is not None, str(found)
+    assert best.knobs["optimizer.mu_dtype"] == "bfloat16" and "precision" not in best.knobs
+    assert best.state_bytes_per_param == pytest.approx(8.0, abs=0.1)
+
+
+def test_nothing_fits_names_the_closest_and_what_it_needs_without_compiling_every_level():
+    found = fitted(tuple(STATE.items()), 20)
+    assert found.best is None and not found.fits
+    assert len(found.tried) == 1  # every level's state alone is above 20 MB: none compiled
+    verdict = found.verdict()
+    assert verdict.startswith("nothing fits 1 x h100: closest ") and "a device" in verdict
+    assert "--devices=" in found.need and "a target with more memory" in found.need
+
+
+def test_fit_on_the_command_line_exits_0_when_it_fits_as_given():
+    done = run_cli_process(
+        f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}:tiny",
+        "--target=h100",
+        "--fit",
+        module="mptrain.plan",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fits as given" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_the_70b_on_one_h100_exits_4_naming_the_closest_and_its_need():
+    done = run_cli_process(
+        f"--config={ROOT / 'configs' / 'llama3.py'}:70b",
+        "--target=h100",
+        "--devices=1",
+        "--fit",
+        "--config.batch_size=1",
+        "--config.data.seq_len=1024",
+        module="mptrain.plan",
+        timeout=600,
+    )
+    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-2000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("nothing fits 1 x h100: closest ") and "--devices=" in first
+    assert "Traceback" not in done.stderr
