@@ -158,16 +158,18 @@ def traffic(prog: program.Program, link_fn, devices: int, per: int = 1) -> dict[
     return found
 
 
-_ATTENTION_NAME = re.compile(r"attn|attention|softmax", re.IGNORECASE)
+# a module path with an attention module in it (`block_0/attn/...`, not `ln_attn` or `attn_norm`)
+_ATTENTION_NAME = re.compile(r"(^|/)(self_)?(attn|attention)(_\d+)?/|softmax", re.IGNORECASE)
 
 
-def attention(prog: program.Program, length: int | None, per: int = 1) -> dict:
+def attention(prog: program.Program, length: int | None, per: int = 1, rows: int = 1) -> dict:
     """`program.Program.attention` (which fused kernel runs, its calls), with the `[.., L, L]`
     buffers of a materialised attention counted only where they are attention scores: an
-    array whose last two dims are both `length`, at least two of them, written by an op JAX
-    names as attention's (its module path or source line says attn, attention or softmax). A
-    shape alone cannot tell: a LayerNorm's `[B, L, D]` or a scan's `[layers, B, L, D]` with
-    D = L has it too (the tiny config's width and length are both 32; Llama 8B at 4,096)."""
+    array whose last two dims are both `length`, whose leading dims hold a multiple of `rows`
+    (a device's sequences x heads), written by an op of an attention module (its module path
+    has an `attn` or `attention` module, or it is a softmax). A shape alone cannot tell: a
+    LayerNorm's `[B, L, D]` or a scan's `[layers, B, L, D]` with D = L has it too (the tiny
+    config's width and length are both 32; Llama 8B's at 4,096)."""
     found = prog.attention(None, per)
     count, size, sites = 0.0, 0, set()
     for inst, runs in prog.kernels() if length else ():
@@ -175,7 +177,8 @@ def attention(prog: program.Program, length: int | None, per: int = 1) -> dict:
         if not _ATTENTION_NAME.search(named):
             continue
         for dtype, dims in program.arrays(inst.type):
-            if len(dims) >= 3 and dims[-2:] == (length, length) and np.prod(dims) >= 2 * length**2:
+            lead = int(np.prod(dims[:-2]))
+            if len(dims) >= 3 and dims[-2:] == (length, length) and lead >= 2 and lead % rows == 0:
                 count, size = count + runs / per, size + program.nbytes(dtype, dims)
                 sites.add(prog.where(inst))
     name = found["implementation"]  # as it reads with no buffers

@@ -243,7 +243,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         matmul_flops=flops,
         offenders=matmuls["offenders"],
         fp8_kernels=matmuls["fp8_kernels"],
-        attention=hlo.attention(prog, _length(sample), k),
+        attention=hlo.attention(prog, _length(sample), k, _rows(config, trainer.mesh.size)),
         hazards=[dataclasses.asdict(h) for h in hazards],
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
@@ -266,6 +266,12 @@ def _collective_sites(prog) -> dict[str, list[str]]:
         if op in hlo.COLLECTIVES and ".py:" in where:
             sites[op].add(where)
     return {op: sorted(found) for op, found in sites.items()}
+
+
+def _rows(config, devices: int) -> int:
+    """A device's sequences x attention heads: the leading size of its attention scores."""
+    heads = config.model.get("num_heads") if "model" in config else None
+    return max(1, config.batch_size // devices) * (heads or 1)
 
 
 def _length(sample: Any) -> int | None:

@@ -46,14 +46,14 @@ def _stop_at_once_on_ctrl_c() -> None:
     pipe that a thread watches."""
     read, write = os.pipe()
     os.set_blocking(write, False)
+    stderr = os.dup(2)  # the terminal's, whatever fd 2 is while XLA compiles (plan_memory)
     signal.signal(signal.SIGINT, lambda *_: None)
     signal.set_wakeup_fd(write)
 
     def watch() -> None:
         while os.read(read, 1) != bytes([signal.SIGINT]):
             pass
-        sys.stderr.write("mptrain: error: interrupted (Ctrl-C); nothing was written\n")
-        sys.stderr.flush()
+        os.write(stderr, b"mptrain: error: interrupted (Ctrl-C); nothing was written\n")
         os._exit(EXIT_INTERRUPTED)
 
     threading.Thread(target=watch, daemon=True, name="ctrl-c").start()

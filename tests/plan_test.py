@@ -9,13 +9,18 @@ is compiled once per session.
 import functools
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import ROOT, load_config, run_cli_process
+from conftest import ROOT, fake_cpu_env, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
-from mptrain import target, trainer
+from mptrain import plan_memory, target, trainer
 from mptrain.models import attention
 
 # the suite's persistent compilation cache cannot load back a program compiled without its
@@ -205,7 +210,7 @@ def test_a_config_that_cannot_fit_exits_4_naming_the_largest_buffers(tmp_path):
     )
     assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-2000:]
     first = done.stdout.splitlines()[0]
-    assert first.startswith("does not fit: needs ") and "of 79.1; largest buffers: " in first
+    assert first.startswith("does not fit: needs ") and "of 59.3; largest buffers: " in first
     assert "transformer_lm.py:" in first
     data = json.loads((tmp_path / "plan.json").read_text())
     assert not data["fits"] and data["memory"]["total"] > data["capacity"]
@@ -247,7 +252,10 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     # configs/llama3.py:8b as planned: FSDP 8, 2 sequences of 8,192 a device, bf16-mixed with
     # fp32 master params and moments, remat "minimal", the loss in chunks
     result = planned("llama3", "8b", 8)
-    assert result.fits and result.memory["total"] <= 72 * GiB, result.memory
+    assert result.memory["total"] <= 72 * GiB, result.memory
+    # above the 75% JAX takes (59.3 GiB): the verdict says which share would hold it
+    share = plan_memory.MEM_FRACTION
+    assert result.fits or re.search(rf"{share}=0\.[89]\d would give it that", result.verdict())
     assert result.compile_seconds < 300
     att = result.attention
     assert att["implementation"].startswith("cuDNN") and att["buffers"] == 0, att
@@ -262,3 +270,118 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     logits = 2 * 8192 * 128_256
     big = [b for b in result.largest if b["array"].startswith("f32[") and "128256" in b["array"]]
     assert all(math.prod(map(int, re.findall(r"\d+", b["array"][3:]))) < logits for b in big), big
+
+
+# ---- the command line's edge cases: one line, exit 2, no traceback, before anything compiles
+
+GPT2S_TINY = f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}:tiny"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target=h100", "--devices=0"], "--devices=0: a plan is for 1 device or more"),
+        (["--target=h100", "--devices=-4"], "--devices=-4: a plan is for 1 device or more"),
+        (["--target=v5e-0"], "--target='v5e-0': the chip count after '-' must be a whole number"),
+        (["--target=v5e-3"], "--devices=3: a v5e plan takes 1, 4, 8"),
+        (["--target=v5e-\u00b2"], "the chip count after '-' must be a whole number of at least 1"),
+        (["--target=v5e-8", "--devices=4"], "--target=v5e-8 names 8 devices and --devices=4"),
+        (["--target=h100", "--json="], "--json= is empty: give the path of a file to write"),
+        (["--target=h100", "--json={tmp}"], "a folder; give the path of a file in it"),
+        (["--target=h100", "--json={tmp}/file/plan.json"], "/file is a file, not a folder"),
+    ],
+)
+def test_the_command_line_refuses_bad_counts_and_json_paths_with_one_line(tmp_path, args, message):
+    (tmp_path / "file").write_text("not a folder")
+    done = _plan_cli(GPT2S_TINY, *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert done.returncode == 2, (done.stdout, done.stderr[-2000:])
+    ours = [line for line in done.stderr.splitlines() if line.startswith("mptrain: error: ")]
+    assert len(ours) == 1 and message in ours[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
+def test_a_json_path_in_a_folder_this_user_cannot_write_is_refused_before_the_compile(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    done = _plan_cli(GPT2S_TINY, "--target=h100", f"--json={locked}/plan.json")
+    assert done.returncode == 2 and f"cannot write in {locked}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_during_the_compile_ends_at_once_with_one_line_and_130():
+    command = [sys.executable, "-m", "mptrain.plan", f"--config={ROOT / 'configs/llama3.py'}:8b"]
+    command += ["--target=h100", "--devices=1", "--config.batch_size=8"]
+    command += ["--config.data.seq_len=4096", "--config.mesh.fsdp=1"]
+    env = fake_cpu_env(1) | {"JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(8)  # imports, config and trace done: inside the trace or XLA's compile
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 130, err[-2000:]
+    ours = [line for line in err.splitlines() if line.startswith("mptrain: ")]
+    assert ours == ["mptrain: error: interrupted (Ctrl-C); nothing was written"], err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and out == ""
+
+
+# ---- the plan's honesty
+
+
+def test_layer_norm_outputs_as_wide_as_the_sequence_are_not_attention_scores():
+    # the tiny config at d_model = seq_len = 32: [B, L, D] activations are [.., 32, 32]
+    fused = planned("lm_gpt2s", "tiny", data__seq_len=32)
+    assert fused.attention["implementation"].startswith("cuDNN fused flash attention")
+    assert fused.attention["buffers"] == 0, fused.attention
+    materialized = planned("lm_gpt2s", "tiny", data__seq_len=32, model__attention="materialized")
+    att = materialized.attention
+    assert att["implementation"] == "materialized" and att["buffers"] > 0
+    assert all(
+        site.startswith(("mptrain/models/attention.py", "mptrain/models/layers.py:62"))
+        for site in att["buffer_sites"]
+    ), att
+
+
+def test_xla_rematerialisation_is_reported_with_memory_before_and_the_recomputed_flops():
+    result = planned("lm_gpt2s", batch_size=512)
+    remat = result.xla_remat
+    assert remat["before"] > 150 * GiB > remat["after"], remat
+    assert 0.05 < remat["recompute_share"] < 0.5 and remat["recompute_flops"] > 10e12, remat
+    text = str(result)
+    assert "XLA's own rematerialisation: " in text and "TFLOP recomputed a step" in text
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION unset" in text
+    assert result.capacity == int(0.75 * target.targets()["h100"].memory_bytes)
+
+
+def test_the_plan_takes_the_memory_share_the_run_is_given(monkeypatch):
+    monkeypatch.setenv(plan_memory.MEM_FRACTION, "0.9")
+    h100 = target.targets()["h100"]
+    assert plan_memory.share(h100)["fraction"] == 0.9
+    monkeypatch.setenv(plan_memory.MEM_FRACTION, "1.5")
+    with pytest.raises(plan_lib.errors.ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='1.5'"):
+        plan_memory.share(h100)
+    assert plan_memory.share(target.targets()["v5e"])["fraction"] == 1.0
+
+
+def test_fsdp_over_8_h100s_prices_its_collectives_over_nvlink_and_names_the_bound():
+    result = planned("lm_1b", None, 8, mesh__data=1, mesh__fsdp=8)
+    floor = result.floor
+    sent = floor["network"]["NVLink"]["bytes"]
+    gathered = sum(result.collectives["all-gather"].values())
+    scattered = sum(result.collectives["reduce-scatter"].values())
+    assert sent == pytest.approx(7 / 8 * (gathered + scattered), rel=0.01)
+    assert floor["collectives_s"] == pytest.approx(sent / 450e9)
+    assert floor["floor_s"] == max(floor["compute_s"], floor["memory_s"], floor["collectives_s"])
+    assert floor["bound"] in ("compute", "memory", "collectives") and floor["collectives_s"] > 0.01
+    assert re.search(
+        r"collectives +[\d.]+ GB sent by each device over NVLink at 450 GB/s", str(result)
+    )
+
+
+def test_fsdp_across_nodes_prices_the_network_and_is_bound_by_it():
+    result = planned("llama3", "8b", 64, mesh__fsdp=64, batch_size=64, data__seq_len=2048)
+    floor = result.floor
+    assert set(floor["network"]) == {"network"} and floor["bound"] == "collectives"
+    assert floor["collectives_s"] > 3 * floor["memory_s"], floor
