@@ -224,10 +224,12 @@ class Run:
         self.totals, cfg = totals, self.config
         if done % cfg.log_every_steps == 0 or done == cfg.num_train_steps:
             self.pending = (done, metrics, totals)
+        if not (done % cfg.eval_every_steps and done % cfg.checkpoint_every_steps):
+            jax.block_until_ready(self.state)  # they wait for the step: train time, not theirs
         for step_no in range(first + 1, done + 1):  # clu's actions want every step
             for hook in self.hooks:
                 try:
-                    with self.clock.section("evaluation and hooks"):
+                    with self.clock.section(getattr(hook, "section", "evaluation and hooks")):
                         hook(step_no)
                 except EvalStopped as stopped:  # the partial evaluation is dropped
                     logging.warning("mptrain: %s received; checkpointing step %d", stopped, done)

@@ -98,7 +98,9 @@ def mfu(flops_per_step: float, step_seconds: float, devices: int, peak: float) -
 
 class Clock:
     """Wall time since a run began, and the time spent outside train steps in named sections
-    (`section("eval")`); a section inside another is counted once, as the inner one."""
+    (`section("eval")`); a section inside another is counted once, as the inner one. A hook
+    with a `section` attribute is timed under that name (None: as train time, as a hook that
+    waits for the steps)."""
 
     def __init__(self, began: float | None = None):
         self.began = time.monotonic() if began is None else began
@@ -106,7 +108,11 @@ class Clock:
         self._stack: list[list] = []
 
     @contextlib.contextmanager
-    def section(self, name: str):
+    def section(self, name: str | None):
+        """Times what runs inside as `name` (None: train time, not timed)."""
+        if name is None:
+            yield
+            return
         entry = [name, time.monotonic(), 0.0]  # name, start, time of inner sections
         self._stack.append(entry)
         try:
@@ -118,9 +124,10 @@ class Clock:
             if self._stack:
                 self._stack[-1][2] += took
 
-    def outside(self) -> float:
-        """Seconds spent in sections so far (a running one not yet counted)."""
-        return sum(self.spent.values())
+    def outside(self, *but: str) -> float:
+        """Seconds spent in sections so far, but those named `but` (a running one not yet
+        counted)."""
+        return sum(secs for name, secs in self.spent.items() if name not in but)
 
     def goodput(self) -> float:
         """The share of the wall time so far spent in train steps."""

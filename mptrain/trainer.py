@@ -47,6 +47,7 @@ from mptrain import (
     models,
     nnx_models,
     optim,
+    profile,
     runtime,
     schedules,
     sharding,
@@ -110,6 +111,7 @@ class Trainer:
                 on_steps=last,
                 callback_fn=lambda step, t: run.save(step),
             ),
+            profile.Tracer(run),  # the steps config.profile names, traced
         ]
 
     def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""The profiler (issue 36, point 2): `config.profile` traces steps into the workdir where
+TensorBoard's profile plugin finds them, and `python -m mptrain.profile` prints a kernel table
+whose per-step total accounts for the measured step time."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import event_series, run_cli
+
+from mptrain import profile
+
+TRACED = (
+    "--config.num_train_steps=12",
+    "--config.profile.start_step=3",
+    "--config.profile.num_steps=8",
+)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A tiny run with steps 3-10 traced (evaluations and checkpoints at 4 and 8 among them)."""
+    workdir = tmp_path_factory.mktemp("traced")
+    assert run_cli(workdir, *TRACED)[0] == 0
+    return workdir
+
+
+def test_the_trace_is_where_tensorboards_profile_plugin_lists_it(traced):
+    (folder,) = (traced / "plugins" / "profile").iterdir()
+    assert list(folder.glob("*.xplane.pb")) and list(folder.glob("*.trace.json.gz"))
+    meta = json.loads((folder / "mptrain.json").read_text())
+    assert (meta["first_step"], meta["last_step"], meta["steps"]) == (3, 10, 8)
+    assert sorted(event_series(traced, "profiled")) == list(range(3, 11))  # marked in the record
+
+
+def test_tracing_changes_no_result(traced, tmp_path):
+    assert run_cli(tmp_path, TRACED[0])[0] == 0
+    for tag in ("loss", "eval_loss"):
+        plain, with_trace = event_series(tmp_path, tag), event_series(traced, tag)
+        assert sorted(plain) == sorted(with_trace)
+        for step, value in plain.items():
+            assert np.asarray(value).tobytes() == np.asarray(with_trace[step]).tobytes(), tag
+
+
+def test_the_kernel_table_accounts_for_the_measured_step_time(traced, capsys):
+    assert profile.main([str(traced)]) == 0
+    text = capsys.readouterr().out
+    found = profile.table(traced)
+    assert found["steps"] == 8 and found["module"].startswith("jit_")
+    total = sum(found["groups"].values())
+    assert total == pytest.approx(found["step_s"])
+    # the table's step is the step the run measured while tracing (within 20%)
+    assert found["step_s"] == pytest.approx(found["wall_s_per_step"], rel=0.2), text
+    assert found["groups"]["matmuls"] > 0 and found["groups"]["other fusions"] > 0, text
+    assert 0 < found["busy"] <= 1
+    for name in ("matmuls", "attention", "other fusions", "collectives", "copies", "host gaps"):
+        assert name in text
+    assert "top kernels" in text
+
+
+def test_kernel_names_fall_in_their_groups():
+    groups = {
+        "ynn_fusion.3": "matmuls",  # XLA:CPU's YNNPACK dot
+        "dot.12": "matmuls",
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "matmuls",
+        "nvjet_tst_128x256_64x4_2x1_v_bz_TNT": "matmuls",
+        "convolution.4": "matmuls",
+        "convert_convert_fusion.1": "other fusions",  # a convert, not a convolution
+        "cudnn$fmha_fprop": "attention",
+        "all-reduce.1": "collectives",
+        "ncclDevKernel_AllGather_RING_LL": "collectives",
+        "copy.7": "copies",
+        "transpose_copy_fusion": "copies",
+        "loop_add_fusion": "other fusions",
+    }
+    assert {name: profile.group_of(name) for name in groups} == groups
+
+
+def test_a_workdir_without_a_trace_is_one_line_naming_the_setting(tmp_path, capsys):
+    assert profile.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "profile.num_steps" in err and str(tmp_path) in err
