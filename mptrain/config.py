@@ -138,8 +138,7 @@ def base_config() -> ml_collections.ConfigDict:
     # of differentiating again, only on log and skipped steps, the only tables read (about 1%)
     c.numerics.every_step = False
 
-    # jax.profiler traces into <workdir>/plugins/profile (`python -m mptrain.profile WORKDIR`)
-    c.profile = ml_collections.ConfigDict()
+    c.profile = ml_collections.ConfigDict()  # traced by jax.profiler: docs/performance.md
     c.profile.start_step = 5  # the first step traced, counted from 1 (at least 2)
     c.profile.num_steps = 0  # steps traced (0: no trace); results are the same traced or not
     # the record's homes, comma-separated: "tensorboard" (always), "wandb", "mlflow" (loggers.py)

