@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-plan test-gpu test-slow lint format clean
+.PHONY: install run test test-plan test-loggers test-gpu test-slow lint format clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: lint
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow and not plan" tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow and not plan and not loggers" tests
 
 # The extra mptrain[plan] (JAX's CUDA compiler plugin at the installed jax's version, cuDNN,
 # libtpu), then the tests that compile for an H100 or a TPU that is not here. JAX starts on the
@@ -38,6 +38,16 @@ $(PLAN_STAMP): $(STAMP)
 
 test-plan: $(PLAN_STAMP)
 	JAX_PLATFORMS=cpu XLA_FLAGS=--xla_gpu_deterministic_ops=true $(PY) -m pytest -n 2 --dist loadgroup -q -m plan tests
+
+# The extras mptrain[wandb] and mptrain[mlflow], then the tests that log to them for real
+# without a network: W&B offline, MLflow's file store, each read back.
+LOGGERS_STAMP := $(VENV)/.installed-loggers
+$(LOGGERS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[wandb,mlflow]'
+	touch $(LOGGERS_STAMP)
+
+test-loggers: $(LOGGERS_STAMP)
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m loggers tests/loggers_test.py
 
 # On a GPU machine whose Python already has what pyproject.toml lists (no venv, no network):
 # the same suite on the GPU. Tests needing more devices than there are skip, naming the counts;

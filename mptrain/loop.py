@@ -168,7 +168,7 @@ class Run:
         if self.writer is None:
             restart = self.start + 1
             self.writer = metrics_lib.create_writer(
-                self.workdir, is_main_process=main, restart=restart
+                self.workdir, is_main_process=main, restart=restart, config=cfg
             )
         if main:
             curves.forget_after(self.workdir, self.start)

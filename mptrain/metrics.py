@@ -263,15 +263,22 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
 
 
 def create_writer(
-    workdir: str | os.PathLike, *, is_main_process: bool = True, restart: int | None = None
+    workdir: str | os.PathLike,
+    *,
+    is_main_process: bool = True,
+    restart: int | None = None,
+    config: Any = None,
 ):
-    """TensorBoard events (an `EventWriter`, `restart` as there) in `workdir` and absl log
-    lines, written from a background thread so the train loop never waits on a disk; on other
-    processes, nothing."""
+    """TensorBoard events (an `EventWriter`, `restart` as there) in `workdir`, absl log lines,
+    and the loggers `config.log_to` names (`loggers`: W&B, MLflow), written from a background
+    thread so the train loop never waits on a disk or a network; on other processes, nothing."""
+    from mptrain import loggers
+
     metric_writers = import_clu("metric_writers")
     if not is_main_process:
         return metric_writers.MultiWriter([])
     writers = [metric_writers.LoggingWriter(), EventWriter(workdir, restart)]
+    writers += loggers.create(config, workdir) if config is not None else []
     return metric_writers.AsyncMultiWriter(writers)
 
 

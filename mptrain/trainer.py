@@ -43,6 +43,7 @@ from mptrain import (
     files,
     init_from,
     log_totals,
+    loggers,
     loop,
     models,
     nnx_models,
@@ -67,6 +68,7 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None):
         self.config, self.workdir = config, Path(workdir)
         self.policy = config_lib.policy_of(config)
+        loggers.check(config)  # a missing extra stops the run before anything compiles
         self.mesh = sharding.create_mesh(config, devices)  # see the module doc; 1x1 on one
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
