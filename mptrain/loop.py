@@ -267,8 +267,6 @@ class Run:
                 self.workdir, self.state, last_eval, seconds, self.config, loss_unit=loss_unit
             )
             print(summary, flush=True)
-            print(f"mptrain: {self.clock.summary()}", flush=True)
-            self.writer.write_scalars(int(self.state.step), {"goodput": self.clock.goodput()})
 
     def save(self, step_no: int) -> None:
         """Host-side. Writes checkpoint `step_no` of `state`, with the log interval's totals so
@@ -293,7 +291,11 @@ class Run:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.checkpointer.close()  # waits for pending saves
+        with self.clock.section("checkpoints"):
+            self.checkpointer.close()  # waits for pending saves
+        if exc_info[0] is None and jax.process_index() == 0:  # a run that ended: its goodput
+            print(f"mptrain: {self.clock.summary()}", flush=True)
+            self.writer.write_scalars(int(self.state.step), {"goodput": self.clock.goodput()})
         self.writer.flush()
         self.writer.close()
 
