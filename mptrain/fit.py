@@ -191,7 +191,7 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
     given = measure(base)
     if given.fits and not given.fraction:
         return _found(chip, count, capacity, done, given, started)
-    base |= _chunk_knob(config)
+    base = base | _chunk_knob(config)  # a new dict: `given` keeps its own knobs
     remats = _remat_ladder(config)
     micro = _micro_batches(config, count)
     # a level whose params and moments alone, at their least bytes a parameter, exceed the
