@@ -102,3 +102,24 @@ def test_the_progress_line_shows_the_speed():
         5, {"loss": 2.0, "tokens_per_s": 12345.6, "mfu": 0.4123}
     )
     assert "12,346 tok/s" in line and "MFU 41.2%" in line
+
+
+def test_a_bf16_lm_on_an_h100_gets_mfu_against_the_bf16_peak(monkeypatch):
+    import jax.numpy as jnp
+    from conftest import tiny_config
+
+    from mptrain import config as config_lib
+
+    config = tiny_config()  # the tiny LM: width 32, 1 layer, 2 heads, batch 8 x 32 tokens
+    params = {"Embed_0": {"embedding": jnp.zeros((256, 32))}, "w": jnp.zeros((32, 100))}
+    state = types.SimpleNamespace(params=params, policy=config_lib.policy_of(config))
+    h100 = throughput.chip_of(H100)
+    monkeypatch.setattr(throughput, "chip_of", lambda device: h100)
+    now = [0.0]
+    monkeypatch.setattr(throughput.time, "monotonic", lambda: now[0])
+    meter = throughput.create_meter(config, state, 0, throughput.Clock())
+    now[0] += 2.0  # 4 steps of 0.5 s
+    values = meter.values(4)
+    flops = (6 * 3200 + 6 * 1 * 32 * 32) * 8 * 32  # per token (the table is not a matmul) x tokens
+    assert values["tflops_per_device"] == pytest.approx(flops / 0.5 / 1e12)
+    assert values["mfu"] == pytest.approx(flops / 0.5 / 989.4e12)  # bf16-mixed: bf16's peak
