@@ -161,6 +161,26 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _calls(kernels: list[dict], module: str, meta: dict) -> dict[Any, list[dict]]:
+    """`module`'s kernels by call: by their `run_id` (XLA:CPU's); where the trace has none, by
+    cutting the time-ordered kernels at the largest gaps into the calls `meta` counts."""
+    own = sorted((e for e in kernels if e["args"].get("hlo_module", "?") == module), key=_ts)
+    if all("run_id" in e["args"] for e in own):
+        runs = collections.defaultdict(list)
+        for e in own:
+            runs[e["args"]["run_id"]].append(e)
+        return runs
+    count = meta.get("steps", 1) // meta.get("steps_per_call", 1) + meta.get("warmup_calls", 0)
+    gaps = sorted(range(1, len(own)), key=lambda i: own[i]["ts"] - own[i - 1]["ts"])
+    cuts = sorted(gaps[len(gaps) - count + 1 :]) if count > 1 else []
+    bounds = [0, *cuts, len(own)]
+    return {i: own[a:b] for i, (a, b) in enumerate(itertools.pairwise(bounds))}
+
+
+def _ts(event: dict) -> float:
+    return event["ts"]
+
+
 def table(workdir: str | Path, top: int = 10) -> dict[str, Any]:
     """The kernel table of the newest trace (see the module doc), times in seconds per step."""
     folder = newest(workdir)
@@ -176,10 +196,7 @@ def table(workdir: str | Path, top: int = 10) -> dict[str, Any]:
     module = (
         meta.get("module") if meta.get("module") in by_module else by_module.most_common(1)[0][0]
     )
-    runs = collections.defaultdict(list)
-    for e in kernels:
-        if e["args"].get("hlo_module", "?") == module:
-            runs[e["args"].get("run_id") or e["args"].get("correlation_id", 0)].append(e)
+    runs = _calls(kernels, module, meta)
     # each call's first kernel start and last kernel end, in order; the warm-up call's too
     spans = sorted(
         (min(e["ts"] for e in r), max(e["ts"] + e["dur"] for e in r)) for r in runs.values()

@@ -80,3 +80,14 @@ def test_a_workdir_without_a_trace_is_one_line_naming_the_setting(tmp_path, caps
     assert profile.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "profile.num_steps" in err and str(tmp_path) in err
+
+
+def test_a_trace_without_run_ids_is_cut_into_calls_at_its_largest_gaps():
+    # a GPU's kernels: no run_id; 3 calls (a warm-up and 2 traced) of 2 kernels each
+    def kernel(ts):
+        return {"ts": ts, "dur": 1.0, "args": {"hlo_module": "jit_step", "hlo_op": "dot.1"}}
+
+    kernels = [kernel(t) for t in (0, 2, 10, 12, 20, 23)]
+    meta = {"steps": 2, "steps_per_call": 1, "warmup_calls": 1}
+    calls = profile._calls(kernels, "jit_step", meta)
+    assert [[e["ts"] for e in call] for call in calls.values()] == [[0, 2], [10, 12], [20, 23]]
