@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mptrain import errors, files
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # name in log_to -> the module it needs
@@ -56,12 +58,15 @@ def check(config: Any) -> None:
 
 
 def flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`{"a.b": value}` of nested mappings; values other than bools, numbers and strings as
-    their `str`."""
+    """Nested mappings (a ConfigDict too) as `{"a.b": value}`, for hparams and params, which
+    hold bools, numbers and strings only: a numpy scalar as its Python value, any other value
+    (None, a tuple) as its `str`."""
     out = {}
     for key, value in tree.items():
         if hasattr(value, "items"):
             out |= flat(value, f"{prefix}{key}.")
+        elif isinstance(value, np.generic):
+            out[prefix + str(key)] = value.item()
         else:
             ok = isinstance(value, bool | int | float | str)
             out[prefix + str(key)] = value if ok else str(value)

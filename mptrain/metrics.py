@@ -31,7 +31,7 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.record_writer import RecordWriter
 from tensorboard.util import tensor_util
 
-from mptrain import curves, files
+from mptrain import curves, files, loggers
 
 _CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
 
@@ -106,22 +106,6 @@ def _png(image: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def _flat_hparams(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mappings flattened to `{"a.b": value}`. Hparams hold bools, numbers and strings
-    only, so any other value (None, a tuple) is written as its `str`."""
-    flat = {}
-    for key, value in hparams.items():
-        if hasattr(value, "items"):  # a Mapping, or an ml_collections ConfigDict
-            flat |= _flat_hparams(value, f"{prefix}{key}.")
-        elif isinstance(value, np.generic):
-            flat[prefix + key] = value.item()
-        else:
-            flat[prefix + key] = (
-                value if isinstance(value, bool | int | float | str) else str(value)
-            )
-    return flat
 
 
 class EventWriter(_interface.MetricWriter):
@@ -203,7 +187,7 @@ class EventWriter(_interface.MetricWriter):
         self._write_values(step, protos)
 
     def write_hparams(self, hparams: Mapping[str, Any]):
-        summary = hparams_summary.hparams_pb(_flat_hparams(hparams))
+        summary = hparams_summary.hparams_pb(loggers.flat(hparams))
         self._write(event_pb2.Event(step=0, summary=summary))
 
     def _unsupported(self, kind: str, keys) -> None:
@@ -272,8 +256,6 @@ def create_writer(
     """TensorBoard events (an `EventWriter`, `restart` as there) in `workdir`, absl log lines,
     and the loggers `config.log_to` names (`loggers`: W&B, MLflow), written from a background
     thread so the train loop never waits on a disk or a network; on other processes, nothing."""
-    from mptrain import loggers
-
     metric_writers = import_clu("metric_writers")
     if not is_main_process:
         return metric_writers.MultiWriter([])
