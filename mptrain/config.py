@@ -139,7 +139,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.numerics.every_step = False
 
     c.profile = ml_collections.ConfigDict()  # traced by jax.profiler: docs/performance.md
-    c.profile.start_step = 5  # the first step traced, counted from 1 (at least 2)
+    c.profile.start_step = 5  # the first step traced, counted from 1 (>= 3: one warm-up call)
     c.profile.num_steps = 0  # steps traced (0: no trace); results are the same traced or not
     # the record's homes, comma-separated: "tensorboard" (always), "wandb", "mlflow" (loggers.py)
     c.log_to = "tensorboard"
@@ -200,7 +200,7 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
         why = "batches made further ahead only hold memory: the step takes one call's at a time"
         errors.check_integer("data.prefetch", config.data.prefetch, 0, 64, why)
     if errors.check_integer("profile.num_steps", _get(config, "profile.num_steps"), 0):
-        errors.check_integer("profile.start_step", _get(config, "profile.start_step"), 2)
+        errors.check_integer("profile.start_step", _get(config, "profile.start_step"), 3)
     names = set(str(_get(config, "log_to")).replace(" ", "").split(",")) - {""}
     if bad := names - {"tensorboard", "wandb", "mlflow"}:
         raise ValueError(f"log_to={config.log_to!r}: {', '.join(bad)} not tensorboard|wandb|mlflow")
