@@ -48,6 +48,7 @@ GROUPS = (
 GAPS = "host gaps"
 META = "mptrain.json"
 DATA = "data waits"  # `loop.Prefetcher`'s section of the run's clock
+PROFILING = "profiling"  # starting and writing a trace: not train time
 
 
 def group_of(name: str) -> str:
@@ -62,7 +63,7 @@ class Tracer:
     """A run's hook (`hook(step_no)` after each step's dispatch) that traces the steps
     `config.profile` names into the workdir and marks them in the record."""
 
-    section = None  # its waits are for the train steps: train time, not the hooks' (`Clock`)
+    section = None  # its waits are for the train steps: train time (`Clock`); not its trace's
 
     def __init__(self, run: Any):
         cfg = run.config.profile
@@ -82,9 +83,10 @@ class Tracer:
             jax.block_until_ready(self.run.state)  # the steps before the trace are done
             options = jax.profiler.ProfileOptions()
             options.python_tracer_level = 0  # Python calls would fill the trace's 1M events
-            jax.profiler.start_trace(
-                str(self.run.workdir), create_perfetto_trace=True, profiler_options=options
-            )
+            with self.run.clock.section(PROFILING):
+                jax.profiler.start_trace(
+                    str(self.run.workdir), create_perfetto_trace=True, profiler_options=options
+                )
             self.warming = step_no
         elif self.began is None and self.warming is not None:
             jax.block_until_ready(self.run.state)  # the warm-up call is done
@@ -95,9 +97,10 @@ class Tracer:
             # batches a CPU makes between steps are in the trace's host gaps: kept)
             outside = self.run.clock.outside(DATA) - self.began[2]
             seconds = time.monotonic() - self.began[1] - outside
-            jax.profiler.stop_trace()
-            self.done = True
-            self.mark(self.began[0] + 1, step_no, seconds)
+            with self.run.clock.section(PROFILING):  # writing the trace: 0.3 s here
+                jax.profiler.stop_trace()
+                self.done = True
+                self.mark(self.began[0] + 1, step_no, seconds)
 
     def mark(self, first: int, last: int, seconds: float) -> None:
         """Writes `mptrain.json` beside the trace and `profiled` = 1 at each traced step."""

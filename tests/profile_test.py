@@ -91,3 +91,9 @@ def test_a_trace_without_run_ids_is_cut_into_calls_at_its_largest_gaps():
     meta = {"steps": 2, "steps_per_call": 1, "warmup_calls": 1}
     calls = profile._calls(kernels, "jit_step", meta)
     assert [[e["ts"] for e in call] for call in calls.values()] == [[0, 2], [10, 12], [20, 23]]
+
+
+def test_writing_the_trace_is_not_step_time(traced):
+    step_time = {step: float(value) for step, value in event_series(traced, "step_time_s").items()}
+    # steps 9-10 hold the trace's end, which writes it (some 100 ms); steps 11-12 are untraced
+    assert step_time[10] < 4 * step_time[12], step_time
