@@ -40,8 +40,7 @@ _KINDS = (
     (r"tpu v5", "v5p"),
     (r"tpu v6", "v6e"),
 )
-# The keys `Meter.values` and `Run` write, and `profile.Tracer`'s mark of the traced steps
-# (for the history's rows: `curves.KEYS`).
+# The keys `Meter.values` and `Run` write (for the history's rows: `curves.KEYS`).
 KEYS = (
     "step_time_s",
     "steps_per_sec",
@@ -52,7 +51,6 @@ KEYS = (
     "tflops_per_device",
     "mfu",
     "goodput",
-    "profiled",
 )
 _EMBEDDINGS = re.compile(r"embed|pos_emb|position", re.IGNORECASE)
 
