@@ -97,6 +97,14 @@ RULES = [
         ),
     ),
     Rule(
+        ("matmul_precision",),
+        lambda run: run.policy.compute_dtype == precision.F32 or run.config.keep_fp32 is not None,
+        lambda run: (
+            f"under {run.policy.compute_dtype.name} compute with the preset's casting rule every "
+            "matmul runs in the compute dtype; it sets the precision of float32 matmuls"
+        ),
+    ),
+    Rule(
         ("keep_fp32",),
         lambda run: run.policy.compute_dtype != precision.F32,
         lambda run: "under float32 compute every param reaches the model in float32",

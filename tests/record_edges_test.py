@@ -118,7 +118,6 @@ def _line(fn, text: str) -> int:
     return first + index
 
 
-@pytest.mark.xfail(strict=True, reason="needs the matmul_precision rule in mptrain/unused.py")
 def test_matmul_precision_under_16_bit_compute_says_it_has_no_effect():
     config = tiny_config(matmul_precision="highest")
     lines = [line for line in config_lib.unused_settings(config) if "matmul_precision" in line]
