@@ -60,7 +60,7 @@ class Candidate:
     state_bytes_per_param: float
     floor_s: float  # per global batch: a compiled step's floor x its micro-batches
     bound: str
-    xla_remat_flops: float
+    xla_remat_before: int  # where XLA recomputed on its own and logged it: the bytes before
     fits: bool = False
     fraction: float = 0.0  # the share of the GPU's memory the run needs to be given (0: as it is)
 
@@ -115,16 +115,15 @@ class Fit:
         lines = [
             f"fit: {self.devices} x {self.target}, {self.capacity / GiB:.2f} GiB a device as "
             f"the run stands ({self.device_memory / GiB:.1f} GiB on the device); "
-            f"{len(self.tried)} compiles in {self.seconds:.0f} s",
+            f"{len(self.tried)} compile{'s' * (len(self.tried) != 1)} in {self.seconds:.0f} s",
             "",
             "  GiB a device, state bytes a param, floor of a global batch (every micro-batch)",
             f"  {'GiB':>7} {'state B/param':>13} {'floor ms':>9} {'bound':<11} {'fits':<9} knobs",
         ]
         for c in self.tried:
             fits = ("yes" if not c.fraction else f"at {c.fraction:.2f}") if c.fits else "no"
-            remat = (
-                f" (+{c.xla_remat_flops / 1e12:.0f} TFLOP XLA remat)" if c.xla_remat_flops else ""
-            )
+            before = c.xla_remat_before / GiB
+            remat = f" (XLA recomputed: {before:.0f} GiB before)" if before else ""
             mark = "*" if c is self.best else " "
             lines.append(
                 f"{mark} {c.memory / GiB:7.2f} {c.state_bytes_per_param:13.2f} "
@@ -179,7 +178,7 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
                 * knobs.get("optimizer.accumulation_steps", 1)
                 / _get(config, "optimizer.accumulation_steps", 1),
                 bound=result.floor["bound"],
-                xla_remat_flops=result.xla_remat.get("recompute_flops", 0.0),
+                xla_remat_before=result.xla_remat.get("before", 0),
                 fits=total <= stretch,
             )
             if found.fits and total > capacity:
