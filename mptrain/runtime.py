@@ -166,6 +166,13 @@ def initialize_distributed(config) -> None:
     )
 
 
+def _rewrite(handle, text: str) -> None:
+    handle.seek(0)
+    handle.truncate()
+    handle.write(text)
+    handle.flush()
+
+
 @contextlib.contextmanager
 def workdir_lock(workdir: Path):
     """Holds an exclusive lock on `<workdir>/.lock` for the run; a second run is refused.
@@ -196,12 +203,18 @@ def workdir_lock(workdir: Path):
                 f"workdir {workdir} is in use by another run ({holder}); wait for it to end "
                 "or use another --workdir"
             ) from None
+        handle.seek(0)
+        previous = handle.read()
         with files.writing(workdir / ".lock"):  # a full disk: one line, exit 1
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            handle.flush()
-        yield
+            _rewrite(handle, f"pid {os.getpid()} on {socket.gethostname()}\n")
+        try:
+            yield
+        except (errors.ConfigError, errors.WorkdirError):
+            # Refused (a checkpoint this config cannot resume): the run never ran here, so the
+            # lock file names whoever ran last, as before this process came.
+            with contextlib.suppress(OSError):
+                _rewrite(handle, previous)
+            raise
     finally:
         with contextlib.suppress(OSError):  # what a full disk kept unwritten is not ours
             handle.close()  # closing releases the lock

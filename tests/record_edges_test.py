@@ -88,6 +88,17 @@ def test_a_finished_workdir_that_cannot_be_written_exits_2_and_keeps_its_lock(
     assert sorted(os.listdir(tmp_path)) == before
 
 
+def test_a_run_refused_at_resume_leaves_the_lock_naming_the_run_before(tmp_path, capsys):
+    assert run_cli(tmp_path, "--config.num_train_steps=2", capsys=capsys)[0] == 0
+    (tmp_path / ".lock").write_text("pid 1 on the-host-before\n")
+    # Another model cannot resume the checkpoint: refused once the lock is held.
+    code, err = run_cli(
+        tmp_path, "--config.num_train_steps=4", "--config.model.num_layers=3", capsys=capsys
+    )
+    assert code == 2, err
+    assert (tmp_path / ".lock").read_text() == "pid 1 on the-host-before\n"
+
+
 def test_keep_fp32_everything_leaves_attention_and_the_one_hot_lookup_in_bf16(tmp_path):
     """docs/precision.md: `keep_fp32='.*'` under bf16-mixed runs the kernels' and the head's
     matmuls in fp32; attention's matmuls of activations (its scores through `einsum_f32_out`)
