@@ -154,9 +154,9 @@ class Meter:
     for the compute dtype (None: not known, so no MFU)."""
 
     def __init__(self, clock: Clock, start: int, work: tuple[str, int], devices: int,
-                 flops: float | None, peak: float | None):  # fmt: skip
+                 flops: float | None, peak: float | None, total: int | None = None):  # fmt: skip
         self.clock, self.work, self.devices = clock, work, devices
-        self.flops, self.peak = flops, peak
+        self.flops, self.peak, self.total = flops, peak, total  # total: the run's steps
         self._last = (start, time.monotonic(), clock.outside())
 
     def values(self, step: int) -> dict[str, float]:
@@ -178,6 +178,13 @@ class Meter:
         if self.flops is not None and self.peak:
             values["tflops_per_device"] = self.flops / seconds / self.devices / 1e12
             values["mfu"] = mfu(self.flops, seconds, self.devices, self.peak)
+        if self.total:  # the log's progress line, for files and pipes (clu's form)
+            eta = (self.total - step) / values["steps_per_sec"]
+            logging.info(
+                "mptrain: %.1f%% (%d/%d), %.2f steps/s, %.0f %s/s, ETA %d min %02d s",
+                100 * step / self.total, step, self.total, values["steps_per_sec"],
+                values[f"{unit}_per_s"], unit, eta // 60, eta % 60,
+            )  # fmt: skip
         return values
 
 
@@ -204,4 +211,4 @@ def create_meter(config: Any, state: Any, start: int, clock: Clock) -> Meter:
         if flops is None:
             why = f"{config.model.name} has no analytic FLOP count (the LMs have)"
         logging.info("mptrain: no MFU in the record: %s", why)
-    return Meter(clock, start, work, len(devices), flops, peak)
+    return Meter(clock, start, work, len(devices), flops, peak, config.num_train_steps)
