@@ -1,7 +1,7 @@
 """`python -m mptrain.plan --fit`: the fastest configuration of a run that fits the target.
 
 Starting from the config as given, the memory knobs mptrain owns are tried in the order of
-what they cost, each candidate by a deviceless compile of the real step (`plan.plan`):
+what they cost, each candidate by a deviceless compile of the real step (`plan_step.plan`):
 
 1. free: the loss in chunks of 256 positions (`loss.chunk_tokens`), where it is one chunk;
    and the run's share of a GPU's memory up to 95% (`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`,
@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any
 
-from mptrain import plan, plan_memory
+from mptrain import plan_memory, plan_step
 from mptrain import target as target_lib
 
 GiB = 2**30
@@ -60,7 +60,8 @@ class Candidate:
     state_bytes_per_param: float
     floor_s: float  # per global batch: a compiled step's floor x its micro-batches
     bound: str
-    xla_remat_before: int  # where XLA recomputed on its own and logged it: the bytes before
+    xla_remat_logged: bool  # XLA's own rematerialisation ran short of its limit and said so
+    xla_recompute_flops: float = 0.0  # what it recomputed a step (found for the best only)
     fits: bool = False
     fraction: float = 0.0  # the share of the GPU's memory the run needs to be given (0: as it is)
 
@@ -122,8 +123,7 @@ class Fit:
         ]
         for c in self.tried:
             fits = ("yes" if not c.fraction else f"at {c.fraction:.2f}") if c.fits else "no"
-            before = c.xla_remat_before / GiB
-            remat = f" (XLA recomputed: {before:.0f} GiB before)" if before else ""
+            remat = " [XLA remat]" if c.xla_remat_logged else ""
             mark = "*" if c is self.best else " "
             lines.append(
                 f"{mark} {c.memory / GiB:7.2f} {c.state_bytes_per_param:13.2f} "
@@ -139,6 +139,11 @@ class Fit:
                 f"{best.state_bytes_per_param:.2f} bytes of state a parameter, floor "
                 f"{1e3 * best.floor_s:.1f} ms ({best.bound}-bound)"
             )
+            if best.xla_recompute_flops:
+                lines.append(
+                    f"  XLA rematerialises on its own in it: {best.xla_recompute_flops / 1e12:.0f} "
+                    "TFLOP a step recomputed, counted in the floor"
+                )
             if best.knobs or best.fraction:
                 lines.append(f"  {self.command_prefix()}python -m mptrain.main ...")
                 lines += [f"    {o}" for o in best.overrides()]
@@ -149,7 +154,7 @@ class Fit:
 
 def fit(config, target: str | target_lib.Target, devices: int | None = None) -> Fit:
     """The search of the module doc for `config` on `devices` of `target` (a `Fit`); a
-    `ConfigError` for a bad config or target, as `plan.plan` raises them."""
+    `ConfigError` for a bad config or target, as `plan_step.plan` raises them."""
     started = time.monotonic()
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     count = devices or named or 1
@@ -162,12 +167,7 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
     def measure(knobs: dict[str, Any]) -> Candidate:
         key = json.dumps(knobs, sort_keys=True)
         if key not in done:
-            from mptrain import config as config_lib
-
-            changed = copy.deepcopy(config)
-            with changed.unlocked():  # a model key the config leaves at its default
-                config_lib.override(changed, knobs)
-            result = plan.plan(changed, chip, count, check_remat=False)
+            result = plan_step.plan(_changed(config, knobs), chip, count, check_remat=False)
             total = result.memory["total"]
             found = Candidate(
                 knobs=knobs,
@@ -178,7 +178,7 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
                 * knobs.get("optimizer.accumulation_steps", 1)
                 / _get(config, "optimizer.accumulation_steps", 1),
                 bound=result.floor["bound"],
-                xla_remat_before=result.xla_remat.get("before", 0),
+                xla_remat_logged=bool(result.xla_remat),
                 fits=total <= stretch,
             )
             if found.fits and total > capacity:
@@ -237,7 +237,20 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
         least = min(c.floor_s for c in fitting)
         near = [c for c in fitting if c.floor_s <= 1.01 * least]
         best = min(near, key=lambda c: (len(c.knobs), c.fraction, c.floor_s))
+    if best is not None and best.xla_remat_logged and chip.platform == "gpu":
+        found = plan_step.plan(_changed(config, best.knobs), chip, count)  # with its recompute
+        best.xla_recompute_flops = found.xla_remat.get("recompute_flops", 0.0)
     return _found(chip, count, capacity, done, best, started)
+
+
+def _changed(config, knobs: dict[str, Any]):
+    """A copy of `config` with `knobs` set (a model key left at its default included)."""
+    from mptrain import config as config_lib
+
+    changed = copy.deepcopy(config)
+    with changed.unlocked():
+        config_lib.override(changed, knobs)
+    return changed
 
 
 def _found(chip, count, capacity, done, best, started) -> Fit:

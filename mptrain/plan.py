@@ -11,321 +11,168 @@ no dataset is read beyond one example's shapes), and the compiled program is rea
 (`mptrain.program`). Every choice made by backend follows the target, not this host: attention
 "auto" picks cuDNN's fused kernel for an H100 exactly as a run on the H100 does.
 
-The `Plan` says, per device and per step: the memory (params, optimizer state, other state,
-inputs, temporaries) against the chip's, with a verdict; matmul FLOPs by operand dtype; the
-attention that runs; the GPU hazards of the precision report (scatters, 16-bit sums across
+The `Plan` (`mptrain.plan_step`) says, per device and per step: the memory (params, optimizer
+state, other state, inputs, temporaries) against what the run will have (75% of a GPU unless
+XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), with a verdict and XLA's own
+rematerialisation where it recomputed (`mptrain.plan_memory`); matmul FLOPs by operand dtype;
+the attention that runs; the GPU hazards of the precision report (scatters, 16-bit sums across
 devices) and every collective with its dtypes; the kernel count; and a roofline floor,
-max(FLOPs / peak, bytes moved / bandwidth), with the MFU it implies. The floor is the least
-time the chip's peak allows, not a measurement.
+max(compute, memory, collectives over the target's interconnect), the binding side named,
+with the MFU it implies. The floor is the least time the chip's peaks allow, not a
+measurement. `--fit` searches the memory knobs for the fastest configuration that fits
+(`mptrain.fit`, docs/make-it-fit.md).
 
-Exit codes: 0 it fits; 4 it does not (one line first, then the plan); 2 bad usage, config or
-target (one line: an unknown target lists the known ones, a missing compiler names the
-`pip install 'mptrain[plan]'` line).
+The command line ends as the trainer's does: one line and the right exit code, never a
+traceback. 0 it fits (with `--fit`: a candidate fits); 4 it does not (the verdict first, then
+the plan; with `--fit`, the closest candidate and what it would need); 2 bad usage, config or
+target, found before anything compiles (an unknown target lists the known ones, a missing
+compiler names the `pip install 'mptrain[plan]'` line; a device count below 1, a target's
+chip count that is not a whole number, `--devices` that disagrees with the target's count, a
+`--json` path that is empty, a folder, under a file or in a folder this user cannot write); 1
+the JSON could not be written after all; 130 Ctrl-C, at once, even inside XLA's compile.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import json
-import math
 import os
+import signal
 import sys
-import time
-from typing import Any
+import threading
 
-from mptrain import errors, hlo, plan_memory, program, roofline
-from mptrain import target as target_lib
+from mptrain import errors, plan_step
+from mptrain.plan_step import EXIT_DOES_NOT_FIT, TARGETS, Plan, plan
 
-EXIT_DOES_NOT_FIT = 4
-GiB = 2**30
-TARGETS = target_lib.targets()  # every target by name, from mptrain/targets/*.toml
+EXIT_INTERRUPTED = 130
+__all__ = ["EXIT_DOES_NOT_FIT", "TARGETS", "Plan", "fit", "main", "plan", "plan_step"]
 
 
-@dataclasses.dataclass
-class Plan:
-    """A run's step as compiled for a target; `str(plan)` is the report, `to_json()` its data.
-
-    Figures are per device and per step (a call of `steps_per_call` steps is divided by it);
-    bytes are bytes, FLOPs are FLOPs, times are seconds.
-    """
-
-    target: str
-    description: str
-    devices: int
-    mesh: dict[str, int]
-    precision: str
-    steps_per_call: int
-    memory: dict[str, int]
-    capacity: int  # the bytes the run will have: the device's, times `share`
-    share: dict[str, Any]  # {"fraction": 0.75, "why": "JAX's default ...", "device": bytes}
-    xla_remat: dict[str, Any]  # XLA's own rematerialisation: {} where it did none
-    state_bytes_per_param: float  # params and optimizer state, all devices, per parameter
-    largest: list[dict[str, Any]]
-    matmul_flops: dict[str, float]
-    offenders: list[dict[str, Any]]
-    fp8_kernels: dict[str, float]  # how the fp8 matmuls are lowered: {kernel kind: count}
-    attention: dict[str, Any]
-    hazards: list[dict[str, Any]]
-    collectives: dict[str, dict[str, int]]
-    collective_sites: dict[str, list[str]]  # by op, the source lines the program names
-    kept_fp32: list[str]
-    kernels: float
-    bytes_moved: float
-    floor: dict[str, Any]
-    notes: list[str]
-    compile_seconds: float
-    jax_version: str
-
-    @property
-    def fits(self) -> bool:
-        return self.memory["total"] <= self.capacity
-
-    def verdict(self) -> str:
-        total, share = self.memory["total"] / GiB, self.memory["total"] / self.capacity
-        if self.fits:
-            return f"fits, {100 * share:.0f}% of {self.capacity / GiB:.1f} GiB"
-        if self.memory["total"] <= self.share["device"]:
-            return (
-                f"does not fit the {self.capacity / GiB:.1f} GiB the run will have "
-                f"({self.share['why']}): needs {total:.1f} GiB; {plan_memory.MEM_FRACTION}="
-                f"{math.ceil(100 * self.memory['total'] / self.share['device']) / 100:.2f} "
-                "would give it that"
-            )
-        where = "; ".join(
-            f"{b['count']:g} x {b['array']} ({b['bytes'] / GiB:.2f} GiB) at {b['where']}"
-            for b in self.largest[:3]
-        )
-        return (
-            f"does not fit: needs {total:.1f} GiB of {self.capacity / GiB:.1f}; largest "
-            f"buffers: {where}"
-        )
-
-    def to_json(self) -> str:
-        data = dataclasses.asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
-        return json.dumps(data, indent=2)
-
-    def __str__(self) -> str:
-        from mptrain import plan_report
-
-        return plan_report.render(self)
-
-
-def plan(
-    config, target: str | target_lib.Target, devices: int | None = None, check_remat=True
-) -> Plan:
-    """The `Plan` of `config` on `devices` devices of `target` (a name from `TARGETS`, or a
-    `target.Target`); a `ConfigError` for a bad config, target or device count, or a compiler
-    that is not installed. JAX's backends must start with `JAX_PLATFORMS=cpu` (see `target`).
-    With `check_remat`, a GPU step near XLA's memory limit is compiled a second time without
-    XLA's own rematerialisation, to report the FLOPs it recomputes (`Plan.xla_remat`)."""
-    import jax
-
-    from mptrain import config as config_lib
-    from mptrain import launch, runtime
-
-    chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
-    with errors.config_errors():
-        runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
-    if devices is not None and named is not None and devices != named:
-        raise errors.ConfigError(
-            f"--target={target} names {named} devices and --devices={devices}: give one count"
-        )
-    if devices is not None and devices < 1:
-        raise errors.ConfigError(f"--devices={devices}: a plan is for 1 device or more")
-    count = devices or named or math.prod(max(n, 1) for n in (config.mesh.data, config.mesh.fsdp))
-    target_devices = chip.devices(count)
-    config_lib.validate(config, devices=target_devices)
-    trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
-    share = plan_memory.share(chip)
-    started = time.monotonic()
-    traced, state, sample = _trace(trainer)
-    lowered = traced.lower()
-    compiled, log = plan_memory.compile_logged(lowered)
-    seconds = time.monotonic() - started
-    result = _read(chip, trainer, compiled, state, sample, seconds, jax.__version__, share)
-    result.xla_remat = plan_memory.logged_remat(log)
-    near = result.memory["total"] > 0.6 * chip.memory_bytes  # where XLA may have recomputed
-    if check_remat and chip.platform == "gpu" and (result.xla_remat or near):
-        result.xla_remat = plan_memory.recompute(result, lowered, trainer)
-    return result
-
-
-def _trace(trainer) -> tuple[Any, Any, dict]:
-    """The run's train step traced on abstract shapes: `(traced, state, one example)`."""
-    import jax
-    import numpy as np
-
-    from mptrain import data, sharding
-
-    config, mesh = trainer.config, trainer.mesh
-    example = data.check_config(config) if config.trainer == "mptrain.trainer:Trainer" else None
-    if example is None:  # a source with no shapes to offer: one batch of it gives them
-        batch = trainer.build_datasets()[0].get_batch(0)
-        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)
-    sample = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), example)
-    init, args = trainer.make_init(sample)
-    state = jax.eval_shape(init, *args)
-    k = config.steps_per_call
-    spec = lambda x, shape, on: jax.ShapeDtypeStruct(shape, x.dtype, sharding=on)
-    lead, where = (k,) if k > 1 else (), sharding.batch_sharding(mesh, stacked=k > 1)
-    batches = jax.tree.map(
-        lambda x: spec(x, (*lead, config.batch_size, *x.shape[1:]), where), example
-    )
-    jitted, make_totals, _ = trainer.make_run_step(state, sample)
-    replicated = sharding.replicated(mesh)
-    totals = jax.tree.map(lambda x: spec(x, x.shape, replicated), jax.eval_shape(make_totals))
-    return jitted.trace(state, batches, totals), state, sample
-
-
-def _global_bytes(tree: Any) -> int:
-    """Bytes of an abstract tree, all devices' shards together."""
-    import jax
-    import numpy as np
-
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def _shard_bytes(tree: Any) -> int:
-    """Bytes of one device's shards of an abstract tree."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
-def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, share) -> Plan:
-    """The `Plan` read off the compiled program (see the module doc)."""
-    import jax
-
-    config, policy, k = trainer.config, trainer.policy, trainer.config.steps_per_call
-    text = compiled.as_text()
-    prog = program.Program(text)
-    stats = compiled.memory_analysis()
-    held = _shard_bytes(state)
-    params, optimizer = _shard_bytes(state.params), _shard_bytes(state.opt_state)
-    memory = {
-        "params": params,
-        "optimizer": optimizer,
-        "other_state": held - params - optimizer,
-        "inputs": stats.argument_size_in_bytes - held,  # the batches and the log totals
-        "temporaries": stats.temp_size_in_bytes + stats.generated_code_size_in_bytes,
-        "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,  # not donated back
-    }
-    memory["total"] = sum(memory.values())
-    # what the step keeps in the host's pinned memory (activations an offloading remat policy
-    # moves there): not the device's, so outside the total
-    memory["host"] = getattr(stats, "host_temp_size_in_bytes", 0)
-    matmuls = roofline.matmul_flops(prog, policy.compute_dtype.name, k)
-    flops, moved = matmuls["flops"], roofline.bytes_moved(prog, k)
-    hazards = hlo.compiled_hazards(prog, k)
-    notes = [hlo.warning(h) for h in hazards if h.kind == "16-bit"]
-    notes += _notes(chip, config, flops, matmuls["fp8_kernels"])
-    network = hlo.traffic(prog, chip.link, trainer.mesh.size, k)
-    return Plan(
-        target=chip.name,
-        description=chip.description,
-        devices=trainer.mesh.size,
-        mesh=dict(trainer.mesh.shape),
-        precision=str(config.precision),
-        steps_per_call=k,
-        memory=memory,
-        capacity=int(share["fraction"] * chip.memory_bytes),
-        share=share,
-        xla_remat={},
-        state_bytes_per_param=_global_bytes((state.params, state.opt_state))
-        / max(1, sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
-        largest=prog.largest(k),
-        matmul_flops=flops,
-        offenders=matmuls["offenders"],
-        fp8_kernels=matmuls["fp8_kernels"],
-        attention=hlo.attention(prog, _length(sample), k, _rows(config, trainer.mesh.size)),
-        hazards=[dataclasses.asdict(h) for h in hazards],
-        collectives=hlo.collectives(prog, k),
-        collective_sites=_collective_sites(prog),
-        kept_fp32=policy.kept_fp32_paths(state.params),
-        kernels=sum(runs for _, runs in prog.kernels()) / k,
-        bytes_moved=moved,
-        floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),
-        notes=notes,
-        compile_seconds=round(seconds, 1),
-        jax_version=version,
-    )
-
-
-def _collective_sites(prog) -> dict[str, list[str]]:
-    """By collective op, the source lines of its instructions, where the program keeps them
-    (XLA's combined collectives keep none)."""
-    sites = collections.defaultdict(set)
-    for inst, _ in prog.instructions(control_only=True):
-        op, where = inst.opcode.removesuffix("-start"), prog.where(inst)
-        if op in hlo.COLLECTIVES and ".py:" in where:
-            sites[op].add(where)
-    return {op: sorted(found) for op, found in sites.items()}
-
-
-def _rows(config, devices: int) -> int:
-    """A device's sequences x attention heads: the leading size of its attention scores."""
-    heads = config.model.get("num_heads") if "model" in config else None
-    return max(1, config.batch_size // devices) * (heads or 1)
-
-
-def _length(sample: Any) -> int | None:
-    """The sequence length of token inputs (`inputs`: integers `[1, L]`), else None."""
-    inputs = sample.get("inputs") if isinstance(sample, dict) else None
-    tokens = inputs is not None and inputs.ndim == 2 and inputs.dtype.kind in "iu"
-    return inputs.shape[-1] if tokens else None
-
-
-def _notes(chip, config, flops: dict[str, float], lowered) -> list[str]:
-    """What a reader of the plan should know beyond its tables."""
-    from mptrain import runtime
-
-    notes = []
-    if lowered:
-        kinds = ", ".join(f"{n:g} as {kind}" for kind, n in sorted(lowered.items()))
-        notes.append(
-            f"fp8 matmuls: {kinds} (XLA's choice without the GPU to autotune on; a GEMM with "
-            "fp8 operands runs on the fp8 tensor cores, where the chip has them)"
-        )
-    if chip.platform == "tpu" and flops.get("float32"):
-        notes.append(
-            "float32 matmuls run as one bfloat16 pass on a TPU at XLA's default precision: "
-            "counted at the bfloat16 rate"
-        )
-    if chip.platform == "gpu":
-        flag = runtime.DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "")
-        asked = bool(config.get("deterministic", False))
-        notes.append(
-            "compiled with XLA's deterministic GPU kernels (config.deterministic)"
-            if flag
-            else "compiled without XLA's deterministic GPU kernels"
-            + (
-                ": config.deterministic asks for them, but this process's XLA flags were set "
-                "before the plan could add the flag"
-                if asked
-                else ""
-            )
-        )
-        notes.append(
-            "no GPU to autotune on: GEMMs keep XLA's default kernels and tiles, cuDNN "
-            "workspaces count as 0; the GPU's own compile may choose others"
-        )
-    return notes
-
-
-def fit(config, target: str | target_lib.Target, devices: int | None = None):
-    """The search of `python -m mptrain.plan --fit` as data: `mptrain.fit.fit` (see there)."""
+def fit(config, target, devices: int | None = None):
+    """The search of `--fit` as data: `mptrain.fit.fit` (see there)."""
     from mptrain import fit as fit_lib
 
     return fit_lib.fit(config, target, devices)
 
 
-if __name__ == "__main__":
-    from mptrain import plan_cli
+def _usage(flag_values) -> str:
+    names = ", ".join(sorted(TARGETS))
+    return (
+        "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
+        "[--fit] [--json=PATH] [--config.KEY=VALUE ...]\n\n"
+        "Compiles the run's train step for an accelerator that need not be here and reports "
+        "its memory, dtypes, hazards and roofline floor; --fit searches the memory knobs for "
+        "the fastest configuration that fits. Exit codes: 0 it fits, 4 it does not, 2 bad "
+        f"usage, config or target, 130 Ctrl-C.\n\ntargets: {names} (a TPU name may carry its "
+        "chip count, e.g. v5e-8)\n\nflags:\n"
+        + "\n".join(
+            f"  --{n}: {flag_values[n].help}"
+            for n in ("config", "target", "devices", "fit", "json")
+        )
+        + "\n"
+    )
 
-    sys.exit(plan_cli.main())
+
+def _stop_at_once_on_ctrl_c() -> None:
+    """Ctrl-C ends the process with one line and 130, also while XLA compiles (a Python
+    handler would wait for the compile to return): the C-level handler writes to a wakeup
+    pipe that a thread watches."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    stderr = os.dup(2)  # the terminal's, whatever fd 2 is while XLA compiles (plan_memory)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    signal.set_wakeup_fd(write)
+
+    def watch() -> None:
+        while os.read(read, 1) != bytes([signal.SIGINT]):
+            pass
+        os.write(stderr, b"mptrain: error: interrupted (Ctrl-C); nothing was written\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    threading.Thread(target=watch, daemon=True, name="ctrl-c").start()
+
+
+def check_json_path(path: str | None) -> None:
+    """A `ConfigError` for a `--json` path no file can be written at, before anything
+    compiles: empty, a folder, under a file, or in a folder this user cannot write to."""
+    if path is None:
+        return
+    if not path.strip():
+        raise errors.ConfigError("--json= is empty: give the path of a file to write")
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise errors.ConfigError(f"--json={path}: a folder; give the path of a file in it")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):  # the folders write_json would create
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise errors.ConfigError(f"--json={path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise errors.ConfigError(f"--json={path}: cannot write in {parent}")
+
+
+def _write_json(path: str, data) -> None:
+    from mptrain import files
+
+    try:
+        files.write_json(path, data)
+    except (OSError, errors.StorageError) as e:
+        sys.stderr.write(f"mptrain: error: --json={path}: {errors.first_line(e)}\n")
+        sys.exit(errors.StorageError.exit_code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module doc); returns the exit code."""
+    if argv is None:
+        _stop_at_once_on_ctrl_c()
+    from mptrain import target as target_lib
+
+    target_lib.compile_only()  # no backend looks for a driver: this process only compiles
+    from absl import flags, logging
+
+    from mptrain import main as main_lib
+
+    argv = list(sys.argv if argv is None else argv)
+
+    def define(fv) -> None:
+        flags.DEFINE_string("target", None, "The accelerator, e.g. h100 or v5e-8.", flag_values=fv)
+        flags.DEFINE_integer(
+            "devices",
+            None,
+            "Devices of the target (default: the target name's count, the config's mesh, else 1).",
+            flag_values=fv,
+        )
+        flags.DEFINE_boolean(
+            "fit",
+            False,
+            "Search the memory knobs, cheapest first, for the fastest configuration that fits; "
+            "print the --config. overrides.",
+            flag_values=fv,
+        )
+        flags.DEFINE_string("json", None, "Also write the plan as JSON here.", flag_values=fv)
+
+    flag_values = main_lib.parse_flags(argv, _usage, define)
+    if flag_values is None:  # --help
+        return errors.EXIT_OK
+    if not flag_values.target:
+        names = ", ".join(sorted(TARGETS))
+        main_lib.usage_error(f"--target is required; known targets: {names}")
+    logging.set_verbosity(logging.WARNING)
+    try:
+        check_json_path(flag_values.json)
+        if flag_values.fit:
+            result = fit(flag_values.config, flag_values.target, flag_values.devices)
+        else:
+            result = plan(flag_values.config, flag_values.target, flag_values.devices)
+    except errors.ConfigError as e:
+        main_lib.usage_error(str(e))
+    if not result.fits:
+        sys.stdout.write(result.verdict() + "\n\n")
+    sys.stdout.write(str(result))
+    sys.stdout.flush()
+    if flag_values.json:
+        _write_json(flag_values.json, json.loads(result.to_json()))
+    return errors.EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
