@@ -38,8 +38,8 @@ from mptrain import train_state as train_state_lib
 
 
 def allow_transfers():
-    # Sections that read device values on purpose (log, eval, checkpoint, start-up) say so; a
-    # caller can run the whole loop under jax.transfer_guard("disallow") to prove the rest don't.
+    # Sections that read device values on purpose say so: a caller can run the whole loop under
+    # jax.transfer_guard("disallow") to prove the rest don't (log, eval, checkpoint, start-up do).
     return jax.transfer_guard("allow")
 
 
@@ -52,8 +52,9 @@ def average(eval_step: Callable, state: Any, batches: Any, prefix: str = "") -> 
         return {f"{prefix}{k}": float(v) / len(metrics) for k, v in jax.device_get(sums).items()}
 
 
-def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int):
-    """A message when training cannot recover from its non-finite steps, else None.
+def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_skips: int, saved=0):
+    """A message when training cannot recover from its non-finite steps, else None; `saved`:
+    the step of the checkpoint the run stops with (after `step`, read a call late; 0: unsaid).
 
     `values` are a log step's scalars (`consecutive_skips`, `loss_scale`, `last_finite_loss`,
     `skipped_steps`); `scaler` is the state's loss scaler, whose `min_scale` is read (from the
@@ -82,8 +83,9 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
     never = not math.isfinite(last) and skips == step  # from step 0: the params are the init's
     return (
         f"training went non-finite at step {step}: {why}; {seen}, loss scale {scale:g}, "
-        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was saved; "
-        f"{_remedy(scaler, scale, stuck, never)}, then run again"
+        f"{int(values['skipped_steps'])} steps skipped in all. The last good state was saved"
+        + (f" (the checkpoint of step {saved}); " if saved else "; ")
+        + f"{_remedy(scaler, scale, stuck, never)}, then run again"
     )
 
 
@@ -166,9 +168,8 @@ class Run:
         # The record resumes like the state: what a crash left past the step resumed from (a
         # log or eval line written after the newest checkpoint) goes, here and in TensorBoard.
         if self.writer is None:
-            restart = self.start + 1
             self.writer = metrics_lib.create_writer(
-                self.workdir, is_main_process=main, restart=restart, config=cfg
+                self.workdir, is_main_process=main, restart=self.start + 1, config=cfg
             )
         if main:
             curves.forget_after(self.workdir, self.start)
@@ -185,8 +186,7 @@ class Run:
         training cannot recover."""
         with allow_transfers():
             metrics, totals = jax.device_get((metrics, totals))
-            values = metrics_lib.scalars(metrics) | totals.to_scalars()
-            values |= self.meter.values(step_no)  # the steps up to it are done: timed
+            values = metrics_lib.scalars(metrics) | totals.to_scalars() | self.meter.values(step_no)
             if "fp8_amax" in metrics:  # names from the state's structure: no transfer
                 names = fp8.counter_names(self.state.model_state)
                 values |= fp8.log_values(metrics, names)
@@ -199,7 +199,7 @@ class Run:
                     totals.numerics, table, step_no, self.calls, self.writer, self.workdir
                 )
             diagnostic = nonfinite_diagnostic(
-                step_no, values, self.state.loss_scale, self.config.max_consecutive_skips
+                step_no, values, self.state.loss_scale, self.config.max_consecutive_skips, done
             )
         if diagnostic:
             self.stop(done, errors.NonFiniteTraining(diagnostic + (f"; {where}" if where else "")))
