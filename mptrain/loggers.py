@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Mapping
@@ -170,8 +171,9 @@ class WandbWriter(_Writer):
     def _finish(self, summary: dict[str, str], last: dict[str, float]) -> None:
         self.run.summary.update(summary | last)
         report = self.workdir / REPORT
-        if report.exists():
-            self.run.save(str(report), base_path=str(self.workdir), policy="now")
+        if report.exists():  # a copy in the run's folder: W&B links (and warns of) others
+            copy = shutil.copy(report, Path(self.run.dir) / REPORT)
+            self.run.save(str(copy), base_path=self.run.dir, policy="now")
         self.run.finish()
 
 
