@@ -23,7 +23,12 @@ from mptrain import files
 
 HISTORY = "history.jsonl"
 PICTURE = "curves.png"
-KEYS = ("loss", "eval_loss", "learning_rate", "loss_scale", "skipped_steps")
+KEYS = (
+    *("loss", "eval_loss", "learning_rate", "loss_scale", "skipped_steps"),
+    # speed (`throughput.KEYS`, named here: this module sits below the one that measures them)
+    *("step_time_s", "steps_per_sec", "tokens_per_s", "tokens_per_s_per_device"),
+    *("examples_per_s", "examples_per_s_per_device", "tflops_per_device", "mfu", "goodput"),
+)
 
 
 def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> None:

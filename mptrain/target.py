@@ -175,7 +175,7 @@ def _check_installed(platform: str) -> None:
 def targets() -> dict[str, Target]:
     """Every target whose spec ships in `mptrain/targets/`, by name."""
     found = {}
-    for spec in sorted(importlib.resources.files("mptrain").joinpath("targets").iterdir()):
+    for spec in sorted(importlib.resources.files(__package__).joinpath("targets").iterdir()):
         if spec.name.endswith(".toml"):
             data = tomllib.loads(spec.read_text())
             section = data.pop("device", None) or data.pop("topology")

@@ -19,7 +19,6 @@ devices are not of a known kind (a CPU, say) there is no MFU, and the log says s
 from __future__ import annotations
 
 import contextlib
-import importlib
 import re
 import time
 from typing import Any
@@ -58,9 +57,9 @@ _EMBEDDINGS = re.compile(r"embed|pos_emb|position", re.IGNORECASE)
 def chip_of(device: Any) -> Any:
     """The `target.Target` (spec file) of a jax device's kind, or None for a kind not known
     (CPUs)."""
-    # Imported by name: tests/layout_test.py reads target.py's `files("mptrain")` as an import
-    # of the package, a circle through this module that no import makes.
-    targets = importlib.import_module(f"{__package__}.target").targets()
+    from mptrain import target
+
+    targets = target.targets()
     kind = str(getattr(device, "device_kind", "")).lower()
     for pattern, name in _KINDS:
         if re.search(pattern, kind):

@@ -2,9 +2,9 @@
 each ends as the docs promise. A loss scale that float32 cannot hold is a config error; the
 summary's TensorBoard command survives a path with spaces; a finished workdir that cannot be
 written is refused with exit 2 and its `.lock` untouched; `keep_fp32='.*'` does what
-docs/precision.md says of it. Two more need changes outside this file's modules (the exit-3
-message's step, a start-up line for `matmul_precision` under 16-bit compute): strict xfails
-until then."""
+docs/precision.md says of it; the exit-3 message names the checkpoint it wrote; `matmul_precision`
+under 16-bit compute says at start-up that it has no effect; a run refused at resume leaves the
+lock file as it was."""
 
 import errno
 import inspect
@@ -137,7 +137,6 @@ def test_matmul_precision_under_16_bit_compute_says_it_has_no_effect():
     assert not [line for line in config_lib.unused_settings(kept) if "matmul_precision" in line]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the saved step in mptrain/loop.py's exit-3 message")
 def test_the_exit_3_message_names_the_checkpoint_it_wrote(tmp_path, capsys):
     code, err = run_cli(
         tmp_path,

@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_config
 
 import mptrain
-from mptrain import errors
+from mptrain import errors, throughput
 from mptrain import trainer as trainer_lib
 
 # a log interval (5 steps) that a checkpoint (every 3) and a stop (at step 3 or 7) cut
@@ -25,7 +25,9 @@ KEYS = {
 
 
 def _history(workdir) -> list[dict]:
-    return [json.loads(line) for line in (workdir / "history.jsonl").read_text().splitlines()]
+    """The history's rows without the speed (`throughput.KEYS`: timings differ run to run)."""
+    rows = [json.loads(line) for line in (workdir / "history.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in throughput.KEYS} for row in rows]
 
 
 def _tensorboard(workdir, tag: str) -> list[tuple[int, float]]:

@@ -84,11 +84,6 @@ def test_a_tiny_run_records_its_speed_and_goodput(tmp_path, capsys):
     assert "goodput" in out and "set-up and compiles" in out
 
 
-@pytest.mark.xfail(
-    "tokens_per_s" not in curves.KEYS,
-    reason="history.jsonl keeps curves.KEYS only: needs the speed keys added there",
-    strict=True,
-)
 def test_the_history_keeps_the_speed():
     assert set(throughput.KEYS) <= set(curves.KEYS)
 
