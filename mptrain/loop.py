@@ -1,7 +1,6 @@
 """One run's live pieces, built once by `Trainer.setup`: the state, the compiled steps, the
 writer, the checkpointer, and what the loop does on the host between steps (report a log step,
-save, stop). What the step adds up on the device between two log steps is in `log_totals`.
-"""
+save, stop). What the step adds up on the device between two log steps is in `log_totals`."""
 
 from __future__ import annotations
 
@@ -234,6 +233,7 @@ class Run:
                 except EvalStopped as stopped:  # the partial evaluation is dropped
                     logging.warning("mptrain: %s received; checkpointing step %d", stopped, done)
                     self.stop(done, errors.Preempted(done, str(stopped)))
+        self.checkpointer.check()  # a background write that failed stops the run now
 
     def report_pending(self, done: int) -> None:
         """Host-side. Reports the newest log step if it is not reported yet."""

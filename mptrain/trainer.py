@@ -234,9 +234,10 @@ class Trainer:
         the writer, checkpointer and hooks. Writes `config.json`; the `Run` is a context manager."""
         cfg, workdir, clock = self.config, self.workdir, throughput.Clock()  # set-up is timed
         state = self.init_state(train_source.get_batch(0))
+        save_bg = checkpoint.use_async(cfg.checkpoint_async, sharding.platform(self.mesh))
         with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
-                workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep
+                workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep, async_save=save_bg
             )
             state, saved_step, meta = init_from.resume(
                 checkpointer, state, self.policy, cfg, pretrained
