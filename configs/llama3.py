@@ -9,10 +9,14 @@ Arguments:
   MLP 14,336, vocabulary 128,256, untied; RoPE theta 500,000 with Llama 3 scaling 8 / 1 / 4 /
   8,192), sequences of 8,192. Planned for 8 H100s (80 GB): FSDP 8, global batch 16 (2 a
   device), remat `minimal` (the projections' outputs kept, attention recomputed): 63.0 GiB a
-  device in the plan. `minimal_with_context` plans 67.1 GiB, above the share of memory XLA
-  compiles for, and XLA's own rematerialisation then adds 117 TFLOP a step. torchtitan's
-  published run of this model, batch and mesh (8 H100s, FSDP 8, selective activation
-  checkpointing, torch.compile) peaks at 77.0 GiB.
+  device in the plan, above the 59.3 GiB that JAX takes of an 80 GB GPU by default (75%): run it
+  with `XLA_PYTHON_CLIENT_MEM_FRACTION=0.85`. `minimal_with_context` plans 67.1 GiB, above the
+  share of memory XLA compiles for, and XLA's own rematerialisation then adds 117 TFLOP a step.
+  torchtitan's published run of this model, batch and mesh (8 H100s, FSDP 8, selective
+  activation checkpointing, torch.compile) peaks at 77.0 GiB. On one H100, `python -m
+  mptrain.plan --config=configs/llama3.py:8b --target=h100 --devices=1 --fit
+  --config.batch_size=8 --config.data.seq_len=4096` finds bf16 params with stochastic rounding,
+  8-bit moments and remat `full`: 64.4 GiB, 4.0 bytes of state a param (docs/make-it-fit.md).
 - `70b`: Llama 3.1 70B (width 8,192, 80 layers, 64 heads over 8 kv heads, MLP 28,672).
   Planned for 64 H100s: FSDP 64, global batch 64 (1 a device), sequences of 8,192, remat
   `full` (only each block's input kept), as torchtitan's 70B runs do.
