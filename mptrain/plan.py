@@ -41,7 +41,15 @@ import sys
 import threading
 
 from mptrain import errors, plan_step
-from mptrain.plan_step import EXIT_DOES_NOT_FIT, TARGETS, Plan, plan
+from mptrain.plan_step import EXIT_DOES_NOT_FIT, TARGETS, Plan
+
+
+def plan(config, target: str, devices: int | None = None) -> Plan:
+    """The contract's entry point: `config`'s train step compiled for `target` (a spec name such
+    as "h100" or "v5e-8") on `devices` of it, read for memory, dtypes, kernels and the floor
+    (`plan_step.plan` does the work; this module is the command line around it)."""
+    return plan_step.plan(config, target, devices)
+
 
 EXIT_INTERRUPTED = 130
 __all__ = ["EXIT_DOES_NOT_FIT", "TARGETS", "Plan", "fit", "main", "plan", "plan_step"]
