@@ -1,0 +1,547 @@
+"""The GPU check: one command that measures mptrain on the accelerator it is for, part by part.
+
+A GPU is lent to this project now and then, for about 15 minutes in all, so the measurement is
+prepared here and run there in one call. Each part runs in a process of its own under its own
+time limit, and writes one JSON line per result to `<out>/gpu_check.jsonl` as it finishes, so a
+run cut short still returns what it measured; a table of them ends the run, and
+`<out>/gpu_check.json` holds them all.
+
+  a      configs/lm_gpt2s.py, bf16-mixed against fp32, the Trainer's own loop, blocks of steps
+         alternated in one process (median ms a step over the timed blocks)
+  torch  the PyTorch peer on the same shape (AMP bf16 + torch.compile + flash attention;
+         `torch_peer.py` of the carried folder, where torch sees a GPU)
+  b      configs/llama3.py:1b at its docstring's batch: tokens/s and MFU as the run's record
+         writes them, peak device memory against the plan's figure (`--plans`) and against the
+         device's own compile of the same step; a few steps traced for part e
+  e      `mptrain.profile` on part b's trace: the kernel table
+  c      the 8B full fine-tune that `--fit` found for one H100 (docs/make-it-fit.md), random
+         init: peak memory against the plan's, tokens/s, MFU
+  f      the loop's own cost where steps are short: the Trainer's loop against the same model
+         written by hand in flax + optax (scripts/bench_overhead.py), tiny and default LM
+  a2     part a's bf16-mixed step with `config.deterministic=False` (XLA's fastest kernels)
+  d      fp8-mixed against bf16-mixed on the 1B, unscanned (fp8 needs the unscanned Llama)
+
+    python scripts/gpu_check.py --dry-run               # here: every part at tiny sizes
+    bash .gpu/run.sh python3 scripts/gpu_check.py --out=$OUT --budget=420   # on the GPU
+
+`--dry-run` runs every part on this CPU at test sizes (tests/gpu_check_test.py runs it), so the
+script cannot rot between the rare times a GPU is here. The parent process never imports JAX
+(it would take 75% of the GPU's memory from the parts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import runpy
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("a", "torch", "b", "e", "c", "f", "a2", "d")
+# Seconds each part may take on the GPU, and here with --dry-run.
+# On an H200 (2026-11-27) the parts took a 106 s, torch 64, b 39, e 1, c 54, f 41, a2 39; d ran
+# past 121 s (two compiles of the unscanned 1B).
+LIMITS = {"a": 160, "torch": 100, "b": 90, "e": 40, "c": 150, "f": 80, "a2": 60, "d": 200}
+DRY_LIMITS = dict.fromkeys(ORDER, 120)
+# The 8B's overrides that `python -m mptrain.plan --config=configs/llama3.py:8b --target=h100
+# --devices=1 --fit --config.batch_size=8 --config.data.seq_len=4096` prints.
+FIT_8B = {
+    "batch_size": 8,
+    "data.seq_len": 4096,
+    "mesh.data": -1,
+    "mesh.fsdp": 1,
+    "optimizer.mu_dtype": "q8",
+    "optimizer.nu_dtype": "q8",
+    "precision": "bf16-pure",
+    "param_rounding": "stochastic",
+    "model.remat": "full",
+}
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------- the parts' side
+
+
+def _emit(out: Path, record: dict) -> None:
+    """One result: a line of `<out>/gpu_check.jsonl`, written at once, and printed."""
+    line = json.dumps(record, default=float)
+    with open(out / "gpu_check.jsonl", "a") as f:
+        f.write(line + "\n")
+    print("RESULT " + line, flush=True)
+
+
+def _config(spec: str, **overrides):
+    path, _, arg = spec.partition(":")
+    config = runpy.run_path(str(ROOT / path))["get_config"](arg or None)
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
+
+def _bench_overhead():
+    spec = importlib.util.spec_from_file_location(
+        "bench_overhead", ROOT / "scripts/bench_overhead.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _device() -> dict:
+    import jax
+
+    d = jax.devices()[0]
+    return {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__}
+
+
+def _memory() -> dict:
+    """The first device's peak and current bytes in use, GiB (None where the backend keeps no
+    statistics, as XLA:CPU)."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak, now = stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
+    return {
+        "peak_gib": peak / GIB if peak else None,
+        "in_use_gib": now / GIB if now else None,
+        "limit_gib": stats["bytes_limit"] / GIB if stats.get("bytes_limit") else None,
+    }
+
+
+def _compiled_gib(compiled) -> float:
+    """The plan's total (`plan_step._read`) from a compiled step's own memory analysis:
+    arguments, temporaries, code, and outputs not donated back."""
+    m = compiled.memory_analysis()
+    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
+    return (total + m.output_size_in_bytes - m.alias_size_in_bytes) / GIB
+
+
+def _train(config, workdir: str, steps: int, log_every: int, trace=None) -> dict:
+    """The Trainer's own set-up and loop for `steps` steps, with no evaluation or checkpoint
+    (they are at step 10**9); `trace=(first, count)` traces those steps with config.profile.
+    Returns the record's last speed row, the memory and the compiled step's own figure."""
+    import jax
+
+    from mptrain import runtime
+    from mptrain import trainer as trainer_lib
+
+    config = config.copy_and_resolve_references()
+    config.num_train_steps = config.eval_every_steps = config.checkpoint_every_steps = 10**9
+    config.log_every_steps, config.eval_steps = log_every, 1
+    if trace:
+        config.profile.start_step, config.profile.num_steps = trace
+    trainer = trainer_lib.Trainer(config, workdir)
+    started = time.monotonic()
+    with runtime.PreemptionFlag() as flag, trainer.setup(*trainer.build_datasets()) as run:
+        setup_s = time.monotonic() - started
+        config.num_train_steps = steps
+        trainer.train(run, flag)
+        jax.block_until_ready(run.state)
+        compiled = _compiled_gib(run.train_step)
+    rows = [json.loads(line) for line in Path(workdir, "history.jsonl").read_text().splitlines()]
+    speed = [r for r in rows if r.get("tokens_per_s") is not None]
+    last = speed[-1] if speed else {}
+    keep = ("step", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "loss")
+    return {
+        "setup_s": setup_s,
+        **{k: last.get(k) for k in keep},
+        **_memory(),
+        "compiled_gib": compiled,
+    }
+
+
+def _plan_gib(plans: Path, name: str) -> dict:
+    """The carried plan's figure (`python -m mptrain.plan --json`), if there is one."""
+    path = plans / f"{name}.json"
+    if not plans.name or not path.exists():
+        return {"plan_gib": None}
+    plan = json.loads(path.read_text())
+    return {
+        "plan_gib": plan["memory"]["total"] / GIB,
+        "plan_target": plan["target"],
+        "plan_jax": plan.get("jax_version"),
+        "plan_floor_ms": plan.get("floor", {}).get("ms") if plan.get("floor") else None,
+    }
+
+
+def _versus(result: dict) -> dict:
+    """Measured peak over the plan's and over the device's own compile (1.0: as planned)."""
+    peak = result.get("peak_gib")
+    out = {}
+    if peak and result.get("plan_gib"):
+        out["peak_over_plan"] = peak / result["plan_gib"]
+    if peak and result.get("compiled_gib"):
+        out["peak_over_compiled"] = peak / result["compiled_gib"]
+    return out
+
+
+def part_a(args, out: Path) -> None:
+    bench = _bench_overhead()
+    spec = "configs/lm_gpt2s.py:tiny" if args.dry_run else "configs/lm_gpt2s.py"
+    bf16 = _config(spec, precision="bf16-mixed")
+    fp32 = _config(spec, precision="fp32")
+    blocks, block_steps = (2, 2) if args.dry_run else (6, 5)
+    rows = bench.interleaved(bf16, fp32, blocks, block_steps)  # "mptrain" = bf16, "hand" = fp32
+    bf16_ms = statistics.median(r["mptrain_ms"] for r in rows)
+    fp32_ms = statistics.median(r["hand_ms"] for r in rows)
+    tokens = bf16.batch_size * bf16.data.seq_len
+    _emit(
+        out,
+        {
+            "part": "a",
+            "case": f"{spec} bf16-mixed vs fp32 (matmul_precision auto: highest)",
+            **_device(),
+            "bf16_ms": bf16_ms,
+            "fp32_ms": fp32_ms,
+            "fp32_over_bf16": fp32_ms / bf16_ms,
+            "bf16_tokens_per_s": 1e3 * tokens / bf16_ms,
+            "blocks": rows,
+            "steps": f"{block_steps}..{block_steps * (blocks + 1)} of each, alternated",
+        },
+    )
+
+
+def part_a2(args, out: Path) -> None:
+    """bf16-mixed gpt2s with XLA's nondeterministic (atomic) kernels: what determinism costs."""
+    spec = "configs/lm_gpt2s.py:tiny" if args.dry_run else "configs/lm_gpt2s.py"
+    config = _config(spec, precision="bf16-mixed", deterministic=False)
+    steps, log_every = (6, 3) if args.dry_run else (40, 10)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_a2_") as workdir:
+        result = _train(config, workdir, steps, log_every)
+    ms = 1e3 * result["step_time_s"] if result.get("step_time_s") else None
+    _emit(
+        out,
+        {
+            "part": "a2",
+            "case": f"{spec} bf16-mixed deterministic=False",
+            **_device(),
+            "bf16_ms": ms,
+            **result,
+        },
+    )
+
+
+def part_torch(args, out: Path) -> None:
+    script = next(
+        (
+            p
+            for p in (ROOT / ".gpu/torch_peer.py", ROOT.parent / "shared/gpu/torch_peer.py")
+            if p.exists()
+        ),
+        None,
+    )
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if script is None or not cuda or args.dry_run:
+        why = "no torch_peer.py" if script is None else "torch sees no CUDA GPU"
+        _emit(out, {"part": "torch", "skipped": "dry run" if args.dry_run else why})
+        return
+    env = dict(os.environ, MPTRAIN_LOGS=str(out))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    for line in proc.stdout:  # the peer prints one JSON line a mode as it finishes
+        print(line, end="", flush=True)
+        mode, _, rest = line.partition(" ")
+        if mode in ("bf16-autocast", "fp32-tf32") and rest.startswith("{"):
+            row = json.loads(rest)
+            _emit(
+                out,
+                {
+                    "part": "torch",
+                    "case": f"gpt2s torch {mode}",
+                    "torch": torch.__version__,
+                    "ms": row["ms"],
+                    "compile_s": row["compile_s"],
+                    "peak_gib": row["peak_gib"],
+                    "blocks": row["blocks"],
+                },
+            )
+    proc.wait()
+
+
+def part_b(args, out: Path) -> None:
+    spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:1b"
+    config = _config(spec)
+    steps, log_every, trace = (8, 4, (6, 2)) if args.dry_run else (14, 5, (12, 2))
+    workdir = Path(args.workdirs, "b")
+    shutil.rmtree(workdir, ignore_errors=True)
+    result = _train(config, str(workdir), steps, log_every, trace)
+    for trace_file in sorted(workdir.glob("plugins/profile/*/*.trace.json.gz"))[-1:]:
+        if not args.dry_run:  # back with the results, for a reading of the kernels later
+            shutil.copy(trace_file, out / "trace_b.trace.json.gz")
+    result |= _plan_gib(Path(args.plans), "llama3_1b")
+    _emit(
+        out,
+        {
+            "part": "b",
+            "case": f"{spec} batch {config.batch_size} x {config.data.seq_len}",
+            **_device(),
+            **result,
+            **_versus(result),
+        },
+    )
+
+
+def part_e(args, out: Path) -> None:
+    from mptrain import profile
+
+    found = profile.table(Path(args.workdirs, "b"), top=12)
+    text = profile.render(found)
+    print(text, flush=True)
+    _emit(out, {"part": "e", "case": "mptrain.profile of part b's trace", "table": text})
+
+
+def part_c(args, out: Path) -> None:
+    spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:8b"
+    config = _config(spec, **FIT_8B)
+    if args.dry_run:
+        config.batch_size, config.data.seq_len = 4, 128
+    steps, log_every = (4, 2) if args.dry_run else (6, 3)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_c_") as workdir:
+        result = _train(config, workdir, steps, log_every)
+    result |= _plan_gib(Path(args.plans), "llama3_8b_fit")
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (0.75)")
+    _emit(
+        out,
+        {
+            "part": "c",
+            "case": f"{spec} with --fit's overrides for one H100",
+            **_device(),
+            "mem_fraction": fraction,
+            **result,
+            **_versus(result),
+        },
+    )
+
+
+def part_f(args, out: Path) -> None:
+    bench = _bench_overhead()
+    for arg in ("tiny",) if args.dry_run else ("tiny", None):
+        path = out / f"overhead_{arg or 'default'}.json"
+        blocks, block_steps = ("2", "3") if args.dry_run else ("20", "20")
+        argv = [f"--blocks={blocks}", f"--block_steps={block_steps}", f"--out={path}"]
+        bench.main([*argv, "--config_arg=tiny"] if arg else argv)
+        result = json.loads(path.read_text())
+        path.unlink()
+        keep = ("median_mptrain_ms", "median_hand_ms", "median_ratio", "min_ratio", "max_ratio")
+        _emit(
+            out,
+            {
+                "part": "f",
+                "case": f"configs/default.py:{arg or ''} loop vs hand",
+                **_device(),
+                **{k: result[k] for k in keep},
+            },
+        )
+
+
+def part_d(args, out: Path) -> None:
+    bench = _bench_overhead()
+    spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:1b"
+    common = {"model.scan_layers": False, "batch_size": 2 if args.dry_run else 4}
+    fp8 = _config(spec, precision="fp8-mixed", **{"fp8.scaling": "current"}, **common)
+    bf16 = _config(spec, precision="bf16-mixed", **common)
+    blocks, block_steps = (2, 2) if args.dry_run else (4, 4)
+    rows = bench.interleaved(fp8, bf16, blocks, block_steps)  # "mptrain" = fp8, "hand" = bf16
+    fp8_ms = statistics.median(r["mptrain_ms"] for r in rows)
+    bf16_ms = statistics.median(r["hand_ms"] for r in rows)
+    _emit(
+        out,
+        {
+            "part": "d",
+            "case": f"{spec} unscanned, batch {bf16.batch_size}: fp8-mixed "
+            "(current scaling) vs bf16-mixed",
+            **_device(),
+            "fp8_ms": fp8_ms,
+            "bf16_ms": bf16_ms,
+            "bf16_over_fp8": bf16_ms / fp8_ms,
+            "blocks": rows,
+        },
+    )
+    _emit(
+        out,
+        {
+            "part": "d",
+            "case": "packed SFT rows and the sampler's ms per token",
+            "skipped": "not built yet (issues 44 and 45)",
+        },
+    )
+
+
+PARTS = {
+    "a": part_a,
+    "torch": part_torch,
+    "b": part_b,
+    "e": part_e,
+    "c": part_c,
+    "f": part_f,
+    "a2": part_a2,
+    "d": part_d,
+}
+
+
+# ------------------------------------------------------------------------------ the parent
+
+
+def _table(records: list[dict]) -> str:
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = [f"{'part':<6} {'case':<62} result"]
+    for r in records:
+        part, case = r.get("part", "?"), str(r.get("case", ""))[:62]
+        if "skipped" in r or "error" in r:
+            what = f"skipped: {r['skipped']}" if "skipped" in r else f"ERROR: {r['error']}"
+        elif part == "a":
+            what = (
+                f"bf16 {fmt(r['bf16_ms'], '.2f')} ms, fp32 {fmt(r['fp32_ms'], '.2f')} ms, "
+                f"fp32/bf16 {fmt(r['fp32_over_bf16'], '.2f')}x"
+            )
+        elif part == "torch":
+            what = f"{fmt(r['ms'], '.2f')} ms, peak {fmt(r['peak_gib'], '.2f')} GiB"
+        elif part in ("b", "c", "a2"):
+            what = (
+                f"{fmt(r.get('tokens_per_s'), ',.0f')} tok/s, MFU {fmt(r.get('mfu'), '.3f')}, "
+                f"peak {fmt(r.get('peak_gib'), '.2f')} GiB (plan {fmt(r.get('plan_gib'), '.2f')}, "
+                f"device compile {fmt(r.get('compiled_gib'), '.2f')})"
+            )
+        elif part == "e":
+            what = "kernel table in gpu_check.jsonl"
+        elif part == "f":
+            what = (
+                f"loop {fmt(r['median_mptrain_ms'], '.3f')} ms, hand "
+                f"{fmt(r['median_hand_ms'], '.3f')} ms, loop/hand {fmt(r['median_ratio'], '.3f')}"
+            )
+        elif part == "d":
+            what = (
+                f"fp8 {fmt(r['fp8_ms'], '.1f')} ms, bf16 {fmt(r['bf16_ms'], '.1f')} ms, "
+                f"bf16/fp8 {fmt(r['bf16_over_fp8'], '.2f')}x"
+            )
+        else:
+            what = json.dumps(r)[:80]
+        lines.append(f"{part:<6} {case:<62} {what}")
+    return "\n".join(lines)
+
+
+def _run_parts(args, out: Path, log) -> list[dict]:
+    limits = DRY_LIMITS if args.dry_run else LIMITS
+    began = time.monotonic()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for part in args.parts.split(","):
+        left = args.budget - (time.monotonic() - began)
+        if left < 15:
+            _emit(out, {"part": part, "skipped": f"the budget of {args.budget} s is spent"})
+            continue
+        limit = min(limits[part], left)
+        plans = "" if args.dry_run else args.plans  # the plans are of the GPU's sizes
+        argv = [
+            sys.executable,
+            __file__,
+            f"--part={part}",
+            f"--out={out}",
+            f"--workdirs={args.workdirs}",
+            f"--plans={plans}",
+        ]
+        argv += ["--dry-run"] if args.dry_run else []
+        part_env = dict(env)
+        if part == "c" and args.fit_fraction:
+            part_env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.fit_fraction)
+        if part == "e":
+            part_env["JAX_PLATFORMS"] = "cpu"  # it reads a trace: no device needed
+        print(f"== part {part} (limit {limit:.0f} s)", flush=True)
+        log.write(f"== part {part} (limit {limit:.0f} s)\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=part_env, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+            code = "timeout"
+        seconds = time.monotonic() - start
+        log.flush()
+        done = [r for r in _records(out) if r.get("part") == part]
+        if code != 0 and not done:
+            tail = (out / "gpu_check.log").read_text().splitlines()[-15:]
+            why = f"timed out after {limit:.0f} s" if code == "timeout" else f"exit {code}"
+            _emit(out, {"part": part, "error": why, "log_tail": tail})
+            print("\n".join(tail), flush=True)
+        print(f"   part {part}: {seconds:.0f} s, exit {code}", flush=True)
+    return _records(out)
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "gpu_check.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="every part at test sizes, on a CPU")
+    p.add_argument("--out", default="runs/gpu_check", help="folder for the JSON lines and log")
+    p.add_argument("--parts", default=",".join(ORDER), help=f"in order, of {','.join(ORDER)}")
+    p.add_argument("--budget", type=float, default=420, help="seconds for all parts together")
+    p.add_argument("--plans", default=str(ROOT / ".gpu/plans"), help="carried plan JSONs")
+    p.add_argument("--workdirs", default=None, help="the parts' run folders (default: a temp)")
+    p.add_argument(
+        "--fit_fraction",
+        type=float,
+        default=None,
+        help="part c's XLA_PYTHON_CLIENT_MEM_FRACTION (the plan's share of the GPU)",
+    )
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    unknown = set(args.parts.split(",")) - set(ORDER)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; known: {','.join(ORDER)}")
+    if args.part:  # a child: one part
+        PARTS[args.part](args, out)
+        return 0
+    (out / "gpu_check.jsonl").unlink(missing_ok=True)
+    with contextlib.ExitStack() as stack:
+        if args.workdirs is None:
+            args.workdirs = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu_check_"))
+        started = time.monotonic()
+        log = stack.enter_context((out / "gpu_check.log").open("w"))
+        records = _run_parts(args, out, log)
+        total = time.monotonic() - started
+    text = _table(records)
+    print(f"\n{text}\n\n{len(records)} results in {total:.0f} s; {out / 'gpu_check.jsonl'}")
+    summary = {
+        "seconds": total,
+        "dry_run": args.dry_run,
+        "results": records,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=float))
+    failed = [r["part"] for r in records if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
