@@ -16,8 +16,9 @@ run cut short still returns what it measured; a table of them ends the run, and
   e      `mptrain.profile` on part b's trace: the kernel table
   c      the 8B full fine-tune that `--fit` found for one H100 (docs/make-it-fit.md), random
          init: peak memory against the plan's, tokens/s, MFU
-  f      the loop's own cost where steps are short: the Trainer's loop against the same model
-         written by hand in flax + optax (scripts/bench_overhead.py), tiny and default LM
+  f      the loop's own cost where steps are short (scripts/bench.py, tiny and default LM):
+         the Trainer's loop, its compiled step in a bare loop, and the same model written by
+         hand in flax + optax, alternated
   a2     part a's bf16-mixed step with `config.deterministic=False` (XLA's fastest kernels)
   d      fp8-mixed against bf16-mixed on the 1B, unscanned (fp8 needs the unscanned Llama)
 
@@ -333,24 +334,21 @@ def part_c(args, out: Path) -> None:
 
 
 def part_f(args, out: Path) -> None:
-    bench = _bench_overhead()
-    for arg in ("tiny",) if args.dry_run else ("tiny", None):
-        path = out / f"overhead_{arg or 'default'}.json"
-        blocks, block_steps = ("2", "3") if args.dry_run else ("20", "20")
-        argv = [f"--blocks={blocks}", f"--block_steps={block_steps}", f"--out={path}"]
-        bench.main([*argv, "--config_arg=tiny"] if arg else argv)
-        result = json.loads(path.read_text())
+    """scripts/bench.py's three sides, alternated: the Trainer's loop, its compiled step in a
+    bare Python loop, and the hand-written flax + optax step. loop/bare is the loop's own cost,
+    bare/hand the step's (the skip check, the log totals)."""
+    bench = runpy.run_path(str(ROOT / "scripts/bench.py"))
+    for size in ("tiny",) if args.dry_run else ("tiny", "full"):
+        path = out / f"bench_{size}.json"
+        blocks, steps = ("2", "3") if args.dry_run else ("20", "40" if size == "tiny" else "20")
+        bench["main"]([f"--size={size}", "--models=lm", "--cases=bf16-mixed", f"--out={path}",
+                       f"--blocks={blocks}", f"--block_steps={steps}"])  # fmt: skip
+        row = json.loads(path.read_text())["rows"][0]
         path.unlink()
-        keep = ("median_mptrain_ms", "median_hand_ms", "median_ratio", "min_ratio", "max_ratio")
-        _emit(
-            out,
-            {
-                "part": "f",
-                "case": f"configs/default.py:{arg or ''} loop vs hand",
-                **_device(),
-                **{k: result[k] for k in keep},
-            },
-        )
+        keep = ("loop_ms", "bare_ms", "hand_ms", "loop_over_hand", "bare_over_hand")
+        _emit(out, {"part": "f", "case": f"configs/default.py ({size}) bf16-mixed: loop, bare, "
+                    "hand", **_device(), **{k: row[k] for k in keep},
+                    "loop_over_bare": 1 / row["loop_steps_per_s_over_bare"]})  # fmt: skip
 
 
 def part_d(args, out: Path) -> None:
@@ -427,8 +425,9 @@ def _table(records: list[dict]) -> str:
             what = "kernel table in gpu_check.jsonl"
         elif part == "f":
             what = (
-                f"loop {fmt(r['median_mptrain_ms'], '.3f')} ms, hand "
-                f"{fmt(r['median_hand_ms'], '.3f')} ms, loop/hand {fmt(r['median_ratio'], '.3f')}"
+                f"loop {fmt(r['loop_ms'], '.3f')} ms, loop/bare {fmt(r['loop_over_bare'], '.3f')}"
+                f", bare/hand {fmt(r['bare_over_hand'], '.3f')}, loop/hand "
+                f"{fmt(r['loop_over_hand'], '.3f')}"
             )
         elif part == "d":
             what = (
