@@ -11,10 +11,11 @@ so the trace holds those steps exactly; it reads nothing and changes no value of
 
 The command reads the trace JSON (no TensorBoard plugin needed) and prints, per train step of
 the train step's program on the first device: device time by group (matmuls, attention, other
-fusions, collectives, copies) and the host gaps between kernels (the step's period less the
-device-busy time), the busy fraction, and the top kernels with their share. Kernels that run at
-once (XLA:CPU runs independent ones on several threads) share the busy time in proportion to
-their own durations, so the groups add up to it. `table(workdir)` returns the same as a dict.
+fusions, collectives, copies, and on a GPU the CUDA graphs XLA launches whole) and the host
+gaps between kernels (the step's period less the device-busy time), the busy fraction, and the
+top kernels with their share. Kernels that run at once (XLA:CPU runs independent ones on
+several threads) share the busy time in proportion to their own durations, so the groups add
+up to it. `table(workdir)` returns the same as a dict.
 """
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ GROUPS = (
                 r"ynn_fusion|xnn_|onednn"),
     ("copies", r"copy|transpose|memcpy|memset|dynamic-update-slice|dynamic_update_slice|"
                r"concatenate|\bpad\b"),
+    # XLA's GPU runs runs of kernels as CUDA graphs, which a trace shows as one event each
+    ("CUDA graphs", r"^command_buffer"),
 )  # fmt: skip
+# How to see the kernels inside the CUDA graphs (`render`'s note when the step has some).
+GRAPHS_NOTE = (
+    "note: XLA ran {share:.0%} of the step's device time as CUDA graphs (command buffers), "
+    "which the trace shows as one event each, their kernels unnamed; to see them, trace a run "
+    "started with XLA_FLAGS=--xla_gpu_enable_command_buffer= (each kernel then launched on its "
+    "own: the step can be slower where its kernels are short)"
+)
 GAPS = "host gaps"
 META = "mptrain.json"
 DATA = "data waits"  # `loop.Prefetcher`'s section of the run's clock
@@ -275,6 +285,8 @@ def render(found: dict[str, Any]) -> str:
     lines.append(f"top kernels{'':<34}{'ms/step':>9}  share  group")
     for k in found["top"]:
         lines.append(f"  {k['name'][:42]:<43}{ms(k['seconds'])}  {k['share']:5.1%}  {k['group']}")
+    if found["groups"].get("CUDA graphs"):
+        lines.append(GRAPHS_NOTE.format(share=found["groups"]["CUDA graphs"] / step))
     return "\n".join(lines)
 
 

@@ -72,8 +72,23 @@ def test_kernel_names_fall_in_their_groups():
         "copy.7": "copies",
         "transpose_copy_fusion": "copies",
         "loop_add_fusion": "other fusions",
+        "command_buffer_126": "CUDA graphs",  # as the GPU's trace named them (jax 0.11.2)
     }
     assert {name: profile.group_of(name) for name in groups} == groups
+
+
+def test_a_step_run_as_cuda_graphs_says_how_to_see_its_kernels():
+    """On an H200 (jax 0.11.2) the 1B's trace named 99.7% of the step `command_buffer_N`: the
+    table says so and names the flag that traces the kernels inside."""
+    found = {"folder": "f", "steps": 2, "module": "jit_train_step", "step_s": 1.0, "busy": 1.0}
+    found |= {"groups": {"matmuls": 0.25, "CUDA graphs": 0.75}, "wall_s_per_step": None}
+    found["top"] = [{"name": "command_buffer_1", "seconds": 0.75, "share": 0.75}]
+    found["top"][0]["group"] = "CUDA graphs"
+    text = profile.render(found)
+    assert "75% of the step's device time as CUDA graphs" in text
+    assert "XLA_FLAGS=--xla_gpu_enable_command_buffer=" in text
+    found["groups"]["CUDA graphs"] = 0.0
+    assert "--xla_gpu_enable_command_buffer" not in profile.render(found)
 
 
 def test_a_workdir_without_a_trace_is_one_line_naming_the_setting(tmp_path, capsys):
