@@ -4,10 +4,11 @@
 
 Each is a writer of clu's interface (`write_scalars`, `write_texts`, `write_hparams`, ...) that
 `metrics.create_writer` adds to the run's writers, so it gets every value TensorBoard gets, from
-the same background thread. A run sends its config (flattened, as params) at the start; at the
-end the precision report (`precision_report.txt`, and its matmul FLOPs by dtype as params) and
-the final value of every metric (W&B's summary; MLflow keeps each metric's latest). A resumed
-run continues the same W&B or MLflow run: their ids are kept in `<workdir>/loggers.json`.
+a background thread of its own (a slow network never holds up TensorBoard). A run sends its
+config (flattened, as params) at the start; at the end the precision report
+(`precision_report.txt`, and its matmul FLOPs by dtype as params) and the final value of every
+metric (W&B's summary; MLflow keeps each metric's latest). A resumed run continues the same W&B
+or MLflow run: their ids are kept in `<workdir>/loggers.json`.
 
 - W&B (`pip install 'mptrain[wandb]'`): project "mptrain" (or `WANDB_PROJECT`), the run named
   after the workdir, in offline mode unless `WANDB_MODE` says otherwise: its files go to

@@ -288,9 +288,14 @@ def create_writer(
     metric_writers = import_clu("metric_writers")
     if not is_main_process:
         return metric_writers.MultiWriter([])
-    writers = [metric_writers.LoggingWriter(), EventWriter(workdir, restart)]
-    writers += loggers.create(config, workdir) if config is not None else []
-    return metric_writers.AsyncMultiWriter(writers)
+    # One background thread for the log and the event file (a log step then costs the loop one
+    # hand-off, not one per writer); each remote logger gets its own, so a slow network never
+    # holds up TensorBoard.
+    local = metric_writers.MultiWriter(
+        [metric_writers.LoggingWriter(), EventWriter(workdir, restart)]
+    )
+    remote = loggers.create(config, workdir) if config is not None else []
+    return metric_writers.MultiWriter([metric_writers.AsyncWriter(w) for w in (local, *remote)])
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
