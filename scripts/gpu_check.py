@@ -81,15 +81,11 @@ def _emit(out: Path, record: dict) -> None:
 
 
 def _config(spec: str, **overrides):
+    from mptrain import config as config_lib
+
     path, _, arg = spec.partition(":")
     config = runpy.run_path(str(ROOT / path))["get_config"](arg or None)
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for name in parents:
-            node = node[name]
-        node[leaf] = value
-    return config
+    return config_lib.override(config, overrides)
 
 
 def _bench_overhead():
