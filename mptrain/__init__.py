@@ -8,19 +8,19 @@ import importlib
 
 # public name -> the module that defines it
 _WHERE = {
-    "run": "mptrain.launch",
-    "DynamicLossScale": "mptrain.loss_scale",
-    "NoOpLossScale": "mptrain.loss_scale",
-    "StaticLossScale": "mptrain.loss_scale",
-    "all_finite": "mptrain.loss_scale",
-    "create_loss_scale": "mptrain.loss_scale",
-    "select_tree": "mptrain.loss_scale",
-    "Policy": "mptrain.precision",
-    "get_policy": "mptrain.precision",
-    "make_eval_step": "mptrain.step",
-    "make_train_step": "mptrain.step",
-    "TrainState": "mptrain.train_state",
-    "Trainer": "mptrain.trainer",
+    "run": "mptrain.train.launch",
+    "DynamicLossScale": "mptrain.recipe.loss_scale",
+    "NoOpLossScale": "mptrain.recipe.loss_scale",
+    "StaticLossScale": "mptrain.recipe.loss_scale",
+    "all_finite": "mptrain.recipe.loss_scale",
+    "create_loss_scale": "mptrain.recipe.loss_scale",
+    "select_tree": "mptrain.recipe.loss_scale",
+    "Policy": "mptrain.recipe.precision",
+    "get_policy": "mptrain.recipe.precision",
+    "make_eval_step": "mptrain.recipe.step",
+    "make_train_step": "mptrain.recipe.step",
+    "TrainState": "mptrain.recipe.train_state",
+    "Trainer": "mptrain.train.trainer",
     "__version__": "mptrain.version",
 }
 

@@ -34,7 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
     # reference; default under 16-bit compute) | "default" (JAX's: one bf16 pass on a TPU,
     # TF32 on an Ampere+ GPU) | "high" | "highest" (true float32)
     c.matmul_precision = "auto"
-    c.trainer = "mptrain.trainer:Trainer"  # "package.module:Class" of the Trainer to run
+    c.trainer = "mptrain.train.trainer:Trainer"  # "package.module:Class" of the Trainer to run
     c.num_train_steps = 1000  # batches to train on in total (a resumed run counts from 0)
     c.batch_size = 32  # global batch size, over all devices and hosts
     c.log_every_steps = 50  # fetch and write train metrics every this many steps
@@ -219,14 +219,14 @@ def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator
             yield f"{prefix}{key}", value
 
 
-_DEFAULT_TRAINER = "mptrain.trainer:Trainer"
+_DEFAULT_TRAINER = "mptrain.train.trainer:Trainer"
 _HOOKS = {"model": "build_model", "data": "build_datasets"}
 
 
 def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """`{"model": module, "data": module}` for the sections the run builds with mptrain's own
     modules (`mptrain.models.<model.name>`, `mptrain.data.<data.name>`): those whose hook the
-    Trainer class named by `config.trainer` inherits from `mptrain.trainer.Trainer`. A section
+    Trainer class named by `config.trainer` inherits from `mptrain.train.trainer.Trainer`. A section
     whose hook the class overrides is the class's own, free-form and unchecked here; so is every
     section when the class cannot be imported (`launch.import_trainer` says why next)."""
     from mptrain import data, models
@@ -291,7 +291,8 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
     (default: JAX's own; `mptrain.plan` passes an accelerator's), which the mesh must fit and
     the model's choices by backend (attention) follow.
     """
-    from mptrain import data, loss_scale, models, optim, runtime, sharding, train_state
+    from mptrain import data, models, runtime
+    from mptrain.recipe import loss_scale, optim, sharding, train_state
 
     section = ""
     try:
@@ -323,7 +324,8 @@ def policy_of(config: ml_collections.ConfigDict):
     `fp8.*` recipe (`fp8.Recipe`); a `ValueError` naming a bad key."""
     import dataclasses
 
-    from mptrain import errors, fp8, precision
+    from mptrain import errors
+    from mptrain.recipe import fp8, precision
 
     policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))
     choices = ("auto", *precision.MATMUL_PRECISIONS)

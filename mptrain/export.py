@@ -66,8 +66,8 @@ def export(
     import ml_collections
     import numpy as np
 
-    from mptrain import checkpoint, fingerprints, launch
     from mptrain import config as config_lib
+    from mptrain.train import checkpoint, fingerprints, launch
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")

@@ -225,7 +225,8 @@ def _main(argv: list[str] | None) -> int:
     logging.use_absl_handler()
     logging.get_absl_handler().addFilter(_QuietLibraries())
 
-    from mptrain import launch, runtime
+    from mptrain import runtime
+    from mptrain.train import launch
 
     config = flag_values.config
     try:

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import errors, loss_scale, precision, schedules
+from mptrain import errors
+from mptrain.recipe import loss_scale, precision, schedules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ def settings(config: Any, policy: Any, defaults: Any, eval_batches: int | None =
     says (see the module doc): the keys of each broken rule set to other than their `defaults`
     (the base config's), then `NUMBERS`. `eval_batches`: the eval source's `num_batches`, where
     it has one. `config.unused_settings` is the caller."""
-    from mptrain import optim
+    from mptrain.recipe import optim
 
     opt = config.optimizer
     run = Run(

@@ -57,10 +57,11 @@ import jax
 import numpy as np
 
 import mptrain
-from mptrain import audit, files, runtime
 from mptrain import config as config_lib
 from mptrain import data as data_lib
-from mptrain import trainer as trainer_lib
+from mptrain import files, runtime
+from mptrain.inspect import audit
+from mptrain.train import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 

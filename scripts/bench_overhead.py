@@ -43,7 +43,7 @@ import ml_collections
 import mptrain
 from mptrain import data as data_lib
 from mptrain import files, runtime
-from mptrain import trainer as trainer_lib
+from mptrain.train import trainer as trainer_lib
 
 
 class TimedSource:

@@ -8,8 +8,8 @@ It counts the first layer's input gradient, which autodiff skips (the LM's one-h
 0.06% of GPT-2-small's step; the ResNet's stem, about 0.6%). The forward pass is counted
 
 - for the transformer LM (`lm_flops`): from the config, every matmul written out;
-- for any other model: from its traced forward pass, by `mptrain.audit`, which counts each dot
-  and convolution of the jaxpr from its shapes (`traced_flops`).
+- for any other model: from its traced forward pass, by `mptrain.inspect.audit`, which counts
+  each dot and convolution of the jaxpr from its shapes (`traced_flops`).
 
 Not from the traced step: the audit counts the input gradient of a strided convolution at its
 dilated size, zeros included (four times the forward for stride 2), which no GPU kernel
@@ -96,8 +96,8 @@ def lm_flops(config: Any) -> int:
 
 
 def traced_flops(report: Any) -> int:
-    """Dot and convolution FLOPs of a traced program, in every dtype, from its `mptrain.audit`
-    precision report (its `matmul_flops`)."""
+    """Dot and convolution FLOPs of a traced program, in every dtype, from its
+    `mptrain.inspect.audit` precision report (its `matmul_flops`)."""
     return int(sum(report.matmul_flops.values()))
 
 
@@ -106,7 +106,7 @@ def model_flops(config: Any, forward: Callable[[], Any]) -> tuple[int, str]:
     3x the audit's count of `forward()`, the precision report of the traced forward pass."""
     if config.model.name == "transformer_lm":
         return lm_flops(config), "3 x forward, from the config (bench_report.lm_flops)"
-    return 3 * traced_flops(forward()), "3 x the traced forward pass (mptrain.audit)"
+    return 3 * traced_flops(forward()), "3 x the traced forward pass (mptrain.inspect.audit)"
 
 
 def flop_figures(config: Any, flops: int, step_ms: float, devices: list) -> dict:

@@ -47,7 +47,7 @@ def abstract_state(layers: int):
 
 
 def run(args) -> dict:
-    from mptrain import checkpoint, fingerprints
+    from mptrain.train import checkpoint, fingerprints
 
     abstract = abstract_state(args.layers)
     fill = lambda s: jnp.full(s.shape, 0.5, s.dtype) if s.size > 1 else jnp.zeros(s.shape, s.dtype)

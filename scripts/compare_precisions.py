@@ -22,8 +22,9 @@ import tempfile
 from pathlib import Path
 
 from mptrain import config as config_lib
-from mptrain import curves, models
-from mptrain import trainer as trainer_lib
+from mptrain import models
+from mptrain.record import curves
+from mptrain.train import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 

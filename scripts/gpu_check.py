@@ -133,7 +133,7 @@ def _train(config, workdir: str, steps: int, log_every: int, trace=None) -> dict
     import jax
 
     from mptrain import runtime
-    from mptrain import trainer as trainer_lib
+    from mptrain.train import trainer as trainer_lib
 
     config = config.copy_and_resolve_references()
     config.num_train_steps = config.eval_every_steps = config.checkpoint_every_steps = 10**9
@@ -299,7 +299,7 @@ def part_b(args, out: Path) -> None:
 
 
 def part_e(args, out: Path) -> None:
-    from mptrain import profile
+    from mptrain.record import profile
 
     found = profile.table(Path(args.workdirs, "b"), top=12)
     text = profile.render(found)

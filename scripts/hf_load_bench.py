@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from mptrain import hf, sharding
+from mptrain import hf
+from mptrain.recipe import sharding
 
 
 def _status() -> dict[str, int]:

@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from mptrain import config as config_lib
-from mptrain import files, log_totals
-from mptrain import trainer as trainer_lib
+from mptrain import files
+from mptrain.record import log_totals
+from mptrain.train import trainer as trainer_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ the mesh's shardings, and reads from the compiled program:
   state, loss scale), from the shardings;
 - per-device temporaries: `compiled.memory_analysis().temp_size_in_bytes` (activations and
   everything else the step needs while it runs, as XLA:CPU plans it);
-- collective bytes per step by op and dtype: `mptrain.audit.collectives`, the logical size of
-  every tensor each all-reduce / reduce-scatter / all-gather handles.
+- collective bytes per step by op and dtype: `mptrain.inspect.audit.collectives`, the logical
+  size of every tensor each all-reduce / reduce-scatter / all-gather handles.
 
 XLA:CPU plans memory and collectives much as XLA:GPU/TPU do for the same sharded program, but
 not identically: GPU compilers fuse, rematerialise and overlap differently, so read the
@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere: the mptrain of this checkout
 
-from mptrain import files, log_totals  # noqa: E402
+from mptrain import files  # noqa: E402
+from mptrain.record import log_totals  # noqa: E402
 
 # name: (config overrides of configs/lm_bf16.py, sequences per device, meshes as fsdp sizes)
 MODELS = {
@@ -69,8 +70,9 @@ def _plan(model: str, fsdp: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mptrain import audit, sharding
-    from mptrain import trainer as trainer_lib
+    from mptrain.inspect import audit
+    from mptrain.recipe import sharding
+    from mptrain.train import trainer as trainer_lib
 
     devices = jax.device_count()
     config = _config(model, devices, fsdp)

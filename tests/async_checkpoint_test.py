@@ -20,7 +20,8 @@ from conftest import assert_trees_bytes_equal, plain_orbax_state, run_cli, stder
 # orbax is imported here only to hold or fail a save's writes, as a slow or full disk would.
 from orbax.checkpoint._src.serialization import serialization
 
-from mptrain import checkpoint, errors
+from mptrain import errors
+from mptrain.train import checkpoint
 
 _FINALIZE = ocp.path.atomicity.AtomicRenameTemporaryPath.finalize
 

@@ -14,9 +14,11 @@ import pytest
 from conftest import needs_devices, tiny_config
 
 import mptrain
-from mptrain import audit, hlo, log_totals, optim, precision
 from mptrain import config as config_lib
+from mptrain.inspect import audit, hlo
 from mptrain.models import attention, layers
+from mptrain.recipe import optim, precision
+from mptrain.record import log_totals
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,10 @@ import pytest
 from conftest import ROOT, run_cli, tiny_config
 
 import mptrain
-from mptrain import checkpoint, curves, errors, export, files, models, runtime, trainer
 from mptrain import config as config_lib
+from mptrain import errors, export, files, models, runtime
+from mptrain.record import curves
+from mptrain.train import checkpoint, trainer
 
 
 @pytest.mark.parametrize(

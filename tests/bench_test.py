@@ -11,9 +11,9 @@ import pytest
 from conftest import ROOT
 
 import mptrain
-from mptrain import audit
 from mptrain import data as data_lib
-from mptrain import trainer as trainer_lib
+from mptrain.inspect import audit
+from mptrain.train import trainer as trainer_lib
 
 bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
 report = bench["report"]  # scripts/bench_report.py

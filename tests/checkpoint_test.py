@@ -1,5 +1,5 @@
-"""Tests for mptrain.checkpoint: exact round trips, plain-orbax reads, pruning, and falling back
-past corrupt, truncated, non-finite and half-written checkpoints."""
+"""Tests for mptrain.train.checkpoint: exact round trips, plain-orbax reads, pruning, and falling
+back past corrupt, truncated, non-finite and half-written checkpoints."""
 
 import gc
 import glob
@@ -21,7 +21,8 @@ import pytest
 from conftest import assert_trees_bytes_equal, needs_devices
 
 import mptrain
-from mptrain import checkpoint, files, fingerprints
+from mptrain import files
+from mptrain.train import checkpoint, fingerprints
 
 # When a read fails, orbax abandons its other reads, and their errors surface later as
 # "exception ignored" reports (coroutines never awaited, callbacks on a closed event loop). They
@@ -201,7 +202,7 @@ def test_plain_orbax_reads_state_as_numpy(tmp_path, bf16_state):
     _save(tmp_path, [state]).close()
     path = str(tmp_path / "2" / "state")
 
-    # The recipe in mptrain/checkpoint.py's docstring, verbatim: orbax only, no mptrain types.
+    # The recipe in mptrain/train/checkpoint.py's docstring, verbatim: orbax only, no mptrain types.
     ckptr = ocp.PyTreeCheckpointer()
     tree = ckptr.metadata(path).item_metadata.tree
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)

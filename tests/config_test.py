@@ -9,7 +9,8 @@ import pytest
 from conftest import needs_devices
 
 from mptrain import config as config_lib
-from mptrain import optim, runtime, sharding, train_state
+from mptrain import runtime
+from mptrain.recipe import optim, sharding, train_state
 
 KEYS = {
     "seed", "precision", "keep_fp32", "matmul_precision", "trainer", "num_train_steps",
@@ -150,7 +151,7 @@ def test_param_rounding_auto_is_stochastic_for_bf16_params_only():
 
 @pytest.mark.parametrize("unset", [False, True], ids=["base", "none"])
 def test_the_fp8_keys_default_to_fp8s_recipe(unset):
-    from mptrain import fp8
+    from mptrain.recipe import fp8
 
     config = config_lib.base_config()
     config.precision = "fp8-mixed"

@@ -4,8 +4,8 @@ import runpy
 
 from conftest import ROOT, plain_orbax_state, run_cli_process
 
-from mptrain import launch
-from mptrain import trainer as trainer_lib
+from mptrain.train import launch
+from mptrain.train import trainer as trainer_lib
 
 
 def test_the_config_names_a_trainer_subclass():

@@ -20,7 +20,8 @@ from conftest import (
     stderr_lines,
 )
 
-from mptrain import checkpoint, export
+from mptrain import export
+from mptrain.train import checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,11 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import checkpoint, errors, loop
-from mptrain import loss_scale as loss_scale_lib
+from mptrain import errors
 from mptrain import main as main_lib
-from mptrain import trainer as trainer_lib
+from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.train import checkpoint, loop
+from mptrain.train import trainer as trainer_lib
 
 
 @pytest.mark.parametrize(

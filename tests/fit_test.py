@@ -9,9 +9,9 @@ import functools
 import pytest
 from conftest import ROOT, load_config, run_cli_process
 
-from mptrain import fit as fit_lib
 from mptrain import plan as plan_lib
 from mptrain import target
+from mptrain.plan import fit as fit_lib
 
 pytestmark = [
     pytest.mark.plan,

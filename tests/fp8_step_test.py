@@ -18,8 +18,9 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import audit, fp8, precision
 from mptrain import config as config_lib
+from mptrain.inspect import audit
+from mptrain.recipe import fp8, precision
 
 FP8 = {"precision": "fp8-mixed", "num_train_steps": 4}
 

@@ -1,4 +1,4 @@
-"""mptrain.fp8: the fp8 matmul's numerics, its program, and its scaling state."""
+"""mptrain.recipe.fp8: the fp8 matmul's numerics, its program, and its scaling state."""
 
 import re
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mptrain import fp8
+from mptrain.recipe import fp8
 
 RECIPE = fp8.Recipe(history=4)
 _DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<(?:\d+x)*(\w+)>, tensor<(?:\d+x)*(\w+)>\)")

@@ -33,8 +33,10 @@ import safetensors.numpy
 from conftest import needs_devices
 from jax.sharding import Mesh
 
-from mptrain import errors, hf, hf_io, precision, sharding
+from mptrain import errors, hf
+from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
+from mptrain.recipe import precision, sharding
 
 FIXTURE = Path(__file__).parent / "hf_fixture"
 FOLDERS = {"untied": FIXTURE, "tied": FIXTURE / "tied"}

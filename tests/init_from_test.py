@@ -37,8 +37,10 @@ from conftest import (
     run_cli,
 )
 
-from mptrain import checkpoint, hf, init_from, sharding
-from mptrain import trainer as trainer_lib
+from mptrain import hf
+from mptrain.recipe import sharding
+from mptrain.train import checkpoint, init_from
+from mptrain.train import trainer as trainer_lib
 
 
 @pytest.fixture(scope="module")

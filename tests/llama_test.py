@@ -13,8 +13,8 @@ import pytest
 from conftest import matmul_dtypes, needs_devices
 from jax.sharding import PartitionSpec
 
-from mptrain import precision, sharding
 from mptrain.models import layers, llama
+from mptrain.recipe import precision, sharding
 
 SCALING = (4.0, 1.0, 4.0, 32)  # original context 32: positions 32..47 lie past it
 

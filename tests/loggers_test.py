@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from mptrain import loggers
+from mptrain.record import loggers
 
 RUN = ("--config.num_train_steps=4", "--config.log_to=tensorboard,wandb,mlflow")
 

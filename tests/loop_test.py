@@ -13,7 +13,7 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import loop
+from mptrain.train import loop
 
 LOG4 = {"log_every_steps": 4}  # intervals that 4 steps per call divide
 

@@ -4,7 +4,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mptrain import loss_scale
+from mptrain.recipe import loss_scale
 
 
 def _reference_adjust(s, finite):

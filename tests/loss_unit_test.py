@@ -11,9 +11,11 @@ import types
 import pytest
 from conftest import ROOT, load_config, tiny_config
 
-from mptrain import curves, launch, loop, metrics, models
-from mptrain import trainer as trainer_lib
+from mptrain import models
 from mptrain.models import layers
+from mptrain.record import curves, metrics
+from mptrain.train import launch, loop
+from mptrain.train import trainer as trainer_lib
 
 STATE = types.SimpleNamespace(step=8, skipped_steps=0)
 LAST_EVAL = {"eval_loss": 1.5, "eval_accuracy": 0.6}

@@ -19,7 +19,7 @@ from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from mptrain import metrics
+from mptrain.record import metrics
 
 _BLOCK_TENSORFLOW = """
 import sys

@@ -16,10 +16,10 @@ import pytest
 from conftest import matmul_dtypes
 
 import mptrain
-from mptrain import audit
 from mptrain import config as config_lib
-from mptrain import trainer as trainer_lib
+from mptrain.inspect import audit
 from mptrain.models import cnn, layers, mlp, resnet
+from mptrain.train import trainer as trainer_lib
 
 BATCH = 4
 MODELS = {

@@ -21,7 +21,7 @@ from conftest import (
 from flax import nnx
 
 import mptrain
-from mptrain import nnx_models
+from mptrain.models import nnx as nnx_models
 
 CONFIG = f"--config={ROOT / 'examples' / 'nnx_trainer' / 'config.py'}:tiny"
 

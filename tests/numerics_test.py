@@ -12,7 +12,8 @@ import pytest
 from conftest import event_series, needs_devices, run_cli, tiny_config
 
 import mptrain
-from mptrain import audit, numerics
+from mptrain.inspect import audit
+from mptrain.recipe import numerics
 
 
 def _poison(x, when):

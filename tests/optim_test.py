@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import mptrain
-from mptrain import optim, schedules
+from mptrain.recipe import optim, schedules
 
 
 def _params(seed=0):

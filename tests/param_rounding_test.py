@@ -16,7 +16,7 @@ import pytest
 from conftest import COMPILERS, drop_round_trips
 
 import mptrain
-from mptrain import precision
+from mptrain.recipe import precision
 
 POLICIES = {jnp.bfloat16: "bf16-pure", jnp.float16: "params=float16,compute=float16,output=float32"}
 

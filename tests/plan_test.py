@@ -20,8 +20,10 @@ import pytest
 from conftest import ROOT, fake_cpu_env, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
-from mptrain import plan_memory, target, trainer
+from mptrain import target
 from mptrain.models import attention
+from mptrain.plan import memory as plan_memory
+from mptrain.train import trainer
 
 # the suite's persistent compilation cache cannot load back a program compiled without its
 # device: JAX warns and compiles it again
@@ -151,7 +153,7 @@ def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     assert gathered.get("f32", 0) == 4 * ln_floats
     assert not [h for h in result.hazards if h["kind"] == "16-bit"]
     sites = [where for found in result.collective_sites.values() for where in found]
-    assert all(where.startswith("mptrain/sharding.py:") for where in sites), sites
+    assert all(where.startswith("mptrain/recipe/sharding.py:") for where in sites), sites
 
 
 def test_the_attention_choice_follows_the_compile_target_not_the_host():
@@ -172,7 +174,7 @@ def test_the_program_flops_match_the_traced_step_on_gpu_and_tpu():
     import jax.numpy as jnp
     import numpy as np
 
-    from mptrain import audit
+    from mptrain.inspect import audit
 
     config = load_config("lm_gpt2s", "tiny", **{"model.attention": "materialized"})
     here = trainer.Trainer(config, "/nonexistent")

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mptrain import precision
+from mptrain.recipe import precision
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_round_to_gives_the_numbers_of_a_cast(dtype):
 
 def _zoo_params(name, **model):
     from mptrain import config as config_lib
-    from mptrain import trainer as trainer_lib
+    from mptrain.train import trainer as trainer_lib
 
     config = config_lib.base_config()
     config.model.name = name

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import event_series, run_cli
 
-from mptrain import profile
+from mptrain.record import profile
 
 TRACED = (
     "--config.num_train_steps=12",

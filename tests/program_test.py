@@ -1,4 +1,4 @@
-"""Reading compiled programs (`mptrain.program`, `mptrain.roofline`, `hlo.collectives`) and the
+"""Reading compiled programs (`mptrain.inspect.program`, `mptrain.plan.roofline`, `hlo.collectives`) and the
 targets a plan compiles for (`mptrain.target`), on small programs written the way XLA prints
 them: these need no compiler for the accelerator (`plan_test.py` reads the real ones)."""
 
@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from mptrain import errors, hlo, program, roofline, target
+from mptrain import errors, target
 from mptrain import plan as plan_lib
+from mptrain.inspect import hlo, program
 from mptrain.models import attention
+from mptrain.plan import roofline
 
 HERE = os.getcwd()
 

@@ -19,8 +19,9 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import audit, optim, q8
 from mptrain import config as config_lib
+from mptrain.inspect import audit
+from mptrain.recipe import optim, q8
 
 CODE_MAX = 448.0  # e4m3's largest finite value: a block's largest magnitude maps onto it
 

@@ -18,9 +18,11 @@ import pytest
 from conftest import checkpoint_steps_on_disk, run_cli, stderr_lines, tiny_config
 
 import mptrain
-from mptrain import audit, curves, errors, log_totals
 from mptrain import config as config_lib
+from mptrain import errors
+from mptrain.inspect import audit
 from mptrain.models import layers
+from mptrain.record import curves, log_totals
 
 
 @pytest.mark.parametrize(

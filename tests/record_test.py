@@ -11,8 +11,9 @@ import pytest
 from conftest import tiny_config
 
 import mptrain
-from mptrain import errors, throughput
-from mptrain import trainer as trainer_lib
+from mptrain import errors
+from mptrain.record import throughput
+from mptrain.train import trainer as trainer_lib
 
 # a log interval (5 steps) that a checkpoint (every 3) and a stop (at step 3 or 7) cut
 KEYS = {

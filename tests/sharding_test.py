@@ -6,8 +6,9 @@ import pytest
 from conftest import needs_devices, tiny_config
 
 import mptrain
-from mptrain import audit, sharding
-from mptrain import precision as precision_lib
+from mptrain.inspect import audit
+from mptrain.recipe import precision as precision_lib
+from mptrain.recipe import sharding
 
 
 def _compiled_step(precision, data, fsdp, tmp_path):

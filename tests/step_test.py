@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_trees_bytes_equal, matmul_dtypes
 
 import mptrain
-from mptrain import loss_scale
+from mptrain.recipe import loss_scale
 
 
 class MLP(nn.Module):

@@ -13,8 +13,8 @@ from conftest import ROOT, fake_cpu_env, load_config, needs_tfds, run_cli
 
 import mptrain
 from mptrain import config as config_lib
-from mptrain import trainer as trainer_lib
 from mptrain.data import synthetic_images
+from mptrain.train import trainer as trainer_lib
 
 IMAGE_CONFIGS = {"mnist_cnn": ("mnist", (28, 28, 1)), "cifar10_resnet": ("cifar10", (32, 32, 3))}
 

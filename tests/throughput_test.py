@@ -5,7 +5,7 @@ import types
 import pytest
 from conftest import event_series, run_cli
 
-from mptrain import curves, throughput
+from mptrain.record import curves, throughput
 
 H100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
 
@@ -91,7 +91,7 @@ def test_the_history_keeps_the_speed():
 def test_the_progress_line_shows_the_speed():
     import io
 
-    from mptrain import metrics
+    from mptrain.record import metrics
 
     line = metrics.ProgressLine(10, io.StringIO()).update(
         5, {"loss": 2.0, "tokens_per_s": 12345.6, "mfu": 0.4123}

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import trainer as trainer_lib
+from mptrain.train import trainer as trainer_lib
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_init_state_is_created_in_its_shardings(tmp_path):
 
 
 def test_a_run_ends_with_a_summary_and_leaves_its_picture(tmp_path, capsys):
-    from mptrain import curves
+    from mptrain.record import curves
 
     assert run_cli(tmp_path, "--config.num_train_steps=6", "--config.eval_every_steps=3")[0] == 0
     out = capsys.readouterr().out

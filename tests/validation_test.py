@@ -17,8 +17,8 @@ from conftest import ROOT, TINY, load_config, run_cli, run_cli_process, tiny_con
 import mptrain
 from mptrain import config as config_lib
 from mptrain import main as main_lib
-from mptrain import sharding
 from mptrain.models import layers
+from mptrain.recipe import sharding
 
 
 def _one_line_exit_2(workdir, err, code, *named):
@@ -157,7 +157,7 @@ def test_a_custom_trainers_own_sections_are_its_own():
     path = ROOT / "examples" / "custom_trainer" / "config.py"
     config = runpy.run_path(str(path))["get_config"]("tiny")
     config_lib.validate(config)  # model.name='gru_forecaster', data.length: the subclass's
-    config.trainer = "mptrain.trainer:Trainer"  # the zoo's builders would find no such model
+    config.trainer = "mptrain.train.trainer:Trainer"  # the zoo's builders would find no such model
     with pytest.raises(config_lib.ConfigError, match="model.name='gru_forecaster'"):
         config_lib.validate(config)
 

@@ -26,7 +26,9 @@ from conftest import ROOT, TINY, assert_trees_bytes_equal, plain_orbax_state, ru
 from orbax.checkpoint._src.path import async_path
 from orbax.checkpoint._src.serialization import serialization
 
-from mptrain import checkpoint, curves, errors, export, files
+from mptrain import errors, export, files
+from mptrain.record import curves
+from mptrain.train import checkpoint
 
 # orbax abandons its other writes when one fails; their "exception ignored" reports are noise.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

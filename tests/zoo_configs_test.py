@@ -21,7 +21,7 @@ from conftest import (
 )
 
 import mptrain
-from mptrain import trainer as trainer_lib
+from mptrain.train import trainer as trainer_lib
 
 CONFIGS = [
     *("default", "mnist_cnn", "cifar10_resnet", "lm_bf16", "lm_fp16", "lm_gpt2s", "lm_1b"),

@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain import sharding
+from mptrain.recipe import sharding
 
 Dtype = Any
 

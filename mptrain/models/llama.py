@@ -54,10 +54,11 @@ import numpy as np
 from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
-from mptrain import errors, sharding
+from mptrain import errors
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers, lm_loss
 from mptrain.models import remat as remat_lib
+from mptrain.recipe import sharding
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
@@ -106,8 +107,8 @@ class RMSNorm(nn.Module):
 def _dense(features: int, name: str, fp8: Any = None) -> nn.Dense:
     init = nn.initializers.normal(stddev=0.02)
     kwargs = {}
-    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
-        from mptrain import fp8 as fp8_lib
+    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
+        from mptrain.recipe import fp8 as fp8_lib
 
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
     return nn.Dense(features, dtype=None, use_bias=False, kernel_init=init, name=name, **kwargs)

@@ -60,11 +60,11 @@ from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
-from mptrain import fp8 as fp8_lib
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 from mptrain.models import lm_loss as lm_loss_lib
 from mptrain.models import remat as remat_lib
+from mptrain.recipe import fp8 as fp8_lib
 
 
 def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense:
@@ -74,7 +74,7 @@ def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense
     No biases: with pre-LN blocks they add next to nothing (the LayerNorms have their own), and on
     XLA:CPU their gradients (column sums over batch x length) cost about a quarter of the step.
     """
-    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.fp8`)
+    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
     return nn.Dense(features, dtype=None, use_bias=False, name=name, **kwargs)
 
@@ -89,7 +89,7 @@ class CausalSelfAttention(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.recipe.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
@@ -147,7 +147,7 @@ class Block(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.recipe.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
@@ -188,7 +188,7 @@ class TransformerLM(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     attention: str = "auto"
-    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.fp8`)
+    fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.recipe.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
     remat: str = "none"  # `remat.POLICIES`: what each block keeps for the backward pass
     loss_chunk: int | None = None  # `config.loss`: see `lm_loss_lib.token_loss`
@@ -287,7 +287,7 @@ def create_model(
     logged. A bad value (a size below 1, heads that do not divide ``d_model``, an unknown
     ``attention`` or an explicit ``"cudnn"`` that cannot run here) is a ``ConfigError`` (a
     ``ValueError``) naming its key, e.g. ``config.model.num_heads``. ``fp8`` (an
-    ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.fp8``; the
+    ``fp8.Recipe``): the attention and MLP projections run in fp8 (``mptrain.recipe.fp8``; the
     embedding and the head do not). ``backend``: what the model is compiled for
     (``attention_lib.backend_of`` the mesh's devices; None: this process's own), which ``"auto"``
     decides by. ``remat`` (``"none"``): what each block keeps for the backward pass

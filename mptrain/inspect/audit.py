@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import hlo, loss_scale, numerics, optim, precision, program, train_state
+from mptrain.inspect import hlo, program
+from mptrain.recipe import loss_scale, numerics, optim, precision, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -212,7 +213,7 @@ class PrecisionReport:
     @property
     def compute_fraction(self) -> float:
         """The share of matmul FLOPs whose operands are in the compute dtype, or narrower: the
-        fp8 matmuls of `fp8-mixed` (`mptrain.fp8`) count too."""
+        fp8 matmuls of `fp8-mixed` (`mptrain.recipe.fp8`) count too."""
         total = sum(self.matmul_flops.values())
         low = sum(f for d, f in self.matmul_flops.items() if self._low(d))
         return low / total if total else 1.0
@@ -287,7 +288,7 @@ def make_report(
     Under a 16-bit compute dtype a warning names the matmuls outside it when they take more
     than 5% of the FLOPs; every 16-bit hazard gets a warning naming its line and its fix.
     """
-    from mptrain import train_state as train_state_lib
+    from mptrain.recipe import train_state as train_state_lib
 
     states = [a for a in args if isinstance(a, train_state_lib.TrainState)]
     policy = precision.get_policy(policy if policy is not None else states[0].policy)

@@ -35,31 +35,17 @@ import ml_collections
 import optax
 from absl import logging
 
-from mptrain import (
-    audit,
-    checkpoint,
-    data,
-    errors,
-    files,
-    init_from,
-    log_totals,
-    loggers,
-    loop,
-    models,
-    nnx_models,
-    optim,
-    profile,
-    runtime,
-    schedules,
-    sharding,
-    step,
-    throughput,
-)
 from mptrain import config as config_lib
-from mptrain import loss_scale as loss_scale_lib
-from mptrain import metrics as metrics_lib
-from mptrain import train_state as train_state_lib
+from mptrain import data, errors, files, models, runtime
+from mptrain.inspect import audit
 from mptrain.models import layers
+from mptrain.models import nnx as nnx_models
+from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import optim, schedules, sharding, step
+from mptrain.recipe import train_state as train_state_lib
+from mptrain.record import log_totals, loggers, profile, throughput
+from mptrain.record import metrics as metrics_lib
+from mptrain.train import checkpoint, init_from, loop
 
 
 class Trainer:

@@ -16,8 +16,9 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from mptrain import errors, optim, precision
-from mptrain import loss_scale as loss_scale_lib
+from mptrain import errors
+from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import optim, precision
 
 ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
 _ROUNDING_SALT = 0x5EED

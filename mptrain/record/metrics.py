@@ -32,7 +32,8 @@ from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer import record_writer
 from tensorboard.util import tensor_util
 
-from mptrain import curves, files, loggers
+from mptrain import files
+from mptrain.record import curves, loggers
 
 _CLU_TF_WRITER = "clu.metric_writers.tf.summary_writer"
 
@@ -66,7 +67,9 @@ class _CluSummaryWriter:
         return EventWriter(logdir)
 
     def __init_subclass__(cls, **kwargs):
-        raise TypeError("clu's SummaryWriter is mptrain.metrics.EventWriter here: subclass that")
+        raise TypeError(
+            "clu's SummaryWriter is mptrain.record.metrics.EventWriter here: subclass that"
+        )
 
 
 # At import, so the stand-in is in place before any other clu import (trainer's, a user's).
@@ -242,7 +245,7 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
     mesh (`4 devices: data 4 x fsdp 1`), and the report's warnings (unsafe setups, matmuls
     outside the compute dtype). Settings that cannot take effect are `loop.Run`'s to warn of."""
-    from mptrain import audit
+    from mptrain.inspect import audit
 
     if jax.process_index() == 0:
         files.write_text(os.path.join(workdir, "precision_report.txt"), str(report))

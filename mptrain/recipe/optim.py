@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mptrain import errors, precision, q8, schedules
-from mptrain.precision import BF16, F32, to_f32
+from mptrain import errors
+from mptrain.recipe import precision, q8, schedules
+from mptrain.recipe.precision import BF16, F32, to_f32
 
 NAMES = ("adamw", "sgd")
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
@@ -58,7 +59,7 @@ def _keep(apply: Any, new: Any, old: Any) -> Any:
 
 def state_dtype(dtype: Any, key: str) -> np.dtype | str:
     """A storage dtype for optimizer state: None means float32, "q8" stays "q8" (8-bit
-    block-quantized, `mptrain.q8`); errors name `key`."""
+    block-quantized, `mptrain.recipe.q8`); errors name `key`."""
     if dtype is None:
         return F32
     if isinstance(dtype, str) and dtype == Q8:
@@ -159,10 +160,11 @@ def scale_by_adam(
     gradients and the stored moments to fp32, computes the new moments and the bias-corrected
     step exactly as `optax.scale_by_adam` does, and rounds the moments once, on the way back to
     storage. `moment_rounding` decides how bf16-stored moments are rounded ("stochastic" or
-    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`mptrain.q8`) keeps
-    tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes with an
-    fp32 scale each (the first moment signed, the second in square-root space) and the rest in
-    fp32; `moment_rounding` applies to its codes too. Unsafe storage warns (`moment_warnings`).
+    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage
+    (`mptrain.recipe.q8`) keeps tensors of at least `q8_min_size` elements in blocks of
+    `q8_block_size` 8-bit codes with an fp32 scale each (the first moment signed, the second in
+    square-root space) and the rest in fp32; `moment_rounding` applies to its codes too. Unsafe
+    storage warns (`moment_warnings`).
     """
     mu_dtype = state_dtype(mu_dtype, "mu_dtype")
     nu_dtype = state_dtype(nu_dtype, "nu_dtype")

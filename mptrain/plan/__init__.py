@@ -8,19 +8,19 @@ From any machine, a GPU-less laptop or CI included: the Trainer of `config.train
 `--devices` compile-only devices of the target (`mptrain.target`), its own train step (state,
 shardings, `steps_per_call`, donation) is compiled from abstract shapes (nothing is allocated,
 no dataset is read beyond one example's shapes), and the compiled program is read
-(`mptrain.program`). Every choice made by backend follows the target, not this host: attention
-"auto" picks cuDNN's fused kernel for an H100 exactly as a run on the H100 does.
+(`mptrain.inspect.program`). Every choice made by backend follows the target, not this
+host: attention "auto" picks cuDNN's fused kernel for an H100 exactly as a run on the H100 does.
 
-The `Plan` (`mptrain.plan_step`) says, per device and per step: the memory (params, optimizer
+The `Plan` (`mptrain.plan.step`) says, per device and per step: the memory (params, optimizer
 state, other state, inputs, temporaries) against what the run will have (75% of a GPU unless
 XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), with a verdict and XLA's own
-rematerialisation where it recomputed (`mptrain.plan_memory`); matmul FLOPs by operand dtype;
+rematerialisation where it recomputed (`mptrain.plan.memory`); matmul FLOPs by operand dtype;
 the attention that runs; the GPU hazards of the precision report (scatters, 16-bit sums across
 devices) and every collective with its dtypes; the kernel count; and a roofline floor,
 max(compute, memory, collectives over the target's interconnect), the binding side named,
 with the MFU it implies. The floor is the least time the chip's peaks allow, not a
 measurement. `--fit` searches the memory knobs for the fastest configuration that fits
-(`mptrain.fit`, docs/make-it-fit.md).
+(`mptrain.plan.fit`, docs/make-it-fit.md).
 
 The command line ends as the trainer's does: one line and the right exit code, never a
 traceback. 0 it fits (with `--fit`: a candidate fits); 4 it does not (the verdict first, then
@@ -40,8 +40,9 @@ import signal
 import sys
 import threading
 
-from mptrain import errors, plan_step
-from mptrain.plan_step import EXIT_DOES_NOT_FIT, TARGETS, Plan
+from mptrain import errors
+from mptrain.plan import step as plan_step
+from mptrain.plan.step import EXIT_DOES_NOT_FIT, TARGETS, Plan
 
 
 def plan(config, target: str, devices: int | None = None) -> Plan:
@@ -56,8 +57,8 @@ __all__ = ["EXIT_DOES_NOT_FIT", "TARGETS", "Plan", "fit", "main", "plan", "plan_
 
 
 def fit(config, target, devices: int | None = None):
-    """The search of `--fit` as data: `mptrain.fit.fit` (see there)."""
-    from mptrain import fit as fit_lib
+    """The search of `--fit` as data: `mptrain.plan.fit.fit` (see there)."""
+    from mptrain.plan import fit as fit_lib
 
     return fit_lib.fit(config, target, devices)
 

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import errors, precision
+from mptrain import errors
+from mptrain.recipe import precision
 
 _F32 = jnp.float32
 _I32 = jnp.int32

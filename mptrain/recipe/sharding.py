@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mptrain import q8
+from mptrain.recipe import q8
 
 AXES = ("data", "fsdp")
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)

@@ -33,8 +33,9 @@ import os
 import time
 from typing import Any
 
-from mptrain import plan_memory, plan_step
 from mptrain import target as target_lib
+from mptrain.plan import memory as plan_memory
+from mptrain.plan import step as plan_step
 
 GiB = 2**30
 MAX_FRACTION = 0.95  # the most of a GPU a run is told to take: cuDNN, NCCL and CUDA need the rest

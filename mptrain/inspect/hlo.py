@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import program
+from mptrain.inspect import program
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 SUMS = ("all-reduce", "reduce-scatter")  # the collectives that add values across devices

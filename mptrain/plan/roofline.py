@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import precision, program
+from mptrain.inspect import program
+from mptrain.recipe import precision
 
 GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 CONVOLUTIONS = ("__cudnn$convForward", "__cudnn$convBackwardInput", "__cudnn$convBackwardFilter")

@@ -43,8 +43,10 @@ from typing import Any
 import jax
 from absl import logging
 
-from mptrain import checkpoint, checkpoint_meta, errors, fingerprints, sharding
 from mptrain import config as config_lib
+from mptrain import errors
+from mptrain.recipe import sharding
+from mptrain.train import checkpoint, checkpoint_meta, fingerprints
 
 # Model keys a run may set otherwise than the weights it starts from: how the step computes
 # (attention kernel, scanned or not, rematerialisation, dropout, batch-norm momentum) and the

@@ -5,7 +5,7 @@ unless `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise (`share`), and the plan s
 step does not fit the memory XLA's GPU compiler aims for, XLA recomputes on its own until it fits
 (or gives up), and says so only in a log line on stderr: `compile_logged` keeps that line,
 `logged_remat` reads it, and `recompute` compiles the step once more with the pass off, for the
-memory before it and the FLOPs it added. The plan reports both; the fit search (`mptrain.fit`)
+memory before it and the FLOPs it added. The plan reports both; the fit search (`mptrain.plan.fit`)
 counts the recomputed FLOPs in the floor of the candidate that needed them.
 """
 
@@ -16,7 +16,9 @@ import re
 import sys
 from typing import Any
 
-from mptrain import errors, program, roofline
+from mptrain import errors
+from mptrain.inspect import program
+from mptrain.plan import roofline
 
 PREALLOCATED = 0.75  # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"

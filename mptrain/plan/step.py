@@ -3,7 +3,7 @@
 `plan(config, target, devices)` builds the Trainer of `config.trainer` for `devices`
 compile-only devices of the target (`mptrain.target`), compiles its own train step (state,
 shardings, `steps_per_call`, donation) from abstract shapes, and reads the program
-(`mptrain.program`). `python -m mptrain.plan` (`mptrain.plan`) is its command line, and the
+(`mptrain.inspect.program`). `python -m mptrain.plan` (`mptrain.plan`) is its command line, and the
 module doc there says what a plan reports.
 """
 
@@ -17,8 +17,11 @@ import os
 import time
 from typing import Any
 
-from mptrain import errors, hlo, plan_memory, program, roofline
+from mptrain import errors
 from mptrain import target as target_lib
+from mptrain.inspect import hlo, program
+from mptrain.plan import memory as plan_memory
+from mptrain.plan import roofline
 
 EXIT_DOES_NOT_FIT = 4
 GiB = 2**30
@@ -89,7 +92,7 @@ class Plan:
         return json.dumps(data, indent=2)
 
     def __str__(self) -> str:
-        from mptrain import plan_report
+        from mptrain.plan import report as plan_report
 
         return plan_report.render(self)
 
@@ -105,7 +108,8 @@ def plan(
     import jax
 
     from mptrain import config as config_lib
-    from mptrain import launch, runtime
+    from mptrain import runtime
+    from mptrain.train import launch
 
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     with errors.config_errors():
@@ -139,10 +143,13 @@ def _trace(trainer) -> tuple[Any, Any, dict]:
     import jax
     import numpy as np
 
-    from mptrain import data, sharding
+    from mptrain import data
+    from mptrain.recipe import sharding
 
     config, mesh = trainer.config, trainer.mesh
-    example = data.check_config(config) if config.trainer == "mptrain.trainer:Trainer" else None
+    example = (
+        data.check_config(config) if config.trainer == "mptrain.train.trainer:Trainer" else None
+    )
     if example is None:  # a source with no shapes to offer: one batch of it gives them
         batch = trainer.build_datasets()[0].get_batch(0)
         example = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), batch)

@@ -33,7 +33,7 @@ PRESETS = {
     "bf16-mixed": ("float32", "bfloat16", "float32"),
     "fp16-mixed": ("float32", "float16", "float32"),
     "bf16-pure": ("bfloat16", "bfloat16", "float32"),
-    # bf16-mixed, and the matmuls the model selects in fp8 (`mptrain.fp8`)
+    # bf16-mixed, and the matmuls the model selects in fp8 (`mptrain.recipe.fp8`)
     "fp8-mixed": ("float32", "bfloat16", "float32"),
 }
 FP8 = "fp8"  # the part of a policy's long form that turns the fp8 matmuls on
@@ -99,7 +99,7 @@ class Policy:
     compute_dtype: np.dtype
     output_dtype: np.dtype
     keep_fp32: str | None = None
-    # the model runs its selected matmuls in fp8 with this `mptrain.fp8.Recipe`; None: not
+    # the model runs its selected matmuls in fp8 with this `mptrain.recipe.fp8.Recipe`; None: not
     fp8: Any = None
     # the precision of float32 matmuls (`MATMUL_PRECISIONS`); "auto": "highest" under fp32
     # compute, where it is the reference every mixed recipe is measured against (JAX's default
@@ -183,7 +183,7 @@ class Policy:
 
 
 def _fp8_recipe():
-    from mptrain import fp8  # the default recipe; `config.policy_of` applies `config.fp8.*`
+    from mptrain.recipe import fp8
 
     return fp8.Recipe()
 

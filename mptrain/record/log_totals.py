@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mptrain import numerics, numerics_log
+from mptrain.recipe import numerics
+from mptrain.record import numerics_log
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ from absl import logging
 from flax import struct
 
 from mptrain import files
-from mptrain.numerics import COL, COLUMNS, DIRECTIONS, Calls
+from mptrain.recipe.numerics import COL, COLUMNS, DIRECTIONS, Calls
 
 
 def describe(step: int, index: int, direction: int, calls: Calls) -> str:

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from mptrain import fp8 as fp8_lib
-from mptrain import loss_scale as loss_scale_lib
-from mptrain import numerics, precision, sharding
-from mptrain import train_state as train_state_lib
+from mptrain.recipe import fp8 as fp8_lib
+from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import numerics, precision, sharding
+from mptrain.recipe import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict[str, Any]]]]
@@ -83,13 +83,13 @@ def make_train_step(
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
-    `mesh`: an `mptrain.sharding` mesh of several devices (axes `("data", "fsdp")`) makes the
+    `mesh`: an `mptrain.recipe.sharding` mesh of several devices (axes `("data", "fsdp")`) makes the
     gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
-    in fp32, one finiteness count (see `mptrain.sharding`). Jit the step with the state in
+    in fp32, one finiteness count (see `mptrain.recipe.sharding`). Jit the step with the state in
     `sharding.state_shardings(mesh, state)` and the batch in `sharding.batch_sharding(mesh)`.
-    `per_layer`: also record every module call's numerics (`mptrain.numerics`): the metrics get
-    `numerics` (the table) and `numerics_origin` (where the first non-finite value appeared).
-    Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with
+    `per_layer`: also record every module call's numerics (`mptrain.recipe.numerics`): the
+    metrics get `numerics` (the table) and `numerics_origin` (where the first non-finite value
+    appeared). Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with
     `per_layer`): measure only on the steps it picks and on skipped steps, the only ones whose
     table anyone reads; elsewhere the table is zeros and the step costs what it costs without
     numerics. The table is then measured by differentiating once more, instrumented, in a
@@ -106,7 +106,7 @@ def make_train_step(
 
         def scaled_loss(params, probes, batch, rng, model_state):
             # `probes`: the numerics taps and the fp8 layers' probes, zeros whose gradients are
-            # the per-layer table and the fp8 amaxes (`mptrain.numerics`, `mptrain.fp8`)
+            # the per-layer table and the fp8 amaxes (`recipe.numerics`, `recipe.fp8`)
             taps, amax_probes = probes
             if amax_probes is not None:
                 model_state = {**model_state, fp8_lib.PROBES: amax_probes}

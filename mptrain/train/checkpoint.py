@@ -53,7 +53,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from mptrain import checkpoint_meta, errors, files, fingerprints, version
+from mptrain import errors, files, version
+from mptrain.train import checkpoint_meta, fingerprints
 
 STATE_ITEM = "state"
 META_ITEM = "meta"

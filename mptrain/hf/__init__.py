@@ -1,7 +1,7 @@
 """HuggingFace Llama folders in and out: `read_config`, `load`, `load_params`, `save`.
 
 A folder is what transformers' `save_pretrained` writes for a `LlamaForCausalLM`: config.json
-and `model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf_io` reads
+and `model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf.tensors` reads
 and writes the files). Its tensors map onto `mptrain.models.llama`'s param tree by name, each
 torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in llama.py's
 module doc); layers are stacked on a leading axis (`scan_layers`) or kept as `layers_i`.
@@ -50,8 +50,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from mptrain import errors, hf_io, precision, sharding
+from mptrain import errors
+from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
+from mptrain.recipe import precision, sharding
 
 _LAYER_PREFIX = "model.layers.{}."
 # A block's params (path under the layer) -> HF name under model.layers.i., transposed?

@@ -15,7 +15,8 @@ from pathlib import Path
 from absl import logging
 
 from mptrain import config as config_lib
-from mptrain import errors, runtime, trainer
+from mptrain import errors, runtime
+from mptrain.train import trainer
 
 
 def import_trainer(spec: str):
@@ -24,7 +25,7 @@ def import_trainer(spec: str):
     if not sep or not module_name or not class_name:
         raise errors.ConfigError(
             f"config.trainer={spec!r}: expected 'package.module:Class', e.g. "
-            "'mptrain.trainer:Trainer'"
+            "'mptrain.train.trainer:Trainer'"
         )
     try:
         module = importlib.import_module(module_name)

@@ -19,21 +19,14 @@ import jax.numpy as jnp
 import ml_collections
 from absl import logging
 
-from mptrain import (
-    checkpoint,
-    curves,
-    errors,
-    fp8,
-    log_totals,
-    numerics,
-    numerics_log,
-    preemption,
-    throughput,
-)
 from mptrain import config as config_lib
-from mptrain import loss_scale as loss_scale_lib
-from mptrain import metrics as metrics_lib
-from mptrain import train_state as train_state_lib
+from mptrain import errors, preemption
+from mptrain.recipe import fp8, numerics
+from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import train_state as train_state_lib
+from mptrain.record import curves, log_totals, numerics_log, throughput
+from mptrain.record import metrics as metrics_lib
+from mptrain.train import checkpoint
 
 
 def allow_transfers():
