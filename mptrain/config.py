@@ -154,14 +154,8 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 _POSITIVE_INTS = (
-    "num_train_steps",
-    "batch_size",
-    "log_every_steps",
-    "eval_every_steps",
-    "eval_steps",
-    "checkpoint_every_steps",
-    "max_checkpoints_to_keep",
-    "max_consecutive_skips",
+    *("num_train_steps", "batch_size", "log_every_steps", "eval_every_steps", "eval_steps"),
+    *("checkpoint_every_steps", "max_checkpoints_to_keep", "max_consecutive_skips"),
 )
 
 
@@ -324,7 +318,6 @@ def policy_of(config: ml_collections.ConfigDict):
     `fp8.*` recipe (`fp8.Recipe`); a `ValueError` naming a bad key."""
     import dataclasses
 
-    from mptrain import errors
     from mptrain.recipe import fp8, precision
 
     policy = precision.get_policy(_get(config, "precision"), _get(config, "keep_fp32"))

@@ -1,8 +1,12 @@
-"""The package's shape: imports flow one way (no circle), and no module grows past a screenful
-of screens. Read from the source, so an import inside a function counts as much as one at the top.
+"""The package's shape: its sub-packages in layers whose imports flow one way (down, never in a
+circle), and no module past a screenful of screens. Read from the source, so an import inside a
+function counts as much as one at the top.
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,10 +27,11 @@ MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 def _imports(path: Path) -> set[str]:
     """The mptrain modules `path` imports, anywhere in it: `from mptrain import x` names module
     `mptrain.x` when there is one, else the package itself (which `import mptrain` names too);
-    a string that is exactly a module's name is a lazy import (the package's `__getattr__`)."""
+    a dotted string that is exactly a module's name is a lazy import (the package's
+    `__getattr__`); "mptrain" alone is a word (a cache folder's name), not an import."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Constant) and node.value in MODULES:
+        if isinstance(node, ast.Constant) and node.value in MODULES and "." in node.value:
             found.add(node.value)
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "mptrain"}
@@ -63,6 +68,49 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# From the command lines down to the base modules (docs/design.md): a module imports its own
+# group (sub-package, or itself at the top), its layer's others, and the layers below it.
+LAYERS = (
+    ("mptrain", "mptrain.main", "mptrain.export", "mptrain.profile", "mptrain.plan"),
+    ("mptrain.train",),
+    ("mptrain.record", "mptrain.hf"),
+    ("mptrain.inspect",),
+    ("mptrain.config", "mptrain.unused"),
+    ("mptrain.data",),
+    ("mptrain.models",),
+    ("mptrain.recipe",),
+    ("mptrain.runtime", "mptrain.preemption", "mptrain.target", "mptrain.registry"),
+    ("mptrain.files", "mptrain.errors", "mptrain.version"),
+)
+LEVEL = {group: level for level, groups in enumerate(LAYERS) for group in groups}
+
+
+def group_of(module: str) -> str:
+    """`mptrain.train.loop` -> `mptrain.train`; a top-level module is its own group."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_module_has_a_layer():
+    """A new module at the top, or a new sub-package, takes a place in LAYERS first."""
+    assert not sorted({group_of(m) for m in MODULES} - set(LEVEL))
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph()
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if LEVEL.get(group_of(b), 0) < LEVEL.get(group_of(a), 0)
+    ]
+    assert not upward, upward
+    groups: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        groups.setdefault(group_of(a), set()).update(group_of(b) for b in targets)
+    groups = {g: targets - {g} for g, targets in groups.items()}
+    assert find_circle(groups) is None, " -> ".join(find_circle(groups))
+
+
 def test_find_circle_finds_one():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
@@ -85,3 +133,36 @@ def test_the_trainer_class_fits_in_250_lines():
     (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
     lines = trainer.end_lineno - trainer.lineno + 1
     assert lines <= MAX_TRAINER_LINES, f"class Trainer: {lines} lines"
+
+
+@pytest.mark.parametrize(
+    "module", ["mptrain.main", "mptrain.plan", "mptrain.export", "mptrain.profile"]
+)
+def test_each_command_line_still_runs_from_its_old_name(module):
+    """The sub-packages moved the code, not the commands: `python -m X --help` answers for each."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", module, "--help"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"usage: python -m {module}" in done.stdout
+
+
+def test_the_names_outside_code_imports_still_import():
+    """`from mptrain import X` for the modules outside code names, and the package's public
+    names, from their sub-packages; the old dotted paths of moved modules do not import."""
+    import importlib
+
+    import mptrain
+
+    names = ("precision", "loss_scale", "train_state", "step", "optim", "config", "errors")
+    for name in (*names, "hf", "export", "plan", "sharding", "audit", "numerics"):
+        found: dict = {}
+        exec(f"from mptrain import {name}", found)  # as outside code writes it
+        assert found[name].__name__.startswith("mptrain.") and found[name].__file__, name
+    assert mptrain.precision.__name__ == "mptrain.recipe.precision"
+    assert mptrain.Trainer.__module__ == "mptrain.train.trainer"
+    assert callable(mptrain.plan.plan) and callable(mptrain.plan.fit)
+    for name in mptrain.__all__:
+        assert getattr(mptrain, name) is not None
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("mptrain.precision")

@@ -6,6 +6,10 @@ and writes the files). Its tensors map onto `mptrain.models.llama`'s param tree 
 torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in llama.py's
 module doc); layers are stacked on a leading axis (`scan_layers`) or kept as `layers_i`.
 
+The package: this module (the mapping of configs and names) and `tensors` (the safetensors
+files, sharded or not). It may import `models`, `recipe` and the base modules; `train` and `export`
+read it.
+
 config.json comes in two forms, both read: transformers 4.x's `rope_theta` and `rope_scaling`
 (what Hub checkpoints of Llama 3.x carry, with `rope_type` or the older `type`), and 5.x's
 `rope_parameters` (`rope_theta` inside). RoPE types: "default" and Llama 3's "llama3"; any

@@ -4,6 +4,11 @@
     python -m mptrain.plan --config=configs/lm_1b.py --target=h100 --devices=8 --config.mesh.fsdp=8
     python -m mptrain.plan --config=configs/lm_gpt2s.py --target=v5e-8 --json=plan.json
 
+The package: this module (the command line, `plan` and `fit`), `step` (the step compiled for the
+target and read into a `Plan`), `memory` (the share a run gets, XLA's own rematerialisation),
+`report` (the plan as text), `fit` (the search of `--fit`) and `roofline` (the floor). It may
+import everything below the command lines (`train` and down); nothing in mptrain imports it.
+
 From any machine, a GPU-less laptop or CI included: the Trainer of `config.trainer` is built for
 `--devices` compile-only devices of the target (`mptrain.target`), its own train step (state,
 shardings, `steps_per_call`, donation) is compiled from abstract shapes (nothing is allocated,
@@ -181,7 +186,3 @@ def main(argv: list[str] | None = None) -> int:
     if flag_values.json:
         _write_json(flag_values.json, json.loads(result.to_json()))
     return errors.EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -160,11 +160,10 @@ def scale_by_adam(
     gradients and the stored moments to fp32, computes the new moments and the bias-corrected
     step exactly as `optax.scale_by_adam` does, and rounds the moments once, on the way back to
     storage. `moment_rounding` decides how bf16-stored moments are rounded ("stochastic" or
-    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage
-    (`mptrain.recipe.q8`) keeps tensors of at least `q8_min_size` elements in blocks of
-    `q8_block_size` 8-bit codes with an fp32 scale each (the first moment signed, the second in
-    square-root space) and the rest in fp32; `moment_rounding` applies to its codes too. Unsafe
-    storage warns (`moment_warnings`).
+    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`recipe.q8`) keeps
+    tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes with an
+    fp32 scale each (the first moment signed, the second in square-root space) and the rest in
+    fp32; `moment_rounding` applies to its codes too. Unsafe storage warns (`moment_warnings`).
     """
     mu_dtype = state_dtype(mu_dtype, "mu_dtype")
     nu_dtype = state_dtype(nu_dtype, "nu_dtype")

@@ -18,10 +18,14 @@ from mptrain import config as config_lib
 from mptrain import errors, runtime
 from mptrain.train import trainer
 
+# where the Trainer lived before the sub-packages: configs and workdirs that name it still run
+_MOVED = {"mptrain.trainer": "mptrain.train.trainer"}
+
 
 def import_trainer(spec: str):
     """The `Trainer` subclass named `"package.module:Class"`; `ConfigError`s name the spec."""
     module_name, sep, class_name = spec.partition(":")
+    module_name = _MOVED.get(module_name, module_name)
     if not sep or not module_name or not class_name:
         raise errors.ConfigError(
             f"config.trainer={spec!r}: expected 'package.module:Class', e.g. "
