@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import event_series, run_cli
 
+from mptrain import profile as profile_cli
 from mptrain.record import profile
 
 TRACED = (
@@ -43,7 +44,7 @@ def test_tracing_changes_no_result(traced, tmp_path):
 
 
 def test_the_kernel_table_accounts_for_the_measured_step_time(traced, capsys):
-    assert profile.main([str(traced)]) == 0
+    assert profile_cli.main([str(traced)]) == 0
     text = capsys.readouterr().out
     found = profile.table(traced)
     assert found["steps"] == 8 and found["module"].startswith("jit_")
@@ -92,7 +93,7 @@ def test_a_step_run_as_cuda_graphs_says_how_to_see_its_kernels():
 
 
 def test_a_workdir_without_a_trace_is_one_line_naming_the_setting(tmp_path, capsys):
-    assert profile.main([str(tmp_path)]) == 2
+    assert profile_cli.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "profile.num_steps" in err and str(tmp_path) in err
 
