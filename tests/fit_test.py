@@ -1,4 +1,4 @@
-"""`mptrain.plan.fit` (`python -m mptrain.plan --fit`): the search over the memory knobs, on a
+"""`mptrain.plan.search` (`python -m mptrain.plan --fit`): the search over the memory knobs, on a
 small language model and an H100 given a small memory, so that each search compiles a few
 programs of milliseconds. Marked `plan` (the extra `mptrain[plan]`, run by `make test-plan`).
 """
@@ -11,7 +11,7 @@ from conftest import ROOT, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target
-from mptrain.plan import fit as fit_lib
+from mptrain.plan import search as fit_lib
 
 pytestmark = [
     pytest.mark.plan,

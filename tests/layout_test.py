@@ -111,6 +111,30 @@ def test_imports_go_down_the_layers():
     assert find_circle(groups) is None, " -> ".join(find_circle(groups))
 
 
+def test_no_package_name_is_also_one_of_its_modules():
+    """`mptrain.plan.fit` is a function: a module `plan/fit.py` would replace it on the package
+    the moment something imported the module (and `mptrain.run`, the function, rules out a
+    package `run/`)."""
+    clashes = []
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+        defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}  # fmt: skip
+        if name == "mptrain":  # the lazily loaded public names
+            defined |= set(ast.literal_eval(_assigned(tree, "_WHERE")))
+        clashes += [f"{name}.{m}" for m in defined if f"{name}.{m}" in MODULES]
+    assert not clashes
+
+
+def _assigned(tree: ast.Module, target: str) -> ast.expr:
+    return next(
+        n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == target
+    )
+
+
 def test_find_circle_finds_one():
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -6,7 +6,7 @@
 
 The package: this module (the command line, `plan` and `fit`), `step` (the step compiled for the
 target and read into a `Plan`), `memory` (the share a run gets, XLA's own rematerialisation),
-`report` (the plan as text), `fit` (the search of `--fit`) and `roofline` (the floor). It may
+`report` (the plan as text), `search` (the search of `--fit`) and `roofline` (the floor). It may
 import everything below the command lines (`train` and down); nothing in mptrain imports it.
 
 From any machine, a GPU-less laptop or CI included: the Trainer of `config.trainer` is built for
@@ -25,7 +25,7 @@ devices) and every collective with its dtypes; the kernel count; and a roofline 
 max(compute, memory, collectives over the target's interconnect), the binding side named,
 with the MFU it implies. The floor is the least time the chip's peaks allow, not a
 measurement. `--fit` searches the memory knobs for the fastest configuration that fits
-(`mptrain.plan.fit`, docs/make-it-fit.md).
+(`mptrain.plan.search`, docs/make-it-fit.md).
 
 The command line ends as the trainer's does: one line and the right exit code, never a
 traceback. 0 it fits (with `--fit`: a candidate fits); 4 it does not (the verdict first, then
@@ -62,8 +62,8 @@ __all__ = ["EXIT_DOES_NOT_FIT", "TARGETS", "Plan", "fit", "main", "plan", "plan_
 
 
 def fit(config, target, devices: int | None = None):
-    """The search of `--fit` as data: `mptrain.plan.fit.fit` (see there)."""
-    from mptrain.plan import fit as fit_lib
+    """The search of `--fit` as data: `mptrain.plan.search.fit` (see there)."""
+    from mptrain.plan import search as fit_lib
 
     return fit_lib.fit(config, target, devices)
 

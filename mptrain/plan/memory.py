@@ -5,8 +5,8 @@ unless `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise (`share`), and the plan s
 step does not fit the memory XLA's GPU compiler aims for, XLA recomputes on its own until it fits
 (or gives up), and says so only in a log line on stderr: `compile_logged` keeps that line,
 `logged_remat` reads it, and `recompute` compiles the step once more with the pass off, for the
-memory before it and the FLOPs it added. The plan reports both; the fit search (`mptrain.plan.fit`)
-counts the recomputed FLOPs in the floor of the candidate that needed them.
+memory before it and the FLOPs it added. The plan reports both; the fit search
+(`mptrain.plan.search`) counts the recomputed FLOPs in the floor of the candidate that needed them.
 """
 
 from __future__ import annotations
