@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import runpy
@@ -88,13 +87,9 @@ def _config(spec: str, **overrides):
     return config_lib.override(config, overrides)
 
 
-def _bench_overhead():
-    spec = importlib.util.spec_from_file_location(
-        "bench_overhead", ROOT / "scripts/bench_overhead.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _interleaved(*args):
+    """scripts/bench_overhead.py's blocks of two Trainers' own loops, alternated."""
+    return runpy.run_path(str(ROOT / "scripts/bench_overhead.py"))["interleaved"](*args)
 
 
 def _device() -> dict:
@@ -119,11 +114,10 @@ def _memory() -> dict:
 
 
 def _compiled_gib(compiled) -> float:
-    """The plan's total (`plan_step._read`) from a compiled step's own memory analysis:
-    arguments, temporaries, code, and outputs not donated back."""
-    m = compiled.memory_analysis()
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.generated_code_size_in_bytes
-    return (total + m.output_size_in_bytes - m.alias_size_in_bytes) / GIB
+    """The plan's total (`plan.step.device_bytes`) from the device's own compile of the step."""
+    from mptrain.plan import step as plan_step
+
+    return plan_step.device_bytes(compiled.memory_analysis()) / GIB
 
 
 def _train(config, workdir: str, steps: int, log_every: int, trace=None) -> dict:
@@ -186,13 +180,12 @@ def _versus(result: dict) -> dict:
 
 
 def part_a(args, out: Path) -> None:
-    bench = _bench_overhead()
     spec = "configs/lm_gpt2s.py:tiny" if args.dry_run else "configs/lm_gpt2s.py"
     bf16 = _config(spec, precision="bf16-mixed")
     fp32 = _config(spec, precision="fp32")
     # blocks of 20 steps, as the PyTorch peer's: each block ends with a log step's read and write
     blocks, block_steps = (2, 2) if args.dry_run else (4, 20)
-    rows = bench.interleaved(bf16, fp32, blocks, block_steps)  # "mptrain" = bf16, "hand" = fp32
+    rows = _interleaved(bf16, fp32, blocks, block_steps)  # "mptrain" = bf16, "hand" = fp32
     bf16_ms = statistics.median(r["mptrain_ms"] for r in rows)
     fp32_ms = statistics.median(r["hand_ms"] for r in rows)
     tokens = bf16.batch_size * bf16.data.seq_len
@@ -349,13 +342,12 @@ def part_f(args, out: Path) -> None:
 
 
 def part_d(args, out: Path) -> None:
-    bench = _bench_overhead()
     spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:1b"
     common = {"model.scan_layers": False, "batch_size": 2 if args.dry_run else 4}
     fp8 = _config(spec, precision="fp8-mixed", **{"fp8.scaling": "current"}, **common)
     bf16 = _config(spec, precision="bf16-mixed", **common)
     blocks, block_steps = (2, 2) if args.dry_run else (4, 4)
-    rows = bench.interleaved(fp8, bf16, blocks, block_steps)  # "mptrain" = fp8, "hand" = bf16
+    rows = _interleaved(fp8, bf16, blocks, block_steps)  # "mptrain" = fp8, "hand" = bf16
     fp8_ms = statistics.median(r["mptrain_ms"] for r in rows)
     bf16_ms = statistics.median(r["hand_ms"] for r in rows)
     _emit(

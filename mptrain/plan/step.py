@@ -188,6 +188,14 @@ def _shard_bytes(tree: Any) -> int:
     return total
 
 
+def device_bytes(stats) -> int:
+    """A compiled step's bytes on one device as the plan totals them (`memory_analysis()`): its
+    arguments, temporaries and code, and the outputs not donated back into the arguments."""
+    used = stats.argument_size_in_bytes + stats.temp_size_in_bytes
+    used += stats.generated_code_size_in_bytes + stats.output_size_in_bytes
+    return used - stats.alias_size_in_bytes
+
+
 def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, share) -> Plan:
     """The `Plan` read off the compiled program (see the module doc)."""
     import jax
@@ -206,7 +214,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         "temporaries": stats.temp_size_in_bytes + stats.generated_code_size_in_bytes,
         "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,  # not donated back
     }
-    memory["total"] = sum(memory.values())
+    memory["total"] = device_bytes(stats)  # the parts above add up to it
     # what the step keeps in the host's pinned memory (activations an offloading remat policy
     # moves there): not the device's, so outside the total
     memory["host"] = getattr(stats, "host_temp_size_in_bytes", 0)
