@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_bytes_equal, plain_orbax_state, run_cli, stderr_lines
+from helpers import assert_trees_bytes_equal, plain_orbax_state, run_cli, stderr_lines
 
 # orbax is imported here only to hold or fail a save's writes, as a slow or full disk would.
 from orbax.checkpoint._src.serialization import serialization

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     A100,
     BACKEND_NAMES,
     CPU,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs_devices, tiny_config
+from helpers import needs_devices, tiny_config
 
 import mptrain
 from mptrain import config as config_lib

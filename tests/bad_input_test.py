@@ -14,7 +14,7 @@ import time
 
 import jax
 import pytest
-from conftest import ROOT, run_cli, tiny_config
+from helpers import ROOT, run_cli, tiny_config
 
 import mptrain
 from mptrain import config as config_lib

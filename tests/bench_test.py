@@ -8,7 +8,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 import mptrain
 from mptrain import data as data_lib

@@ -18,7 +18,7 @@ import optax
 # interrupt a save the way a crash would.
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_bytes_equal, needs_devices
+from helpers import assert_trees_bytes_equal, needs_devices
 
 import mptrain
 from mptrain import files

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import needs_devices
+from helpers import needs_devices
 
 from mptrain import config as config_lib
 from mptrain import runtime

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, assert_trees_bytes_equal, checkpoint_steps_on_disk, plain_orbax_state
+from helpers import ROOT, assert_trees_bytes_equal, checkpoint_steps_on_disk, plain_orbax_state
 
 TRIALS = 20
 STEPS = 400

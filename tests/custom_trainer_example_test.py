@@ -2,7 +2,7 @@
 
 import runpy
 
-from conftest import ROOT, plain_orbax_state, run_cli_process
+from helpers import ROOT, plain_orbax_state, run_cli_process
 
 from mptrain.train import launch
 from mptrain.train import trainer as trainer_lib

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, fake_cpu_env
+from helpers import ROOT, fake_cpu_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GETTING_STARTED = ROOT / "docs" / "getting-started.md"

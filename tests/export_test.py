@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from absl import logging
-from conftest import (
+from helpers import (
     assert_trees_bytes_equal,
     plain_orbax_state,
     run_cli,
@@ -192,7 +192,7 @@ def test_an_export_gets_the_modes_the_umask_gives(finished_run, tmp_path):
 def llama_run(tmp_path_factory):
     """A fine-tune of a copy of the HF fixture on text its own tokenizer.json encodes: the
     init_from tests' (the same compiled programs), ending at step 20."""
-    from conftest import FIXTURE, STEPS, hf_flag, make_text, make_tokenizer, overrides
+    from helpers import FIXTURE, STEPS, hf_flag, make_text, make_tokenizer, overrides
 
     base = tmp_path_factory.mktemp("llama")
     folder = Path(shutil.copytree(FIXTURE, base / "llama"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     ROOT,
     TINY,
     TraceCountingTrainer,

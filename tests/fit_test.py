@@ -7,7 +7,7 @@ import dataclasses
 import functools
 
 import pytest
-from conftest import ROOT, load_config, run_cli_process
+from helpers import ROOT, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     TINY,
     assert_trees_bytes_equal,
     event_series,

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, fake_cpu_env
 from docs_test import GETTING_STARTED, assert_the_path_went_as_the_page_says, page_blocks, run_page
+from helpers import ROOT, fake_cpu_env
 
 _NOT_COPIED = shutil.ignore_patterns(".venv", ".git", "runs", "build", "*.egg-info", "__pycache__")
 

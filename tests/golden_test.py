@@ -10,7 +10,7 @@ change, print the four values of each preset and replace the table.
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 import mptrain
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from conftest import needs_devices
+from helpers import needs_devices
 from jax.sharding import Mesh
 
 from mptrain import errors, hf

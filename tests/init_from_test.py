@@ -20,7 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     FIXTURE,
     ROOT,
     STEPS,

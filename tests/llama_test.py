@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import matmul_dtypes, needs_devices
+from helpers import matmul_dtypes, needs_devices
 from jax.sharding import PartitionSpec
 
 from mptrain.models import layers, llama

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import needs_devices
+from helpers import needs_devices
 
 from mptrain.models import layers, lm_loss
 

@@ -4,7 +4,7 @@ import threading
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     TraceCountingTrainer,
     assert_trees_bytes_equal,
     event_series,

@@ -9,7 +9,7 @@ import time
 import types
 
 import pytest
-from conftest import ROOT, load_config, tiny_config
+from helpers import ROOT, load_config, tiny_config
 
 from mptrain import models
 from mptrain.models import layers

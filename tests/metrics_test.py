@@ -14,7 +14,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, event_series, run_cli_process
+from helpers import ROOT, TINY, event_series, run_cli_process
 from PIL import Image
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import matmul_dtypes
+from helpers import matmul_dtypes
 
 import mptrain
 from mptrain import config as config_lib

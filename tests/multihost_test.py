@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     assert_trees_bytes_equal,
     needs_devices,
     plain_orbax_state,

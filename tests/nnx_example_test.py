@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from flax import nnx
+from helpers import (
     ROOT,
     assert_trees_bytes_equal,
     cudnn_as_xla,
@@ -18,7 +19,6 @@ from conftest import (
     run_cli,
     run_cli_process,
 )
-from flax import nnx
 
 import mptrain
 from mptrain.models import nnx as nnx_models

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import event_series, needs_devices, run_cli, tiny_config
+from helpers import event_series, needs_devices, run_cli, tiny_config
 
 import mptrain
 from mptrain.inspect import audit

@@ -287,7 +287,7 @@ def test_sgd_rejects_a_second_moment_dtype_other_than_the_default():
     ids=["adamw", "adamw-bf16", "adamw-q8", "sgd-nesterov"],
 )
 def test_a_gated_optimizer_keeps_its_state_where_a_step_is_not_applied(make):
-    from conftest import assert_trees_bytes_equal
+    from helpers import assert_trees_bytes_equal
 
     tx = make()
     assert isinstance(tx, optim.Gated)
@@ -307,7 +307,7 @@ def test_the_step_copies_no_optimizer_state(tmp_path):
     # donated one to keep it: a kernel per leaf, every step. Gated optimizers select first.
     if jax.default_backend() != "cpu":
         pytest.skip("reads XLA:CPU's compiled program; a GPU's copy insertion may differ")
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     trainer = mptrain.Trainer(tiny_config(), tmp_path)
     source = trainer.build_datasets()[0]

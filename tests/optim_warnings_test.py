@@ -6,7 +6,7 @@ import warnings
 
 import jax.numpy as jnp
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 import mptrain
 from mptrain.inspect import audit

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import COMPILERS, drop_round_trips
+from helpers import COMPILERS, drop_round_trips
 
 import mptrain
 from mptrain.recipe import precision

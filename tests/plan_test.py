@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, fake_cpu_env, load_config, run_cli_process
+from helpers import ROOT, fake_cpu_env, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target

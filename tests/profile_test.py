@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import event_series, run_cli
+from helpers import event_series, run_cli
 
 from mptrain import profile as profile_cli
 from mptrain.record import profile

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import (
+from helpers import (
     COMPILERS,
     assert_trees_bytes_equal,
     needs_devices,

@@ -15,7 +15,7 @@ import types
 import jax
 import numpy as np
 import pytest
-from conftest import checkpoint_steps_on_disk, run_cli, stderr_lines, tiny_config
+from helpers import checkpoint_steps_on_disk, run_cli, stderr_lines, tiny_config
 
 import mptrain
 from mptrain import config as config_lib

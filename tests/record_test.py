@@ -8,7 +8,7 @@ import shutil
 import signal
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 import mptrain
 from mptrain import errors

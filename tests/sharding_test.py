@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import needs_devices, tiny_config
+from helpers import needs_devices, tiny_config
 
 import mptrain
 from mptrain.inspect import audit

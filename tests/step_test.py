@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_bytes_equal, matmul_dtypes
+from helpers import assert_trees_bytes_equal, matmul_dtypes
 
 import mptrain
 from mptrain.recipe import loss_scale

@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import ROOT, fake_cpu_env, load_config, needs_tfds, run_cli
+from helpers import ROOT, fake_cpu_env, load_config, needs_tfds, run_cli
 
 import mptrain
 from mptrain import config as config_lib

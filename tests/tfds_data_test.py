@@ -7,7 +7,7 @@ and the loading path under `tfds.testing.mock_data`.
 import ml_collections
 import numpy as np
 import pytest
-from conftest import needs_tfds
+from helpers import needs_tfds
 
 from mptrain import config as config_lib
 from mptrain.data import tfds as tfds_data

@@ -3,7 +3,7 @@
 import types
 
 import pytest
-from conftest import event_series, run_cli
+from helpers import event_series, run_cli
 
 from mptrain.record import curves, throughput
 
@@ -101,7 +101,7 @@ def test_the_progress_line_shows_the_speed():
 
 def test_a_bf16_lm_on_an_h100_gets_mfu_against_the_bf16_peak(monkeypatch):
     import jax.numpy as jnp
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     from mptrain import config as config_lib
 

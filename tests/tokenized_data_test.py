@@ -12,7 +12,7 @@ import time
 import ml_collections
 import numpy as np
 import pytest
-from conftest import EOT, ROOT, load_config, make_tokenizer
+from helpers import EOT, ROOT, load_config, make_tokenizer
 
 from mptrain import config as config_lib
 from mptrain import errors

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     TraceCountingTrainer,
     assert_trees_bytes_equal,
     event_tags,

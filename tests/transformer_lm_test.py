@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import matmul_dtypes
+from helpers import matmul_dtypes
 
 from mptrain.models import layers, transformer_lm
 

@@ -12,7 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import ROOT, TINY, load_config, run_cli, run_cli_process, tiny_config
+from helpers import ROOT, TINY, load_config, run_cli, run_cli_process, tiny_config
 
 import mptrain
 from mptrain import config as config_lib

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
-from conftest import ROOT, TINY, assert_trees_bytes_equal, plain_orbax_state, run_cli
+from helpers import ROOT, TINY, assert_trees_bytes_equal, plain_orbax_state, run_cli
 
 # orbax is imported here only to make its writes fail, or wait, where a full disk or a slow
 # filesystem would: at the layer that hands array data to tensorstore and at the final rename.

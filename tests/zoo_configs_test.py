@@ -10,7 +10,7 @@ import runpy
 import jax
 import numpy as np
 import pytest
-from conftest import (
+from helpers import (
     ROOT,
     assert_trees_bytes_equal,
     load_config,
