@@ -47,7 +47,7 @@ $(LOGGERS_STAMP): $(STAMP)
 	touch $(LOGGERS_STAMP)
 
 test-loggers: $(LOGGERS_STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m loggers tests/loggers_test.py
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m loggers tests/record/loggers_test.py
 
 # On a GPU machine whose Python already has what pyproject.toml lists (no venv, no network):
 # the same suite on the GPU. Tests needing more devices than there are skip, naming the counts;

@@ -4,19 +4,19 @@ own (the CPU is enough; plain PyPI, no extra index):
 
     python3 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install transformers torch safetensors numpy
-    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py                 # tests/hf_fixture
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py                 # tests/hf/fixture
     /tmp/hfvenv/bin/python scripts/make_hf_fixture.py --size=1b --out=/tmp/llama1b
 
 `--size=tiny` (the default) writes the committed fixture, well under 1 MB:
 
-  * `tests/hf_fixture/`: a random `LlamaForCausalLM` with grouped-query attention (4 query
+  * `tests/hf/fixture/`: a random `LlamaForCausalLM` with grouped-query attention (4 query
     heads over 2 kv heads of 16 dims, on a width of 48, so head_dim is not width / heads),
     2 layers, a vocabulary of 300, untied embeddings, rope_theta 500,000 and Llama 3's
     rope scaling (factor 8, low/high frequency factors 1 and 4) over an original context of
     16 positions, so the reference's 48 positions reach three times past it. Its config.json
     is in transformers 4.x's form (`rope_theta`, `rope_scaling`), the form Hub checkpoints of
     Llama 3.x carry; the script checks that transformers loads that form to the same logits.
-  * `tests/hf_fixture/tied/`: the same shapes with tied embeddings and plain RoPE
+  * `tests/hf/fixture/tied/`: the same shapes with tied embeddings and plain RoPE
     (rope_theta 50,000, no scaling), its config.json as transformers 5.x writes it
     (`rope_parameters`).
 
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--size", choices=("tiny", "1b"), default="tiny")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", type=Path, default=None)
-    parser.add_argument("--reference", type=Path, default=ROOT / "tests/hf_fixture/reference.npz")
+    parser.add_argument("--reference", type=Path, default=ROOT / "tests/hf/fixture/reference.npz")
     args = parser.parse_args()
     if args.check is not None:
         reference = np.load(args.reference)
@@ -173,7 +173,7 @@ def main() -> None:
             parser.error("--size=1b needs --out (a folder outside the repository)")
         write_1b(args.out)
         return
-    out = args.out or ROOT / "tests" / "hf_fixture"
+    out = args.out or ROOT / "tests" / "hf" / "fixture"
     write_tiny(out, tied=False, theta=500_000.0, scaling=LLAMA3_SCALING, v4=True)
     write_tiny(out / "tied", tied=True, theta=50_000.0, scaling=None, v4=False)
 

@@ -143,11 +143,13 @@ def run_cli_process(
     *args, devices: int = 1, timeout: int = 300, module: str = "mptrain.main", tests=False
 ):
     """`python -m mptrain.main ARGS` (or another `module`) in a fresh process from the
-    repository root (so that `examples` is importable; with `tests`, `tests/` too), with
+    repository root (so that `examples` is importable; with `tests`, `tests/train/` too), with
     `devices` fake CPU devices."""
     env = fake_cpu_env(devices)
     if tests:
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "tests" / "train"), env.get("PYTHONPATH", "")]
+        )
     command = [sys.executable, "-m", module, *args]
     return subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -156,13 +158,13 @@ def run_cli_process(
 
 def start_processes(workdir, *overrides, processes=2, devices=2, config=TINY):
     """Starts one job of `processes` CLI processes on localhost, `devices` fake CPU devices
-    each, coordinated by `jax.distributed` (gloo collectives); `tests/` is importable, so
+    each, coordinated by `jax.distributed` (gloo collectives); `tests/train/` is importable, so
     `--config.trainer=multihost_helpers:...` works. Returns the `Popen`s (stderr piped)."""
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = fake_cpu_env(devices)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "train"), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "mptrain.main", config, f"--workdir={workdir}", *overrides]
     command += [
         f"--config.distributed.coordinator_address=localhost:{port}",
@@ -318,7 +320,7 @@ def checkpoint_steps_on_disk(workdir) -> list[int]:
 
 
 # ---- fine-tuning an HF Llama folder (init_from, export, tokenized text) ---------------------
-FIXTURE = ROOT / "tests" / "hf_fixture"  # a tiny random Llama made by transformers
+FIXTURE = ROOT / "tests" / "hf" / "fixture"  # a tiny random Llama made by transformers
 STEPS = 20  # the fine-tune runs' length
 EOT = "<|endoftext|>"
 

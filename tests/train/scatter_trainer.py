@@ -1,7 +1,7 @@
 """A Trainer whose large-vocabulary embedding is a plain gather, as `layers.embed` was before its
 gradient became a one-hot matmul: the gather's gradient is a scatter-add, which the plan's
-scatter check must find (`tests/plan_test.py`). `--config.trainer=scatter_trainer:GatherTrainer`
-with `tests/` importable."""
+scatter check must find (`tests/plan/plan_test.py`).
+`--config.trainer=scatter_trainer:GatherTrainer` with `tests/train/` importable."""
 
 import contextlib
 

@@ -1,7 +1,7 @@
 """`config.init_from`: a run's step-0 params from an HF Llama folder or an mptrain run, params
 only; each bad input one line with exit 2 and no workdir; a workdir's own checkpoints win.
 
-The runs are `configs/llama3.py:hf=DIR` on copies of `tests/hf_fixture` (a tiny random Llama
+The runs are `configs/llama3.py:hf=DIR` on copies of `tests/hf/fixture` (a tiny random Llama
 made by transformers: GQA, Llama 3 rope scaling), fine-tuned on text tokenized by a
 `tokenizer.json` trained here with `tokenizers`.
 """

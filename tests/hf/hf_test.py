@@ -1,5 +1,5 @@
 """`mptrain.hf` against HuggingFace transformers itself, without torch: the committed folders
-under `tests/hf_fixture` (written by `scripts/make_hf_fixture.py`, which says how) hold a tiny
+under `tests/hf/fixture` (written by `scripts/make_hf_fixture.py`, which says how) hold a tiny
 random LlamaForCausalLM (grouped-query attention, head_dim apart from width / heads, Llama 3
 rope scaling with an original context of 16 that the 48 reference positions pass; and a tied
 variant with plain RoPE) and the fp32 logits transformers computed for fixed ids.
@@ -38,7 +38,7 @@ from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
 from mptrain.recipe import precision, sharding
 
-FIXTURE = Path(__file__).parent / "hf_fixture"
+FIXTURE = Path(__file__).parent / "fixture"
 FOLDERS = {"untied": FIXTURE, "tied": FIXTURE / "tied"}
 BF16_BOUND = 0.04  # of the largest |logit|: the module doc says why
 

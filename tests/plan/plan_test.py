@@ -99,7 +99,9 @@ def test_without_deterministic_kernels_a_bf16_scatter_is_a_16_bit_hazard():
         tests_importable=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"16-bit +scatter-add +bfloat16 +x1 +tests/scatter_trainer.py", done.stdout)
+    assert re.search(
+        r"16-bit +scatter-add +bfloat16 +x1 +tests/train/scatter_trainer.py", done.stdout
+    )
     assert "runs with 16-bit atomics on GPUs" in done.stdout
     assert "compiled without XLA's deterministic GPU kernels" in done.stdout
 

@@ -74,7 +74,7 @@ def _one_error_line(err: str, *named: str) -> str:
 
 _PAUSED_RUN = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
 import workdir_test
 workdir_test.pause_save({step}, {signals!r})
 from mptrain import main
@@ -103,7 +103,7 @@ def pause_save(step: int, signals: str) -> None:
 def test_an_export_while_the_run_saves_leaves_the_save_alone(tmp_path, straight):
     workdir, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
-    code = _PAUSED_RUN.format(tests=str(ROOT / "tests"), step=8, signals=str(signals))
+    code = _PAUSED_RUN.format(tests=str(ROOT / "tests" / "train"), step=8, signals=str(signals))
     with open(tmp_path / "stderr", "w") as err:
         run = subprocess.Popen(
             [sys.executable, "-c", code, TINY, f"--workdir={workdir}", "--config.mesh.data=1"],
