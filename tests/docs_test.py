@@ -36,7 +36,7 @@ NOT_RUN = {
     "cluster": "a Slurm allocation and a Cloud TPU slice",
     "benchmarks": "the full benchmark takes about 16 minutes on this CPU",
     "gpu-benchmarks": "they are sized for a GPU",
-    "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan_test.py",
+    "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
     "transformers": "it needs PyTorch and transformers, which make test does not install",
 }

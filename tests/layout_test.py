@@ -190,3 +190,15 @@ def test_the_names_outside_code_imports_still_import():
         assert getattr(mptrain, name) is not None
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("mptrain.precision")
+
+
+def test_the_tests_mirror_the_sub_packages():
+    """tests/<name>/ holds the tests of mptrain/<name>/ (tests/hf/fixture is the HF test folder);
+    the tests of the top-level modules, the configs, docs and scripts sit in tests/ itself. Test
+    modules are imported by their file name, so no two may share one."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders <= packages, sorted(folders - packages)
+    names = [p.name for p in tests.rglob("*.py") if "fixture" not in p.parts]
+    assert len(names) - names.count("conftest.py") == len(set(names) - {"conftest.py"})

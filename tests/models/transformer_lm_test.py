@@ -324,7 +324,7 @@ def test_remat_changes_what_is_kept_not_what_is_computed(params):
         return value, grads, sum(x.size for x in jax.tree.leaves(residuals))
 
     want, want_grads, kept = run(_model(dropout_rate=0.1))
-    for remat in ("full", "minimal"):  # every policy on the Llama: tests/llama_test.py
+    for remat in ("full", "minimal"):  # every policy on the Llama: tests/models/llama_test.py
         got, grads, fewer = run(_model(dropout_rate=0.1, remat=remat))
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=remat)
         jax.tree.map(

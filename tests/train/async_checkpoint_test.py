@@ -1,7 +1,7 @@
 """Background checkpoints (`config.checkpoint_async`, issue 36 point 3): training goes on while
 orbax writes, no checkpoint is read before it is complete, and a failed background write stops
 the run with one line and the last complete checkpoint intact. The kill -9 and Ctrl-C storms
-with async saves are `make test-slow`'s (tests/crash_test.py, tests/fault_tolerance_test.py)."""
+with async saves are `make test-slow`'s (crash_test.py, fault_tolerance_test.py here)."""
 
 import asyncio
 import errno
