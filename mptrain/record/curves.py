@@ -4,8 +4,8 @@ The trainer appends each log step's and each evaluation's numbers to
 `<workdir>/history.jsonl` (process 0 only; a run resuming at step S first drops the lines past
 S, which a crash left after the checkpoint, then appends; a line a crash cut short is skipped,
 and the next one starts on a line of its own), and redraws `<workdir>/curves.png` from it at
-each evaluation and at the end: train and eval loss, the learning rate, the loss scale and the
-skipped steps.
+an evaluation (at most once in `REDRAW_S` seconds) and at the end: train and eval loss, the
+learning rate, the loss scale and the skipped steps.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from mptrain import files
 
 HISTORY = "history.jsonl"
 PICTURE = "curves.png"
+REDRAW_S = 60.0  # the picture is redrawn at an evaluation this long after its last drawing
 KEYS = (
     *("loss", "eval_loss", "learning_rate", "loss_scale", "skipped_steps"),
     # speed (`throughput.KEYS`, named here: this module sits below the one that measures them)

@@ -149,6 +149,7 @@ class Run:
     calls: numerics.Calls | None = None  # the module calls, when per-layer numerics are on
     workdir: Path = Path(".")
     started: float = dataclasses.field(default_factory=time.monotonic)
+    drawn: float | None = None  # when `curves.png` was last redrawn (time.monotonic)
     pending: tuple | None = None  # the newest log step's (step, metrics, totals), not yet read
     fp8_saturated: Any = None  # the fp8 layers' clip counters at the last log step
     clock: throughput.Clock = dataclasses.field(default_factory=throughput.Clock)  # goodput
@@ -236,15 +237,19 @@ class Run:
 
     def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
         """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
-        (`draw`: redraw `curves.png` too). A record that cannot be written (a full disk, a
+        (`draw`: redraw `curves.png` too, at most once in `curves.REDRAW_S`: a redraw costs the
+        loop 0.3-0.9 s of host time, which an evaluation every few seconds would pay again and
+        again; the run's end always redraws). A record that cannot be written (a full disk, a
         history made read-only) stops the run with exit 1, after a checkpoint of the steps
         done where the disk still takes one: no training is lost to a record."""
         self.writer.write_scalars(step_no, values)
         self.progress.update(step_no, values)
         try:
             curves.append(self.workdir, step_no, values)
-            if draw:
+            now = time.monotonic()
+            if draw and now - (self.drawn or self.started) >= curves.REDRAW_S:
                 curves.draw(self.workdir, self.title)
+                self.drawn = now
         except errors.StorageError as error:
             with allow_transfers():
                 done = int(self.state.step)

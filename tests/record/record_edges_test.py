@@ -154,3 +154,17 @@ def test_the_exit_3_message_names_the_checkpoint_it_wrote(tmp_path, capsys):
     saved = max(checkpoint_steps_on_disk(tmp_path))
     (line,) = [line for line in stderr_lines(err) if line.startswith("mptrain")]
     assert f"checkpoint of step {saved}" in line, line
+
+
+@pytest.mark.parametrize("redraw_s", [60.0, 0.0])
+def test_the_picture_is_redrawn_at_most_once_a_minute_and_at_the_end(
+    redraw_s, tmp_path, monkeypatch, capsys
+):
+    """A redraw costs the loop up to a second of host time: evaluations every step of a short
+    run redraw nothing until the end, unless a minute has passed since the last picture."""
+    drawn, draw = [], curves.draw
+    monkeypatch.setattr(curves, "draw", lambda *a, **k: drawn.append(1) or draw(*a, **k))
+    monkeypatch.setattr(curves, "REDRAW_S", redraw_s)
+    code, _ = run_cli(tmp_path, "--config.num_train_steps=4", "--config.eval_every_steps=1")
+    assert code == 0 and (tmp_path / curves.PICTURE).exists()
+    assert len(drawn) == (1 if redraw_s else 4 + 1)  # four evaluations, then the end
