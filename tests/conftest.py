@@ -70,6 +70,89 @@ def _default_mesh_when_marked(request, monkeypatch):
         monkeypatch.setattr(config_lib, "base_config", _BASE_CONFIG)
 
 
+# ---- what make test leaves to make test-slow -------------------------------------------------
+# `make test` keeps one test of each behaviour; the second variant of a behaviour, a command
+# line run that tests more than the command line, and the pages and scripts whose runs compile
+# anew move here, to `make test-slow` (which CI runs too). Each entry is a test id's end; a test
+# marked `slow` in its own file is not listed. An entry that names no test of a collected file is
+# an error, so a renamed test cannot slip back into make test unnoticed.
+MOVED_TO_SLOW = {
+    # the pages whose commands compile runs of their own (getting-started.md also runs from a
+    # fresh venv in getting_started_test.py)
+    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[getting-started.md]": "venv",
+    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[fine-tuning.md]": "page",
+    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[fp8.md]": "page",
+    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[export.md]": "page",
+    # signals: make test keeps Ctrl-C mid-run (CLI, exit 75, exact resume), SIGTERM at a step,
+    # a signal while starting up, and exit 3 for runaway non-finite steps
+    "fault_tolerance_test.py::test_ctrl_c_during_a_save_lets_it_finish_then_stops": "variant",
+    "fault_tolerance_test.py::test_a_second_ctrl_c_exits_at_once_with_130_and_the_run_still_resumes": "variant",
+    "fault_tolerance_test.py::test_sigterm_to_the_cli_exits_75_within_seconds": "variant",
+    "fault_tolerance_test.py::test_sigterm_checkpoints_then_resume_is_exact[eval-4]": "variant",
+    "fault_tolerance_test.py::test_a_forked_worker_does_not_turn_one_ctrl_c_into_two": "variant",
+    "fault_tolerance_test.py::test_a_dynamic_scale_stuck_at_its_minimum_exits_3": "variant",
+    "fault_tolerance_test.py::test_corrupt_newest_checkpoint_falls_back_and_finishes_identically": "variant",
+    # a refused resume: bad_input_test keeps the advice it gives
+    "fault_tolerance_test.py::test_resuming_with_another_model_or_precision_is_refused": "variant",
+    # scripts/bench.py: make test keeps the LM's hand-written side in bf16-mixed and its FLOPs
+    "bench_test.py::test_the_hand_written_side_trains_the_same_model[lm-fp32]": "variant",
+    "bench_test.py::test_the_hand_written_side_trains_the_same_model[lm-fp16-mixed+dyn]": "variant",
+    "bench_test.py::test_the_hand_written_side_trains_the_same_model[resnet-bf16-mixed+dyn]": "variant",
+    "bench_test.py::test_lm_flops_from_the_config_are_what_the_traced_program_computes[lm_gpt2s-fp16-mixed+dyn]": "variant",
+    "bench_test.py::test_resnet_flops_are_three_traced_forward_passes_of_its_shapes": "script",
+    "bench_test.py::test_bench_writes_its_table_and_json": "script",
+    # fp8 and 8-bit moments: make test keeps their steps, skips and the recipe's choices; the
+    # resumes are the Trainer's (trainer_test keeps byte-identical resume)
+    "fp8_step_test.py::test_a_layer_clipped_again_and_again_is_named_at_the_log_step": "run",
+    "fp8_step_test.py::test_micro_batches_of_one_batch_give_one_history_entry_with_the_batchs_amaxes": "run",
+    "fp8_step_test.py::test_a_resumed_fp8_run_equals_the_uninterrupted_one": "variant",
+    "q8_test.py::test_a_resumed_q8_run_equals_the_uninterrupted_one": "variant",
+    # the zoo: make test keeps the default LM, the Llama and the ResNet's two steps, and fp16
+    # batch statistics through a skipped step
+    "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[lm_bf16]": "variant",
+    "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[lm_fp16]": "variant",
+    "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[mnist_cnn]": "variant",
+    "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[custom_trainer]": "variant",
+    "zoo_configs_test.py::test_cifar10_resnet_tiny_fp16_keeps_fp32_batch_stats_and_resumes_them": "variant",
+    # the command line under each preset: make test keeps bf16-mixed
+    "trainer_test.py::test_every_preset_runs_the_tiny_default_from_the_cli[fp32]": "variant",
+    "trainer_test.py::test_every_preset_runs_the_tiny_default_from_the_cli[fp16-mixed]": "variant",
+    "trainer_test.py::test_every_preset_runs_the_tiny_default_from_the_cli[bf16-pure]": "variant",
+    # the TPU flash kernel in interpret mode: make test keeps grouped-query attention in fp32
+    "attention_test.py::test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode[mha-2-bf16]": "variant",
+    "attention_test.py::test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode[mha-2-fp32]": "variant",
+    # per-layer numerics: make test keeps the sites' names and the fp16 overflow's module
+    "numerics_test.py::test_the_precision_report_counts_an_ordinary_steps_matmuls": "variant",
+    "workdir_test.py::test_an_export_while_the_run_saves_leaves_the_save_alone": "run",
+    # the NNX example: make test keeps its step's dtypes, its batch statistics and attention
+    "nnx_example_test.py::test_trains_from_the_command_line_under_every_preset[bf16-mixed]": "cli",
+    "nnx_example_test.py::test_resume_is_byte_identical": "variant",
+    "nnx_example_test.py::test_per_layer_numerics_on_an_nnx_model_record_nothing_and_harm_nothing": "variant",
+    "synthetic_images_test.py::test_tiny_image_configs_train_from_the_cli_without_tensorflow[cifar10_resnet]": "variant",
+    "record_test.py::test_a_stop_inside_a_log_interval_logs_what_the_straight_run_logs[7]": "variant",
+    # remat: llama_test keeps scan and remat computing what unrolled layers do
+    "transformer_lm_test.py::test_remat_changes_what_is_kept_not_what_is_computed": "variant",
+    # a Trainer subclass: custom_trainer_test keeps one in this process
+    "custom_trainer_example_test.py::test_runs_from_the_command_line": "cli",
+    # the default mesh on eight devices: trainer_test keeps data-parallel and FSDP meshes
+    "validation_test.py::test_the_default_mesh_trains_on_every_device": "variant",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    found = set()
+    for item in items:
+        end = item.nodeid.rsplit("/", 1)[-1]
+        if end in MOVED_TO_SLOW:
+            item.add_marker(pytest.mark.slow)
+            found.add(end)
+    files = {item.nodeid.rsplit("/", 1)[-1].split("::")[0] for item in items}
+    missing = [e for e in MOVED_TO_SLOW if e.split("::")[0] in files and e not in found]
+    if missing and len(items) > 1:
+        raise pytest.UsageError(f"MOVED_TO_SLOW names no test: {missing}")
+
+
 # ---- where the suite's time goes: MPTRAIN_TEST_COMPILES=<file> ------------------------------
 # One JSON line a test: its seconds, the programs this process compiled during it (XLA backend
 # compiles, their seconds) and the files it added to the persistent compilation cache (this
