@@ -57,7 +57,7 @@ test-gpu:
 	  $(PYTHON) -m pytest -n 8 --dist loadgroup -q -rs -m "not slow" tests
 
 test-slow: $(STAMP)
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -n 2 --dist loadgroup -q -m slow tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m slow tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -136,6 +136,40 @@ MOVED_TO_SLOW = {
     "custom_trainer_example_test.py::test_runs_from_the_command_line": "cli",
     # the default mesh on eight devices: trainer_test keeps data-parallel and FSDP meshes
     "validation_test.py::test_the_default_mesh_trains_on_every_device": "variant",
+    # processes: make test keeps meshes and FSDP in this process (trainer_test, sharding_test)
+    # and a signal that stops a run in-process (SIGTERM at a step, resumed exactly)
+    "multihost_test.py::test_two_processes_train_like_one_process_with_four_devices": "processes",
+    "fault_tolerance_test.py::test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact": "processes",
+    "bad_input_test.py::test_a_stop_signal_during_a_long_evaluation_stops_within_a_batch": "variant",
+    "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[cifar10_resnet]": "variant",
+    "export_test.py::test_an_hf_export_that_cannot_be_written_is_exit_1_naming_it[read-only filesystem]": "variant",
+    "workdir_test.py::test_a_runs_json_files_follow_the_umask": "variant",
+    "bench_test.py::test_the_hand_written_side_trains_the_same_model[lm-bf16-mixed]": "script",
+    "validation_test.py::test_kahan_compensation_is_counted_in_the_state_bytes": "variant",
+    "llama_test.py::test_scan_and_remat_compute_what_unrolled_layers_without_remat_do[minimal]": "variant",
+    "llama_test.py::test_the_fp32_forward_equals_a_numpy_reference_past_the_original_context[mha_1to1]": "variant",
+    "sharding_test.py::test_gradients_reduce_in_fp32_and_params_gather_in_16_bits[fp16-mixed-8-1]": "variant",
+    # the same function at more shapes, dtypes or chunkings: make test keeps one of each kind
+    "attention_test.py::test_the_cudnn_call_computes_what_the_materialized_path_does[mha-12]": "variant",
+    "attention_test.py::test_the_cudnn_call_computes_what_the_materialized_path_does[gqa-4-2]": "variant",
+    "attention_test.py::test_the_cudnn_call_computes_what_the_materialized_path_does[mqa-4-1]": "variant",
+    "attention_test.py::test_grouped_materialized_attention_is_attention_over_kv_heads_repeated_per_query_head[1]": "variant",
+    "attention_test.py::test_grouped_materialized_attention_is_attention_over_kv_heads_repeated_per_query_head[8]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[1-float32]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[1-bfloat16]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[3-bfloat16]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[4-float32]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[None-bfloat16]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[16-float32]": "variant",
+    "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[64-bfloat16]": "variant",
+    "lm_loss_test.py::test_a_batch_without_a_valid_target_has_loss_0_and_zero_gradients[bfloat16]": "variant",
+    "lm_loss_test.py::test_a_batch_split_over_devices_is_not_gathered[3]": "variant",
+    "transformer_lm_test.py::test_einsum_f32_out_gradients_match_autodiff[aby,yz->abz]": "variant",
+    "hf_test.py::test_loaded_weights_give_transformers_fp32_logits[untied-scanned]": "variant",
+    "hf_test.py::test_loaded_weights_give_transformers_fp32_logits[tied-unscanned]": "variant",
+    "audit_test.py::test_a_sum_across_devices_in_bf16_is_named_and_the_framework_sums_in_fp32[SummingTrainer]": "variant",
+    "models_test.py::test_batch_stats_update_in_fp32_and_eval_uses_them[float16]": "variant",
+    "optim_test.py::test_a_gated_optimizer_keeps_its_state_where_a_step_is_not_applied[adamw-q8]": "variant",
 }
 
 
