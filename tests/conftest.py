@@ -72,17 +72,11 @@ def _default_mesh_when_marked(request, monkeypatch):
 
 # ---- what make test leaves to make test-slow -------------------------------------------------
 # `make test` keeps one test of each behaviour; the second variant of a behaviour, a command
-# line run that tests more than the command line, and the pages and scripts whose runs compile
-# anew move here, to `make test-slow` (which CI runs too). Each entry is a test id's end; a test
+# line run that tests more than the command line, and the scripts whose runs compile anew move
+# here, to `make test-slow` (which CI runs too). Each entry is a test id's end; a test
 # marked `slow` in its own file is not listed. An entry that names no test of a collected file is
 # an error, so a renamed test cannot slip back into make test unnoticed.
 MOVED_TO_SLOW = {
-    # the pages whose commands compile runs of their own (getting-started.md also runs from a
-    # fresh venv in getting_started_test.py)
-    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[getting-started.md]": "venv",
-    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[fine-tuning.md]": "page",
-    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[fp8.md]": "page",
-    "docs_test.py::test_every_command_and_snippet_of_the_page_runs[export.md]": "page",
     # signals: make test keeps Ctrl-C mid-run (CLI, exit 75, exact resume), SIGTERM at a step,
     # a signal while starting up, and exit 3 for runaway non-finite steps
     "fault_tolerance_test.py::test_ctrl_c_during_a_save_lets_it_finish_then_stops": "variant",
