@@ -89,7 +89,8 @@ def draw(workdir: str | os.PathLike, title: str = "") -> Path | None:
     from matplotlib import pyplot as plt
 
     series = load(workdir)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.08, top=0.9, wspace=0.2, hspace=0.42)
     (loss_ax, lr_ax), (scale_ax, skip_ax) = axes
     for key, style in (("loss", "-"), ("eval_loss", "o-")):
         steps, values = series[key]
