@@ -305,10 +305,13 @@ def test_the_readmes_own_model_is_the_getting_started_pages():
     assert readme and readme.items() <= files(GETTING_STARTED).items()
 
 
-# The pages whose commands cost most (several runs compiled anew each, 15-35 s on a fresh
-# machine) run in make test-slow; the README and the rest run in make test. getting-started.md
-# runs in make test-slow twice: here, and from a fresh venv (getting_started_test.py).
+# The pages whose commands train (each run twice: the second resumes; 5-50 s a page on a fresh
+# machine) run in make test-slow; the rest run in make test. getting-started.md runs in make
+# test-slow twice: here, and from a fresh venv (getting_started_test.py).
 SLOW_PAGES = (
+    "README.md",
+    "faults.md",
+    "performance.md",
     "trainer.md",
     "models-and-data.md",
     "precision.md",
