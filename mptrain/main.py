@@ -55,9 +55,12 @@ def _raised(error: BaseException, path: str) -> str:
         if os.path.abspath(tb.tb_frame.f_code.co_filename) == file:
             lines.append(tb.tb_lineno)
         tb = tb.tb_next
-    raised = re.findall(r"^(\w+(?:Error|Exception|Exit)): (.*)$", text, re.M)
-    what = f"{raised[-1][0]}: {raised[-1][1]}" if "Traceback" in text and raised else None
+    # the traceback's last line names the class with its module (mptrain.errors.ConfigError)
+    raised = re.findall(r"^([\w.]*?(\w+(?:Error|Exception|Exit))): (.*)$", text, re.M)
+    what = f"{raised[-1][1]}: {raised[-1][2]}" if "Traceback" in text and raised else None
     what = what or f"{type(error).__name__}: {errors.first_line(error).strip(chr(34))}"
+    if what.startswith("ConfigError: "):  # mptrain's own: it names its file and key itself
+        return what
     return (f"line {lines[-1]}: " if lines else "") + what
 
 

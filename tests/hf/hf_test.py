@@ -20,6 +20,7 @@ tells a right load from a wrong one.
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from helpers import needs_devices
+from helpers import ROOT, needs_devices, run_cli
 from jax.sharding import Mesh
 
 from mptrain import errors, hf
@@ -346,6 +347,32 @@ def test_bad_folders_are_one_line_naming_the_file_and_what_is_wrong(case, tmp_pa
         hf.load(folder)
     assert "\n" not in str(caught.value) and str(folder) in str(caught.value)
     assert caught.value.exit_code == 2
+
+
+# The config-time cases through the documented command line: `configs/llama3.py:hf=DIR` reads
+# DIR/config.json while config_flags loads the file, and the cause must survive its wrapping.
+CONFIG_TIME = {
+    **{case: BAD[case] for case in ("gpt2", "yarn", "missing_key")},
+    "no_folder": (lambda f: shutil.rmtree(f), r"fixture: no such file"),
+    "no_config": (lambda f: (f / "config.json").unlink(), r"config.json: no such file"),
+    "bad_json": (
+        lambda f: (f / "config.json").write_text('{"hidden_size": 64,'),
+        r"config.json: not readable JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_TIME))
+def test_a_bad_folder_through_the_command_line_keeps_its_cause(case, tmp_path, capsys):
+    folder = _copy(FIXTURE, tmp_path)
+    breaks, message = CONFIG_TIME[case]
+    breaks(folder)
+    config = f"--config={ROOT / 'configs' / 'llama3.py'}:hf={folder}"
+    code, err = run_cli(tmp_path / "run", capsys=capsys, config=config)
+    assert code == 2 and not (tmp_path / "run").exists()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("mptrain: error: --config=") and "Error whilst parsing" not in line
+    assert re.search(message, line), line
 
 
 def test_an_index_naming_a_missing_shard_is_one_line(tmp_path):
