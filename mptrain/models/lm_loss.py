@@ -35,6 +35,7 @@ partial sum enters the carry unrounded; the hidden states' gradient is a 16-bit 
 from __future__ import annotations
 
 import numbers
+from math import inf
 from typing import Any
 
 import flax.linen as nn
@@ -68,8 +69,8 @@ def settings(loss: Any) -> tuple[int | None, float]:
     the rule ``token_loss`` applies; a ValueError names the key, the value and what is valid."""
     _check_chunk(loss.chunk_tokens, "loss.chunk_tokens")
     z_loss = loss.z_loss
-    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not z_loss >= 0:
-        raise ValueError(f"loss.z_loss={z_loss!r}: a coefficient >= 0 (0: no z-loss)")
+    if isinstance(z_loss, bool) or not isinstance(z_loss, numbers.Real) or not 0 <= z_loss < inf:
+        raise ValueError(f"loss.z_loss={z_loss!r}: a finite coefficient >= 0 (0: no z-loss)")
     return loss.chunk_tokens, float(z_loss)
 
 

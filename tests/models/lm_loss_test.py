@@ -219,7 +219,7 @@ def test_settings_name_the_key_and_the_value():
     for chunk in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match=re.escape(f"loss.chunk_tokens={chunk!r}")):
             lm_loss.settings(loss(chunk, 0.0))
-    for z in (-1e-4, float("nan"), "1e-4"):
+    for z in (-1e-4, float("nan"), float("inf"), "1e-4"):  # inf: every step non-finite
         with pytest.raises(ValueError, match=re.escape(f"loss.z_loss={z!r}")):
             lm_loss.settings(loss(None, z))
     with pytest.raises(ValueError, match="chunk=0"):
