@@ -143,9 +143,21 @@ def _events(folder: Path) -> list[dict]:
     paths = [p for p in folder.glob("*.trace.json.gz") if not p.name.startswith("perfetto")]
     if not paths:
         raise errors.WorkdirError(f"{folder}: no *.trace.json.gz beside the xplane.pb")
-    with gzip.open(paths[0], "rt") as f:
-        data = json.load(f)
+    data = _read_json(paths[0], gzip.open)
     return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def _read_json(path: Path, opener=open) -> Any:
+    """A trace's JSON (or its `mptrain.json`); a `WorkdirError` naming the file if it is not
+    readable, as a run killed while writing its trace leaves it (0 bytes, or cut off)."""
+    try:
+        with opener(path, "rt") as f:
+            return json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.WorkdirError(
+            f"{path}: not a readable trace file ({type(e).__name__}: {errors.first_line(e)}); "
+            "a run stopped while tracing leaves one: trace again"
+        ) from None
 
 
 def _device_kernels(events: list[dict]) -> list[dict]:
@@ -197,7 +209,7 @@ def table(workdir: str | Path, top: int = 10) -> dict[str, Any]:
     """The kernel table of the newest trace (see the module doc), times in seconds per step."""
     folder = newest(workdir)
     meta_path = folder / META
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = _read_json(meta_path) if meta_path.exists() else {}
     kernels = _device_kernels(_events(folder))
     if not kernels:
         raise errors.WorkdirError(f"{folder}: the trace holds no device kernels")

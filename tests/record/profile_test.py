@@ -2,6 +2,7 @@
 TensorBoard's profile plugin finds them, and `python -m mptrain.profile` prints a kernel table
 whose per-step total accounts for the measured step time."""
 
+import gzip
 import json
 
 import numpy as np
@@ -113,3 +114,24 @@ def test_writing_the_trace_is_not_step_time(traced):
     step_time = {step: float(value) for step, value in event_series(traced, "step_time_s").items()}
     # steps 9-10 hold the trace's end, which writes it (some 100 ms); steps 11-12 are untraced
     assert step_time[10] < 4 * step_time[12], step_time
+
+
+_BROKEN = {  # what a kill -9 while tracing, or a damaged disk, leaves (issue 42: E16-E21)
+    "not_gzip": ("vm.trace.json.gz", lambda: b"<html>not a trace</html>"),
+    "cut_off_json": ("vm.trace.json.gz", lambda: gzip.compress(b'{"traceEvents": [{"ph": "X"')),
+    "zero_bytes": ("vm.trace.json.gz", lambda: b""),
+    "bad_meta": ("mptrain.json", lambda: b"{not json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN))
+def test_a_trace_that_cannot_be_read_is_one_line_naming_the_file(case, tmp_path, capsys):
+    folder = tmp_path / "plugins" / "profile" / "2026_11_27_00_00_00"
+    folder.mkdir(parents=True)
+    (folder / "vm.xplane.pb").write_bytes(b"")
+    (folder / "vm.trace.json.gz").write_bytes(gzip.compress(b'{"traceEvents": []}'))
+    name, content = _BROKEN[case]
+    (folder / name).write_bytes(content())
+    assert profile_cli.main([str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"mptrain.profile: error: {folder / name}: not a readable"), line
