@@ -7,7 +7,8 @@ stays possible; the run then warns of each. A rule of `RULES` says which keys ma
 something holds (`matters`), and why not otherwise; a key set to other than its default where
 its rule does not hold is a line. `NUMBERS` holds the settings that take effect, but not as
 asked: a warmup longer than the run, micro-batches left unapplied at the end, more eval batches
-than the eval split holds. `settings(config)` gives the lines; the start-up log warns of them.
+than the eval split holds, a trace past the run's last step. `settings(config)` gives the
+lines; the start-up log warns of them.
 """
 
 from __future__ import annotations
@@ -146,7 +147,22 @@ def _eval_steps(run: Run) -> str | None:
     )
 
 
-NUMBERS = [_warmup, _accumulation, _eval_steps]
+def _profile(run: Run) -> str | None:
+    prof, last = run.config.profile, run.config.num_train_steps
+    start, steps = errors.setting(prof, "start_step", 5), errors.setting(prof, "num_steps", 0)
+    if not steps or start + steps - 1 <= last:
+        return None
+    if start > last:
+        return (
+            f"profile.start_step={start}: after the run's last step (num_train_steps={last}); "
+            f"no step is traced. Use profile.start_step <= {last}"
+        )
+    return (
+        f"profile.num_steps={steps}: the run ends at step {last}; steps {start}-{last} are traced"
+    )
+
+
+NUMBERS = [_warmup, _accumulation, _eval_steps, _profile]
 
 
 def settings(config: Any, policy: Any, defaults: Any, eval_batches: int | None = None) -> list[str]:

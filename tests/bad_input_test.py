@@ -296,6 +296,15 @@ def test_a_storage_failure_writing_a_record_is_named_in_one_line():
             {"optimizer.accumulation_steps": 3},
             "optimizer.accumulation_steps=3: num_train_steps=8 leaves its last 2 micro-batches",
         ),
+        (  # issue 42, sweep case E01: a trace after the last step traced nothing, silently
+            {"profile.start_step": 20, "profile.num_steps": 3},
+            "profile.start_step=20: after the run's last step (num_train_steps=8); no step is "
+            "traced",
+        ),
+        (
+            {"profile.start_step": 7, "profile.num_steps": 3},
+            "profile.num_steps=3: the run ends at step 8; steps 7-8 are traced",
+        ),
     ],
 )
 def test_every_setting_without_effect_is_told_at_start(overrides, warned):
