@@ -111,6 +111,8 @@ def load(config: Any, target: Any) -> Pretrained:
         check_model(config.model, model, f"{path / 'config.json'}", where)
         with _naming(where):
             params = hf.load_params(path, target, scan_layers=sharding.STACKED in target)
+        if bad := fingerprints.nonfinite_params({"params": params}):  # as for a checkpoint's
+            raise errors.ConfigError(f"{where}: non-finite params in {', '.join(bad)}")
         return Pretrained(params, f"{path} (HF Llama, {_count(params):,} params)")
     except OSError as e:  # a folder that cannot be listed or read, whichever reader says so
         what = f"{where}: cannot read {e.filename or path}: {e.strerror or e}"

@@ -20,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 from helpers import (
     FIXTURE,
     ROOT,
@@ -160,6 +161,10 @@ def _cases(tmp_path, finetune):
     (tmp_path / "no_steps" / "checkpoints").mkdir(parents=True)
     narrower = _broken_copy(tmp_path, lambda c: c.update(intermediate_size=32))
     gpt2 = _broken_copy(tmp_path / "gpt2", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    nan = Path(shutil.copytree(FIXTURE, tmp_path / "nan"))  # issue 42, sweep case A35
+    tensors = safetensors.numpy.load_file(nan / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = np.nan
+    safetensors.numpy.save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
     run = finetune["workdir"]
     fixture = hf_flag(FIXTURE)
     return [
@@ -169,6 +174,7 @@ def _cases(tmp_path, finetune):
         ([fixture, "--config.model.d_ff=32"], ["config.model.d_ff=32", "d_ff=64"]),
         ([hf_flag(narrower)], ["tensor", "mlp", "[2, 32, 48]"]),
         ([fixture, f"--config.init_from={gpt2}"], ["GPT2LMHeadModel"]),
+        ([fixture, f"--config.init_from={nan}"], [f"{nan}", "non-finite", "mlp"]),
         (
             [fixture, f"--config.init_from={run}", "--config.model.rope_theta=10000.0"],
             ["config.model.rope_theta=10000.0", "500000.0", f"{run}/checkpoints/{STEPS}"],
