@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 EXIT_OK = 0
@@ -97,9 +97,12 @@ def setting(section: Any, key: str, default: Any) -> Any:
 
 
 def settings(section: Any, defaults: dict[str, Any]) -> dict[str, Any]:
-    """Each key of `defaults` as `section` (a ConfigDict, or any object with attributes) sets
-    it, its default where it is missing or None."""
-    found = {key: getattr(section, key, None) for key in defaults}
+    """Each key of `defaults` as `section` (a ConfigDict, a dict such as `hf.load` gives, or any
+    object with attributes) sets it, its default where it is missing or None."""
+    if isinstance(section, Mapping):
+        found = {key: section.get(key) for key in defaults}
+    else:
+        found = {key: getattr(section, key, None) for key in defaults}
     return {key: default if found[key] is None else found[key] for key, default in defaults.items()}
 
 

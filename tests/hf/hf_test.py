@@ -119,6 +119,23 @@ def test_loaded_weights_give_transformers_fp32_logits(variant, scan_layers):
     assert _error(got, want) < 1e-5
 
 
+def test_the_loaded_config_as_it_comes_builds_the_folders_model():
+    """`hf.load` gives the model's config as a plain dict; `create_model` reads it as it reads
+    a ConfigDict (issue 42: it read attributes only, and built a default-sized model)."""
+    ids, want = _reference(FIXTURE)
+    model_config, params = hf.load(FIXTURE)
+    assert isinstance(model_config, dict)
+    model = llama.create_model(model_config)
+    init = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+    assert shapes(init) == shapes(params)
+    assert _error(np.asarray(jax.jit(model.apply)({"params": params}, ids)), want) < 1e-5
+    defaults = {"d_model": 1, "vocab_size": 2, "absent": 3}
+    as_dict = errors.settings(model_config, defaults)
+    assert as_dict == errors.settings(ml_collections.ConfigDict(model_config), defaults)
+    assert as_dict["d_model"] == model_config["d_model"] and as_dict["absent"] == 3
+
+
 @pytest.mark.parametrize("variant", ["untied", "tied"])
 def test_bf16_mixed_logits_stay_within_the_stated_bound(variant):
     folder = FOLDERS[variant]
