@@ -89,6 +89,11 @@ class Reader:
             if not file.exists():
                 listed = f", though {INDEX} lists it" if (self.folder / INDEX).exists() else ""
                 raise errors.ConfigError(f"{file}: no such file{listed}")
+            try:  # safetensors says "No such file" of a file it may not read: ask open()
+                with open(file, "rb"):
+                    pass
+            except OSError as e:
+                raise errors.ConfigError(f"{file}: cannot be read: {e.strerror or e}") from None
             try:
                 opened = safetensors.safe_open(str(file), framework="numpy")
                 self._handles[file] = self._stack.enter_context(opened)
