@@ -108,7 +108,13 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     heads; `rope_theta` 10,000; `rms_norm_eps` 1e-6; `max_position_embeddings` 2,048;
     untied); the sizes may not. Errors: `ConfigError` naming the file and the key."""
     file = Path(path)
-    return hf_io.read_llama_config(file / hf_io.CONFIG_FILE if file.is_dir() else file)
+    file = file / hf_io.CONFIG_FILE if file.is_dir() else file
+    model = hf_io.read_llama_config(file)
+    try:  # the model's own rules, here, where the file the values came from is known
+        _settings(model)
+    except errors.ConfigError as e:
+        raise errors.ConfigError(f"{file}: {e}") from None
+    return model
 
 
 def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:

@@ -382,6 +382,11 @@ CONFIG_TIME = {
         lambda f: (f / "config.json").write_text('{"hidden_size": 64,'),
         r"config.json: not readable JSON",
     ),
+    # a value the model's own rules refuse names the file it came from (A09, A10)
+    "kv_heads": (
+        lambda f: _edit_config(f, lambda c: c.update(num_key_value_heads=3)),
+        r"config.json: config.model.num_kv_heads=3: must divide model.num_heads=4",
+    ),
 }
 
 
