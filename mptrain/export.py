@@ -96,6 +96,7 @@ def export(
             raise ValueError(f"a JSON {type(saved).__name__}, not an object")
         saved["mesh"] = {**saved.get("mesh", {}), "data": 1, "fsdp": 1}  # whole, on one device
         saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
+        _without_a_lost_tokenizer(saved)
         config = ml_collections.ConfigDict(saved)
         config_lib.validate(config)
     except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
@@ -191,6 +192,25 @@ def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> 
         raise error from e
     if tokenizer:
         logging.info("mptrain.export: tokenizer files %s", ", ".join(p.name for p in tokenizer))
+
+
+def _without_a_lost_tokenizer(saved: dict) -> None:
+    """The weights are the run's; its tokenizer only travels with them. Where the run's
+    `data.tokenizer` is gone, the export warns and goes on without it (the config check would
+    refuse the config: `data` is a section the export never builds)."""
+    from absl import logging
+
+    from mptrain.data import tokenize
+
+    data = saved.get("data")
+    spec = data.get("tokenizer") if isinstance(data, dict) else None
+    if not isinstance(spec, str) or spec == tokenize.BYTES:
+        return
+    try:
+        tokenize.tokenizer_file(spec)
+    except ValueError:
+        logging.warning("mptrain.export: the run's data.tokenizer %s is gone: none copied", spec)
+        data["tokenizer"] = tokenize.BYTES
 
 
 def _tokenizer_files(config: Any) -> list[Path]:

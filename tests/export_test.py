@@ -225,6 +225,23 @@ def test_an_hf_export_loads_with_mptrain_hf_bit_identical_in_fp32(llama_run, tmp
     assert_trees_bytes_equal(params, rounded)
 
 
+def test_a_run_whose_tokenizer_is_gone_still_exports_its_weights(llama_run, tmp_path, caplog):
+    """Issue 42, sweep case C17: the weights are the run's, the tokenizer only travels with
+    them; without it the export warns and writes the weights (the config check refused)."""
+    from mptrain import hf
+
+    workdir = Path(shutil.copytree(llama_run[0], tmp_path / "run"))
+    config = json.loads((workdir / "config.json").read_text())
+    config["data"]["tokenizer"] = str(tmp_path / "gone")
+    (workdir / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        export.export(workdir, tmp_path / "out", "float32", format="hf")
+    assert any("is gone: none copied" in m for m in caplog.messages), caplog.messages
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    _, params = hf.load(tmp_path / "out", scan_layers=True)
+    assert_trees_bytes_equal(params, plain_orbax_state(workdir, 20)["params"])
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
