@@ -158,6 +158,7 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
     `ConfigError` for a bad config or target, as `plan_step.plan` raises them."""
     started = time.monotonic()
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
+    plan_step.check_devices(target, named, devices)  # the plain plan's rule (issue 42: D04, D06)
     count = devices or named or 1
     share = plan_memory.share(chip)
     capacity = int(share["fraction"] * chip.memory_bytes)

@@ -97,6 +97,17 @@ class Plan:
         return plan_report.render(self)
 
 
+def check_devices(target: Any, named: int | None, devices: int | None) -> None:
+    """A `ConfigError` for a `--devices` that a plan (or a fit) cannot take: below 1, or
+    another count than the one `--target` names (v5e-8)."""
+    if devices is not None and named is not None and devices != named:
+        raise errors.ConfigError(
+            f"--target={target} names {named} devices and --devices={devices}: give one count"
+        )
+    if devices is not None and devices < 1:
+        raise errors.ConfigError(f"--devices={devices}: a plan is for 1 device or more")
+
+
 def plan(
     config, target: str | target_lib.Target, devices: int | None = None, check_remat=True
 ) -> Plan:
@@ -114,12 +125,7 @@ def plan(
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     with errors.config_errors():
         runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
-    if devices is not None and named is not None and devices != named:
-        raise errors.ConfigError(
-            f"--target={target} names {named} devices and --devices={devices}: give one count"
-        )
-    if devices is not None and devices < 1:
-        raise errors.ConfigError(f"--devices={devices}: a plan is for 1 device or more")
+    check_devices(target, named, devices)
     count = devices or named or math.prod(max(n, 1) for n in (config.mesh.data, config.mesh.fsdp))
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)
