@@ -215,17 +215,13 @@ def _without_a_lost_tokenizer(saved: dict) -> None:
 
 def _tokenizer_files(config: Any) -> list[Path]:
     """The run's tokenizer files (`TOKENIZER_FILES` beside the tokenizer.json that its
-    `data.tokenizer` names); none for bytes or another data source, or when it is gone."""
-    from absl import logging
-
+    `data.tokenizer` names); none for bytes or another data source. A tokenizer that is gone
+    was told and replaced by bytes when the config was read (`_without_a_lost_tokenizer`)."""
     spec = config.data.get("tokenizer")
     if not isinstance(spec, str) or spec == "bytes":
         return []
     path = Path(spec).expanduser()
     folder = path if path.is_dir() else path.parent
-    if not (folder / TOKENIZER_FILES[0]).is_file() and not path.is_file():
-        logging.warning("mptrain.export: the run's data.tokenizer %s is gone: none copied", spec)
-        return []
     found = [path] if path.is_file() else []
     found += [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     return list(dict.fromkeys(p.absolute() for p in found))
