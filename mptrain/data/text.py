@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mptrain import errors
-from mptrain.data import tokenize
+from mptrain.data import token_cache, tokenize
 
 # Directory names never entered when walking the stdlib (see the module docstring).
 EXCLUDED_DIRS = frozenset(
@@ -306,14 +306,14 @@ def build_text_sources(
       max_bytes:     truncate the corpus first (``None``: whole corpus), in tokens.
       eval_fraction: fraction held out at the end of the corpus for eval (default 0.01).
       files, tokenizer, eos_token, cache_dir: the corpus (`corpus_of`), tokenized into the
-                     cache by `tokenize.tokens` unless it is the default.
+                     cache by `token_cache.tokens` unless it is the default.
     A bad value is a `ValueError` naming its key (``data.seq_len=0: ...``); a corpus too small
     for the split an `errors.ConfigError`, raised before anything touches the workdir.
     """
     seq_len, max_bytes, fraction = _settings(data_config)
     with errors.config_errors():
         corpus = corpus_of(data_config)
-    data = load_corpus(max_bytes) if corpus is None else tokenize.tokens(corpus)[:max_bytes]
+    data = load_corpus(max_bytes) if corpus is None else token_cache.tokens(corpus)[:max_bytes]
     with errors.config_errors():
         check_sizes(len(data), seq_len, fraction, max_bytes, unit_of(data))
     return sources(data, seq_len, fraction, batch_size, seed, eval_batch_size)

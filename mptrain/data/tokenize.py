@@ -13,34 +13,24 @@ embedded byte-level corpus, the default, to itself):
     `<|begin_of_text|>`); special tokens spelt out in the text stay plain text. Documents are
     joined by the end-of-text token: `data.eos_token`, else the first of `EOS_TOKENS` that
     the tokenizer knows.
-  * Cache: the token stream is written once as a `.npy` file (uint8 for bytes, uint16 where
-    the vocabulary fits, else uint32) under `data.cache_dir` (None: `$MPTRAIN_CACHE/tokens`,
-    else `~/.cache/mptrain/tokens`), named by a hash of the files' paths, sizes and modification
-    times, the tokenizer file's content, the separator and `FORMAT_VERSION`; later runs
-    memory-map it. It is written to a temporary file and renamed into place, under an
-    exclusive `fcntl.flock` on a lock file beside it, so processes that start together build it
-    once: the others wait and then read it. (A lock on a network file system is only as good
-    as that file system's locking.)
+  * Cache: `token_cache.py` writes the token stream once, and checks it before each read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import glob
 import hashlib
 import json
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from absl import logging
 
 from mptrain import errors
 
-FORMAT_VERSION = 1  # bump when the layout or the encoding rule of a cache file changes
+FORMAT_VERSION = 2  # bump when the layout or the encoding rule of a cache file changes
 BYTES = "bytes"
 # End-of-text tokens looked for, in order: Llama 3's, GPT-2's, SentencePiece's (Llama 2,
 # Mistral), Gemma's.
@@ -48,9 +38,7 @@ EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 BYTES_SEPARATOR = b"\n"  # what joins documents under the byte tokenizer
 BYTES_VOCAB = 256
 _BATCH_CHARS = 8 << 20  # characters of documents handed to the tokenizer at a time
-_COPY_TOKENS = 1 << 24  # tokens copied at a time into the final file
 _TOKENIZERS: dict[tuple[str, int, int], Any] = {}  # loaded tokenizers, by (path, size, mtime)
-_OPENED: dict[str, np.ndarray] = {}  # cache files this process has opened, by path
 
 
 def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -259,7 +247,7 @@ def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
             yield text if as_text else text.encode("utf-8")
 
 
-def _encoded(corpus: Corpus) -> Iterator[np.ndarray]:
+def encoded(corpus: Corpus) -> Iterator[np.ndarray]:
     """The token ids of the corpus's documents, one array each, in order."""
     if corpus.tokenizer == BYTES:
         for path in corpus.files:
@@ -281,84 +269,3 @@ def _encoded(corpus: Corpus) -> Iterator[np.ndarray]:
                 yield from encode(batch)
                 batch, chars = [], 0
     yield from encode(batch)
-
-
-def _write(corpus: Corpus, path: str) -> int:
-    """Tokenizes the corpus into the `.npy` file `path` (through temporary files beside it, the
-    last renamed into place); returns its token count."""
-    raw, staged = f"{path}.{os.getpid()}.tmp.bin", f"{path}.{os.getpid()}.tmp.npy"
-    separator = np.asarray(corpus.separator, corpus.dtype).tobytes()
-    try:
-        count = 0
-        with open(raw, "wb") as out:  # the length is known at the end: ids first, then .npy
-            for n, ids in enumerate(_encoded(corpus)):
-                if n:
-                    out.write(separator)
-                    count += len(corpus.separator)
-                out.write(ids.tobytes())
-                count += len(ids)
-        if count == 0:
-            first = corpus.files[0] + (", ..." if len(corpus.files) > 1 else "")
-            raise errors.ConfigError(f"config.data.files: no text in {first}")
-        source = np.memmap(raw, corpus.dtype, "r", shape=(count,))
-        target = np.lib.format.open_memmap(staged, "w+", corpus.dtype, (count,))
-        for start in range(0, count, _COPY_TOKENS):
-            target[start : start + _COPY_TOKENS] = source[start : start + _COPY_TOKENS]
-        target.flush()
-        del source, target
-        with open(staged, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(staged, path)
-        return count
-    finally:
-        for leftover in (raw, staged):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-
-
-def tokens(corpus: Corpus) -> np.ndarray:
-    """The corpus's token ids, a read-only memory-mapped 1-D array, built into the cache first
-    where no run has (one log line says which)."""
-    path = corpus.path()
-    if path not in _OPENED:
-        built = None if os.path.exists(path) else _build(corpus, path)
-        _OPENED[path] = np.asarray(np.load(path, mmap_mode="r"))
-        if built is None:
-            count = f"{len(_OPENED[path]):,}"
-            logging.info("data: reusing %s tokens of %d files: %s", count, len(corpus.files), path)
-    return _OPENED[path]
-
-
-def _build(corpus: Corpus, path: str) -> int | None:
-    """Writes the cache file `path` under the lock beside it, unless another process has by the
-    time the lock is ours; its token count, or None. A cache folder that cannot be written is a
-    `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
-    try:
-        os.makedirs(corpus.cache_dir, exist_ok=True)
-        lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
-    except OSError as e:
-        raise errors.ConfigError(
-            f"config.data.cache_dir={corpus.cache_dir!r}: cannot write there ({e.strerror or e})"
-        ) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it
-        if os.path.exists(path):
-            return None
-        for leftover in glob.glob(glob.escape(path) + ".*.tmp.*"):
-            os.remove(leftover)  # of a build killed part-way: only the lock's holder builds
-        start = time.perf_counter()
-        try:
-            count = _write(corpus, path)
-        except OSError as e:
-            raise errors.StorageError(
-                f"could not write the token cache {path}: {e.strerror or e}"
-            ) from None
-    seconds = time.perf_counter() - start
-    logging.info(
-        "data: tokenized %d files into %s tokens in %.1f s: %s",
-        len(corpus.files),
-        f"{count:,}",
-        seconds,
-        path,
-    )
-    return count

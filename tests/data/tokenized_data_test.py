@@ -1,6 +1,7 @@
 """Tokenized text (`data.files`, `data.tokenizer`, the token cache) and pre-tokenized files
 (`data.name="tokens"`), on a BPE tokenizer trained here and a few files in tmp_path."""
 
+import errno
 import json
 import logging
 import mmap
@@ -16,7 +17,7 @@ from helpers import EOT, ROOT, load_config, make_tokenizer
 
 from mptrain import config as config_lib
 from mptrain import errors
-from mptrain.data import text, tokenize, tokens
+from mptrain.data import text, token_cache, tokenize, tokens
 
 EOS = EOT
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "mixed", "precision")
@@ -50,9 +51,9 @@ def corpus_dir(tmp_path):
 @pytest.fixture(autouse=True)
 def fresh_process_state():
     """Each test sees the cache as a new process would (nothing opened yet)."""
-    tokenize._OPENED.clear()
+    token_cache._OPENED.clear()
     yield
-    tokenize._OPENED.clear()
+    token_cache._OPENED.clear()
 
 
 def _data(corpus_dir, tokenizer_dir, **keys):
@@ -115,7 +116,7 @@ def test_batches_are_a_pure_function_of_seed_and_index(corpus_dir, tokenizer_dir
     batch = train.get_batch(7)
     assert batch["inputs"].dtype == batch["targets"].dtype == np.int32
     np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    tokenize._OPENED.clear()  # a resumed run: a new process, the cache file reused
+    token_cache._OPENED.clear()  # a resumed run: a new process, the cache file reused
     again, _ = _build(config, seed=3)
     again.get_batch(0)
     np.testing.assert_array_equal(again.get_batch(7)["inputs"], batch["inputs"])
@@ -141,7 +142,7 @@ def test_the_default_bytes_are_todays_stdlib_windows_bit_for_bit():
         starts = np.random.default_rng([5, i]).integers(0, 297_000 - 32, size=4)
         windows = corpus[starts[:, None] + np.arange(33)].astype(np.int32)
         np.testing.assert_array_equal(train.get_batch(i)["inputs"], windows[:, :-1])
-    assert not tokenize._OPENED
+    assert not token_cache._OPENED
 
 
 def test_bytes_of_the_users_files_are_the_embedded_corpus_rule(tmp_path):
@@ -172,12 +173,12 @@ def test_the_cache_is_built_once_then_reused_and_rebuilt_when_a_file_changes(
     corpus_dir, tokenizer_dir, monkeypatch, caplog
 ):
     encoded = []
-    real = tokenize._encoded
-    monkeypatch.setattr(tokenize, "_encoded", lambda corpus: encoded.append(1) or real(corpus))
+    real = tokenize.encoded
+    monkeypatch.setattr(tokenize, "encoded", lambda corpus: encoded.append(1) or real(corpus))
     config = _data(corpus_dir, tokenizer_dir)
     with caplog.at_level(logging.INFO, logger="absl"):
         first, _ = _build(config)
-        tokenize._OPENED.clear()  # as a second run would
+        token_cache._OPENED.clear()  # as a second run would
         second, _ = _build(config)
     assert encoded == [1]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
@@ -190,7 +191,7 @@ def test_the_cache_is_built_once_then_reused_and_rebuilt_when_a_file_changes(
     assert _mapped(second.data)  # read in place, not loaded
     # A file that changes (its size or time) is another corpus: built again, beside the first.
     (corpus_dir / "b.txt").write_text(_prose(7, 600))
-    tokenize._OPENED.clear()
+    token_cache._OPENED.clear()
     third, _ = _build(config)
     assert encoded == [1, 1]
     assert not np.array_equal(third.data, first.data)
@@ -240,7 +241,78 @@ def test_two_processes_starting_together_build_the_cache_once(tmp_path, tokenize
     assert logs.count("data: tokenized 1 files") == 1, logs
     assert logs.count("data: reusing ") == 1, logs
     assert len({out for out, _ in results}) == 1
-    assert sorted(p.rsplit(".", 1)[1] for p in os.listdir(cache)) == ["lock", "npy"]
+    assert sorted(p.rsplit(".", 1)[1] for p in os.listdir(cache)) == ["json", "lock", "npy"]
+
+
+def _cut_in_half(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _emptied(path):
+    open(path, "wb").close()
+
+
+def _header_zeroed(path):
+    with open(path, "r+b") as f:
+        f.write(bytes(64))
+
+
+def _ids_overwritten(path):  # a valid .npy of the same size: only the checksum tells
+    ids = np.load(path, mmap_mode="r+")
+    ids[:] = 299  # an id the vocabulary has, so no range check would see it
+
+
+def _record_lost(path):
+    os.remove(path[:-4] + ".json")
+
+
+@pytest.mark.parametrize(
+    "damage", [_cut_in_half, _emptied, _header_zeroed, _ids_overwritten, _record_lost]
+)
+def test_a_cache_that_does_not_verify_is_built_again_with_a_warning(
+    corpus_dir, tokenizer_dir, damage, caplog
+):
+    """A cache file that a crash, a full disk or a stray write has changed is not read (a
+    traceback, or garbage trained on): it is built again, and a warning names it and why."""
+    config = _data(corpus_dir, tokenizer_dir)
+    first, _ = _build(config)
+    expected = np.array(first.data)
+    (path,) = [str(p) for p in (corpus_dir.parent / "cache").glob("*.npy")]
+    token_cache._OPENED.clear()
+    del first
+    damage(path)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        second, _ = _build(config)
+    np.testing.assert_array_equal(second.data, expected)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert len(lines) == 2 and lines[1].startswith("data: tokenized 3 files"), lines
+    assert lines[0].startswith(f"data: the token cache {path} does not verify ("), lines
+    assert lines[0].endswith("): building it again"), lines
+    token_cache._OPENED.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        _build(config)  # the rebuilt file verifies: reused
+    assert [r.getMessage()[:14] for r in caplog.records] == ["data: reusing "]
+
+
+def test_a_broken_cache_that_cannot_be_rebuilt_is_one_line_naming_it(
+    corpus_dir, tokenizer_dir, monkeypatch
+):
+    config = _data(corpus_dir, tokenizer_dir)
+    _build(config)
+    (path,) = (corpus_dir.parent / "cache").glob("*.npy")
+    _emptied(str(path))
+    token_cache._OPENED.clear()
+
+    def full_disk(corpus, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(token_cache, "_write", full_disk)
+    with pytest.raises(errors.StorageError) as caught:
+        _build(config)
+    assert str(caught.value) == f"could not write the token cache {path}: No space left on device"
 
 
 # ---- config checks ---------------------------------------------------------------------------
@@ -317,7 +389,7 @@ def test_unreadable_documents_name_the_file_and_line(corpus_dir, tokenizer_dir):
     jsonl = corpus_dir / "c.jsonl"
     for line, why in (("not json", "not a JSON object"), ('{"txt": 1}', "no string 'text'")):
         jsonl.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
-        tokenize._OPENED.clear()
+        token_cache._OPENED.clear()
         message = _error(_build, _data(corpus_dir, tokenizer_dir))
         assert isinstance(message, str) and f"{jsonl} line 2: {why}" in message
     jsonl.write_text(json.dumps({"text": "fine"}) + "\n")
