@@ -46,19 +46,30 @@ import sys
 import threading
 
 from mptrain import errors
-from mptrain.plan import step as plan_step
-from mptrain.plan.step import EXIT_DOES_NOT_FIT, TARGETS, Plan
-
-
-def plan(config, target: str, devices: int | None = None) -> Plan:
-    """The contract's entry point: `config`'s train step compiled for `target` (a spec name such
-    as "h100" or "v5e-8") on `devices` of it, read for memory, dtypes, kernels and the floor
-    (`plan_step.plan` does the work; this module is the command line around it)."""
-    return plan_step.plan(config, target, devices)
-
 
 EXIT_INTERRUPTED = 130
 __all__ = ["EXIT_DOES_NOT_FIT", "TARGETS", "Plan", "fit", "main", "plan", "plan_step"]
+# Loaded on first use (PEP 562): `python -m mptrain.plan` reaches `main`, and its Ctrl-C watcher,
+# in milliseconds, not after the half second that importing jax takes.
+_FROM_STEP = {"EXIT_DOES_NOT_FIT", "TARGETS", "Plan"}
+
+
+def __getattr__(name: str):
+    if name == "plan_step" or name in _FROM_STEP:
+        from mptrain.plan import step as plan_step
+
+        return plan_step if name == "plan_step" else getattr(plan_step, name)
+    raise AttributeError(f"module 'mptrain.plan' has no attribute {name!r}")
+
+
+def plan(config, target: str, devices: int | None = None):
+    """The contract's entry point: `config`'s train step compiled for `target` (a spec name such
+    as "h100" or "v5e-8") on `devices` of it, read for memory, dtypes, kernels and the floor: a
+    `plan_step.Plan` (`plan_step.plan` does the work; this module is the command line around
+    it)."""
+    from mptrain.plan import step as plan_step
+
+    return plan_step.plan(config, target, devices)
 
 
 def fit(config, target, devices: int | None = None):
@@ -69,6 +80,8 @@ def fit(config, target, devices: int | None = None):
 
 
 def _usage(flag_values) -> str:
+    from mptrain.plan.step import TARGETS
+
     names = ", ".join(sorted(TARGETS))
     return (
         "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
@@ -167,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     flag_values = main_lib.parse_flags(argv, _usage, define)
     if flag_values is None:  # --help
         return errors.EXIT_OK
+    from mptrain.plan.step import EXIT_DOES_NOT_FIT, TARGETS
+
     if not flag_values.target:
         names = ", ".join(sorted(TARGETS))
         main_lib.usage_error(f"--target is required; known targets: {names}")
