@@ -29,7 +29,9 @@ measurement. `--fit` searches the memory knobs for the fastest configuration tha
 
 The command line ends as the trainer's does: one line and the right exit code, never a
 traceback. 0 it fits (with `--fit`: a candidate fits); 4 it does not (the verdict first, then
-the plan; with `--fit`, the closest candidate and what it would need); 2 bad usage, config or
+the plan; with `--fit`, the closest candidate and what it would need; a step the target's
+compiler refuses for want of memory, as a TPU's does, is a plan that does not fit, with the
+compiler's words and the memory it counted); 2 bad usage, config or
 target, found before anything compiles (an unknown target lists the known ones, a missing
 compiler names the `pip install 'mptrain[plan]'` line; a device count below 1, a target's
 chip count that is not a whole number, `--devices` that disagrees with the target's count, a

@@ -60,13 +60,13 @@ def compile_logged(lowered) -> tuple[Any, str]:
         os.dup2(log.fileno(), 2)
         try:
             compiled = lowered.compile()
-        finally:
+        finally:  # a compile that fails has its log passed on too
             os.dup2(saved, 2)
             os.close(saved)
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-    kept = [line for line in text.splitlines(keepends=True) if "rematerialization" not in line]
-    sys.stderr.write("".join(kept))
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            kept = [s for s in text.splitlines(keepends=True) if "rematerialization" not in s]
+            sys.stderr.write("".join(kept))
     return compiled, text
 
 

@@ -15,8 +15,8 @@ def render(plan: Any) -> str:
     lines = [
         f"plan: {plan.precision} on {plan.devices} x {plan.description} ({plan.target}), "
         f"mesh {mesh}",
-        f"  per device and per step; compiled for the target on this host in "
-        f"{plan.compile_seconds:.1f} s (jax {plan.jax_version}); nothing ran",
+        f"  per device and per step; {'refused' if plan.refused else 'compiled'} for the target "
+        f"on this host in {plan.compile_seconds:.1f} s (jax {plan.jax_version}); nothing ran",
         "",
         "memory                          GiB",
     ]
@@ -41,6 +41,14 @@ def render(plan: Any) -> str:
                 else ""
             )
         )
+    if plan.refused:  # no program: the memory from shapes and the compiler's count
+        lines += [
+            "",
+            "no program to read: the compiler refused the step, so its buffers, FLOPs, hazards,",
+            "collectives and floor are unknown; the memory above is the state and inputs by",
+            "their shapes and the temporaries as the compiler counted them, a lower bound",
+        ]
+        return "\n".join(lines) + "\n"
     if plan.memory.get("host"):
         host = plan.memory["host"] / GiB
         lines.append(f"  {'host (pinned), apart':<24} {host:9.3f}   offloaded activations")

@@ -176,12 +176,12 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
                 memory=total,
                 state=result.memory["params"] + result.memory["optimizer"],
                 state_bytes_per_param=result.state_bytes_per_param,
-                floor_s=result.floor["floor_s"]
+                floor_s=result.floor.get("floor_s", 0.0)  # none where the compiler refused
                 * knobs.get("optimizer.accumulation_steps", 1)
                 / _get(config, "optimizer.accumulation_steps", 1),
-                bound=result.floor["bound"],
+                bound=result.floor.get("bound", "refused"),
                 xla_remat_logged=bool(result.xla_remat),
-                fits=total <= stretch,
+                fits=total <= stretch and not result.refused,
             )
             if found.fits and total > capacity:
                 found.fraction = math.ceil(100 * total / chip.memory_bytes) / 100

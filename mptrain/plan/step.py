@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from typing import Any
 
@@ -62,13 +63,22 @@ class Plan:
     notes: list[str]
     compile_seconds: float
     jax_version: str
+    # the compiler's own words where it refused the step for want of memory (a TPU's compiler
+    # does): then no program was read, and the memory is the state, the inputs and the
+    # temporaries the compiler named
+    refused: str = ""
 
     @property
     def fits(self) -> bool:
-        return self.memory["total"] <= self.capacity
+        return not self.refused and self.memory["total"] <= self.capacity
 
     def verdict(self) -> str:
         total, share = self.memory["total"] / GiB, self.memory["total"] / self.capacity
+        if self.refused:
+            return (
+                f"does not fit: needs {total:.1f} GiB or more of {self.capacity / GiB:.1f}; "
+                f"XLA's {self.target} compiler refused the step: {self.refused}"
+            )
         if self.fits:
             return f"fits, {100 * share:.0f}% of {self.capacity / GiB:.1f} GiB"
         if self.memory["total"] <= self.share["device"]:
@@ -132,9 +142,15 @@ def plan(
     trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
     share = plan_memory.share(chip)
     started = time.monotonic()
-    traced, state, sample = _trace(trainer)
+    traced, state, sample, inputs = _trace(trainer)
     lowered = traced.lower()
-    compiled, log = plan_memory.compile_logged(lowered)
+    try:
+        compiled, log = plan_memory.compile_logged(lowered)
+    except Exception as e:  # jax.errors.JaxRuntimeError, a TPU step over its HBM
+        if not str(e).startswith(_OUT_OF_MEMORY):
+            raise
+        seconds = time.monotonic() - started
+        return _refused(chip, trainer, state, inputs, str(e), seconds, jax.__version__, share)
     seconds = time.monotonic() - started
     result = _read(chip, trainer, compiled, state, sample, seconds, jax.__version__, share)
     result.xla_remat = plan_memory.logged_remat(log)
@@ -144,8 +160,9 @@ def plan(
     return result
 
 
-def _trace(trainer) -> tuple[Any, Any, dict]:
-    """The run's train step traced on abstract shapes: `(traced, state, one example)`."""
+def _trace(trainer) -> tuple[Any, Any, dict, Any]:
+    """The run's train step traced on abstract shapes: `(traced, state, one example, the
+    other arguments: batches and log totals)`."""
     import jax
     import numpy as np
 
@@ -171,7 +188,68 @@ def _trace(trainer) -> tuple[Any, Any, dict]:
     jitted, make_totals, _ = trainer.make_run_step(state, sample)
     replicated = sharding.replicated(mesh)
     totals = jax.tree.map(lambda x: spec(x, x.shape, replicated), jax.eval_shape(make_totals))
-    return jitted.trace(state, batches, totals), state, sample
+    return jitted.trace(state, batches, totals), state, sample, (batches, totals)
+
+
+_OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: "
+_SIZE = r"\(?([0-9.]+)([KMGT])i?B?\)?"
+# libtpu's refusal, as jax 0.6-0.8 word it: "... required for HLO temporaries (28.13G) exceeds
+# available HBM (15.75G)", or "Used 28.13G of 15.75G hbm"
+_TEMPORARIES = re.compile(rf"(?:HLO temporaries|[Uu]sed) {_SIZE}")
+
+
+def _refused(chip, trainer, state, inputs, error: str, seconds, version, share) -> Plan:
+    """The `Plan` of a step the target's compiler refused for want of memory: the state and
+    inputs from their shapes, the temporaries as the compiler counted them (0 where its words
+    do not say), and no program to read."""
+    import jax
+
+    config, policy = trainer.config, trainer.policy
+    why = errors.first_line(error[len(_OUT_OF_MEMORY) :]).strip()
+    found = _TEMPORARIES.search(why)
+    temporaries = int(float(found[1]) * 1024 ** ("KMGT".index(found[2]) + 1)) if found else 0
+    params, optimizer = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+    memory = {
+        "params": params,
+        "optimizer": optimizer,
+        "other_state": _shard_bytes(state) - params - optimizer,
+        "inputs": _shard_bytes(inputs),
+        "temporaries": temporaries,
+        "outputs": 0,
+        "host": 0,
+    }
+    memory["total"] = sum(v for k, v in memory.items() if k != "host")
+    leaves = jax.tree.leaves(state.params)
+    return Plan(
+        target=chip.name,
+        description=chip.description,
+        devices=trainer.mesh.size,
+        mesh=dict(trainer.mesh.shape),
+        precision=str(config.precision),
+        steps_per_call=config.steps_per_call,
+        memory=memory,
+        capacity=int(share["fraction"] * chip.memory_bytes),
+        share=share,
+        xla_remat={},
+        state_bytes_per_param=_global_bytes((state.params, state.opt_state))
+        / max(1, sum(math.prod(x.shape) for x in leaves)),
+        largest=[],
+        matmul_flops={},
+        offenders=[],
+        fp8_kernels={},
+        attention={},
+        hazards=[],
+        collectives={},
+        collective_sites={},
+        kept_fp32=policy.kept_fp32_paths(state.params),
+        kernels=0.0,
+        bytes_moved=0.0,
+        floor={},
+        notes=[],
+        compile_seconds=round(seconds, 1),
+        jax_version=version,
+        refused=why,
+    )
 
 
 def _global_bytes(tree: Any) -> int:

@@ -5,19 +5,22 @@ programs of milliseconds. Marked `plan` (the extra `mptrain[plan]`, run by `make
 
 import dataclasses
 import functools
+import json
 
+import jax
 import pytest
 from helpers import ROOT, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target
+from mptrain.plan import memory as plan_memory
 from mptrain.plan import search as fit_lib
 
 pytestmark = [
     pytest.mark.plan,
     pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry"),
 ]
-MB = 10**6
+MB, GiB = 10**6, 2**30
 # activations dominate: [8, 512] tokens through a width of 128, the loss already in chunks;
 # about 115 MB as given, 110 MB with remat "full", 35 MB in 8 micro-batches of 1
 ACTIVATIONS = {"batch_size": 8, "data.seq_len": 512, "model.max_len": 512}
@@ -105,3 +108,67 @@ def test_the_70b_on_one_h100_exits_4_naming_the_closest_and_its_need():
     first = done.stdout.splitlines()[0]
     assert first.startswith("nothing fits 1 x h100: closest ") and "--devices=" in first
     assert "Traceback" not in done.stderr
+
+
+# ---- a step the compiler refuses for want of memory (issue 42, sweep cases D25, D25b): a TPU's
+# compiler will not compile a program over its HBM; that is a plan or a candidate that does not
+# fit, exit 4 with the verdict first, not a traceback and exit 1
+
+# libtpu's words for a program over the HBM, with temporaries small enough to fit the share:
+# the refusal, not the bytes, is what must make the plan not fit
+REFUSAL = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+    "temporaries (0.01G) exceeds available HBM (0.04G)."
+)
+
+
+def _refusing_the_first_compile(monkeypatch):
+    real, calls = plan_memory.compile_logged, []
+
+    def compile_logged(lowered):
+        calls.append(lowered)
+        if len(calls) == 1:
+            raise jax.errors.JaxRuntimeError(REFUSAL)
+        return real(lowered)
+
+    monkeypatch.setattr(plan_memory, "compile_logged", compile_logged)
+    return calls
+
+
+def test_a_refused_step_is_a_plan_that_does_not_fit_and_says_why(monkeypatch):
+    _refusing_the_first_compile(monkeypatch)
+    result = plan_lib.plan(load_config("lm_gpt2s", "tiny"), chip_with(10_000), 1)
+    assert not result.fits and result.refused == REFUSAL.removeprefix("RESOURCE_EXHAUSTED: ")
+    assert result.memory["temporaries"] == int(0.01 * GiB) and result.memory["params"] > 0
+    assert result.memory["total"] == sum(
+        result.memory[k]
+        for k in ("params", "optimizer", "other_state", "inputs", "temporaries", "outputs")
+    )
+    assert result.verdict().startswith("does not fit: needs 0.0 GiB or more of ")
+    assert result.verdict().endswith(f"refused the step: {result.refused}")
+    text = str(result)
+    assert "no program to read: the compiler refused the step" in text
+    assert json.loads(result.to_json())["fits"] is False
+
+
+def test_a_refused_candidate_does_not_fit_and_the_search_goes_on(monkeypatch):
+    calls = _refusing_the_first_compile(monkeypatch)
+    found = plan_lib.fit(load_config("lm_gpt2s", "tiny", **ACTIVATIONS), chip_with(45), 1)
+    given = found.tried[0]
+    assert given.memory < 45 * MB and not given.fits and given.bound == "refused", str(found)
+    assert found.best is not None and found.best is not given and len(calls) >= 2
+    assert " refused     no " in str(found)
+
+
+def test_a_tpu_step_over_its_hbm_exits_4_with_the_verdict_first():
+    done = run_cli_process(
+        f"--config={ROOT / 'configs' / 'llama3.py'}:tiny",
+        "--target=v5e",
+        "--config.batch_size=16384",
+        module="mptrain.plan",
+        timeout=600,
+    )
+    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-3000:]
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("does not fit: needs ") and "compiler refused the step: " in first
+    assert "HBM" in first and "Traceback" not in done.stderr
