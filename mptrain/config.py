@@ -247,7 +247,7 @@ def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def _check_keys(config: ml_collections.ConfigDict, zoo: dict[str, Any]) -> None:
     """Every key set is one of `base_config()` or one its model or data module declares
     (`CONFIG_KEYS`). A key another module of the zoo declares passes: a config file's setting
-    for the model it names, left over when `model.name` is changed (`unused_settings` warns)."""
+    for the model it names, left over when `model.name` is changed (`unused.settings` warns)."""
     valid = dict(flat_items(base_config()))
     valid |= {f"{s}.{key}": None for s, module in zoo.items() for key in module.CONFIG_KEYS}
     elsewhere = {section: _elsewhere(section) for section in zoo}
@@ -337,27 +337,6 @@ def policy_of(config: ml_collections.ConfigDict):
         current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
     )
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
-
-
-def unused_settings(
-    config: ml_collections.ConfigDict, eval_batches: int | None = None
-) -> list[str]:
-    """What a valid config sets that cannot do what it says in this run, one line each, for the
-    start-up log (`validate` lets such leftovers of another setup pass, so that switching one key
-    on the command line stays possible): a model or data key that the module named does not
-    read, then the rules of `mptrain.unused` (`eval_batches`: the eval source's batches)."""
-    from mptrain import unused
-
-    found, defaults = [], base_config()
-    for section, module in _zoo(config).items():
-        for key, value in flat_items(config[section], f"{section}."):
-            leaf = key.partition(".")[2]
-            if leaf not in (*module.CONFIG_KEYS, *defaults[section]):
-                found.append(
-                    f"{key}={value!r}: no effect, {section}.name={config[section].name!r} reads "
-                    "no such key"
-                )
-    return found + unused.settings(config, policy_of(config), defaults, eval_batches)
 
 
 def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:

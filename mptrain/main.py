@@ -9,6 +9,7 @@ preempted (SIGTERM or a first Ctrl-C) after writing a checkpoint: run the same c
 
 from __future__ import annotations
 
+import copy
 import logging as std_logging
 import os
 import re
@@ -78,9 +79,12 @@ def _checked_config_file(parser, argv: list[str]):
 
     from mptrain import config as config_lib
 
-    overrides = [a[len("--config.") :].split("=")[0] for a in argv[1:] if a.startswith("--config.")]
-
     class Checked(flags.ArgumentParser):
+        given = None  # the file's config, before the overrides
+        overrides = tuple(
+            a[len("--config.") :].split("=")[0] for a in argv[1:] if a.startswith("--config.")
+        )
+
         def flag_type(self):
             return parser.flag_type()
 
@@ -108,7 +112,7 @@ def _checked_config_file(parser, argv: list[str]):
                     f"--config={path}: get_config() returned {what}, not an ml_collections."
                     "ConfigDict; build it from mptrain.config.base_config() and return it"
                 )
-            for key in overrides:
+            for key in self.overrides:
                 section = config
                 for part in key.split("."):
                     if not isinstance(section, ml_collections.ConfigDict):
@@ -120,6 +124,7 @@ def _checked_config_file(parser, argv: list[str]):
                             f"{errors.did_you_mean(key, valid)}"
                         )
                     section = section[part]
+            self.given = copy.deepcopy(config)  # before config_flags applies the overrides
             return config
 
     return Checked()
@@ -240,8 +245,12 @@ def _main(argv: list[str] | None) -> int:
 
     if jax.process_index() != 0:  # process 0 tells the story; the others speak up on trouble
         logging.set_verbosity(logging.WARNING)
+    from mptrain import unused
+
+    parser = flag_values["config"].parser
     try:  # validates the config (every key, before the workdir is touched), then trains
-        launch.run(config, flag_values.workdir)
+        with unused.command_line(parser.given, parser.overrides):  # warn of what it set
+            launch.run(config, flag_values.workdir)
     except errors.ConfigError as e:
         usage_error(str(e))
     except errors.StopTraining as e:

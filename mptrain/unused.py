@@ -8,11 +8,15 @@ something holds (`matters`), and why not otherwise; a key set to other than its 
 its rule does not hold is a line. `NUMBERS` holds the settings that take effect, but not as
 asked: a warmup longer than the run, micro-batches left unapplied at the end, more eval batches
 than the eval split holds, a trace past the run's last step. `settings(config)` gives the
-lines; the start-up log warns of them.
+lines; the start-up log warns of them. From the command line (`command_line`), a key without
+effect is told only where the user set it there, or where the config file alone leaves it
+without effect: a config file's keys for the source or model it names are not the user's doing
+when `--config.data.name` or `--config.model.name` switches to another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -165,15 +169,49 @@ def _profile(run: Run) -> str | None:
 NUMBERS = [_warmup, _accumulation, _eval_steps, _profile]
 
 
-def settings(config: Any, policy: Any, defaults: Any, eval_batches: int | None = None) -> list[str]:
-    """One line per setting of a valid `config` (resolved to `policy`) that cannot do what it
-    says (see the module doc): the keys of each broken rule set to other than their `defaults`
-    (the base config's), then `NUMBERS`. `eval_batches`: the eval source's `num_batches`, where
-    it has one. `config.unused_settings` is the caller."""
+def settings(config: Any, eval_batches: int | None = None) -> list[str]:
+    """One line per setting of a valid `config` that cannot do what it says (see the module
+    doc): a model or data key that the module named does not read, the keys of each broken rule
+    set to other than their defaults (the base config's), then `NUMBERS`. `eval_batches`: the
+    eval source's `num_batches`, where it has one; a run's start-up is the caller. Under
+    `command_line`, a key that has no effect only because the command line changed what it
+    depends on is not told."""
+    told, found = _told(), []
+    for keys, why in _no_effect(config):
+        if shown := [key for key in keys if told(key)]:
+            found.append(
+                f"{', '.join(f'{k}={_get(config, k)!r}' for k in shown)}: no effect, {why}"
+            )
+    run = _run(config, eval_batches)
+    return found + [line for check in NUMBERS if (line := check(run))]
+
+
+def _no_effect(config: Any) -> list[tuple[list[str], str]]:
+    """`(keys, why)` for the keys set that have no effect, those of one broken rule together."""
+    from mptrain import config as config_lib
+
+    defaults, found = config_lib.base_config(), []
+    for section, module in config_lib._zoo(config).items():
+        for key, _ in config_lib.flat_items(config[section], f"{section}."):
+            if key.partition(".")[2] not in (*module.CONFIG_KEYS, *defaults[section]):
+                found.append(([key], f"{section}.name={config[section].name!r} reads no such key"))
+    run, seen = _run(config, None), set()
+    for rule in RULES:
+        if rule.matters(run):
+            continue
+        keys = [k for k in rule.keys if k not in seen and _get(config, k) != _get(defaults, k)]
+        seen |= set(rule.keys)
+        if keys:
+            found.append((keys, rule.why(run)))
+    return found
+
+
+def _run(config: Any, eval_batches: int | None) -> Run:
+    from mptrain import config as config_lib
     from mptrain.recipe import optim
 
-    opt = config.optimizer
-    run = Run(
+    opt, policy = config.optimizer, config_lib.policy_of(config)
+    return Run(
         config=config,
         policy=policy,
         loss_scale=loss_scale.resolve_kind(config.loss_scale.kind, policy),
@@ -183,19 +221,33 @@ def settings(config: Any, policy: Any, defaults: Any, eval_batches: int | None =
         ),
         eval_batches=eval_batches,
     )
-    found, seen = [], set()
-    for rule in RULES:
-        if rule.matters(run):
-            continue
-        changed = [
-            f"{key}={_get(config, key)!r}"
-            for key in rule.keys
-            if key not in seen and _get(config, key) != _get(defaults, key)
-        ]
-        seen |= set(rule.keys)
-        if changed:
-            found.append(f"{', '.join(changed)}: no effect, {rule.why(run)}")
-    return found + [line for check in NUMBERS if (line := check(run))]
+
+
+_COMMAND_LINE: list[tuple[Any, tuple[str, ...]]] = []  # (the config file's config, overrides)
+
+
+@contextlib.contextmanager
+def command_line(given: Any, overrides: list[str]):
+    """Within it, `settings` tells a key that has no effect only where the command line set it
+    (`--config.KEY=...`, `overrides` the KEYs) or where the config file's own config (`given`,
+    before the overrides) leaves it with none as well: `--config.data.name=tokens` does not
+    warn of the text keys the config file set for its own source."""
+    _COMMAND_LINE.append((given, tuple(overrides)))
+    try:
+        yield
+    finally:
+        _COMMAND_LINE.pop()
+
+
+def _told() -> Callable[[str], bool]:
+    if not _COMMAND_LINE:
+        return lambda key: True
+    given, overrides = _COMMAND_LINE[-1]
+    try:
+        moot = {key for keys, _ in _no_effect(given) for key in keys}
+    except Exception:  # a file config that is not valid on its own: tell every key
+        return lambda key: True
+    return lambda key: key in moot or any(key == o or key.startswith(f"{o}.") for o in overrides)
 
 
 def _name(dtype: Any) -> str:

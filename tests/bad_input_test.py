@@ -18,7 +18,7 @@ from helpers import ROOT, run_cli, tiny_config
 
 import mptrain
 from mptrain import config as config_lib
-from mptrain import errors, export, files, models, runtime
+from mptrain import errors, export, files, models, runtime, unused
 from mptrain.record import curves
 from mptrain.train import checkpoint, trainer
 
@@ -310,9 +310,9 @@ def test_a_storage_failure_writing_a_record_is_named_in_one_line():
 def test_every_setting_without_effect_is_told_at_start(overrides, warned):
     config = config_lib.override(tiny_config(), overrides)
     config_lib.validate(config)
-    found = config_lib.unused_settings(config)
+    found = unused.settings(config)
     assert [line for line in found if line.startswith(warned)], found
-    assert config_lib.unused_settings(tiny_config()) == []
+    assert unused.settings(tiny_config()) == []
 
 
 def test_more_eval_steps_than_the_eval_split_holds_are_told(tmp_path, caplog):

@@ -11,14 +11,17 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import ROOT, TINY, load_config, run_cli, run_cli_process, tiny_config
+from helpers import FIXTURE, ROOT, TINY, load_config, run_cli, run_cli_process, tiny_config
 
 import mptrain
 from mptrain import config as config_lib
 from mptrain import main as main_lib
+from mptrain import unused
 from mptrain.models import layers
 from mptrain.recipe import sharding
+from mptrain.train import launch
 
 
 def _one_line_exit_2(workdir, err, code, *named):
@@ -217,16 +220,35 @@ def test_the_output_dtype_is_what_the_loss_sees(tmp_path):
 def test_a_setting_without_effect_is_warned_about(overrides, warned):
     config = config_lib.override(tiny_config(), overrides)
     config_lib.validate(config)  # valid: a leftover of a config written for another setup
-    found = config_lib.unused_settings(config)
+    found = unused.settings(config)
     assert [line for line in found if line.startswith(warned)], found
-    assert config_lib.unused_settings(tiny_config()) == []
+    assert unused.settings(tiny_config()) == []
 
 
 def test_a_key_of_another_model_after_a_name_change_is_warned_about():
     config = load_config("mnist_cnn", **{"model.name": "mlp"})  # as mnist_cnn.py's doc says
     config_lib.validate(config)
-    (found,) = config_lib.unused_settings(config)
+    (found,) = unused.settings(config)
     assert found.startswith("model.features=(4, 8): no effect, model.name='mlp' reads no such key")
+
+
+def test_keys_the_config_file_set_are_not_warned_of_when_the_command_line_moots_them(
+    tmp_path, monkeypatch
+):
+    """Warnings name what the user set (issue 42, group 7): switching `data.name` on the command
+    line leaves the text keys that configs/llama3.py set for its own source unread, and that is
+    not the user's doing; a key the command line itself sets is still told."""
+    told = []
+    monkeypatch.setattr(launch, "run", lambda config, _: told.append(unused.settings(config)))
+    np.save(tmp_path / "ids.npy", np.arange(4096, dtype=np.uint16) % 256)
+    config = f"--config={ROOT / 'configs' / 'llama3.py'}:hf={FIXTURE}"
+    switched = ["--config.data.name=tokens", f"--config.data.files={tmp_path / 'ids.npy'}"]
+    assert run_cli(tmp_path / "a", *switched, config=config)[0] == 0
+    assert run_cli(tmp_path / "b", *switched, "--config.data.eos_token=x", config=config)[0] == 0
+    assert told[0] == []
+    assert told[1] == ["data.eos_token='x': no effect, data.name='tokens' reads no such key"]
+    from_python = load_config("llama3", f"hf={FIXTURE}", **{"data.name": "tokens"})
+    assert len(unused.settings(from_python)) == 4  # no command line: every key is the user's
 
 
 def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):

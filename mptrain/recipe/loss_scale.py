@@ -256,7 +256,7 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 KINDS = ("auto", "none", "static", "dynamic")
 # The settings (by their `config.loss_scale` names) that each kind of scaler uses; a setting of
-# another kind cannot take effect (`config.unused_settings` warns of those changed).
+# another kind cannot take effect (`mptrain.unused.settings` warns of those changed).
 USES = {
     "none": (),
     "static": ("init_scale",),

@@ -20,7 +20,7 @@ import ml_collections
 from absl import logging
 
 from mptrain import config as config_lib
-from mptrain import errors, preemption
+from mptrain import errors, preemption, unused
 from mptrain.recipe import fp8, numerics
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import train_state as train_state_lib
@@ -167,7 +167,7 @@ class Run:
         if main:
             curves.forget_after(self.workdir, self.start)
         batches = getattr(self.eval_source, "num_batches", None)
-        for line in config_lib.unused_settings(cfg, batches if isinstance(batches, int) else None):
+        for line in unused.settings(cfg, batches if isinstance(batches, int) else None):
             logging.warning("mptrain: %s", line)  # settings that cannot do what they say
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}

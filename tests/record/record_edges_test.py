@@ -19,7 +19,7 @@ from helpers import checkpoint_steps_on_disk, run_cli, stderr_lines, tiny_config
 
 import mptrain
 from mptrain import config as config_lib
-from mptrain import errors
+from mptrain import errors, unused
 from mptrain.inspect import audit
 from mptrain.models import layers
 from mptrain.record import curves, log_totals
@@ -133,10 +133,10 @@ def _line(fn, text: str) -> int:
 
 def test_matmul_precision_under_16_bit_compute_says_it_has_no_effect():
     config = tiny_config(matmul_precision="highest")
-    lines = [line for line in config_lib.unused_settings(config) if "matmul_precision" in line]
+    lines = [line for line in unused.settings(config) if "matmul_precision" in line]
     assert len(lines) == 1 and "no effect" in lines[0] and "bfloat16" in lines[0]
     kept = tiny_config(matmul_precision="highest", keep_fp32=".*")  # kept kernels: it acts
-    assert not [line for line in config_lib.unused_settings(kept) if "matmul_precision" in line]
+    assert not [line for line in unused.settings(kept) if "matmul_precision" in line]
 
 
 def test_the_exit_3_message_names_the_checkpoint_it_wrote(tmp_path, capsys):
