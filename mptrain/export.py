@@ -11,7 +11,9 @@ with an index, `export.json`, and the run's tokenizer files (`tokenizer.json`, a
 `tokenizer_config.json` and `special_tokens_map.json` where they are) when its
 `data.tokenizer` names one; `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it.
 Another model under `--format=hf`, or `--keep_fp32` with it (a folder holds one dtype), exits 2
-with one line and writes nothing. `--format=orbax`, the default, is the rest of this page.
+with one line and writes nothing. The folder is written beside `--out` and renamed to it once
+whole; what a killed export left beside it, the next export to that `--out` removes.
+`--format=orbax`, the default, is the rest of this page.
 
 Reads the newest valid checkpoint of `--workdir` (or `--step=N`) with the same validation as a
 resume (array specs, fingerprint, finite params; an unusable newest checkpoint falls back to an
@@ -31,6 +33,7 @@ the newest checkpoint that is finished and valid.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -162,7 +165,6 @@ def export(
 def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> None:
     """`hf.save` of `params` (numpy, already in `dtype`) into a folder made beside `out` and
     renamed to it once whole (all or nothing), with the run's tokenizer files and `sidecar`."""
-    import secrets
     import shutil
 
     from absl import logging
@@ -171,7 +173,7 @@ def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> 
     from mptrain import files, hf
 
     tokenizer = _tokenizer_files(config)
-    staging = out.absolute().parent / f".export-{secrets.token_hex(4)}"
+    staging = _staging(out)
     try:
         staging.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # 0777 less the umask, as the orbax export's
@@ -192,6 +194,36 @@ def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> 
         raise error from e
     if tokenizer:
         logging.info("mptrain.export: tokenizer files %s", ", ".join(p.name for p in tokenizer))
+
+
+def _staging(out: Path) -> Path:
+    """The folder an HF export writes before it is renamed to `out`: beside it, named by `out`,
+    this host and this process (`.NAME.export-HOST-PID`). Those that exports to `out` killed on
+    this host left (gigabytes, for a real model) are removed first, each told; a live
+    process's, or another host's, are left alone."""
+    import shutil
+    import socket
+
+    from absl import logging
+
+    host, parent = socket.gethostname(), out.absolute().parent
+    prefix = f".{out.name}.export-"
+    for left in sorted(parent.glob(f"{glob.escape(prefix)}*")) if parent.is_dir() else []:
+        owner, _, pid = left.name[len(prefix) :].rpartition("-")
+        if owner == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+            logging.warning("mptrain.export: removed %s, left by an export that was killed", left)
+    return parent / f"{prefix}{host}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _without_a_lost_tokenizer(saved: dict) -> None:

@@ -86,7 +86,7 @@ def test_bad_usage_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_pa
     assert result.returncode == 2, result.stderr
     lines = stderr_lines(result.stderr)
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in result.stderr
-    assert not out.exists() and not list(tmp_path.glob(".export-*"))
+    assert not out.exists() and not list(tmp_path.glob(".*"))
 
 
 @pytest.fixture
@@ -256,7 +256,7 @@ def test_an_hf_export_it_cannot_make_is_one_line_exit_2(
     code, err = export_cli(f"--workdir={finished_run}", f"--out={tmp_path / 'out'}", *args)
     assert code == 2
     _one_line(err, says)
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".export-*"))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
 
 
 def test_an_hf_export_that_cannot_be_written_is_exit_1_naming_it(llama_run, unwritable, export_cli):
@@ -293,3 +293,33 @@ def test_a_failed_write_inside_hf_save_is_told_as_the_exports(
     assert code == 1
     line = _one_line(err, f"could not write the export at {tmp_path / 'hf'}: disk full")
     assert ".export-" not in line and not list(tmp_path.iterdir())
+
+
+def test_the_staging_folders_that_killed_exports_to_out_left_are_removed_first(tmp_path, caplog):
+    """An HF export killed part-way (kill -9, a lost node) leaves its staging folder, gigabytes
+    for a real model (issue 42, sweep cases C21, C22): the next export to that --out removes
+    it. A live process's, another host's and another --out's are left alone."""
+    import socket
+    import sys
+
+    host, out = socket.gethostname(), tmp_path / "hf"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        killed = tmp_path / f".hf.export-{host}-{dead.pid}"
+        kept = [f".hf.export-{host}-{live.pid}", f".hf.export-elsewhere-{dead.pid}"]
+        kept += [f".other.export-{host}-{dead.pid}"]
+        for name in [killed.name, *kept]:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / ".model.safetensors.partial").write_bytes(bytes(64))
+        with caplog.at_level(logging.WARNING, logger="absl"):
+            staging = export._staging(out)
+    finally:
+        live.kill()
+        live.wait()
+    assert staging == tmp_path / f".hf.export-{host}-{os.getpid()}" and not staging.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"mptrain.export: removed {killed}, left by an export that was killed"
+    ]
