@@ -216,8 +216,9 @@ def check_vocab(config: Any, vocab: int, tokenizer: str) -> None:
 
 def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
     """The documents of one file: `str`s with `as_text`, else the bytes as they are (a `.jsonl`
-    line's `text` field in UTF-8). A file that cannot be read or is not UTF-8 text, or a line
-    that is not JSON with a string `text`, is a `ConfigError` naming the file (and the line)."""
+    line's `text` field in UTF-8). A file that cannot be read, one read `as_text` (for a
+    tokenizer.json) that is not UTF-8 text, or a line that is not JSON with a string `text`, is
+    a `ConfigError` naming the file (and the line); the byte tokenizer takes any bytes."""
     try:
         file = open(path, "rb")  # noqa: SIM115 (closed by the `with` below)
     except OSError as e:

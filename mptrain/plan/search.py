@@ -99,7 +99,9 @@ class Fit:
         if self.best is None:
             return (
                 f"nothing fits {self.devices} x {self.target}: closest "
-                f"{self.closest.memory / GiB:.1f} GiB with {self.closest.label()}; {self.need}"
+                f"{self.closest.memory / GiB:.1f} GiB "
+                f"{'with ' + self.closest.label() if self.closest.knobs else 'as given'}; "
+                f"{self.need}"
             )
         if not self.best.knobs and not self.best.fraction:
             return "fits as given"

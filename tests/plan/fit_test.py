@@ -78,6 +78,7 @@ def test_nothing_fits_names_the_closest_and_what_it_needs_without_compiling_ever
     assert len(found.tried) == 1  # every level's state alone is above 10 MB: none compiled
     verdict = found.verdict()
     assert verdict.startswith("nothing fits 1 x h100: closest ") and "a device" in verdict
+    assert " GiB as given; needs " in verdict  # the config as given, not a bare '-' for no knobs
     assert "--devices=" in found.need and "a target with more memory" in found.need
 
 
