@@ -373,7 +373,10 @@ def test_bad_folders_are_one_line_naming_the_file_and_what_is_wrong(case, tmp_pa
 
 
 # The config-time cases through the documented command line: `configs/llama3.py:hf=DIR` reads
-# DIR/config.json while config_flags loads the file, and the cause must survive its wrapping.
+# DIR/config.json while config_flags loads the file, and the cause must survive its wrapping
+# (issue 42, sweep cases A02 no_config, A03 bad_json, A05 gpt2, A07 missing_key, A11 yarn, A13
+# hidden_negative, A14 vocab_zero, A17 hidden_string, A48 a_file, A49 a_loop, A50 empty, A51
+# no_folder, A53 unreadable; A09, A10 kv_heads).
 CONFIG_TIME = {
     **{case: BAD[case] for case in ("gpt2", "yarn", "missing_key")},
     "no_folder": (lambda f: shutil.rmtree(f), r"fixture: no such file"),
@@ -381,6 +384,30 @@ CONFIG_TIME = {
     "bad_json": (
         lambda f: (f / "config.json").write_text('{"hidden_size": 64,'),
         r"config.json: not readable JSON",
+    ),
+    "empty": (lambda f: (shutil.rmtree(f), f.mkdir()), r"fixture/config.json: no such file"),
+    "a_file": (lambda f: (shutil.rmtree(f), f.write_text("x")), r"fixture: not readable JSON"),
+    "a_loop": (
+        lambda f: (shutil.rmtree(f), f.symlink_to(f)),
+        r"fixture: not readable JSON: .*Too many levels of symbolic links",
+    ),
+    # a config.json that is there but cannot be read (A53 ran as another user; root reads any
+    # file, so a folder stands in for it): the reason open() gives
+    "unreadable": (
+        lambda f: ((f / "config.json").unlink(), (f / "config.json").mkdir()),
+        r"config.json: not readable JSON: .*Is a directory",
+    ),
+    "hidden_negative": (
+        lambda f: _edit_config(f, lambda c: c.update(hidden_size=-64)),
+        r"hidden_size=-64: must be an integer >= 1",
+    ),
+    "vocab_zero": (
+        lambda f: _edit_config(f, lambda c: c.update(vocab_size=0)),
+        r"vocab_size=0: must be an integer >= 1",
+    ),
+    "hidden_string": (
+        lambda f: _edit_config(f, lambda c: c.update(hidden_size="64")),
+        r"hidden_size='64': must be an integer >= 1",
     ),
     # a value the model's own rules refuse names the file it came from (A09, A10)
     "kv_heads": (
