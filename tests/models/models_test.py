@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import matmul_dtypes
+from helpers import load_config, matmul_dtypes
 
 import mptrain
 from mptrain import config as config_lib
+from mptrain import models
 from mptrain.inspect import audit
 from mptrain.models import cnn, layers, mlp, resnet
 from mptrain.train import trainer as trainer_lib
@@ -226,3 +227,24 @@ def test_a_large_vocabulary_scatters_under_neither_casting_rule(keep_fp32, tmp_p
     report = audit.precision_report(mptrain.make_train_step(trainer.loss_fn), state, batch)
     assert report.hazards == []
     assert report.casting.startswith(f"keep_fp32={trainer.policy.keep_fp32!r}")
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("mnist_cnn", {}),
+        ("mnist_cnn", {"model.name": "mlp", "model.hidden": 24}),
+        ("cifar10_resnet", {}),
+        ("lm_gpt2s", {}),
+        ("llama3", {}),
+    ],
+)
+def test_every_model_reads_a_plain_dict_as_it_reads_a_config_dict(name, overrides):
+    """A model config as a plain dict (what `hf.load` gives, or `config.to_dict()`) builds the
+    model the ConfigDict builds (issue 42, group 6: `errors.settings` read attributes only, so
+    a dict built a default-sized model, and a shape error came far from the cause)."""
+    config = load_config(name, "tiny", **overrides)
+    module = models.import_model(config.model.name)
+    from_dict = module.create_model(config.model.to_dict())
+    assert from_dict == module.create_model(config.model)
+    assert from_dict != module.create_model({})  # the config's own sizes, not the defaults
