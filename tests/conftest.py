@@ -218,7 +218,8 @@ def pytest_collection_modifyitems(config, items):
 # One JSON line a test: its seconds, the programs this process compiled during it (XLA backend
 # compiles, their seconds) and the files it added to the persistent compilation cache (this
 # process's and its subprocesses'; with xdist's workers sharing the folder, run with -p no:xdist
-# for exact counts). A file over 20 KB is a train or eval step.
+# for exact counts). A file over 20 KB is a train or eval step, a model's init or an eager
+# random draw (each shape its own program).
 _COMPILE_LOG = os.environ.get("MPTRAIN_TEST_COMPILES")
 if _COMPILE_LOG:
     import time
@@ -241,7 +242,8 @@ if _COMPILE_LOG:
         before, start = _cache_files(), time.perf_counter()
         _compiles.clear()
         yield
-        added = [size for name, size in _cache_files().items() if name not in before]
+        new = {name: size for name, size in _cache_files().items() if name not in before}
+        added = list(new.values())
         line = {
             "test": item.nodeid,
             "seconds": round(time.perf_counter() - start, 2),
@@ -249,6 +251,8 @@ if _COMPILE_LOG:
             "compile_seconds": round(sum(_compiles), 2),
             "cache_files": len(added),
             "cache_files_over_20kb": sum(size > 20_000 for size in added),
+            # their programs' names: jit_train_step, or jit__normal for an eager random draw
+            "over_20kb": sorted(n.split("-", 1)[0] for n, size in new.items() if size > 20_000),
         }
         with open(_COMPILE_LOG, "a") as f:
             f.write(json.dumps(line) + "\n")

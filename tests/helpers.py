@@ -78,6 +78,19 @@ def tiny_config(**overrides):
     return load_config("default", **{"optimizer.schedule": "constant", **overrides})
 
 
+def normal(seed: int, shape, dtype=np.float32, scale: float = 1.0) -> jax.Array:
+    """Standard-normal test data times `scale`, drawn by numpy and cast there to `dtype`: an
+    eager `jax.random.normal` compiles a program of its own for each shape and dtype, and the
+    suite once spent 35 of its large compiles on such draws."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * np.float32(scale)
+    return jnp.asarray(x.astype(dtype))
+
+
+def integers(seed: int, shape, high: int, low: int = 0) -> jax.Array:
+    """int32 test data in `[low, high)`, drawn by numpy (see `normal`)."""
+    return jnp.asarray(np.random.default_rng(seed).integers(low, high, shape).astype(np.int32))
+
+
 def assert_trees_bytes_equal(a, b):
     """The same leaf paths, and every leaf bit-identical in dtype, shape and bytes."""
     la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]

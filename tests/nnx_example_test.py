@@ -12,8 +12,10 @@ from helpers import (
     ROOT,
     assert_trees_bytes_equal,
     cudnn_as_xla,
+    integers,
     load_config,
     matmul_dtypes,
+    normal,
     plain_orbax_state,
     pretend_gpu,
     run_cli,
@@ -98,7 +100,7 @@ class Normed(nnx.Module):
 
 
 def test_an_nnx_modules_batch_statistics_are_model_state_and_skips_keep_them():
-    model = nnx_models.wrap(Normed(nnx.Rngs(0)))
+    model = nnx_models.wrap(nnx.jit(lambda: Normed(nnx.Rngs(0)))())
     variables = model.init(None)
     assert set(variables) == {"params", "nnx_state"}
     assert set(variables["nnx_state"]["bn"]) == {"mean", "var"}
@@ -115,7 +117,7 @@ def test_an_nnx_modules_batch_statistics_are_model_state_and_skips_keep_them():
         policy="bf16-mixed",
         model_state={"nnx_state": variables["nnx_state"]},
     )
-    batch = {"x": 3.0 + jax.random.normal(jax.random.key(1), (32, 8)), "y": jnp.ones((32,))}
+    batch = {"x": normal(1, (32, 8)) + 3.0, "y": jnp.ones((32,))}
     step = jax.jit(mptrain.make_train_step(loss_fn))
     state, metrics = step(state, batch)
     mean = np.asarray(state.model_state["nnx_state"]["bn"]["mean"])
@@ -144,11 +146,13 @@ def test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params(mon
     from examples.nnx_trainer.trainer import ByteLM
 
     dims = (32, 2, 4, 64, 16)  # d_model, layers, heads (of 8), d_ff, max_len
-    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-    materialized = ByteLM(*dims, jnp.bfloat16, "materialized", rngs=nnx.Rngs(0))
+    tokens = integers(1, (2, 16), 256)
+    # built under one jit: each parameter's initialiser run eagerly is a program of its own
+    build = lambda *args: nnx.jit(lambda: ByteLM(*dims, *args, rngs=nnx.Rngs(0)))()
+    materialized = build(jnp.bfloat16, "materialized")
     pretend_gpu(monkeypatch)
     asked = cudnn_as_xla(monkeypatch)
-    fused = ByteLM(*dims, jnp.bfloat16, "auto", rngs=nnx.Rngs(0))  # cuDNN on the pretend H100
+    fused = build(jnp.bfloat16, "auto")  # cuDNN on the pretend H100
     assert [block.attention for block in fused.blocks] == ["cudnn", "cudnn"]
     # The same params under the same names as before the choice existed, whichever runs.
     params = nnx.state(fused, nnx.Param)
@@ -160,5 +164,5 @@ def test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params(mon
     want = jax.jit(lambda m, t: m(t))(materialized, tokens)
     np.testing.assert_allclose(logits, want, atol=0.1)
     # An fp32 model takes the materialised path even on a GPU.
-    fp32 = ByteLM(*dims, jnp.float32, "auto", rngs=nnx.Rngs(0))
+    fp32 = build(jnp.float32, "auto")
     assert [block.attention for block in fp32.blocks] == ["materialized", "materialized"]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import needs_devices, tiny_config
+from helpers import needs_devices, normal, tiny_config
 
 import mptrain
 from mptrain import config as config_lib
@@ -31,7 +31,7 @@ from mptrain.record import log_totals
     ],
 )
 def test_state_bytes_per_param(policy, moments, expected):
-    params = {"w": jax.random.normal(jax.random.key(0), (64, 64)), "b": jax.numpy.zeros((64,))}
+    params = {"w": normal(0, (64, 64)), "b": jax.numpy.zeros((64,))}
     tx = optim.adamw(1e-3, mu_dtype=moments, nu_dtype=moments)
     state = mptrain.TrainState.create(apply_fn=None, params=params, tx=tx, policy=policy)
     assert audit.state_bytes_per_param(state.params, state.opt_state) == expected

@@ -21,6 +21,7 @@ from helpers import (
     V100,
     cudnn_as_xla,
     matmul_dtypes,
+    normal,
     pretend_gpu,
     run_cli,
 )
@@ -119,11 +120,7 @@ def _qkv(shape, seed=0, *, kv_heads=None, dtype=jnp.bfloat16):
     """Random q of `shape` ([B, L, H, D]) and k, v of `kv_heads` heads (default: H)."""
     batch, length, heads, depth = shape
     kv_shape = (batch, length, kv_heads or heads, depth)
-    keys = jax.random.split(jax.random.key(seed), 3)
-    return [
-        jax.random.normal(key, s, jnp.float32).astype(dtype)
-        for key, s in zip(keys, (shape, kv_shape, kv_shape), strict=True)
-    ]
+    return [normal(3 * seed + i, s, dtype) for i, s in enumerate((shape, kv_shape, kv_shape))]
 
 
 def _repeated_kv_attention(q, k, v):
@@ -147,7 +144,7 @@ def test_grouped_materialized_attention_is_attention_over_kv_heads_repeated_per_
 ):
     shape = (2, 16, 8, 8)
     q, k, v = _qkv(shape, kv_heads=kv_heads, dtype=jnp.float32)
-    weights = jax.random.normal(jax.random.key(9), shape)
+    weights = normal(9, shape)
 
     def loss(attend, q, k, v):
         out = attend(q, k, v)
@@ -197,7 +194,7 @@ def test_the_dropout_hook_sees_grouped_probabilities_as_b_h_l_l():
 def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, shape, kv_heads):
     asked = cudnn_as_xla(monkeypatch)
     q, k, v = _qkv(shape, kv_heads=kv_heads)
-    weights = jax.random.normal(jax.random.key(9), shape)
+    weights = normal(9, shape)
 
     def loss(implementation, q, k, v):
         out = attention.causal_attention(q, k, v, implementation)
@@ -387,10 +384,8 @@ def test_the_tpu_flash_kernel_matches_the_materialized_path_in_interpret_mode(
 
     shape = (2, 256, heads, 64)  # [B, L, H, D]: two tiles of 128 along the sequence
     kv_shape = (2, 256, kv_heads, 64)
-    keys = jax.random.split(jax.random.key(3), 3)
-    shapes = (shape, kv_shape, kv_shape)
-    q, k, v = (jax.random.normal(key, s, dtype) for key, s in zip(keys, shapes, strict=True))
-    weights = jax.random.normal(jax.random.key(7), shape, jnp.float32)
+    q, k, v = (normal(3 + i, s, dtype) for i, s in enumerate((shape, kv_shape, kv_shape)))
+    weights = normal(7, shape)
 
     def loss(implementation, q, k, v):
         out = attention.causal_attention(q, k, v, implementation)

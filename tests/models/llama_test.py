@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import matmul_dtypes, needs_devices
+from helpers import integers, matmul_dtypes, needs_devices
 from jax.sharding import PartitionSpec
 
 from mptrain.models import layers, llama
@@ -44,7 +44,7 @@ def _config(**overrides) -> ml_collections.ConfigDict:
 
 
 def _tokens(batch=2, length=48, vocab=64, seed=1):
-    return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+    return integers(seed, (batch, length), vocab)
 
 
 def _init(model, tokens):
@@ -129,7 +129,8 @@ def test_the_fp32_forward_equals_a_numpy_reference_past_the_original_context(ove
     model, tokens = llama.create_model(c), _tokens()
     params = _init(model, tokens)
     # Norm scales away from 1, so a scale applied wrongly shows.
-    bump = lambda a: a * (1.0 + 0.5 * jax.random.uniform(jax.random.key(7), a.shape))
+    rng = np.random.default_rng(7)
+    bump = lambda a: a * (1.0 + 0.5 * rng.uniform(size=a.shape).astype(np.float32))
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: bump(a) if "norm" in jax.tree_util.keystr(path) else a, params
     )

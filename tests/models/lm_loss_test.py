@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import needs_devices
+from helpers import integers, needs_devices, normal
 
 from mptrain.models import layers, lm_loss
 
@@ -18,10 +18,9 @@ B, L, D, V = 2, 16, 8, 64
 
 
 def _inputs(dtype, length=L, seed=0, batch=B):
-    k_hidden, k_kernel, k_targets = jax.random.split(jax.random.key(seed), 3)
-    hidden = jax.random.normal(k_hidden, (batch, length, D)).astype(dtype)
-    kernel = (3 * jax.random.normal(k_kernel, (D, V)) / np.sqrt(D)).astype(dtype)
-    return hidden, kernel, jax.random.randint(k_targets, (batch, length), 0, V)
+    hidden = normal(3 * seed, (batch, length, D), dtype)
+    kernel = normal(3 * seed + 1, (D, V), dtype, scale=3 / np.sqrt(D))
+    return hidden, kernel, integers(3 * seed + 2, (batch, length), V)
 
 
 def _logits(hidden, kernel):
@@ -232,8 +231,8 @@ def _optax_mean(logits, targets):
 
 
 def test_cross_entropy_averages_over_the_valid_targets_only():
-    logits = 3 * jax.random.normal(jax.random.key(0), (B, L, V))
-    targets, kept = _masked(jax.random.randint(jax.random.key(1), (B, L), 0, V))
+    logits = normal(0, (B, L, V), scale=3.0)
+    targets, kept = _masked(integers(1, (B, L), V))
     loss, grad = jax.jit(jax.value_and_grad(layers.cross_entropy))(logits, targets)
     dropped = lambda x: _optax_mean(x[kept], targets[kept])  # never sees the masked tokens
     expected, expected_grad = jax.value_and_grad(dropped)(logits)
@@ -243,8 +242,8 @@ def test_cross_entropy_averages_over_the_valid_targets_only():
 
 
 def test_cross_entropy_with_every_target_valid_is_the_plain_mean():
-    logits = 3 * jax.random.normal(jax.random.key(0), (B, L, V))
-    targets = jax.random.randint(jax.random.key(1), (B, L), 0, V)
+    logits = normal(0, (B, L, V), scale=3.0)
+    targets = integers(1, (B, L), V)
     loss, grad = jax.jit(jax.value_and_grad(layers.cross_entropy))(logits, targets)
     expected, expected_grad = jax.value_and_grad(_optax_mean)(logits, targets)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
@@ -252,7 +251,7 @@ def test_cross_entropy_with_every_target_valid_is_the_plain_mean():
 
 
 def test_cross_entropy_of_a_batch_without_a_valid_target_is_0_with_zero_gradient():
-    logits = jax.random.normal(jax.random.key(0), (B, L, V))
+    logits = normal(0, (B, L, V))
     targets = jnp.full((B, L), -1, jnp.int32)
     loss, grad = jax.jit(jax.value_and_grad(layers.cross_entropy))(logits, targets)
     assert float(loss) == 0.0

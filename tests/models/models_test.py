@@ -208,7 +208,7 @@ def test_create_model_reads_the_config():
 
 def test_conv_kernels_are_drawn_with_their_fan_in():
     init = layers.kernel_init_as_matrix(jax.nn.initializers.he_normal())
-    kernel = init(jax.random.key(0), (3, 3, 64, 128))
+    kernel = jax.jit(init, static_argnums=1)(jax.random.key(0), (3, 3, 64, 128))
     assert kernel.shape == (3, 3, 64, 128) and kernel.dtype == jnp.float32
     np.testing.assert_allclose(np.std(kernel), np.sqrt(2.0 / (3 * 3 * 64)), rtol=0.05)
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import normal
 
 from mptrain.recipe import fp8
 
@@ -18,10 +19,9 @@ def _dot_operand_types(lowered: str) -> set[tuple[str, str]]:
 
 
 def _operands(seed=0, rows=64, k=128, n=32, dtype=jnp.bfloat16):
-    kx, kk, kg = jax.random.split(jax.random.key(seed), 3)
-    x = (3.0 * jax.random.normal(kx, (rows, k))).astype(dtype)
-    kernel = (0.05 * jax.random.normal(kk, (k, n))).astype(dtype)
-    dy = (1e-3 * jax.random.normal(kg, (rows, n))).astype(dtype)
+    x = normal(3 * seed, (rows, k), dtype, scale=3.0)
+    kernel = normal(3 * seed + 1, (k, n), dtype, scale=0.05)
+    dy = normal(3 * seed + 2, (rows, n), dtype, scale=1e-3)
     return x, kernel, dy
 
 

@@ -6,6 +6,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from helpers import normal
 
 import mptrain
 from mptrain.recipe import optim, schedules
@@ -13,16 +14,15 @@ from mptrain.recipe import optim, schedules
 
 def _params(seed=0):
     return {
-        "w": jax.random.normal(jax.random.key(seed), (64, 64)),
+        "w": normal(seed, (64, 64)),
         "b": jnp.zeros((64,)),
     }
 
 
 def _grads(params, seed):
-    keys = jax.random.split(jax.random.key(100 + seed), 2)
     return {
-        "w": jax.random.normal(keys[0], params["w"].shape),
-        "b": jax.random.normal(keys[1], params["b"].shape),
+        "w": normal(200 + 2 * seed, params["w"].shape),
+        "b": normal(201 + 2 * seed, params["b"].shape),
     }
 
 

@@ -13,6 +13,7 @@ from helpers import (
     COMPILERS,
     assert_trees_bytes_equal,
     needs_devices,
+    normal,
     plain_orbax_state,
     run_cli,
     tiny_config,
@@ -127,7 +128,7 @@ def test_bytes_per_parameter_with_q8_moments(precision, rounding, param_bytes, b
     config.optimizer.mu_dtype = config.optimizer.nu_dtype = "q8"
     tx, _ = optim.make_optimizer(config)
     model = Wide()
-    params = model.init(jax.random.key(0), jnp.ones((1, 128)))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 128)))["params"]
     state = mptrain.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx, policy=precision, param_rounding=rounding
     )
@@ -144,7 +145,7 @@ def _quadratic():
         pred = batch["x"] @ params["w"]
         return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2), (model_state, {})
 
-    x = jax.random.normal(jax.random.key(0), (16, 64))
+    x = normal(0, (16, 64))
     return loss_fn, {"x": x, "y": x @ jnp.ones((64, 128))}
 
 

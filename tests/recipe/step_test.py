@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_bytes_equal, matmul_dtypes
+from helpers import assert_trees_bytes_equal, matmul_dtypes, normal
 
 import mptrain
 from mptrain.recipe import loss_scale
@@ -20,10 +20,8 @@ class MLP(nn.Module):
 
 
 def _data(n=32, d=8, seed=0):
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (n, d))
-    y = x @ jax.random.normal(kw, (d, 1)) + 0.5
-    return {"x": x, "y": y}
+    x, w = np.asarray(normal(2 * seed, (n, d))), np.asarray(normal(2 * seed + 1, (d, 1)))
+    return {"x": jnp.asarray(x), "y": jnp.asarray(x @ w + np.float32(0.5))}
 
 
 def _loss_fn(model, factor=1.0):

@@ -18,7 +18,7 @@ import optax
 # interrupt a save the way a crash would.
 import orbax.checkpoint as ocp
 import pytest
-from helpers import assert_trees_bytes_equal, needs_devices
+from helpers import assert_trees_bytes_equal, needs_devices, normal
 
 import mptrain
 from mptrain import files
@@ -63,7 +63,7 @@ def _train(state, num_steps):
 
 
 def _params():
-    return {"w": jax.random.normal(jax.random.key(0), (N, N)), "b": jnp.zeros((N,))}
+    return {"w": normal(0, (N, N)), "b": jnp.zeros((N,))}
 
 
 def _mixed_state(loss_scale=None):

@@ -74,17 +74,18 @@ def test_tensorboard_events_hold_the_training_signals(straight_run):
 
 @pytest.mark.parametrize("preset", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
 def test_every_preset_runs_the_tiny_default_from_the_cli(preset, tmp_path):
-    code, _ = run_cli(tmp_path, f"--config.precision={preset}", "--config.num_train_steps=3")
+    # 2 steps, as other tests of the tiny default run: one compiled step for them all
+    code, _ = run_cli(tmp_path, f"--config.precision={preset}", "--config.num_train_steps=2")
     assert code == 0
-    state = plain_orbax_state(tmp_path, 3)
-    assert int(state["step"]) == 3
+    state = plain_orbax_state(tmp_path, 2)
+    assert int(state["step"]) == 2
     kernel = jax.tree.leaves(state["params"])[0]
     assert kernel.dtype == (np.dtype("bfloat16") if preset == "bf16-pure" else np.float32)
 
 
 def test_the_start_up_lines_and_the_report_name_the_casting_rule(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    mptrain.run(tiny_config(num_train_steps=1), tmp_path)
+    mptrain.run(tiny_config(num_train_steps=3), tmp_path)  # the other tiny runs' step
     assert "casting rule keep_fp32=" in caplog.text
     assert "8 params in fp32 for compute (Embed_0/embedding, " in caplog.text
     assert "(matmul precision default)" in caplog.text  # "auto" under bf16 compute
@@ -154,12 +155,13 @@ def test_init_state_is_created_in_its_shardings(tmp_path):
 def test_a_run_ends_with_a_summary_and_leaves_its_picture(tmp_path, capsys):
     from mptrain.record import curves
 
-    assert run_cli(tmp_path, "--config.num_train_steps=6", "--config.eval_every_steps=3")[0] == 0
+    # 2 steps, then 8: the steps other tests of the tiny default compile
+    assert run_cli(tmp_path, "--config.num_train_steps=2", "--config.eval_every_steps=3")[0] == 0
     out = capsys.readouterr().out
-    assert "mptrain: done: 6 steps" in out and "bits/byte" in out
+    assert "mptrain: done: 2 steps" in out and "bits/byte" in out
     assert f"tensorboard --logdir {tmp_path}" in out and str(tmp_path / "curves.png") in out
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # a resumed run appends to the history; a step written twice keeps its later value
     assert run_cli(tmp_path, "--config.num_train_steps=8", "--config.eval_every_steps=3")[0] == 0
     series = curves.load(tmp_path)
-    assert series["eval_loss"][0] == [3, 6, 8] and series["loss"][0][-1] == 8
+    assert series["eval_loss"][0] == [2, 3, 6, 8] and series["loss"][0][-1] == 8
