@@ -108,6 +108,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]  # operand names
     attributes: str  # everything after the operands
+    index: int | None = None  # a parameter's number: `parameter(2)`
 
     def attribute(self, key: str) -> str | None:
         """The value of `key=value` among the attributes (braces kept), or None."""
@@ -143,8 +144,11 @@ def _parse_instruction(line: str) -> Instruction | None:
     if not opcode or len(rest) <= opcode.end() or rest[opcode.end()] != "(":
         return None
     close = _balanced(rest, opcode.end())
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[opcode.end() : close]))
-    return Instruction(name, type_text, opcode.group(), operands, rest[close:].lstrip(", "))
+    inside = rest[opcode.end() : close]
+    operands = tuple(re.findall(r"%([\w.\-]+)", inside))
+    number = re.fullmatch(r"\((\d+)\)", inside) if opcode.group() == "parameter" else None
+    index = int(number.group(1)) if number else None
+    return Instruction(name, type_text, opcode.group(), operands, rest[close:].lstrip(", "), index)
 
 
 class Program:
@@ -156,6 +160,7 @@ class Program:
         self.types: dict[str, str] = {}  # instruction name -> its type (names are module-wide)
         self.home: dict[str, str] = {}  # instruction name -> its computation's
         self.callers: dict[str, Instruction] = {}  # computation -> an instruction calling it
+        self.roots: dict[str, str] = {}  # computation -> its ROOT instruction's name
         self.entry, current = "", None
         for line in _instruction_lines(text):
             if current is None:
@@ -170,6 +175,8 @@ class Program:
             elif inst := _parse_instruction(line):
                 current.append(inst)
                 self.types[inst.name], self.home[inst.name] = inst.type, computation
+                if line.lstrip().startswith("ROOT"):
+                    self.roots[computation] = inst.name
         self.times, self.fused = self._weigh()
         self._frames = _frames(text)
 

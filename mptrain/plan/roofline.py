@@ -235,11 +235,83 @@ def dma_bytes(inst: program.Instruction) -> int:
 def bytes_moved(prog: program.Program, per: int = 1) -> float:
     """Bytes the kernels of `prog` and its asynchronous copies read from and write to device
     memory (HBM; not a TPU's on-chip memory), each once per run (no cache reuse), over `per`:
-    the floor's memory side."""
+    the floor's memory side. A kernel counts what it touches (`kernel_bytes`): a slice of a
+    stacked buffer, not the buffer."""
     total = 0.0
     for inst, runs in prog.kernels():
-        read = sum(program.type_bytes(prog.types.get(name, ""), hbm=True) for name in inst.operands)
-        total += runs * (program.type_bytes(inst.type, hbm=True) + read)
+        total += runs * kernel_bytes(prog, inst)
     for inst, runs in prog.instructions(control_only=True):
         total += runs * dma_bytes(inst)
     return total / per
+
+
+# ops a fused parameter passes through without a read of its own (a new view of the bytes)
+_VIEWS = {"bitcast", "get-tuple-element"}
+
+
+def kernel_bytes(prog: program.Program, inst: program.Instruction) -> float:
+    """Bytes one run of the kernel `inst` reads and writes in device memory: each operand and
+    result whole, except where it moves a slice of a buffer in place. A dynamic-update-slice
+    (alone, or the root of a fusion, of a tuple's element) writes its update into the buffer
+    it was given, which it neither reads nor rewrites; a fused parameter that only reaches
+    dynamic-slices (through bitcasts) is read a slice at a time. A scanned model's layer
+    writes its slice of the stacked activations and reads its layer's slice of the stacked
+    params: counting those buffers whole counted each a layer's count of times too many."""
+    hbm = lambda type_text: program.type_bytes(type_text, hbm=True)
+    operands = [prog.types.get(name, "") for name in inst.operands]
+    if inst.opcode == "dynamic-update-slice":  # in place: the update in, the update out
+        return 2 * hbm(operands[1]) + sum(hbm(t) for t in operands[2:])
+    if inst.opcode == "dynamic-slice":
+        return 2 * hbm(inst.type) + sum(hbm(t) for t in operands[1:])
+    callee = (inst.attribute("calls") or "").lstrip("%")
+    body = prog.computations.get(callee)
+    if inst.opcode != "fusion" or not body:
+        return hbm(inst.type) + sum(hbm(t) for t in operands)
+    users = collections.defaultdict(list)
+    for user in body:
+        for position, name in enumerate(user.operands):
+            users[name].append((user, position))
+    params = {p.index: p for p in body if p.opcode == "parameter"}
+
+    def read(name: str) -> float | None:  # the bytes read through `name`; None: all of it
+        found = 0.0
+        for user, position in users[name]:
+            if user.opcode in _VIEWS:
+                inner = read(user.name)
+                if inner is None:
+                    return None
+                found += inner
+            elif user.opcode == "dynamic-slice" and position == 0:
+                found += hbm(user.type)
+            elif not (user.opcode == "dynamic-update-slice" and position == 0):
+                return None
+        return found
+
+    total = 0.0
+    for i, type_text in enumerate(operands):
+        through = read(params[i].name) if i in params else None
+        total += hbm(type_text) if through is None else min(hbm(type_text), through)
+    by_name = {b.name: b for b in body}
+    root = by_name.get(prog.roots.get(callee, ""), body[-1])
+    outputs = root.operands if root.opcode == "tuple" else (root.name,)
+    for name in outputs:
+        made = by_name.get(name)
+        while made is not None and made.opcode == "bitcast":
+            made = by_name.get(made.operands[0])
+        if (
+            made is not None
+            and made.opcode == "dynamic-update-slice"
+            and _from_parameter(by_name, made.operands[0])
+        ):
+            total += hbm(prog.types.get(made.operands[1], ""))  # the update, written in place
+        else:
+            total += hbm(prog.types.get(name, ""))
+    return total
+
+
+def _from_parameter(by_name: dict, name: str) -> bool:
+    """Whether `name` is a fused parameter, through bitcasts: a buffer given to the kernel."""
+    made = by_name.get(name)
+    while made is not None and made.opcode in _VIEWS:
+        made = by_name.get(made.operands[0])
+    return made is not None and made.opcode == "parameter"
