@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     # so runs and resumes repeat bit for bit on a GPU: cuDNN's fused attention backward and any
     # scatter (a gather's gradient) otherwise add with atomics. False trades that for speed.
     c.deterministic = True
+    # the share of each GPU's memory the run takes (JAX's XLA_PYTHON_CLIENT_MEM_FRACTION, set
+    # before JAX starts; a variable the user set wins), and the plan plans against. None: 0.75
+    c.memory_fraction = config_dict.placeholder(float)
     # the params of step 0, read from a HuggingFace Llama folder (config.json, *.safetensors),
     # an mptrain workdir (its newest checkpoint) or one of its checkpoints/<step> folders; the
     # optimizer state, step and loss scale start fresh. None: params from the model's own init.
@@ -294,6 +297,7 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         zoo = _zoo(config)
         _check_keys(config, zoo)
         runtime.distributed_args(config)
+        runtime.memory_fraction(config)
         policy = policy_of(config)
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
         section = "loss_scale."

@@ -68,6 +68,7 @@ def distributed_args(config) -> tuple[str, int, int] | None:
 
 
 DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # JAX's share of each GPU, read at backend start
 
 
 def _backends_started() -> bool:
@@ -130,9 +131,52 @@ def set_determinism(config) -> None:
 
 
 def start_backend(config) -> None:
-    """What must happen before anything touches a device: XLA's flags, then jax.distributed."""
+    """What must happen before anything touches a device: XLA's flags and JAX's share of each
+    GPU, then jax.distributed."""
     set_determinism(config)
+    set_memory_fraction(config)
     initialize_distributed(config)
+
+
+def memory_fraction(config) -> float | None:
+    """`config.memory_fraction`, checked: None (JAX's own 75%), or a fraction in (0, 1]; else a
+    `ValueError` naming the key."""
+    asked = config.get("memory_fraction")
+    if asked is None:
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, int | float) or not 0 < asked <= 1:
+        raise ValueError(
+            f"memory_fraction={asked!r}: the share of each GPU's memory the run takes, a "
+            "fraction in (0, 1] (e.g. 0.85), or None for JAX's 0.75"
+        )
+    return float(asked)
+
+
+def set_memory_fraction(config) -> None:
+    """The run takes `config.memory_fraction` of each GPU's memory: JAX's allocator reads it as
+    `XLA_PYTHON_CLIENT_MEM_FRACTION` once, when its backend starts, so it is set before. A
+    variable the user set wins (both are said); a backend already up is a warning."""
+    asked = memory_fraction(config)
+    if asked is None:
+        return
+    own = os.environ.get(MEM_FRACTION, "").strip()
+    if own:
+        logging.info(
+            "mptrain: %s=%s from the environment; config.memory_fraction=%g is not applied",
+            MEM_FRACTION,
+            own,
+            asked,
+        )
+    elif _backends_started():
+        logging.warning(
+            "mptrain: config.memory_fraction=%g, but JAX's backend started before mptrain could "
+            "give it: the run has JAX's share of each GPU (set %s before JAX starts)",
+            asked,
+            MEM_FRACTION,
+        )
+    else:
+        os.environ[MEM_FRACTION] = f"{asked:g}"
+        logging.info("mptrain: the run takes %g of each GPU's memory (memory_fraction)", asked)
 
 
 def initialize_distributed(config) -> None:

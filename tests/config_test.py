@@ -29,7 +29,7 @@ KEYS = {
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "loss.chunk_tokens", "loss.z_loss", "init_from",
-    "profile.start_step", "profile.num_steps", "log_to",
+    "profile.start_step", "profile.num_steps", "log_to", "memory_fraction",
 }  # fmt: skip
 
 
@@ -212,3 +212,43 @@ def test_deterministic_warns_when_a_gpu_backend_started_first(monkeypatch, caplo
     config = config_lib.base_config()
     config.deterministic = False
     runtime.set_determinism(config)  # asked for speed: XLA_FLAGS is the user's own
+
+
+_GIVE_FRACTION = """
+import logging, os, sys
+from absl import logging as absl_logging
+import ml_collections
+from mptrain import runtime
+absl_logging.set_verbosity(absl_logging.INFO)
+runtime.set_memory_fraction(ml_collections.ConfigDict({"memory_fraction": 0.85}))
+import jax
+jax.devices()
+print(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+"""
+
+
+@pytest.mark.parametrize("own", [None, "0.6"])
+def test_memory_fraction_is_given_to_jax_before_it_starts_unless_the_user_set_one(own):
+    """`config.memory_fraction` (issue 43): what the run takes of each GPU, handed to JAX as
+    XLA_PYTHON_CLIENT_MEM_FRACTION before its backend starts; a variable of the user's wins."""
+    env = {k: v for k, v in os.environ.items() if k != runtime.MEM_FRACTION}
+    env |= {runtime.MEM_FRACTION: own} if own else {}
+    done = subprocess.run(
+        [sys.executable, "-c", _GIVE_FRACTION], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (own or "0.85")
+    said = (
+        "from the environment; config.memory_fraction=0.85 is not applied"
+        if own
+        else ("the run takes 0.85 of each GPU's memory (memory_fraction)")
+    )
+    assert said in done.stderr
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, -0.2])
+def test_a_memory_fraction_outside_0_to_1_is_refused_naming_the_key(bad):
+    from helpers import tiny_config
+
+    with pytest.raises(config_lib.ConfigError, match=rf"^config\.memory_fraction={bad!r}: "):
+        config_lib.validate(tiny_config(memory_fraction=bad))

@@ -18,7 +18,8 @@ host: attention "auto" picks cuDNN's fused kernel for an H100 exactly as a run o
 
 The `Plan` (`mptrain.plan.step`) says, per device and per step: the memory (params, optimizer
 state, other state, inputs, temporaries) against what the run will have (75% of a GPU unless
-XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), with a verdict and XLA's own
+`memory_fraction`, or the environment's XLA_PYTHON_CLIENT_MEM_FRACTION, says otherwise), with a
+verdict and XLA's own
 rematerialisation where it recomputed (`mptrain.plan.memory`); matmul FLOPs by operand dtype;
 the attention that runs; the GPU hazards of the precision report (scatters, 16-bit sums across
 devices) and every collective with its dtypes; the kernel count; and a roofline floor,

@@ -1,7 +1,8 @@
 """The memory a planned run will have, and what XLA's own rematerialisation did to fit it.
 
 A run's compile gets the memory JAX gives it: on a GPU its allocator takes 75% of the device
-unless `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise (`share`), and the plan says which. When a
+unless `config.memory_fraction` or, first, `XLA_PYTHON_CLIENT_MEM_FRACTION` says otherwise
+(`share`, as `runtime.set_memory_fraction` gives the run), and the plan says which. When a
 step does not fit the memory XLA's GPU compiler aims for, XLA recomputes on its own until it fits
 (or gives up), and says so only in a log line on stderr: `compile_logged` keeps that line,
 `logged_remat` reads it, and `recompute` compiles the step once more with the pass off, for the
@@ -16,12 +17,12 @@ import re
 import sys
 from typing import Any
 
-from mptrain import errors
+from mptrain import errors, runtime
 from mptrain.inspect import program
 from mptrain.plan import roofline
 
 PREALLOCATED = 0.75  # JAX's default share of a GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION)
-MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+MEM_FRACTION = runtime.MEM_FRACTION
 # XLA's log line when its own rematerialisation could not reach the memory it was given
 _XLA_REMAT = re.compile(
     r"below [\d.]+\w+ \((\d+) bytes\) by rematerialization; only reduced to [\d.]+\w+ "
@@ -29,15 +30,21 @@ _XLA_REMAT = re.compile(
 )
 
 
-def share(chip) -> dict[str, Any]:
+def share(chip, config=None) -> dict[str, Any]:
     """The memory a run on `chip` will have: on a GPU, JAX's allocator takes 75% of it unless
-    `XLA_PYTHON_CLIENT_MEM_FRACTION` (in this process's environment) says otherwise; a TPU's
-    run has all of it. `{"fraction", "why", "device"}`; a `ConfigError` for a bad fraction."""
+    `XLA_PYTHON_CLIENT_MEM_FRACTION` (in this process's environment: the user's own, which the
+    run keeps too) or else `config.memory_fraction` says otherwise; a TPU's run has all of it.
+    `{"fraction", "why", "device"}`; a `ConfigError` for a bad fraction."""
     if chip.platform != "gpu":
         return {"fraction": 1.0, "why": "all of a TPU's memory", "device": chip.memory_bytes}
     asked = os.environ.get(MEM_FRACTION, "").strip()
     if not asked:
-        why = f"the {100 * PREALLOCATED:.0f}% JAX takes of a GPU, {MEM_FRACTION} unset"
+        with errors.config_errors():
+            fraction = runtime.memory_fraction(config) if config is not None else None
+        if fraction is not None:
+            why = f"config.memory_fraction={fraction:g}"
+            return {"fraction": fraction, "why": why, "device": chip.memory_bytes}
+        why = f"the {100 * PREALLOCATED:.0f}% JAX takes of a GPU, memory_fraction unset"
         return {"fraction": PREALLOCATED, "why": why, "device": chip.memory_bytes}
     try:
         fraction = float(asked)
@@ -45,7 +52,7 @@ def share(chip) -> dict[str, Any]:
         fraction = -1.0
     if not 0 < fraction <= 1:
         raise errors.ConfigError(f"{MEM_FRACTION}={asked!r}: a fraction in (0, 1], e.g. 0.9")
-    why = f"{MEM_FRACTION}={asked}"
+    why = f"{MEM_FRACTION}={asked} (the environment's)"
     return {"fraction": fraction, "why": why, "device": chip.memory_bytes}
 
 

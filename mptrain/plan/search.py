@@ -4,8 +4,8 @@ Starting from the config as given, the memory knobs mptrain owns are tried in th
 what they cost, each candidate by a deviceless compile of the real step (`plan_step.plan`):
 
 1. free: the loss in chunks of 256 positions (`loss.chunk_tokens`), where it is one chunk;
-   and the run's share of a GPU's memory up to 95% (`XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`,
-   an environment variable, where the plan's own environment does not set it): no FLOPs.
+   and the run's share of a GPU's memory up to 95% (`memory_fraction=0.95`, where the plan's
+   own environment does not set `XLA_PYTHON_CLIENT_MEM_FRACTION`): no FLOPs.
 2. FLOPs, ranked by the floor: rematerialisation (`model.remat`) from the given policy
    towards `full`, and micro-batches (`batch_size` / k with `optimizer.accumulation_steps`
    x k, the step counts x k: the same global batch, the same updates). Gradient
@@ -67,7 +67,8 @@ class Candidate:
     fraction: float = 0.0  # the share of the GPU's memory the run needs to be given (0: as it is)
 
     def overrides(self) -> list[str]:
-        return [f"--config.{key}={value}" for key, value in self.knobs.items()]
+        found = [f"--config.{key}={value}" for key, value in self.knobs.items()]
+        return found + ([f"--config.memory_fraction={self.fraction:.2f}"] if self.fraction else [])
 
     def label(self) -> str:
         short = {"optimizer.accumulation_steps": "accum", "model.remat": "remat"}
@@ -107,10 +108,6 @@ class Fit:
             return "fits as given"
         return "fits with " + (" ".join(self.best.overrides()) or "the config as given")
 
-    def command_prefix(self) -> str:
-        found = self.best
-        return f"{plan_memory.MEM_FRACTION}={found.fraction:.2f} " if found.fraction else ""
-
     def to_json(self) -> str:
         data = dataclasses.asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
         return json.dumps(data, indent=2)
@@ -148,7 +145,7 @@ class Fit:
                     "TFLOP a step recomputed, counted in the floor"
                 )
             if best.knobs or best.fraction:
-                lines.append(f"  {self.command_prefix()}python -m mptrain.main ...")
+                lines.append("  python -m mptrain.main ...")
                 lines += [f"    {o}" for o in best.overrides()]
             else:
                 lines.append("  fits as given: no override")
@@ -162,9 +159,9 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     plan_step.check_devices(target, named, devices)  # the plain plan's rule (issue 42: D04, D06)
     count = devices or named or 1
-    share = plan_memory.share(chip)
+    share = plan_memory.share(chip, config)
     capacity = int(share["fraction"] * chip.memory_bytes)
-    fixed = plan_memory.MEM_FRACTION in os.environ or chip.platform != "gpu"
+    fixed = plan_memory.MEM_FRACTION in os.environ or chip.platform != "gpu"  # the user's own
     stretch = capacity if fixed else int(MAX_FRACTION * chip.memory_bytes)
     done: dict[str, Candidate] = {}
 

@@ -84,7 +84,7 @@ class Plan:
         if self.memory["total"] <= self.share["device"]:
             return (
                 f"does not fit the {self.capacity / GiB:.1f} GiB the run will have "
-                f"({self.share['why']}): needs {total:.1f} GiB; {plan_memory.MEM_FRACTION}="
+                f"({self.share['why']}): needs {total:.1f} GiB; memory_fraction="
                 f"{math.ceil(100 * self.memory['total'] / self.share['device']) / 100:.2f} "
                 "would give it that"
             )
@@ -140,7 +140,7 @@ def plan(
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)
     trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
-    share = plan_memory.share(chip)
+    share = plan_memory.share(chip, config)
     started = time.monotonic()
     traced, state, sample, inputs = _trace(trainer)
     lowered = traced.lower()
