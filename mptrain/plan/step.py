@@ -202,9 +202,6 @@ def _refused(chip, trainer, state, inputs, error: str, seconds, version, share) 
     """The `Plan` of a step the target's compiler refused for want of memory: the state and
     inputs from their shapes, the temporaries as the compiler counted them (0 where its words
     do not say), and no program to read."""
-    import jax
-
-    config, policy = trainer.config, trainer.policy
     why = errors.first_line(error[len(_OUT_OF_MEMORY) :]).strip()
     found = _TEMPORARIES.search(why)
     temporaries = int(float(found[1]) * 1024 ** ("KMGT".index(found[2]) + 1)) if found else 0
@@ -219,20 +216,9 @@ def _refused(chip, trainer, state, inputs, error: str, seconds, version, share) 
         "host": 0,
     }
     memory["total"] = sum(v for k, v in memory.items() if k != "host")
-    leaves = jax.tree.leaves(state.params)
     return Plan(
-        target=chip.name,
-        description=chip.description,
-        devices=trainer.mesh.size,
-        mesh=dict(trainer.mesh.shape),
-        precision=str(config.precision),
-        steps_per_call=config.steps_per_call,
+        **_of_the_run(chip, trainer, state, share, seconds, version),
         memory=memory,
-        capacity=int(share["fraction"] * chip.memory_bytes),
-        share=share,
-        xla_remat={},
-        state_bytes_per_param=_global_bytes((state.params, state.opt_state))
-        / max(1, sum(math.prod(x.shape) for x in leaves)),
         largest=[],
         matmul_flops={},
         offenders=[],
@@ -241,15 +227,35 @@ def _refused(chip, trainer, state, inputs, error: str, seconds, version, share) 
         hazards=[],
         collectives={},
         collective_sites={},
-        kept_fp32=policy.kept_fp32_paths(state.params),
         kernels=0.0,
         bytes_moved=0.0,
         floor={},
         notes=[],
-        compile_seconds=round(seconds, 1),
-        jax_version=version,
         refused=why,
     )
+
+
+def _of_the_run(chip, trainer, state, share, seconds: float, version: str) -> dict[str, Any]:
+    """The `Plan` fields that come from the run's config and state, not its program."""
+    import jax
+
+    config = trainer.config
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    return {
+        "target": chip.name,
+        "description": chip.description,
+        "devices": trainer.mesh.size,
+        "mesh": dict(trainer.mesh.shape),
+        "precision": str(config.precision),
+        "steps_per_call": config.steps_per_call,
+        "capacity": int(share["fraction"] * chip.memory_bytes),
+        "share": share,
+        "xla_remat": {},
+        "state_bytes_per_param": _global_bytes((state.params, state.opt_state)) / max(1, params),
+        "kept_fp32": trainer.policy.kept_fp32_paths(state.params),
+        "compile_seconds": round(seconds, 1),
+        "jax_version": version,
+    }
 
 
 def _global_bytes(tree: Any) -> int:
@@ -282,7 +288,6 @@ def device_bytes(stats) -> int:
 
 def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, share) -> Plan:
     """The `Plan` read off the compiled program (see the module doc)."""
-    import jax
 
     config, policy, k = trainer.config, trainer.policy, trainer.config.steps_per_call
     text = compiled.as_text()
@@ -309,18 +314,8 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
     notes += _notes(chip, config, flops, matmuls["fp8_kernels"])
     network = hlo.traffic(prog, chip.link, trainer.mesh.size, k)
     return Plan(
-        target=chip.name,
-        description=chip.description,
-        devices=trainer.mesh.size,
-        mesh=dict(trainer.mesh.shape),
-        precision=str(config.precision),
-        steps_per_call=k,
+        **_of_the_run(chip, trainer, state, share, seconds, version),
         memory=memory,
-        capacity=int(share["fraction"] * chip.memory_bytes),
-        share=share,
-        xla_remat={},
-        state_bytes_per_param=_global_bytes((state.params, state.opt_state))
-        / max(1, sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))),
         largest=prog.largest(k),
         matmul_flops=flops,
         offenders=matmuls["offenders"],
@@ -329,13 +324,10 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         hazards=[dataclasses.asdict(h) for h in hazards],
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
-        kept_fp32=policy.kept_fp32_paths(state.params),
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
         floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),
         notes=notes,
-        compile_seconds=round(seconds, 1),
-        jax_version=version,
     )
 
 
