@@ -104,7 +104,8 @@ def base_config() -> ml_collections.ConfigDict:
     # matmul and the fp32 log-softmax together, so the fp32 [tokens, vocab] logits never exist.
     c.loss = ml_collections.ConfigDict()
     # positions per chunk; None: one chunk while length x vocab <= 2**24, else chunks of the
-    # largest power of two whose logits stay within that (`lm_loss.auto_chunk`)
+    # largest power of two whose logits stay within that, at least 512 positions where their
+    # logits stay within 2**26 (`lm_loss.auto_chunk`)
     c.loss.chunk_tokens = config_dict.placeholder(int)
     c.loss.z_loss = 0.0  # coefficient on the mean squared log Z (0: none), as MaxText's z-loss
 

@@ -332,7 +332,7 @@ def _chunk_knob(config) -> dict[str, Any]:
     if not (length and vocab) or _get(config, "loss") is None:
         return {}
     chunk = _get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab)
-    return {"loss.chunk_tokens": CHUNK} if chunk > CHUNK else {}
+    return {"loss.chunk_tokens": CHUNK} if chunk >= length > CHUNK else {}
 
 
 def _remat_ladder(config) -> list[str | None]:

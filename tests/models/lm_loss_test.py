@@ -144,6 +144,7 @@ def _sizes(program: str) -> set[int]:
 def test_no_array_of_the_batch_times_the_vocabulary_exists(chunk, monkeypatch):
     # chunk=None takes 4 positions here: the automatic rule, with a budget of 4 x V logits
     monkeypatch.setattr(lm_loss, "AUTO_CHUNK_ELEMENTS", 4 * V)
+    monkeypatch.setattr(lm_loss, "AUTO_MIN_POSITIONS", 4)
     hidden, kernel, targets = _inputs(jnp.bfloat16)
     targets, _ = _masked(targets)
 
@@ -202,11 +203,15 @@ def test_an_fp32_kernel_is_used_in_the_compute_dtype_and_gets_an_fp32_gradient()
     assert np.any(f_kernel != f_kernel.astype(jnp.bfloat16).astype(jnp.float32))  # f_kernel isn't
 
 
-def test_auto_chunk_keeps_a_chunk_of_one_sequence_within_2_to_the_24_logits():
+def test_auto_chunk_keeps_a_chunk_within_2_to_the_24_logits_and_512_positions_within_2_to_the_26():
     assert lm_loss.auto_chunk(1024, 256) == 1024  # 2**18 logits: one chunk
     assert lm_loss.auto_chunk(2**14, 2**10) == 2**14  # exactly 2**24
     assert lm_loss.auto_chunk(2**15, 2**10) == 2**14
-    assert lm_loss.auto_chunk(8192, 128_256) == 128  # Llama 3: 130.8 -> 128
+    # Llama 3: 2**24 / 128,256 = 130.8 -> 128 positions, raised to 512 (65.7 M logits): 16
+    # chunks of 8192, each one read and write of the head's fp32 gradient carry, not 64
+    assert lm_loss.auto_chunk(8192, 128_256) == 512
+    assert lm_loss.auto_chunk(300, 128_256) == 300  # 512 is more than the sequence: one chunk
+    assert lm_loss.auto_chunk(8192, 200_000) == 64  # 512 x 200,000 is over 2**26: 2**24's rule
     assert lm_loss.auto_chunk(3000, 10_000) == 1024
     assert lm_loss.auto_chunk(4, 2**25) == 1  # a vocabulary over the budget: one position
 
