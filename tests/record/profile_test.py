@@ -115,8 +115,9 @@ def test_a_trace_without_run_ids_is_cut_into_calls_at_its_largest_gaps():
 
 def test_writing_the_trace_is_not_step_time(traced):
     step_time = {step: float(value) for step, value in event_series(traced, "step_time_s").items()}
-    # steps 9-10 hold the trace's end, which writes it (some 100 ms); steps 11-12 are untraced
-    assert step_time[10] < 4 * step_time[12], step_time
+    # steps 9-10 hold the trace's end, which writes it (some 100 ms); steps 11-12 are untraced.
+    # A step of a few ms can take 10 when make test's other worker holds a core: 50 ms at least
+    assert step_time[10] < max(4 * step_time[12], 0.05), step_time
 
 
 _BROKEN = {  # what a kill -9 while tracing, or a damaged disk, leaves (issue 42: E16-E21)
