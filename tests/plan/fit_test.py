@@ -95,20 +95,22 @@ def test_fit_on_the_command_line_exits_0_when_it_fits_as_given():
 
 
 def test_the_70b_on_one_h100_exits_4_naming_the_closest_and_its_need():
-    done = run_cli_process(
-        f"--config={ROOT / 'configs' / 'llama3.py'}:70b",
-        "--target=h100",
-        "--devices=1",
-        "--fit",
-        "--config.batch_size=1",
+    first = _first_line_of_exit_4(
+        "llama3.py:70b", "--target=h100", "--devices=1", "--fit", "--config.batch_size=1",
         "--config.data.seq_len=1024",
-        module="mptrain.plan",
-        timeout=600,
-    )
-    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-2000:]
-    first = done.stdout.splitlines()[0]
+    )  # fmt: skip
     assert first.startswith("nothing fits 1 x h100: closest ") and "--devices=" in first
+
+
+def _first_line_of_exit_4(config: str, *args) -> str:
+    """`python -m mptrain.plan --config=configs/CONFIG ARGS`: exit 4, no traceback; its first
+    line (the verdict)."""
+    done = run_cli_process(
+        f"--config={ROOT / 'configs' / config}", *args, module="mptrain.plan", timeout=600
+    )
+    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+    return done.stdout.splitlines()[0]
 
 
 # ---- a step the compiler refuses for want of memory (issue 42, sweep cases D25, D25b): a TPU's
@@ -162,14 +164,6 @@ def test_a_refused_candidate_does_not_fit_and_the_search_goes_on(monkeypatch):
 
 
 def test_a_tpu_step_over_its_hbm_exits_4_with_the_verdict_first():
-    done = run_cli_process(
-        f"--config={ROOT / 'configs' / 'llama3.py'}:tiny",
-        "--target=v5e",
-        "--config.batch_size=16384",
-        module="mptrain.plan",
-        timeout=600,
-    )
-    assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-3000:]
-    first = done.stdout.splitlines()[0]
+    first = _first_line_of_exit_4("llama3.py:tiny", "--target=v5e", "--config.batch_size=16384")
     assert first.startswith("does not fit: needs ") and "compiler refused the step: " in first
-    assert "HBM" in first and "Traceback" not in done.stderr
+    assert "HBM" in first
