@@ -338,9 +338,10 @@ STEPS = 20  # the fine-tune runs' length
 EOT = "<|endoftext|>"
 
 
-def make_tokenizer(folder: Path, texts: list[str], vocab_size: int = 290) -> Path:
+def make_tokenizer(folder: Path, texts: list[str], vocab_size: int = 290, specials=()) -> Path:
     """A byte-level BPE `tokenizer.json` (with its `tokenizer_config.json`) trained on `texts`:
-    every text encodes, and the vocabulary fits the fixture's 300."""
+    every text encodes, and the vocabulary fits the fixture's 300. `specials`: more special
+    tokens (a chat template's markers), each one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -348,7 +349,7 @@ def make_tokenizer(folder: Path, texts: list[str], vocab_size: int = 290) -> Pat
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOT],
+        special_tokens=[EOT, *specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

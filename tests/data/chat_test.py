@@ -1,0 +1,112 @@
+"""Supervised fine-tuning examples (issue 44, first part): conversations rendered by a chat
+template with jinja2 as HuggingFace renders them, pairs of prompt and completion, and exactly
+which tokens carry the loss, against hand-labelled examples."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import EOT, make_tokenizer
+
+from mptrain.data import chat
+
+MARKERS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+WORDS = "what is the capital of france paris and germany berlin answer briefly you are terse"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    path = make_tokenizer(
+        folder, [WORDS * 20, "Q: A: ?\n\n" * 20], vocab_size=120, specials=MARKERS
+    )
+    return Tokenizer.from_file(str(path))
+
+
+def _carrying(tokenizer, ids, loss) -> str:
+    return tokenizer.decode([int(i) for i in ids[loss]], skip_special_tokens=False)
+
+
+def test_a_pair_carries_the_loss_on_its_completion_and_end_of_text_only(tokenizer):
+    eot = tokenizer.token_to_id(EOT)
+    example = {"prompt": "Q: what is the capital of france?\nA:", "completion": " paris"}
+    ids, loss = chat.encode(example, tokenizer, None, eot)
+    assert ids.dtype == np.int32 and ids[-1] == eot and loss[-1]
+    # hand-labelled: " paris" and the end-of-text token, nothing of the prompt
+    assert _carrying(tokenizer, ids, loss) == " paris" + EOT
+    prompt_tokens = len(tokenizer.encode(example["prompt"], add_special_tokens=False).ids)
+    assert not loss[:prompt_tokens].any() and loss[prompt_tokens:].all()
+    ids, everything = chat.encode(example, tokenizer, None, eot, train_on_prompt=True)
+    assert everything.all()
+
+
+def test_a_multi_turn_conversation_carries_the_loss_on_the_assistant_turns_only(tokenizer):
+    messages = [
+        {"role": "system", "content": "you are terse"},
+        {"role": "user", "content": "what is the capital of france?"},
+        {"role": "assistant", "content": "paris"},
+        {"role": "user", "content": "and germany?"},
+        {"role": "assistant", "content": "berlin"},
+    ]
+    template = chat.template_of("llama3")
+    ids, loss = chat.encode({"messages": messages}, tokenizer, template, 0, **TOKENS)
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nyou are terse<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nwhat is the capital of france?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nparis<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nand germany?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nberlin<|eot_id|>"
+    )
+    # hand-labelled: each answer and the end of its turn; no header, system or user token
+    eot = tokenizer.token_to_id("<|eot_id|>")
+    runs = np.split(ids[loss], np.flatnonzero(ids[loss] == eot)[:-1] + 1)
+    assert [tokenizer.decode([int(i) for i in r], skip_special_tokens=False) for r in runs] == [
+        "paris<|eot_id|>",
+        "berlin<|eot_id|>",
+    ]
+    assert int(loss.sum()) == sum(
+        len(tokenizer.encode(t, add_special_tokens=False).ids)
+        for t in ("paris<|eot_id|>", "berlin<|eot_id|>")
+    )
+
+
+def test_the_template_of_a_folder_is_its_tokenizer_config_chat_template(tmp_path):
+    config = {"chat_template": chat.BUILTIN["llama3"], **TOKENS}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    read = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert chat.template_of("folder", read) == chat.BUILTIN["llama3"]
+    listed = {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default",
+              "template": chat.BUILTIN["llama3"]}]}  # fmt: skip
+    assert chat.template_of("folder", listed) == chat.BUILTIN["llama3"]
+    with pytest.raises(ValueError, match="^data.chat_template='folder': .* no chat_template"):
+        chat.template_of("folder", {"eos_token": EOT})
+    with pytest.raises(ValueError, match="^data.chat_template='chatml': not a template"):
+        chat.template_of("chatml")
+
+
+@pytest.mark.parametrize(
+    "example, says",
+    [
+        ({"messages": [{"content": "hi"}]}, "message 0 has no 'role'"),
+        ({"messages": [{"role": "tool", "content": "hi"}]}, "role 'tool' is not one of"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+        ({"messages": []}, "non-empty list"),
+        ({"prompt": "hi"}, "'prompt' and 'completion' must both be strings"),
+        ({"text": "hi"}, "neither 'messages' nor 'prompt' and 'completion'"),
+        (["not", "an", "object"], "not a JSON object"),
+    ],
+)
+def test_a_bad_example_says_what_is_wrong(tokenizer, example, says):
+    with pytest.raises(ValueError, match=says):
+        chat.encode(example, tokenizer, chat.BUILTIN["llama3"], 0, **TOKENS)
+
+
+def test_a_template_that_refuses_a_conversation_says_so(tokenizer):
+    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    messages = [{"role": "assistant", "content": "hi"}]
+    with pytest.raises(ValueError, match="the chat template does not render it: user first"):
+        chat.encode({"messages": messages}, tokenizer, strict + "x", 0)
