@@ -1,0 +1,86 @@
+"""Examples packed into rows of `seq_len` tokens, each with the ids that keep them apart.
+
+An example is `(ids, loss)` (`chat.encode`'s): its inputs are `ids[:-1]` and its targets
+`ids[1:]`, each target -1 where it carries no loss, so one example takes `len(ids) - 1`
+positions. `pack` places the examples into rows by first-fit decreasing: the longest first,
+each into the first row with room for it, a new row where none has (ties broken by the
+example's index, so the rows are a pure function of the examples). It fills rows better than
+plain first-fit in the examples' order: the short ones fill the gaps the long ones leave.
+A row gets per-token `segment_ids` (1, 2, ... for its examples in order, 0 for padding) and
+`positions` that start again at 0 for each example, which attention and RoPE read so that no
+example sees another. An example longer than the row is cut to it (`too_long="truncate"`) or
+left out (`"drop"`); `Packed` counts both, and the share of real tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    inputs: np.ndarray  # [rows, seq_len] int32, 0 in padding
+    targets: np.ndarray  # [rows, seq_len] int32, -1 where no loss (padding included)
+    segment_ids: np.ndarray  # [rows, seq_len] int32, 0 in padding
+    positions: np.ndarray  # [rows, seq_len] int32, from 0 in each example
+    examples: int  # examples placed
+    truncated: int  # of those, cut to the row
+    dropped: int  # examples left out, longer than the row
+    real_tokens: int  # positions that hold an example's token
+
+    @property
+    def real_rate(self) -> float:
+        """The share of the rows' positions that hold a real token, not padding."""
+        return self.real_tokens / max(1, self.inputs.size)
+
+
+def first_fit_decreasing(lengths: list[int], room: int) -> list[list[int]]:
+    """Rows of example indices, each row's lengths summing to at most `room` (every length is
+    at most `room`): the longest first, each into the first row it fits."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        # the first row with room: a linear scan; fine for the thousands of rows of an SFT set
+        slot = next((r for r, left in enumerate(free) if left >= lengths[i]), None)
+        if slot is None:
+            rows.append([i])
+            free.append(room - lengths[i])
+        else:
+            rows[slot].append(i)
+            free[slot] -= lengths[i]
+    return [sorted(row) for row in rows]  # a row's examples in the file's order
+
+
+def pack(examples: list, seq_len: int, too_long: str = "truncate") -> Packed:
+    """The examples (`(ids, loss)` pairs) packed into rows of `seq_len` (see the module doc)."""
+    if too_long not in ("truncate", "drop"):
+        raise ValueError(f"data.too_long={too_long!r}: 'truncate' or 'drop'")
+    kept, truncated, dropped = [], 0, 0
+    for ids, loss in examples:
+        inputs = np.asarray(ids[:-1], np.int32)
+        targets = np.where(np.asarray(loss[1:], bool), np.asarray(ids[1:], np.int32), -1)
+        if len(inputs) > seq_len:
+            if too_long == "drop":
+                dropped += 1
+                continue
+            inputs, targets, truncated = inputs[:seq_len], targets[:seq_len], truncated + 1
+        if len(inputs):
+            kept.append((inputs, targets.astype(np.int32)))
+    rows = first_fit_decreasing([len(x) for x, _ in kept], seq_len)
+    shape = (len(rows), seq_len)
+    out = {name: np.zeros(shape, np.int32) for name in ("inputs", "segment_ids", "positions")}
+    out["targets"] = np.full(shape, -1, np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for segment, i in enumerate(row, 1):
+            inputs, targets = kept[i]
+            end = at + len(inputs)
+            out["inputs"][r, at:end], out["targets"][r, at:end] = inputs, targets
+            out["segment_ids"][r, at:end] = segment
+            out["positions"][r, at:end] = np.arange(len(inputs))
+            at = end
+    real = sum(len(x) for x, _ in kept)
+    return Packed(**out, examples=len(kept), truncated=truncated, dropped=dropped, real_tokens=real)
