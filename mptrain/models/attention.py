@@ -214,6 +214,7 @@ def causal_attention(
     implementation: str,
     *,
     dropout: Callable[[jax.Array], jax.Array] | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -225,8 +226,14 @@ def causal_attention(
     stores only the fp32 log-sum-exp ``[B, H, L]`` for its backward pass, which recomputes the
     probabilities; the materialised path computes fp32 scores and an fp32 softmax explicitly.
     ``dropout`` (materialised only) is applied to the ``[B, H, L, L]`` probabilities.
+    ``segment_ids`` (``[B, L]`` ints, materialised only for now): a query sees only the keys of
+    its own segment, so the examples packed into a row never attend to each other.
     """
     groups = _query_heads_per_kv_head(q, k, v)
+    if implementation != "materialized" and segment_ids is not None:
+        raise ValueError(
+            f"{implementation} attention does not take segment ids yet; use 'materialized'"
+        )
     if implementation in ("cudnn", "flash") and dropout is not None:
         raise ValueError(f"{implementation} attention has no dropout; use 'materialized'")
     if implementation == "cudnn":
@@ -247,6 +254,9 @@ def causal_attention(
     # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
     scores = einsum_f32_out(f"bqh{g}d,bkhd->bh{g}qk", q, k)  # [B, K, (G,) L, L]
     causal = jnp.tril(jnp.ones((length, length), dtype=bool))  # query q sees keys k <= q
+    if segment_ids is not None:  # [B, L, L], and only its own segment's keys
+        causal = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        causal = causal.reshape(batch, 1, *[1] * len(g), length, length)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
     if dropout is not None:  # on [B, H, L, L], whatever the grouping; the reshapes are free

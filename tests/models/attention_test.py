@@ -428,3 +428,25 @@ def test_head_counts_that_do_not_group_are_refused_naming_both(
     v = jnp.zeros((1, 128, v_heads, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match=re.escape(message)):
         attention.causal_attention(q, k, v, implementation)
+
+
+def test_a_packed_row_attends_within_each_example_as_each_alone_does():
+    """Examples packed into one row (issue 44): with their segment ids, the materialised path
+    gives each example, at every position of the row, the attention it gets alone; grouped
+    query heads, fp32. The other two paths refuse segment ids until they honour them."""
+    lengths = (5, 7, 4)  # three examples and no padding: one row of 16
+    shape = (1, sum(lengths), 4, 8)
+    q, k, v = _qkv(shape, kv_heads=2, dtype=jnp.float32)
+    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), lengths)])
+    attend = jax.jit(functools.partial(attention.causal_attention, implementation="materialized"))
+    packed = attend(q, k, v, segment_ids=segment_ids)
+    start = 0
+    for n in lengths:
+        piece = slice(start, start + n)
+        alone = attend(q[:, piece], k[:, piece], v[:, piece])
+        np.testing.assert_allclose(packed[:, piece], alone, rtol=1e-6, atol=1e-6)
+        start += n
+    assert not np.allclose(attend(q, k, v)[:, 5:], packed[:, 5:])  # unmasked, it would differ
+    for implementation in ("cudnn", "flash"):
+        with pytest.raises(ValueError, match=f"^{implementation} attention does not take segment"):
+            attention.causal_attention(q, k, v, implementation, segment_ids=segment_ids)
