@@ -93,7 +93,7 @@ class CausalSelfAttention(nn.Module):
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool = False, segment_ids=None) -> jax.Array:
         batch, length, d_model = x.shape
         if d_model % self.num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
@@ -113,7 +113,9 @@ class CausalSelfAttention(nn.Module):
         dropout = None
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
-        out = attention_lib.causal_attention(q, k, v, choice.implementation, dropout=dropout)
+        out = attention_lib.causal_attention(
+            q, k, v, choice.implementation, dropout=dropout, segment_ids=segment_ids
+        )
         out = checkpoint_name(out.reshape(batch, length, d_model), remat_lib.CONTEXT)
         return checkpoint_name(
             layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out), "out_proj"
@@ -151,7 +153,7 @@ class Block(nn.Module):
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False, segment_ids=None) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         attn = CausalSelfAttention(
@@ -163,7 +165,7 @@ class Block(nn.Module):
             self.backend,
             name="attn",
         )
-        h = attn(h, train=train)
+        h = attn(h, train=train, segment_ids=segment_ids)
         x = x + drop(h, deterministic=not train)
         h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
         h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, name="mlp")(h, train=train)
@@ -176,7 +178,9 @@ class TransformerLM(nn.Module):
     ``dtype`` is the compute dtype; params are created in fp32 (flax's ``param_dtype``
     default). Positions are learned, up to ``max_len``. Dropout needs a ``"dropout"`` rng when
     called with ``train=True`` and ``dropout_rate > 0``. ``attention``: ``"auto" | "cudnn" |
-    "materialized"`` (see the module docstring).
+    "materialized"`` (see the module docstring). A row of packed examples gives ``positions``
+    (``int[B, L]``, from 0 in each example: the learned positions are looked up by them) and
+    ``segment_ids`` (``int[B, L]``: attention keeps to each example's own).
     """
 
     vocab_size: int = 256
@@ -196,16 +200,21 @@ class TransformerLM(nn.Module):
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, train: bool = False, targets: Any = None) -> Any:
+    def __call__(
+        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None
+    ) -> Any:
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
-        positions = self.param("pos_embedding", init, (self.max_len, self.d_model))
-        # Broadcast over the batch before the cast: the table's gradient, a sum over the batch,
-        # is then taken in the table's dtype (fp32 under the default casting rule), as every
-        # kept param's is, not in 16 bits before the cast. The forward add is unchanged.
-        x = x + jnp.broadcast_to(positions[:length], x.shape).astype(self.dtype)
+        table = self.param("pos_embedding", init, (self.max_len, self.d_model))
+        if positions is None:
+            # Broadcast over the batch before the cast: the table's gradient, a sum over the
+            # batch, is then taken in the table's dtype (fp32 under the default casting rule),
+            # as every kept param's is, not in 16 bits before the cast.
+            x = x + jnp.broadcast_to(table[:length], x.shape).astype(self.dtype)
+        else:  # each row's own positions: looked up as the tokens are, without a scatter
+            x = x + layers.embed(table, positions, self.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
         policy = remat_lib.make_policy(self.remat)  # `train` (argument 2) stays a Python bool
         cls = Block if policy is None else nn.remat(Block, policy=policy, static_argnums=(2,))
@@ -220,7 +229,7 @@ class TransformerLM(nn.Module):
                 self.backend,
                 name=f"block_{i}",
             )
-            x = block(x, train)
+            x = block(x, train, segment_ids)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
         # With targets, the loss itself, chunked (`lm_loss.token_loss`).
