@@ -226,20 +226,18 @@ def causal_attention(
     stores only the fp32 log-sum-exp ``[B, H, L]`` for its backward pass, which recomputes the
     probabilities; the materialised path computes fp32 scores and an fp32 softmax explicitly.
     ``dropout`` (materialised only) is applied to the ``[B, H, L, L]`` probabilities.
-    ``segment_ids`` (``[B, L]`` ints, materialised only for now): a query sees only the keys of
-    its own segment, so the examples packed into a row never attend to each other.
+    ``segment_ids`` (``[B, L]`` ints; materialised and flash, not cuDNN yet): a query sees only
+    the keys of its own segment, so the examples packed into a row never attend to each other.
     """
     groups = _query_heads_per_kv_head(q, k, v)
-    if implementation != "materialized" and segment_ids is not None:
-        raise ValueError(
-            f"{implementation} attention does not take segment ids yet; use 'materialized'"
-        )
+    if implementation == "cudnn" and segment_ids is not None:
+        raise ValueError("cudnn attention does not take segment ids yet; use 'materialized'")
     if implementation in ("cudnn", "flash") and dropout is not None:
         raise ValueError(f"{implementation} attention has no dropout; use 'materialized'")
     if implementation == "cudnn":
         return _fused_attention(q, k, v, "cudnn")  # it takes K < H heads as they are
     if implementation == "flash":
-        return _pallas_flash(q, k, v)
+        return _pallas_flash(q, k, v, segment_ids)
     if implementation != "materialized":
         choices = "'cudnn' | 'flash' | 'materialized'"
         raise ValueError(f"attention implementation {implementation!r}: {choices}")
@@ -281,7 +279,7 @@ def _query_heads_per_kv_head(q, k, v) -> int:
     return heads // kv_heads
 
 
-def _pallas_flash(q, k, v):
+def _pallas_flash(q, k, v, segment_ids=None):
     """jax's Pallas TPU splash attention, the flash kernel MaxText's TPU LMs run, on ``[B, L, H,
     D]`` q and ``[B, L, K, D]`` k, v: causal, scores scaled by ``D ** -0.5``. It walks the keys
     tile by tile with each row's running max and sum in fp32 and never writes the ``[B, H, L,
@@ -297,7 +295,9 @@ def _pallas_flash(q, k, v):
     heads, q head ``b * H + h`` reads kv head ``(b * H + h) // G == b * K + h // G`` (``G = H //
     K``): its own example's, so one call serves every example and kv head, as for ``K == H``.
     ``make_splash_mqa`` (one ``[L, D]`` k, v for all q heads) would need a vmap over ``B * K``
-    for the same work."""
+    for the same work. With ``segment_ids`` the examples differ in their segments, which the
+    kernel takes one set of a call: it runs over the examples in a loop (``lax.map``), each
+    call with its ``H`` q heads, ``K`` kv heads and ``SegmentIds``."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -305,13 +305,25 @@ def _pallas_flash(q, k, v):
     block = next((b for b in FLASH_BLOCKS if length % b == 0), length)
     sizes = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
     sizes += ("block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
+    calls = 1 if segment_ids is None else batch  # heads a call: every example's, or one's
     kernel = splash.make_splash_mha(  # one causal mask, shared by every (example, head)
-        mask=masks.MultiHeadMask([masks.CausalMask((length, length))] * (batch * heads)),
+        mask=masks.MultiHeadMask([masks.CausalMask((length, length))] * (batch * heads // calls)),
         block_sizes=splash.BlockSizes(**dict.fromkeys(sizes, block)),
         head_shards=1,
         q_seq_shards=1,
     )
+    q = q * jnp.asarray(depth**-0.5, q.dtype)
+    if segment_ids is not None:  # [B, H, L, D] q and [B, K, L, D] k, v, a call an example
+
+        def one(args):
+            q, k, v, ids = args
+            return kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
+
+        heads_first = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+        # a loop, not jax.vmap: the kernel's backward pass has no batching rule
+        out = jax.lax.map(one, (*heads_first, segment_ids.astype(jnp.int32)))
+        return jnp.swapaxes(out, 1, 2)
     # [B * H, L, D] q and [B * K, L, D] k, v: the kernel's layout, the examples as more heads
     flat = lambda x: jnp.swapaxes(x, 1, 2).reshape(-1, length, depth)
-    out = kernel(flat(q * jnp.asarray(depth**-0.5, q.dtype)), flat(k), flat(v))
+    out = kernel(flat(q), flat(k), flat(v))
     return jnp.swapaxes(out.reshape(batch, heads, length, depth), 1, 2)

@@ -447,6 +447,28 @@ def test_a_packed_row_attends_within_each_example_as_each_alone_does():
         np.testing.assert_allclose(packed[:, piece], alone, rtol=1e-6, atol=1e-6)
         start += n
     assert not np.allclose(attend(q, k, v)[:, 5:], packed[:, 5:])  # unmasked, it would differ
-    for implementation in ("cudnn", "flash"):
-        with pytest.raises(ValueError, match=f"^{implementation} attention does not take segment"):
-            attention.causal_attention(q, k, v, implementation, segment_ids=segment_ids)
+    with pytest.raises(ValueError, match="^cudnn attention does not take segment ids yet"):
+        attention.causal_attention(q, k, v, "cudnn", segment_ids=segment_ids)
+
+
+@pytest.mark.slow  # make test keeps the materialised path's test of it
+def test_the_tpu_kernel_keeps_to_each_rows_own_segments_in_interpret_mode():
+    """The splash kernel with `SegmentIds` (issue 44), one call an example since rows differ
+    in their segments: the materialised path's outputs and gradients, in fp32."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    shape = (2, 128, 4, 64)  # [B, L, H, D]: one tile of 128, the kernel's least
+    q, k, v = _qkv(shape, kv_heads=2, dtype=jnp.float32)
+    segment_ids = jnp.asarray([np.repeat([1, 2, 3], (40, 50, 38)), np.repeat([1, 2], (64, 64))])
+    weights = normal(9, shape)
+
+    def loss(implementation, q, k, v):
+        out = attention.causal_attention(q, k, v, implementation, segment_ids=segment_ids)
+        return jnp.sum(out * weights), out
+
+    with pltpu.force_tpu_interpret_mode():
+        (_, flash), grads = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)("flash", q, k, v)
+    (_, want), expected = jax.value_and_grad(loss, (1, 2, 3), has_aux=True)("materialized", q, k, v)
+    np.testing.assert_allclose(flash, want, rtol=1e-5, atol=1e-5)
+    for got, wanted in zip(grads, expected, strict=True):
+        np.testing.assert_allclose(got, wanted, rtol=1e-4, atol=1e-5)

@@ -278,41 +278,34 @@ def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
 def test_a_packed_row_gives_each_example_its_own_logits_and_gradients():
     """Three examples packed into one row (issue 44): with `positions` from 0 in each and
     their `segment_ids`, each example's logits are the ones it gets alone, at positions past
-    the first example too, with grouped queries and Llama 3's RoPE scaling (SCALING), in fp32;
-    and so are the gradients of a loss summed over them."""
-    c = _config(num_kv_heads=2)
-    model = llama.create_model(c)
-    lengths = (9, 16, 7)
-    tokens = _tokens(batch=1, length=sum(lengths))
-    params = _init(model, tokens)
-    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), lengths)])
-    positions = jnp.asarray([np.concatenate([np.arange(n) for n in lengths])])
-    weights = normal(5, (1, sum(lengths), 64))
+    the first example too, with grouped queries (4 over 1) and Llama 3's RoPE scaling
+    (SCALING), in fp32; and so are the gradients of a loss summed over them. One compiled
+    program for both (make test counts its compiles)."""
+    model, n = llama.create_model(_config()), 16
+    tokens = _tokens(batch=1, length=3 * n)
+    params = _init(model, _tokens())  # the other tests' params: their init's program
+    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
+    positions = jnp.asarray([np.tile(np.arange(n), 3)])
+    weights = normal(5, (1, 3 * n, 64))
 
     def packed(p):
         out = model.apply({"params": p}, tokens, positions=positions, segment_ids=segment_ids)
         return out, jnp.sum(out * weights)
 
-    def alone(p):
-        outs, start = [], 0
-        for n in lengths:
-            outs.append(model.apply({"params": p}, tokens[:, start : start + n]))
-            start += n
-        out = jnp.concatenate(outs, axis=1)
+    def alone(p):  # the three examples as a batch of three rows of their own
+        out = model.apply({"params": p}, tokens.reshape(3, n)).reshape(1, 3 * n, -1)
         return out, jnp.sum(out * weights)
 
-    (got, got_grads), (want, want_grads) = (
-        jax.jit(lambda p, f=f: (f(p)[0], jax.grad(lambda q: f(q)[1])(p)))(params)
-        for f in (packed, alone)
-    )
+    def both(p):
+        return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
+
+    (got, got_grads), (want, want_grads) = jax.jit(both)(params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    plain = jax.jit(lambda p: model.apply({"params": p}, tokens))(params)
-    assert not np.allclose(plain[:, 9:], want[:, 9:], atol=1e-3)  # unpacked, they would differ
     # RoPE's scores depend on positions' differences only, so the logits above hold with the
     # row's own positions too: `positions` are checked where they are read, each row its own
-    x = normal(6, (2, sum(lengths), 2, 16))
+    x = normal(6, (2, 3 * n, 2, 16))
     rows = jnp.concatenate([positions, positions[:, ::-1]])
     inv_freq = llama.rope_frequencies(16, 10_000.0, SCALING)
     rotated = llama.apply_rope(x, rows, inv_freq)
@@ -320,4 +313,4 @@ def test_a_packed_row_gives_each_example_its_own_logits_and_gradients():
         np.testing.assert_array_equal(
             rotated[b], llama.apply_rope(x[b : b + 1], rows[b], inv_freq)[0]
         )
-    assert not np.allclose(rotated, llama.apply_rope(x, jnp.arange(sum(lengths)), inv_freq))
+    assert not np.allclose(rotated, llama.apply_rope(x, jnp.arange(3 * n), inv_freq))

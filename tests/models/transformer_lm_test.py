@@ -346,17 +346,18 @@ def test_with_targets_the_model_chunks_its_loss_and_adds_the_z_loss(params):
     np.testing.assert_allclose(out["loss"], want + 1e-3 * z, rtol=1e-6)
 
 
+@pytest.mark.slow  # the Llama's test of it runs in make test; this is the second model
 def test_a_packed_row_gives_each_example_the_logits_it_gets_alone(params):
     """Three examples packed into one row (issue 44): the learned positions are looked up by
     each example's own `positions` (from 0), and attention keeps to its `segment_ids`."""
-    model, lengths = _model(), (5, 7, 4)
-    tokens = _tokens(batch=1)
-    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), lengths)])
-    positions = jnp.asarray([np.concatenate([np.arange(n) for n in lengths])])
-    apply = jax.jit(model.apply)
-    packed = apply(params, tokens, positions=positions, segment_ids=segment_ids)
-    start = 0
-    for n in lengths:
-        alone = apply(params, tokens[:, start : start + n])
-        np.testing.assert_allclose(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-5)
-        start += n
+    model, n = _model(), 5
+    tokens = _tokens(batch=1, length=3 * n)
+    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
+    positions = jnp.asarray([np.tile(np.arange(n), 3)])
+
+    def both(p):
+        packed = model.apply(p, tokens, positions=positions, segment_ids=segment_ids)
+        return packed, model.apply(p, tokens.reshape(3, n)).reshape(packed.shape)
+
+    packed, alone = jax.jit(both)(params)
+    np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
