@@ -176,18 +176,18 @@ def settings(config: Any, eval_batches: int | None = None) -> list[str]:
     eval source's `num_batches`, where it has one; a run's start-up is the caller. Under
     `command_line`, a key that has no effect only because the command line changed what it
     depends on is not told."""
-    told, found = _told(), []
-    for keys, why in _no_effect(config):
+    told, found, run = _told(), [], _run(config, eval_batches)
+    for keys, why in _no_effect(config, run):
         if shown := [key for key in keys if told(key)]:
             found.append(
                 f"{', '.join(f'{k}={_get(config, k)!r}' for k in shown)}: no effect, {why}"
             )
-    run = _run(config, eval_batches)
     return found + [line for check in NUMBERS if (line := check(run))]
 
 
-def _no_effect(config: Any) -> list[tuple[list[str], str]]:
-    """`(keys, why)` for the keys set that have no effect, those of one broken rule together."""
+def _no_effect(config: Any, run: Run | None = None) -> list[tuple[list[str], str]]:
+    """`(keys, why)` for the keys set that have no effect, those of one broken rule together
+    (`run`: `config`'s `Run`, where the caller has it)."""
     from mptrain import config as config_lib
 
     defaults, found = config_lib.base_config(), []
@@ -195,7 +195,7 @@ def _no_effect(config: Any) -> list[tuple[list[str], str]]:
         for key, _ in config_lib.flat_items(config[section], f"{section}."):
             if key.partition(".")[2] not in (*module.CONFIG_KEYS, *defaults[section]):
                 found.append(([key], f"{section}.name={config[section].name!r} reads no such key"))
-    run, seen = _run(config, None), set()
+    run, seen = run or _run(config, None), set()
     for rule in RULES:
         if rule.matters(run):
             continue
