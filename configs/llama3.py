@@ -99,6 +99,25 @@ def _fine_tune(c, folder: str) -> None:
     c.eval_every_steps = 200
 
 
+def _sft(c, seq_len: int, files=None, tokenizer: str = "bytes") -> None:
+    """`data.name="sft"` in place of the text (`mptrain.data.sft`): packed rows of `seq_len`,
+    the loss on the answers."""
+    prefetch = c.data.prefetch
+    c.data = config_dict.ConfigDict()
+    c.data.name = "sft"
+    c.data.prefetch = prefetch
+    c.data.files = config_dict.placeholder(object) if files is None else files
+    c.data.tokenizer = tokenizer  # "bytes", or a tokenizer.json, or a folder holding one
+    c.data.chat_template = config_dict.placeholder(str)  # None: the folder's ("bytes": llama3)
+    c.data.seq_len = seq_len
+    c.data.eval_fraction = 0.05
+    c.data.train_on_prompt = False
+    c.data.too_long = "truncate"
+    c.data.packing = True
+    c.data.eos_token = config_dict.placeholder(str)
+    c.data.cache_dir = config_dict.placeholder(str)
+
+
 def get_config(arg: str | None = None):
     c = config_lib.base_config()
     c.precision = "bf16-mixed"
@@ -123,12 +142,15 @@ def get_config(arg: str | None = None):
     c.data.eos_token = config_dict.placeholder(str)  # None: the tokenizer's end-of-text token
     c.data.cache_dir = config_dict.placeholder(str)  # None: $MPTRAIN_CACHE/tokens or ~/.cache
 
-    if arg in ("8b", None):
+    if arg in ("8b", "8b_sft", None):
         _llama3(c, 4096, 32, 32, 8, 14_336)
         c.batch_size = 16
         c.mesh.data, c.mesh.fsdp = 1, 8
         c.data.seq_len = 8192
         c.memory_fraction = 0.85  # of each 80 GB H100: the plan's 63.0 GiB is above JAX's 75%
+        if arg == "8b_sft":
+            _sft(c, 8192)
+            c.model.vocab_size = 128_256  # the plan's: a real run's folder sets its own
     elif arg == "70b":
         _llama3(c, 8192, 80, 64, 8, 28_672)
         c.batch_size = 64
@@ -159,10 +181,31 @@ def get_config(arg: str | None = None):
         c.optimizer.b2 = 0.99
         c.optimizer.weight_decay = 0.01
         c.data.seq_len = 256
+    elif arg == "sft_tiny":
+        _llama3(c, 128, 2, 4, 2, 344, vocab=264)  # the byte tokenizer's 261, rounded up
+        c.model.max_len = 512
+        c.model.rope_theta = 10_000.0
+        c.model.rope_scaling = None
+        c.model.remat = "full"
+        c.num_train_steps = 400
+        c.batch_size = 8
+        c.log_every_steps = 50
+        c.eval_every_steps = 100
+        c.eval_steps = 7  # the embedded set's 56 held-out rows, each once
+        c.checkpoint_every_steps = 200
+        c.optimizer.learning_rate = 3e-3
+        c.optimizer.warmup_steps = 40
+        c.optimizer.b2 = 0.99
+        c.optimizer.weight_decay = 0.01
+        _sft(c, 512)
     elif arg.startswith("hf="):
         _fine_tune(c, arg[3:])
+    elif arg.startswith("sft="):
+        _fine_tune(c, arg[4:])
+        _sft(c, c.data.seq_len, tokenizer=arg[4:])
     else:
         raise ValueError(
-            f"unknown config argument {arg!r}; valid: '8b', '70b', '1b', 'tiny', 'hf=DIR'"
+            f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '70b', '1b', 'tiny', "
+            "'sft_tiny', 'hf=DIR', 'sft=DIR'"
         )
     return c

@@ -38,24 +38,39 @@ class Packed:
 
 def first_fit_decreasing(lengths: list[int], room: int) -> list[list[int]]:
     """Rows of example indices, each row's lengths summing to at most `room` (every length is
-    at most `room`): the longest first, each into the first row it fits."""
+    at most `room`): the longest first, each into the first row it fits. The first row with
+    room is found in a tree of the rows' free space (its nodes the most any row below has), so
+    packing `n` examples takes O(n log n), not the O(n x rows) of a scan."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    most = [0] * (2 * size)  # leaves: the rows' free space (0: no row yet, or full)
     rows: list[list[int]] = []
-    free: list[int] = []
     for i in order:
-        # the first row with room: a linear scan; fine for the thousands of rows of an SFT set
-        slot = next((r for r, left in enumerate(free) if left >= lengths[i]), None)
-        if slot is None:
-            rows.append([i])
-            free.append(room - lengths[i])
-        else:
+        need = lengths[i]
+        if most[1] >= need:  # some row has room: go down to the leftmost one that has
+            node = 1
+            while node < size:
+                node = 2 * node if most[2 * node] >= need else 2 * node + 1
+            slot = node - size
             rows[slot].append(i)
-            free[slot] -= lengths[i]
+        else:
+            slot, node = len(rows), len(rows) + size
+            rows.append([i])
+            most[node] = room
+        most[node] -= need
+        node //= 2
+        while node:
+            most[node] = max(most[2 * node], most[2 * node + 1])
+            node //= 2
     return [sorted(row) for row in rows]  # a row's examples in the file's order
 
 
-def pack(examples: list, seq_len: int, too_long: str = "truncate") -> Packed:
-    """The examples (`(ids, loss)` pairs) packed into rows of `seq_len` (see the module doc)."""
+def pack(examples: list, seq_len: int, too_long: str = "truncate", packed: bool = True) -> Packed:
+    """The examples (`(ids, loss)` pairs) packed into rows of `seq_len` (see the module doc);
+    `packed=False`: one example a row, the rest of it padding (what packing is measured
+    against)."""
     if too_long not in ("truncate", "drop"):
         raise ValueError(f"data.too_long={too_long!r}: 'truncate' or 'drop'")
     kept, truncated, dropped = [], 0, 0
@@ -69,7 +84,8 @@ def pack(examples: list, seq_len: int, too_long: str = "truncate") -> Packed:
             inputs, targets, truncated = inputs[:seq_len], targets[:seq_len], truncated + 1
         if len(inputs):
             kept.append((inputs, targets.astype(np.int32)))
-    rows = first_fit_decreasing([len(x) for x, _ in kept], seq_len)
+    lengths = [len(x) for x, _ in kept]
+    rows = first_fit_decreasing(lengths, seq_len) if packed else [[i] for i in range(len(kept))]
     shape = (len(rows), seq_len)
     out = {name: np.zeros(shape, np.int32) for name in ("inputs", "segment_ids", "positions")}
     out["targets"] = np.full(shape, -1, np.int32)

@@ -23,6 +23,8 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -32,7 +34,7 @@ from mptrain.data import tokenize
 from mptrain.data.tokenize import Corpus
 
 _COPY_TOKENS = 1 << 24  # tokens copied (and checksummed) at a time into the final file
-_OPENED: dict[str, np.ndarray] = {}  # cache files this process has opened, by path
+_OPENED: dict[str, tuple] = {}  # (array, record) of the cache files opened here, by path
 
 
 def _write(corpus: Corpus, path: str) -> int:
@@ -53,19 +55,8 @@ def _write(corpus: Corpus, path: str) -> int:
             first = corpus.files[0] + (", ..." if len(corpus.files) > 1 else "")
             raise errors.ConfigError(f"config.data.files: no text in {first}")
         source = np.memmap(raw, corpus.dtype, "r", shape=(count,))
-        target = np.lib.format.open_memmap(staged, "w+", corpus.dtype, (count,))
-        crc = 0
-        for start in range(0, count, _COPY_TOKENS):
-            chunk = source[start : start + _COPY_TOKENS]
-            target[start : start + _COPY_TOKENS] = chunk
-            crc = zlib.crc32(chunk, crc)
-        target.flush()
-        del source, target, chunk
-        with open(staged, "rb+") as f:
-            os.fsync(f.fileno())
-        record = {"tokens": count, "dtype": corpus.dtype.name, "crc32": crc}
-        files.write_json(_record_path(path), record)
-        os.replace(staged, path)
+        _commit(source, path, staged, {})
+        del source
         return count
     finally:
         for leftover in (raw, staged):
@@ -73,20 +64,52 @@ def _write(corpus: Corpus, path: str) -> int:
                 os.remove(leftover)
 
 
+def write_array(array: np.ndarray, path: str, extra: dict) -> None:
+    """Writes `array` as the cache file `path` (a `.npy`), its record holding `extra` too:
+    staged beside it and renamed into place after the record (what `load` reads)."""
+    staged = f"{path}.{os.getpid()}.tmp.npy"
+    try:
+        _commit(array, path, staged, extra)
+    finally:
+        if os.path.exists(staged):
+            os.remove(staged)
+
+
+def _commit(source: np.ndarray, path: str, staged: str, extra: dict) -> None:
+    """`source` copied into the `.npy` file `staged` a chunk at a time (checksummed), synced,
+    its record written, then renamed to `path`."""
+    target = np.lib.format.open_memmap(staged, "w+", source.dtype, source.shape)
+    flat_in, flat_out = source.reshape(-1), target.reshape(-1)
+    crc = 0
+    for start in range(0, len(flat_in), _COPY_TOKENS):
+        chunk = np.ascontiguousarray(flat_in[start : start + _COPY_TOKENS])
+        flat_out[start : start + _COPY_TOKENS] = chunk
+        crc = zlib.crc32(chunk, crc)
+    target.flush()
+    del target, flat_out
+    with open(staged, "rb+") as f:
+        os.fsync(f.fileno())
+    shape = {"tokens": len(source)} if source.ndim == 1 else {"shape": list(source.shape)}
+    record = shape | {"dtype": source.dtype.name, "crc32": crc} | extra
+    files.write_json(_record_path(path), record)
+    os.replace(staged, path)
+
+
 def _record_path(path: str) -> str:
     return f"{path[:-4]}.json"
 
 
 def _checksum(ids: np.ndarray) -> int:
-    crc = 0
-    for start in range(0, len(ids), _COPY_TOKENS):
-        crc = zlib.crc32(ids[start : start + _COPY_TOKENS], crc)
+    flat, crc = ids.reshape(-1), 0
+    for start in range(0, len(flat), _COPY_TOKENS):
+        crc = zlib.crc32(np.ascontiguousarray(flat[start : start + _COPY_TOKENS]), crc)
     return crc
 
 
-def _verified(path: str, dtype: np.dtype) -> tuple[np.ndarray | None, str]:
+def _verified(path: str, dtype: np.dtype) -> tuple[np.ndarray | None, Any]:
     """The cache file `path` memory-mapped, if it is whole: its `.npy` header reads, and its
-    length, type and CRC-32 are those of the record beside it; else None and why not."""
+    shape, type and CRC-32 are those of the record beside it; else None. The second value is
+    the record, or why the file does not verify."""
     try:
         with open(_record_path(path), "rb") as f:
             record = json.load(f)
@@ -95,46 +118,61 @@ def _verified(path: str, dtype: np.dtype) -> tuple[np.ndarray | None, str]:
         return None, f"no {e.filename}"
     except (OSError, ValueError, EOFError) as e:
         return None, errors.first_line(e)
-    if not isinstance(record, dict) or set(record) != {"tokens", "dtype", "crc32"}:
+    if not isinstance(record, dict) or not {"dtype", "crc32"} <= set(record):
         return None, f"{_record_path(path)} is not a token cache's record"
-    if ids.shape != (record["tokens"],) or ids.dtype.name != record["dtype"] != dtype.name:
+    shape = tuple(record["shape"]) if "shape" in record else (record.get("tokens"),)
+    if ids.shape != shape or ids.dtype.name != record["dtype"] != dtype.name:
         return None, (
-            f"it holds {ids.shape} {ids.dtype.name} where its record says "
-            f"({record['tokens']},) {record['dtype']}"
+            f"it holds {ids.shape} {ids.dtype.name} where its record says {shape} {record['dtype']}"
         )
     if ids.dtype != dtype:
         return None, f"it holds {ids.dtype.name} ids where this vocabulary takes {dtype.name}"
     if _checksum(ids) != record["crc32"]:
         return None, "its ids do not match their CRC-32: the file was changed after it was written"
-    return np.asarray(ids), ""
+    return np.asarray(ids), record
 
 
 def tokens(corpus: Corpus) -> np.ndarray:
     """The corpus's token ids, a read-only memory-mapped 1-D array, built into the cache first
     where no run has, or where the file there does not verify (one log line says which)."""
     path = corpus.path()
+
+    def write(path: str) -> str:
+        count = _write(corpus, path)
+        return f"tokenized {len(corpus.files)} files into {count:,} tokens"
+
+    what = f"tokens of {len(corpus.files)} files"
+    return load(path, corpus.dtype, corpus.cache_dir, write, what)[0]
+
+
+def load(path: str, dtype: np.dtype, cache_dir: str, write: Callable[[str], str], what: str):
+    """`(array, record)` of the cache file `path`, memory-mapped read-only; built first by
+    `write(path)` (which returns what it did, for the log) under the lock beside it where no
+    process has, or where the file there does not verify (a warning says why). `what` names
+    the contents in the log line of a reuse."""
     if path in _OPENED:
         return _OPENED[path]
-    ids, broken = None, None
+    array, broken = None, None
     if os.path.exists(path):
-        ids, why = _verified(path, corpus.dtype)
-        if ids is None:
+        array, record = _verified(path, dtype)
+        if array is None:
             logging.warning(
-                "data: the token cache %s does not verify (%s): building it again", path, why
+                "data: the token cache %s does not verify (%s): building it again", path, record
             )
             broken = _identity(path)
-    if ids is None:
-        built = _build(corpus, path, broken)
-        ids, why = _verified(path, corpus.dtype)
-        if ids is None:
-            raise errors.StorageError(f"the token cache {path} does not verify once written: {why}")
+    if array is None:
+        built = _build(cache_dir, path, write, broken)
+        array, record = _verified(path, dtype)
+        if array is None:
+            raise errors.StorageError(
+                f"the token cache {path} does not verify once written: {record}"
+            )
     else:
         built = None
     if built is None:
-        count = f"{len(ids):,}"
-        logging.info("data: reusing %s tokens of %d files: %s", count, len(corpus.files), path)
-    _OPENED[path] = ids
-    return ids
+        logging.info("data: reusing the %s: %s", what, path)
+    _OPENED[path] = array, record
+    return array, record
 
 
 def _identity(path: str) -> tuple[int, int, int] | None:
@@ -145,17 +183,17 @@ def _identity(path: str) -> tuple[int, int, int] | None:
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
-def _build(corpus: Corpus, path: str, broken: tuple[int, int, int] | None = None) -> int | None:
-    """Writes the cache file `path` under the lock beside it, unless another process has by the
-    time the lock is ours (a file other than the `broken` one, an `_identity`); its token count,
-    or None. A cache folder that cannot be written is a `ConfigError` naming `data.cache_dir`;
-    a failed write a `StorageError` naming the file."""
+def _build(cache_dir: str, path: str, write: Callable[[str], str], broken=None) -> str | None:
+    """Writes the cache file `path` (`write(path)`) under the lock beside it, unless another
+    process has by the time the lock is ours (a file other than the `broken` one, an
+    `_identity`); what it did, or None. A cache folder that cannot be written is a
+    `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
     try:
-        os.makedirs(corpus.cache_dir, exist_ok=True)
+        os.makedirs(cache_dir, exist_ok=True)
         lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
     except OSError as e:
         raise errors.ConfigError(
-            f"config.data.cache_dir={corpus.cache_dir!r}: cannot write there ({e.strerror or e})"
+            f"config.data.cache_dir={cache_dir!r}: cannot write there ({e.strerror or e})"
         ) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait for it
@@ -168,17 +206,10 @@ def _build(corpus: Corpus, path: str, broken: tuple[int, int, int] | None = None
             os.remove(leftover)  # only the lock's holder builds, so none is in use
         start = time.perf_counter()
         try:
-            count = _write(corpus, path)
+            done = write(path)
         except OSError as e:
             raise errors.StorageError(
                 f"could not write the token cache {path}: {e.strerror or e}"
             ) from None
-    seconds = time.perf_counter() - start
-    logging.info(
-        "data: tokenized %d files into %s tokens in %.1f s: %s",
-        len(corpus.files),
-        f"{count:,}",
-        seconds,
-        path,
-    )
-    return count
+    logging.info("data: %s in %.1f s: %s", done, time.perf_counter() - start, path)
+    return done

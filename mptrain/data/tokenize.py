@@ -38,7 +38,7 @@ EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 BYTES_SEPARATOR = b"\n"  # what joins documents under the byte tokenizer
 BYTES_VOCAB = 256
 _BATCH_CHARS = 8 << 20  # characters of documents handed to the tokenizer at a time
-_TOKENIZERS: dict[tuple[str, int, int], Any] = {}  # loaded tokenizers, by (path, size, mtime)
+_TOKENIZERS: dict[tuple, Any] = {}  # loaded tokenizers, by (path, size, mtime, specials_in_text)
 
 
 def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ...]:
@@ -89,13 +89,14 @@ def tokenizer_file(spec: Any) -> str:
     return path
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, specials_in_text: bool = False):
     """The `tokenizers.Tokenizer` in the file `path` (loaded once a process while unchanged);
-    a `ValueError` naming `data.tokenizer` when the file is not one."""
+    a `ValueError` naming `data.tokenizer` when the file is not one. A special token spelt out
+    in a text is plain text unless `specials_in_text` (a chat template's markers are not)."""
     import tokenizers
 
     stat = os.stat(path)
-    key = (path, stat.st_size, stat.st_mtime_ns)
+    key = (path, stat.st_size, stat.st_mtime_ns, specials_in_text)
     if key not in _TOKENIZERS:
         try:
             tokenizer = tokenizers.Tokenizer.from_file(path)
@@ -103,9 +104,26 @@ def load_tokenizer(path: str):
             raise ValueError(
                 f"data.tokenizer={path!r}: not a tokenizers file ({errors.first_line(e)})"
             ) from None
-        tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a text is just text
+        tokenizer.encode_special_tokens = not specials_in_text
         _TOKENIZERS[key] = tokenizer
     return _TOKENIZERS[key]
+
+
+def byte_level(specials: tuple[str, ...]):
+    """A `tokenizers.Tokenizer` whose ids are a text's UTF-8 bytes (0-255), then `specials`
+    (256, 257, ...), each one token where a text spells it out; with character offsets, as a
+    HuggingFace tokenizer has. Bytes are spelt as byte-level BPE spells them: printable Latin-1
+    as themselves, the other bytes as the characters from U+0100 on, in order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(0x100, 0x200))
+    vocab = {chr(b if b in printable else next(others)): b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(specials))
+    return tokenizer
 
 
 def eos_id(tokenizer: Any, path: str, eos_token: Any) -> int:

@@ -28,10 +28,11 @@ def loss_unit(config) -> str:
     """The unit of the Trainer's built-in loss under `config`, a mean cross-entropy in nats per
     target (`layers.cross_entropy`): "nats/byte" for the language models on the byte-level text of
     `data.name="text"` (`data.tokenizer="bytes"`), whose targets are bytes; "nats/token" for them
-    on tokenized text or token files; else "nats" (the classifiers `cnn`, `mlp` and `resnet`: per
-    image). A Trainer subclass with its own `loss_fn` names its own unit."""
+    on tokenized text, token files or SFT rows (`data.name="sft"`: per token that carries the
+    loss); else "nats" (the classifiers `cnn`, `mlp` and `resnet`: per image). A Trainer
+    subclass with its own `loss_fn` names its own unit."""
     model, data = (str(name).strip().lower() for name in (config.model.name, config.data.name))
-    if model not in ("transformer_lm", "llama") or data not in ("text", "tokens"):
+    if model not in ("transformer_lm", "llama") or data not in ("text", "tokens", "sft"):
         return "nats"
     bytes_ = data == "text" and errors.setting(config.data, "tokenizer", "bytes") == "bytes"
     return "nats/byte" if bytes_ else "nats/token"

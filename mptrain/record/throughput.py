@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -153,9 +154,11 @@ class Meter:
     for the compute dtype (None: not known, so no MFU)."""
 
     def __init__(self, clock: Clock, start: int, work: tuple[str, int], devices: int,
-                 flops: float | None, peak: float | None, total: int | None = None):  # fmt: skip
+                 flops: float | None, peak: float | None, total: int | None = None,
+                 count: Callable[[int, int], int] | None = None):  # fmt: skip
         self.clock, self.work, self.devices = clock, work, devices
         self.flops, self.peak, self.total = flops, peak, total  # total: the run's steps
+        self.count = count  # count(a, b): the real tokens of batches a .. b - 1 (packed rows)
         self._last = (start, time.monotonic(), clock.outside())
 
     def values(self, step: int) -> dict[str, float]:
@@ -168,29 +171,35 @@ class Meter:
         steps, elapsed = step - first, now - then
         seconds = max(elapsed - (outside - before), 1e-9) / steps
         unit, per_step = self.work
+        flops = self.flops
+        if self.count is not None:  # packed rows: only their real tokens count, not padding
+            real = self.count(first, step) / steps
+            flops, per_step = flops and flops * real / per_step, real
         values = {
             "step_time_s": seconds,
             "steps_per_sec": steps / max(elapsed, 1e-9),
             f"{unit}_per_s": per_step / seconds,
             f"{unit}_per_s_per_device": per_step / seconds / self.devices,
         }
-        if self.flops is not None and self.peak:
-            values["tflops_per_device"] = self.flops / seconds / self.devices / 1e12
-            values["mfu"] = mfu(self.flops, seconds, self.devices, self.peak)
+        if flops is not None and self.peak:
+            values["tflops_per_device"] = flops / seconds / self.devices / 1e12
+            values["mfu"] = mfu(flops, seconds, self.devices, self.peak)
         if self.total:  # the log's progress line, for files and pipes (clu's form)
             eta = (self.total - step) / values["steps_per_sec"]
             logging.info(
                 "mptrain: %.1f%% (%d/%d), %.2f steps/s, %.0f %s/s, ETA %d min %02d s",
                 100 * step / self.total, step, self.total, values["steps_per_sec"],
-                values[f"{unit}_per_s"], unit, eta // 60, eta % 60,
+                values[f"{unit}_per_s"], "real " + unit if self.count else unit,
+                eta // 60, eta % 60,
             )  # fmt: skip
         return values
 
 
-def create_meter(config: Any, state: Any, start: int, clock: Clock) -> Meter:
+def create_meter(config: Any, state: Any, start: int, clock: Clock, source: Any = None) -> Meter:
     """The `Meter` of a run: what a step processes (tokens of `data.seq_len` for the zoo's
-    LMs, else examples), its analytic FLOPs and the devices' peak; logs once why there is no
-    MFU where there is none."""
+    LMs, else examples; the real tokens only where the train `source` counts them: packed
+    rows' padding is no work done), its analytic FLOPs and the devices' peak; logs once why
+    there is no MFU where there is none."""
     devices = sorted(jax.tree.leaves(state.params)[0].sharding.device_set, key=lambda d: d.id)
     lm = models.loss_unit(config) != "nats"
     seq_len = errors.setting(config.data, "seq_len", None) if lm else None
@@ -210,4 +219,5 @@ def create_meter(config: Any, state: Any, start: int, clock: Clock) -> Meter:
         if flops is None:
             why = f"{config.model.name} has no analytic FLOP count (the LMs have)"
         logging.info("mptrain: no MFU in the record: %s", why)
-    return Meter(clock, start, work, len(devices), flops, peak, config.num_train_steps)
+    count = getattr(source, "real_tokens", None) if seq_len else None
+    return Meter(clock, start, work, len(devices), flops, peak, config.num_train_steps, count)

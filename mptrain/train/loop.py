@@ -172,7 +172,9 @@ class Run:
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}
         self.title = f"{cfg.model.name}, {cfg.precision}"  # of the curves
-        self.meter = throughput.create_meter(cfg, self.state, self.start, self.clock)
+        self.meter = throughput.create_meter(
+            cfg, self.state, self.start, self.clock, self.train_source
+        )
 
     def report(self, step_no: int, metrics, totals, done: int) -> None:
         """Host-side. Writes a log step's metrics (and per-layer numerics); stops (exit 3) when

@@ -301,9 +301,13 @@ class Trainer:
 def _apply(model: Any, variables: dict, batch: Any, train: bool, **kwargs: Any) -> Any:
     """`model.apply` on the batch's inputs. A model that computes its own loss (`computes_loss`:
     the LMs' chunked fp32 cross-entropy) gets the targets too, so the [tokens, vocab] logits
-    never leave it, and returns `lm_loss.token_loss`'s dict."""
+    never leave it, and returns `lm_loss.token_loss`'s dict. A batch of packed rows passes its
+    `positions` and `segment_ids` on."""
     if getattr(model, "computes_loss", False):
         kwargs["targets"] = batch["targets"]
+    for key in ("positions", "segment_ids"):  # packed rows (`data.sft`): the LMs read them
+        if key in batch:
+            kwargs[key] = batch[key]
     return model.apply(variables, batch["inputs"], train=train, **kwargs)
 
 

@@ -1,0 +1,456 @@
+"""Supervised fine-tuning data: `data.name="sft"`, examples packed into rows, loss on the answers.
+
+`data.files` globs `.jsonl` files (an example a line) and `.json` files (a list of examples);
+None is the embedded set (`embedded_examples`). An example is a conversation
+(`{"messages": [{"role", "content"}, ...]}`) or a pair (`{"prompt", "completion"}`), under the
+field names `data.messages_field`, `data.prompt_field` and `data.completion_field`. Each is
+encoded by `chat.encode`: the conversation rendered by its chat template, the loss on the
+assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
+
+  * Tokenizer: `data.tokenizer` is a HuggingFace `tokenizer.json` (or the folder holding it:
+    its `tokenizer_config.json` gives the `chat_template`, `bos_token` and `eos_token`), or
+    `"bytes"`: a byte-level tokenizer with Llama 3's five markers as tokens 256-260
+    (`BYTE_SPECIALS`), so the built-in `"llama3"` template works on it.
+  * Template: `data.chat_template` None takes the folder's (the built-in `"llama3"` under
+    `"bytes"`); or a name of `chat.BUILTIN`, `"folder"`, or a template's own Jinja2 text.
+  * Rows: the last `data.eval_fraction` of the examples are held out; each side is packed
+    into rows of `data.seq_len` (`packing.pack`: first-fit decreasing, `data.packing=False`
+    for one example a row); an example longer than a row is cut to it or left out
+    (`data.too_long`), and a warning counts them.
+  * Cache: the rows are built once into `data.cache_dir` (`token_cache.load`: a lock, a
+    staged file renamed into place, a CRC-32 record checked before each read), named by a
+    hash of the files, the tokenizer, the template and every setting here.
+  * Batches: training batch `i` takes rows `i * batch_size ...` of a shuffle of the rows drawn
+    from `(seed, epoch)`, a fresh one each epoch: a pure function of `(seed, i)`, so a resumed
+    run continues the data exactly. Eval batches take the held-out rows in order.
+  * Each batch is `{"inputs", "targets", "segment_ids", "positions"}`, int32 `[batch,
+    seq_len]`: targets -1 where no loss falls, segment ids 0 in padding and 1, 2, ... for a
+    row's examples, positions from 0 in each example. The models attend within a segment.
+
+A bad example is a `ConfigError` naming the file, the line and what is wrong; nothing is
+written until every example has encoded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from mptrain import errors
+from mptrain.data import chat, packing, text, token_cache, tokenize
+
+FORMAT_VERSION = 1  # bump when the rows' layout or the encoding rule changes
+SUFFIXES = (".jsonl", ".json")
+BYTES = tokenize.BYTES
+# The markers Llama 3's template writes, as tokens of the byte tokenizer (ids 256 on).
+BYTE_SPECIALS = (
+    "<|end_of_text|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+BYTE_VOCAB = 256 + len(BYTE_SPECIALS)
+PLANES = ("inputs", "targets", "segment_ids", "positions")  # a cached row's planes, in order
+# The keys this source reads under `config.data`, with their defaults (the module doc).
+CONFIG_KEYS = {
+    "files": None,
+    "tokenizer": BYTES,
+    "chat_template": None,
+    "seq_len": 512,
+    "eval_fraction": 0.05,
+    "train_on_prompt": False,
+    "too_long": "truncate",
+    "packing": True,
+    "messages_field": "messages",
+    "prompt_field": "prompt",
+    "completion_field": "completion",
+    "eos_token": None,
+    "cache_dir": None,
+}
+EMBEDDED_MAX_CHARS = 480  # of an embedded pair: one fits a row of 512 with room to spare
+
+
+# ---- the embedded set --------------------------------------------------------------------
+
+
+def embedded_examples() -> Iterator[tuple[str, dict]]:
+    """The embedded set: for each public function or method of the Python standard library
+    (`text.list_files`' files) with a docstring, the prompt is its dotted name and signature
+    and a newline, the completion the docstring's first paragraph (at least 20 characters, the
+    pair at most `EMBEDDED_MAX_CHARS`). About 4,700 pairs on CPython 3.11, the same on every
+    machine with the same Python build. Yields `(where, example)`."""
+    root = text.stdlib_root()
+    for rel in text.list_files(root):
+        with open(os.path.join(root, rel), "rb") as f:
+            source = f.read()
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):  # a file of another Python's grammar: not text here
+            continue
+        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        for name, node in _functions(tree.body, module + "."):
+            doc = ast.get_docstring(node)
+            first = doc.split("\n\n")[0].strip() if doc else ""
+            prompt = f"{name}({ast.unparse(node.args)})\n"
+            if len(first) >= 20 and len(prompt) + len(first) <= EMBEDDED_MAX_CHARS:
+                yield f"{rel} line {node.lineno}", {"prompt": prompt, "completion": first}
+
+
+def _functions(body: list, prefix: str) -> Iterator[tuple[str, Any]]:
+    for node in body:
+        if node.__class__.__name__ in ("FunctionDef", "AsyncFunctionDef"):
+            if not node.name.startswith("_"):
+                yield prefix + node.name, node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            yield from _functions(node.body, f"{prefix}{node.name}.")
+
+
+# ---- settings ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """`config.data` of an SFT run, checked; what the rows depend on."""
+
+    files: tuple[str, ...]  # empty: the embedded set
+    tokenizer: str  # "bytes" or a tokenizer.json's path
+    template: str | None  # the chat template's text
+    tokens: dict  # bos_token / eos_token for the template
+    eos_id: int  # what ends a pair
+    seq_len: int
+    eval_fraction: float
+    train_on_prompt: bool
+    too_long: str
+    packing: bool
+    fields: tuple[str, str, str]  # messages, prompt, completion
+    cache_dir: str
+    vocab: int
+    digest: str  # of the tokenizer file ("bytes" for the byte tokenizer)
+
+    def key(self) -> str:
+        """The cache file's name: a hash of everything the rows depend on."""
+        stats = [(p, s.st_size, s.st_mtime_ns) for p in self.files for s in [os.stat(p)]]
+        if not self.files:  # the embedded set: this Python's standard library
+            stats = [sys.version, text.stdlib_root()]
+        what = dataclasses.asdict(self) | {"files": stats, "cache_dir": None}
+        what["version"] = FORMAT_VERSION
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+    def path(self) -> str:
+        return os.path.join(self.cache_dir, f"sft-{self.key()}.npy")
+
+
+def _token_text(value: Any) -> str | None:
+    """A `tokenizer_config.json`'s token: a string, or `{"content": ...}`."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _folder_config(path: str) -> dict:
+    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return {}
+    try:
+        with open(config, encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"data.tokenizer: {config} does not read ({errors.first_line(e)})"
+        ) from None
+    return found if isinstance(found, dict) else {}
+
+
+def _template(spec: Any, folder: dict, tokenizer: str) -> str | None:
+    """The chat template's text `data.chat_template=spec` names (the module doc)."""
+    if spec is None:
+        if folder.get("chat_template"):
+            return chat.template_of("folder", folder)
+        return chat.BUILTIN["llama3"] if tokenizer == BYTES else None
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"data.chat_template={spec!r}: a template's name or its text, or None")
+    if "{{" in spec or "{%" in spec:
+        return spec
+    return chat.template_of(spec, folder)
+
+
+def settings(config: Any) -> Settings:
+    """`config.data` checked (a `ValueError` naming the bad key), the tokenizer loaded."""
+    keys = errors.settings(config.data, CONFIG_KEYS)
+    seq_len = errors.check_integer("data.seq_len", keys["seq_len"], 1, errors.INT32_MAX)
+    fraction = errors.check_number(
+        "data.eval_fraction", keys["eval_fraction"], 0.0, 1.0, open_low=True
+    )
+    too_long = errors.check_choice("data.too_long", keys["too_long"], ("truncate", "drop"))
+    for key in ("train_on_prompt", "packing"):
+        if not isinstance(keys[key], bool):
+            raise ValueError(f"data.{key}={keys[key]!r}: must be True or False")
+    fields = tuple(keys[f"{k}_field"] for k in ("messages", "prompt", "completion"))
+    for name, value in zip(("messages", "prompt", "completion"), fields, strict=True):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"data.{name}_field={value!r}: must be a field's name")
+    files = ()
+    if keys["files"] is not None:
+        files = tokenize.find_files("data.files", keys["files"], SUFFIXES)
+    cache_dir = keys["cache_dir"]
+    if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+        raise ValueError(f"data.cache_dir={cache_dir!r}: must be a folder's path or None")
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or tokenize.default_cache_dir()))
+    spec, eos_token = keys["tokenizer"], keys["eos_token"]
+    if spec == BYTES:
+        folder, path, digest = {}, BYTES, BYTES
+        tokens = {"bos_token": BYTE_SPECIALS[1], "eos_token": BYTE_SPECIALS[0]}
+        loaded = tokenizer_of(BYTES)
+    else:
+        path = tokenize.tokenizer_file(spec)
+        folder, loaded = _folder_config(path), tokenizer_of(path)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        tokens = {k: _token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
+    template = _template(keys["chat_template"], folder, path)
+    if eos_token is None and tokens["eos_token"]:  # the folder's, as its chat model ends
+        eos_token = tokens["eos_token"]
+    eos = tokenize.eos_id(loaded, path, eos_token)
+    vocab = loaded.get_vocab_size(with_added_tokens=True)
+    return Settings(
+        files, path, template, tokens, eos, seq_len, fraction, keys["train_on_prompt"],
+        too_long, keys["packing"], fields, cache_dir, vocab, digest,
+    )  # fmt: skip
+
+
+def tokenizer_of(path: str):
+    """The tokenizer that `Settings.tokenizer` names, its markers read as tokens."""
+    if path == BYTES:
+        return tokenize.byte_level(BYTE_SPECIALS)
+    return tokenize.load_tokenizer(path, specials_in_text=True)
+
+
+# ---- reading and encoding ------------------------------------------------------------------
+
+
+def read_examples(path: str) -> Iterator[tuple[str, Any]]:
+    """`(where, example)` of a file's examples: each line of a `.jsonl` (blank lines skipped),
+    each item of a `.json` list. A file that does not read, a line that is not JSON, or a file
+    with no example is a `ConfigError` naming the file (and line)."""
+    try:
+        with open(path, "rb") as f:
+            content = f.read()
+    except OSError as e:
+        raise errors.ConfigError(f"config.data.files: cannot read {path} ({e.strerror})") from None
+    count = 0
+    if path.endswith(".json"):
+        try:
+            items = json.loads(content)
+        except ValueError as e:
+            raise errors.ConfigError(
+                f"config.data.files: {path} is not JSON ({errors.first_line(e)})"
+            ) from None
+        if not isinstance(items, list):
+            raise errors.ConfigError(f"config.data.files: {path} is not a list of examples")
+        for k, item in enumerate(items):
+            count += 1
+            yield f"{path} item {k}", item
+    else:
+        for number, line in enumerate(content.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                raise errors.ConfigError(
+                    f"config.data.files: {path} line {number}: not JSON ({errors.first_line(e)})"
+                ) from None
+            count += 1
+            yield f"{path} line {number}", item
+    if not count:
+        raise errors.ConfigError(f"config.data.files: {path} holds no example")
+
+
+def _standard(example: Any, fields: tuple[str, str, str]) -> Any:
+    """The example under `chat.encode`'s field names."""
+    messages, prompt, completion = fields
+    if not isinstance(example, dict):
+        return example
+    if messages in example:
+        return {"messages": example[messages]}
+    if prompt in example or completion in example:
+        return {"prompt": example.get(prompt), "completion": example.get(completion)}
+    raise ValueError(f"neither {messages!r} nor {prompt!r} and {completion!r}")
+
+
+def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example's `(ids, loss)`, in the files' order; a `ConfigError` names the first bad
+    one (its file, line and what is wrong)."""
+    tokenizer = tokenizer_of(s.tokenizer)
+    examples = embedded_examples() if not s.files else _in_files(s.files)
+    out = []
+    for where, example in examples:
+        try:
+            ids, loss = chat.encode(
+                _standard(example, s.fields), tokenizer, s.template, s.eos_id,
+                s.train_on_prompt, **s.tokens,
+            )  # fmt: skip
+        except ValueError as e:
+            raise errors.ConfigError(f"config.data.files: {where}: {e}") from None
+        top = int(ids.max(initial=0))
+        if top >= s.vocab:  # a template's marker that is no token of this tokenizer's, say
+            raise errors.ConfigError(f"config.data.files: {where}: token id {top} >= {s.vocab}")
+        out.append((ids, loss))
+    return out
+
+
+def _in_files(paths: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    for path in paths:
+        yield from read_examples(path)
+
+
+# ---- the rows --------------------------------------------------------------------------------
+
+
+def _stats(packed: packing.Packed) -> dict:
+    return {
+        "rows": len(packed.inputs),
+        "examples": packed.examples,
+        "truncated": packed.truncated,
+        "dropped": packed.dropped,
+        "real_tokens": packed.real_tokens,
+        "loss_tokens": int((packed.targets >= 0).sum()),
+    }
+
+
+def build(s: Settings) -> tuple[np.ndarray, dict]:
+    """The rows (int32 `[rows, 4, seq_len]`: `PLANES`, the train rows then the eval rows) and
+    their record's `{"train": stats, "eval": stats}`."""
+    examples = encoded(s)
+    held_out = round(len(examples) * s.eval_fraction)
+    if not 1 <= held_out < len(examples):
+        raise errors.ConfigError(
+            f"config.data.eval_fraction={s.eval_fraction:g}: of {len(examples)} examples it "
+            f"holds out {held_out}; each side needs at least one"
+        )
+    sides = examples[: len(examples) - held_out], examples[len(examples) - held_out :]
+    packed = [packing.pack(side, s.seq_len, s.too_long, s.packing) for side in sides]
+    for name, side in zip(("train", "eval"), packed, strict=True):
+        if not len(side.inputs):
+            raise errors.ConfigError(
+                f"config.data.too_long='drop': every {name} example is longer than "
+                f"data.seq_len={s.seq_len}"
+            )
+    rows = np.concatenate(
+        [np.stack([getattr(p, plane) for plane in PLANES], axis=1) for p in packed]
+    )
+    return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1])}
+
+
+def rows_of(s: Settings) -> tuple[np.ndarray, dict]:
+    """`(rows, record)`: `build`'s rows from the cache, built there first where no run has."""
+
+    def write(path: str) -> str:
+        rows, stats = build(s)
+        token_cache.write_array(rows, path, {"sft": stats})
+        where = f"{len(s.files)} files" if s.files else "the embedded set"
+        return (
+            f"packed {stats['train']['examples'] + stats['eval']['examples']:,} examples of {where}"
+        )
+
+    return token_cache.load(s.path(), np.dtype(np.int32), s.cache_dir, write, "packed SFT rows")
+
+
+class PackedSource:
+    """Batches of packed rows (the module doc): `random=True` draws each epoch's order from
+    `(seed, epoch)`; `random=False` takes the rows in order, the last batch wrapping round."""
+
+    def __init__(self, rows: np.ndarray, batch_size: int, seed: int = 0, *, random: bool = True):
+        self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
+        self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders[epoch] = rng.permutation(len(self.rows))
+        return self._orders[epoch]
+
+    def indices(self, index: int) -> np.ndarray:
+        """The rows of batch `index`."""
+        if not isinstance(index, int | np.integer) or index < 0:
+            raise ValueError(f"batch index must be a non-negative int, got {index!r}")
+        at = int(index) * self.batch_size + np.arange(self.batch_size)
+        n = len(self.rows)
+        if not self.random:
+            return at % n
+        epochs = at // n
+        return np.asarray([self._order(int(e))[k] for e, k in zip(epochs, at % n, strict=True)])
+
+    def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Batch `index` (only its `rows`: a process builds its own)."""
+        picked = np.asarray(self.rows[self.indices(index)[rows]])
+        return {plane: picked[:, k] for k, plane in enumerate(PLANES)}
+
+    def real_tokens(self, start: int, stop: int) -> int:
+        """The real (not padding) tokens of batches `start .. stop - 1`: what tokens/s counts."""
+        return int(sum(self.real[self.indices(i)].sum() for i in range(start, stop)))
+
+    def __repr__(self) -> str:
+        rows, batch = len(self.rows), self.batch_size
+        return f"PackedSource(rows={rows}, batch_size={batch}, random={self.random})"
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """What `config.validate` calls: the keys checked, the files found, the tokenizer and the
+    template loaded (the vocabulary must fit `model.vocab_size`); no example is read. Returns
+    one example's abstract shapes (the four planes)."""
+    import jax
+
+    s = settings(config)
+    tokenize.check_vocab(config, s.vocab, s.tokenizer)
+    example = jax.ShapeDtypeStruct((1, s.seq_len), np.int32)
+    return dict.fromkeys(PLANES, example)
+
+
+def report(s: Settings, record: dict) -> None:
+    """Start-up's lines: the rows, the real-token rate, what was cut or left out."""
+    for name in ("train", "eval"):
+        st = record["sft"][name]
+        rate = st["real_tokens"] / max(1, st["rows"] * s.seq_len)
+        logging.info(
+            "data: sft %s: %s examples in %s rows of %d tokens (%s), real-token rate %.1f%%, "
+            "%s tokens carry the loss",
+            name, f"{st['examples']:,}", f"{st['rows']:,}", s.seq_len,
+            "packed" if s.packing else "one a row", 100 * rate, f"{st['loss_tokens']:,}",
+        )  # fmt: skip
+        if st["truncated"] or st["dropped"]:
+            logging.warning(
+                "data: sft %s: %d examples longer than data.seq_len=%d were %s",
+                name, st["truncated"] or st["dropped"], s.seq_len,
+                "cut to it (data.too_long='truncate')" if st["truncated"]
+                else "left out (data.too_long='drop')",
+            )  # fmt: skip
+
+
+def create_sources(config: Any) -> tuple[PackedSource, PackedSource]:
+    """Host-side: `(train, eval)` sources of packed rows (the module doc)."""
+    with errors.config_errors():
+        s = settings(config)
+        tokenize.check_vocab(config, s.vocab, s.tokenizer)
+    rows, record = rows_of(s)
+    report(s, record)
+    train = record["sft"]["train"]["rows"]
+    return (
+        PackedSource(rows[:train], config.batch_size, config.seed),
+        PackedSource(rows[train:], config.batch_size, config.seed, random=False),
+    )
