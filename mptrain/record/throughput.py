@@ -14,6 +14,11 @@ forward and backward pass, plus the attention scores and their product with the 
 mask leaves half of the score matrix unused). MFU is those FLOPs per second per device over
 the chip's peak for the compute dtype (the targets' spec files, `mptrain.target`); where the
 devices are not of a known kind (a CPU, say) there is no MFU, and the log says so once.
+
+Packed rows (`data.name="sft"`) count only their real tokens, not the padding between
+examples: the source's `real_tokens(a, b)` gives those of the batches a step ran, tokens/s and
+the FLOPs behind MFU scale by them, and the progress line says "real tokens/s". The attention
+term keeps the row's length, an upper bound for rows of several short examples.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Speed in the record (issue 36, point 1): step time, tokens/s, MFU from analytic FLOPs."""
 
+import logging
 import types
 
 import pytest
@@ -65,6 +66,27 @@ def test_the_meter_leaves_out_time_spent_outside_train_steps(monkeypatch):
     assert values["mfu"] == pytest.approx(4e12 / 0.3 / 2 / 989.4e12)
     assert clock.spent == pytest.approx({"eval": 1.0, "checkpoints": 0.5})
     assert clock.goodput() == pytest.approx(3.0 / 4.5)
+
+
+def test_packed_rows_count_their_real_tokens_only_in_tokens_per_s_and_mfu(monkeypatch, caplog):
+    """A source that counts real tokens (`data.sft`'s packed rows): tokens/s and MFU are of
+    those, not of the rows' padding, and the progress line says "real tokens/s"."""
+    now = [100.0]
+    monkeypatch.setattr(throughput.time, "monotonic", lambda: now[0])
+    asked = []
+
+    def count(start, stop):  # 600 real tokens in each 1,000-token batch
+        asked.append((start, stop))
+        return 600 * (stop - start)
+
+    meter = throughput.Meter(throughput.Clock(), 0, ("tokens", 1000), 2, 4e12, 989.4e12, 10, count)
+    now[0] += 3.0
+    caplog.set_level(logging.INFO)
+    values = meter.values(10)
+    assert asked == [(0, 10)]  # batches 0 .. 9 made steps 1 .. 10
+    assert values["tokens_per_s"] == pytest.approx(600 / 0.3)
+    assert values["mfu"] == pytest.approx(0.6 * 4e12 / 0.3 / 2 / 989.4e12)
+    assert "2000 real tokens/s" in caplog.text
 
 
 def test_a_tiny_run_records_its_speed_and_goodput(tmp_path, capsys):
