@@ -45,6 +45,15 @@ Arguments:
   Then `python -m mptrain.export --workdir=runs/ft --format=hf --out=exports/ft` writes a
   folder transformers loads, DIR's tokenizer files copied in (docs/fine-tuning.md).
 
+- `sft=DIR`: supervised fine-tuning of the Llama in DIR (docs/sft.md): `hf=DIR` with
+  `data.name="sft"`: `--config.data.files=chats.jsonl` (conversations or prompt/completion
+  pairs), DIR's tokenizer and chat template, the loss on the answers, examples packed into rows.
+- `sft_tiny`: a byte-level Llama (vocabulary 264: the bytes and Llama 3's five markers) on the
+  embedded SFT set (the standard library's signatures and docstrings), packed into rows of 512;
+  400 steps on a 2-core CPU.
+- `8b_sft`: `8b` on packed SFT rows of 8,192 tokens, for `mptrain.plan` (the attention of a
+  packed row keeps to its examples).
+
 The data of the big ones here is the embedded byte-level text (vocabulary 256 is what it
 tokenizes to): they are for `mptrain.plan`, whose step is the same whatever the tokens mean.
 Expected: `8b` fits 8 H100s with at most 72 GiB a device (the plan's figure); `tiny`, 800
@@ -191,7 +200,7 @@ def get_config(arg: str | None = None):
         c.batch_size = 8
         c.log_every_steps = 50
         c.eval_every_steps = 100
-        c.eval_steps = 7  # the embedded set's 56 held-out rows, each once
+        c.eval_steps = 7  # the embedded set's 55 held-out rows (the last batch wraps round by one)
         c.checkpoint_every_steps = 200
         c.optimizer.learning_rate = 3e-3
         c.optimizer.warmup_steps = 40

@@ -3,10 +3,11 @@
 How a page is read (docs/design.md, "The docs are tested", says the same for writers): a block
 is `sh` (commands, run), `python` (run in this process, each on its own unless its first line is
 `# continues the block above`) or `text` (output and listings, not run). A comment on the line
-above a block says more: `<!-- file: PATH -->` (the reader writes the block as PATH; so does the
-test), `<!-- ctrl-c -->` (the reader stops the command with Ctrl-C: SIGINT once it prints its
-first progress line, then exit code 75 is required) and `<!-- not run: NAME -->` (skipped, and
-NAME must be one of `NOT_RUN` below, so that skipping a new block takes a change here too).
+above a block says more: `<!-- file: PATH -->` (the reader writes the block, `python` or
+`json`, as PATH; so does the test), `<!-- ctrl-c -->` (the reader stops the command with
+Ctrl-C: SIGINT once it prints its first progress line, then exit code 75 is required) and
+`<!-- not run: NAME -->` (skipped, and NAME must be one of `NOT_RUN` below, so that skipping a
+new block takes a change here too).
 Commands run shortened: a config of this repository at its `:tiny` size, at most 8 steps,
 `/tmp/...` inside the page's scratch folder. Each page runs in a scratch folder of its own (with
 `configs/`, `examples/` and `scripts/` linked in), so a block may use what an earlier block of
@@ -39,8 +40,10 @@ NOT_RUN = {
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
     "transformers": "it needs PyTorch and transformers, which make test does not install",
+    "sft-tiny": "400 steps: make test-slow's tests/data/sft_train_test.py runs them",
 }
 MAX_STEPS = 8
+FILE_LANGS = ("python", "json")  # what a `file` block may be: a script, a config, a jsonl
 CONTINUES = "# continues the block above"  # a Python block's first line: it runs on its names
 REPO_DIRS = ("configs", "examples", "scripts")  # linked into each scratch folder
 _MARK = re.compile(r"^<!-- (not run|file|ctrl-c)(?:: ([\w./-]+))? -->$")
@@ -176,11 +179,11 @@ def run_page(
     ran: dict[str, str] = {}
     namespace: dict = {}
     for block in page_blocks(page):
-        if block.mark == "not run" or block.lang == "text":
-            continue
         if block.mark == "file":
             (scratch / block.arg).parent.mkdir(parents=True, exist_ok=True)
             (scratch / block.arg).write_text(block.text)
+            continue
+        if block.mark == "not run" or block.lang == "text":
             continue
         if block.lang == "python":
             if python is not None:
@@ -217,9 +220,10 @@ def hidden_tensorflow(folder: Path) -> dict[str, str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_block_says_what_it_is_and_every_skip_is_known(page):
     blocks = page_blocks(page)
-    assert not [str(b) for b in blocks if b.lang not in ("sh", "python", "text")]
+    langs = ("sh", "python", "text")
+    assert not [str(b) for b in blocks if b.lang not in langs and b.mark != "file"]
     assert not [str(b) for b in blocks if b.mark == "not run" and b.arg not in NOT_RUN]
-    assert not [str(b) for b in blocks if b.mark == "file" and b.lang != "python"]
+    assert not [str(b) for b in blocks if b.mark == "file" and b.lang not in FILE_LANGS]
     assert not [str(b) for b in blocks if b.mark == "ctrl-c" and len(commands(b)) != 1]
 
 
@@ -319,6 +323,7 @@ SLOW_PAGES = (
     "loss-scaling.md",
     "getting-started.md",
     "fine-tuning.md",
+    "sft.md",
     "fp8.md",
     "export.md",
 )

@@ -48,7 +48,7 @@ from absl import logging
 from mptrain import errors
 from mptrain.data import chat, packing, text, token_cache, tokenize
 
-FORMAT_VERSION = 1  # bump when the rows' layout or the encoding rule changes
+FORMAT_VERSION = 2  # bump when the rows' layout, the encoding or the embedded set's rule changes
 SUFFIXES = (".jsonl", ".json")
 BYTES = tokenize.BYTES
 # The markers Llama 3's template writes, as tokens of the byte tokenizer (ids 256 on).

@@ -11,7 +11,7 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import ROOT, load_config
 
 from mptrain import config as config_lib
 from mptrain import errors
@@ -267,3 +267,36 @@ def test_the_command_line_exits_2_with_one_line_and_writes_nothing(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert f"{path} line 2: message 0 has no 'role'" in last, done.stderr[-2000:]
     assert not workdir.exists() and not list((tmp_path / "cache").glob("sft-*.npy"))
+
+
+def test_the_trainers_step_reads_the_rows_positions_and_segment_ids(tmp_path):
+    """The Trainer hands a batch's `positions` and `segment_ids` to the model: in the traced
+    loss of `configs/llama3.py:sft_tiny` (traced, not compiled), both inputs are read."""
+    import jax
+
+    from mptrain.train import trainer as trainer_lib
+
+    config = load_config("llama3", "sft_tiny", **{"data.cache_dir": str(tmp_path / "cache")})
+    config.data.seq_len = 32
+    batch = config_lib.validate(config) or sft.check_config(config)
+    batch = {k: jax.ShapeDtypeStruct((2, 32), v.dtype) for k, v in batch.items()}
+    trainer = trainer_lib.Trainer(config, tmp_path / "run")
+    variables = jax.eval_shape(trainer.init_variables, jax.random.key(0), batch)
+
+    def loss(params, batch):
+        return trainer.loss_fn(params, {}, batch, jax.random.key(0))[0]
+
+    jaxpr = jax.make_jaxpr(loss)(variables["params"], batch).jaxpr
+    n = len(jax.tree.leaves(variables["params"]))
+    inputs = dict(zip(sorted(batch), jaxpr.invars[n:], strict=True))  # a dict's leaves: sorted
+    read = {v for eqn in _equations(jaxpr) for v in eqn.invars if not hasattr(v, "val")}
+    assert inputs["positions"] in read and inputs["segment_ids"] in read
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in eqn.params.values():
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None:
+                yield from _equations(getattr(inner, "jaxpr", inner))
