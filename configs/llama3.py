@@ -123,6 +123,7 @@ def _sft(c, seq_len: int, files=None, tokenizer: str = "bytes") -> None:
     c.data.train_on_prompt = False
     c.data.too_long = "truncate"
     c.data.packing = True
+    c.data.max_segments = 64  # examples a row takes at most (cuDNN's packed layout's bound)
     c.data.eos_token = config_dict.placeholder(str)
     c.data.cache_dir = config_dict.placeholder(str)
 

@@ -100,6 +100,7 @@ class Target:
 
         try:
             if self.platform == "gpu":
+                self._answer_capability_checks()
                 hosts, per_host = max(1, count // GPUS_PER_HOST), min(count, GPUS_PER_HOST)
                 topology = topologies.get_topology_desc(
                     self.name,
@@ -126,6 +127,17 @@ class Target:
                 "as `python -m mptrain.plan` does, so that no backend looks for a driver"
             ) from None
         return list(topology.devices)
+
+    def _answer_capability_checks(self) -> None:
+        """jax's cuDNN module checks some features (the packed layout of packed rows: Hopper
+        or newer) against this process's own GPU as it traces; a process compiling for this
+        chip has none, so those checks answer for this chip's compute capability."""
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+
+        have = tuple(int(x) for x in self.spec["compute_capability"].split("."))
+        version = lambda capability: tuple(int(x) for x in capability.split("."))
+        fused.check_compute_capability = lambda capability: have >= version(capability)
+        fused.is_cuda_compute_capability_equal = lambda capability: have == version(capability)
 
     def gpu_config(self) -> str:
         """The GpuTargetConfigProto (text) XLA's GPU compiler is given for this chip."""

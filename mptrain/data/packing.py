@@ -36,11 +36,12 @@ class Packed:
         return self.real_tokens / max(1, self.inputs.size)
 
 
-def first_fit_decreasing(lengths: list[int], room: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: list[int], room: int, most_examples: int | None = None):
     """Rows of example indices, each row's lengths summing to at most `room` (every length is
-    at most `room`): the longest first, each into the first row it fits. The first row with
-    room is found in a tree of the rows' free space (its nodes the most any row below has), so
-    packing `n` examples takes O(n log n), not the O(n x rows) of a scan."""
+    at most `room`), at most `most_examples` in a row: the longest first, each into the first
+    row it fits. The first row with room is found in a tree of the rows' free space (its nodes
+    the most any row below has; a row holding `most_examples` has none), so packing `n`
+    examples takes O(n log n), not the O(n x rows) of a scan."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     size = 1
     while size < max(1, len(lengths)):
@@ -60,6 +61,8 @@ def first_fit_decreasing(lengths: list[int], room: int) -> list[list[int]]:
             rows.append([i])
             most[node] = room
         most[node] -= need
+        if most_examples is not None and len(rows[slot]) >= most_examples:
+            most[node] = 0  # full: it takes no more examples, whatever room it has
         node //= 2
         while node:
             most[node] = max(most[2 * node], most[2 * node + 1])
@@ -67,10 +70,16 @@ def first_fit_decreasing(lengths: list[int], room: int) -> list[list[int]]:
     return [sorted(row) for row in rows]  # a row's examples in the file's order
 
 
-def pack(examples: list, seq_len: int, too_long: str = "truncate", packed: bool = True) -> Packed:
-    """The examples (`(ids, loss)` pairs) packed into rows of `seq_len` (see the module doc);
-    `packed=False`: one example a row, the rest of it padding (what packing is measured
-    against)."""
+def pack(
+    examples: list,
+    seq_len: int,
+    too_long: str = "truncate",
+    packed: bool = True,
+    most_examples: int | None = None,
+) -> Packed:
+    """The examples (`(ids, loss)` pairs) packed into rows of `seq_len` (see the module doc),
+    at most `most_examples` a row; `packed=False`: one example a row, the rest of it padding
+    (what packing is measured against)."""
     if too_long not in ("truncate", "drop"):
         raise ValueError(f"data.too_long={too_long!r}: 'truncate' or 'drop'")
     kept, truncated, dropped = [], 0, 0
@@ -85,7 +94,10 @@ def pack(examples: list, seq_len: int, too_long: str = "truncate", packed: bool 
         if len(inputs):
             kept.append((inputs, targets.astype(np.int32)))
     lengths = [len(x) for x, _ in kept]
-    rows = first_fit_decreasing(lengths, seq_len) if packed else [[i] for i in range(len(kept))]
+    if packed:
+        rows = first_fit_decreasing(lengths, seq_len, most_examples)
+    else:
+        rows = [[i] for i in range(len(kept))]
     shape = (len(rows), seq_len)
     out = {name: np.zeros(shape, np.int32) for name in ("inputs", "segment_ids", "positions")}
     out["targets"] = np.full(shape, -1, np.int32)

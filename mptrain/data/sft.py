@@ -25,7 +25,9 @@ assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
     run continues the data exactly. Eval batches take the held-out rows in order.
   * Each batch is `{"inputs", "targets", "segment_ids", "positions"}`, int32 `[batch,
     seq_len]`: targets -1 where no loss falls, segment ids 0 in padding and 1, 2, ... for a
-    row's examples, positions from 0 in each example. The models attend within a segment.
+    row's examples, positions from 0 in each example; and `"segment_lengths"`, int32 `[batch,
+    data.max_segments]`: each example's tokens, which cuDNN's packed layout reads on a GPU (a
+    row takes at most `data.max_segments` examples). The models attend within a segment.
 
 A bad example is a `ConfigError` naming the file, the line and what is wrong; nothing is
 written until every example has encoded.
@@ -71,6 +73,7 @@ CONFIG_KEYS = {
     "train_on_prompt": False,
     "too_long": "truncate",
     "packing": True,
+    "max_segments": 64,
     "messages_field": "messages",
     "prompt_field": "prompt",
     "completion_field": "completion",
@@ -132,6 +135,7 @@ class Settings:
     train_on_prompt: bool
     too_long: str
     packing: bool
+    max_segments: int  # examples a row holds at most (cuDNN's packed layout is built for it)
     fields: tuple[str, str, str]  # messages, prompt, completion
     cache_dir: str
     vocab: int
@@ -190,6 +194,7 @@ def settings(config: Any) -> Settings:
         "data.eval_fraction", keys["eval_fraction"], 0.0, 1.0, open_low=True
     )
     too_long = errors.check_choice("data.too_long", keys["too_long"], ("truncate", "drop"))
+    most = errors.check_integer("data.max_segments", keys["max_segments"], 1, seq_len)
     for key in ("train_on_prompt", "packing"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"data.{key}={keys[key]!r}: must be True or False")
@@ -222,7 +227,7 @@ def settings(config: Any) -> Settings:
     vocab = loaded.get_vocab_size(with_added_tokens=True)
     return Settings(
         files, path, template, tokens, eos, seq_len, fraction, keys["train_on_prompt"],
-        too_long, keys["packing"], fields, cache_dir, vocab, digest,
+        too_long, keys["packing"], most, fields, cache_dir, vocab, digest,
     )  # fmt: skip
 
 
@@ -337,7 +342,9 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
             f"holds out {held_out}; each side needs at least one"
         )
     sides = examples[: len(examples) - held_out], examples[len(examples) - held_out :]
-    packed = [packing.pack(side, s.seq_len, s.too_long, s.packing) for side in sides]
+    packed = [
+        packing.pack(side, s.seq_len, s.too_long, s.packing, s.max_segments) for side in sides
+    ]
     for name, side in zip(("train", "eval"), packed, strict=True):
         if not len(side.inputs):
             raise errors.ConfigError(
@@ -368,8 +375,17 @@ class PackedSource:
     """Batches of packed rows (the module doc): `random=True` draws each epoch's order from
     `(seed, epoch)`; `random=False` takes the rows in order, the last batch wrapping round."""
 
-    def __init__(self, rows: np.ndarray, batch_size: int, seed: int = 0, *, random: bool = True):
+    def __init__(
+        self,
+        rows: np.ndarray,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        random: bool = True,
+        max_segments: int = CONFIG_KEYS["max_segments"],
+    ):
         self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
+        self.segment_ids = np.arange(1, max_segments + 1, dtype=np.int32)
         self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
         self._orders: dict[int, np.ndarray] = {}
 
@@ -399,7 +415,9 @@ class PackedSource:
     def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Batch `index` (only its `rows`: a process builds its own)."""
         picked = np.asarray(self.rows[self.indices(index)[rows]])
-        return {plane: picked[:, k] for k, plane in enumerate(PLANES)}
+        batch = {plane: picked[:, k] for k, plane in enumerate(PLANES)}
+        batch["segment_lengths"] = segment_lengths(batch["segment_ids"], self.segment_ids)
+        return batch
 
     def real_tokens(self, start: int, stop: int) -> int:
         """The real (not padding) tokens of batches `start .. stop - 1`: what tokens/s counts."""
@@ -408,6 +426,12 @@ class PackedSource:
     def __repr__(self) -> str:
         rows, batch = len(self.rows), self.batch_size
         return f"PackedSource(rows={rows}, batch_size={batch}, random={self.random})"
+
+
+def segment_lengths(segment_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`[rows, M]` tokens of each row's segments `ids` (1 .. M; 0 where a row has fewer):
+    what cuDNN's packed layout reads (`attention.Segments`)."""
+    return (segment_ids[:, :, None] == ids).sum(axis=1, dtype=np.int32)
 
 
 def check_config(config: Any) -> dict[str, Any]:
@@ -419,7 +443,8 @@ def check_config(config: Any) -> dict[str, Any]:
     s = settings(config)
     tokenize.check_vocab(config, s.vocab, s.tokenizer)
     example = jax.ShapeDtypeStruct((1, s.seq_len), np.int32)
-    return dict.fromkeys(PLANES, example)
+    lengths = jax.ShapeDtypeStruct((1, s.max_segments), np.int32)
+    return dict.fromkeys(PLANES, example) | {"segment_lengths": lengths}
 
 
 def report(s: Settings, record: dict) -> None:
@@ -450,7 +475,8 @@ def create_sources(config: Any) -> tuple[PackedSource, PackedSource]:
     rows, record = rows_of(s)
     report(s, record)
     train = record["sft"]["train"]["rows"]
+    most = s.max_segments
     return (
-        PackedSource(rows[:train], config.batch_size, config.seed),
-        PackedSource(rows[train:], config.batch_size, config.seed, random=False),
+        PackedSource(rows[:train], config.batch_size, config.seed, max_segments=most),
+        PackedSource(rows[train:], config.batch_size, config.seed, random=False, max_segments=most),
     )

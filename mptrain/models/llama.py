@@ -135,7 +135,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     fp8: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
         s, (batch, length, _) = self.shape, x.shape
         # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
         # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
@@ -147,7 +147,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
         inv_freq = np.asarray(s.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = attention_lib.causal_attention(q, k, v, self.implementation, segment_ids=segment_ids)
+        out = attention_lib.causal_attention(q, k, v, self.implementation, segment_ids=segments)
         out = out.reshape(batch, length, s.num_heads * s.head_dim)
         out = checkpoint_name(out, remat_lib.CONTEXT)
         out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8), out)
@@ -178,11 +178,11 @@ class Block(nn.Module):
     fp8: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
         s = self.shape
         h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
         attn = Attention(s, self.dtype, self.implementation, self.fp8, name="attn")
-        x = x + attn(h, positions, segment_ids)
+        x = x + attn(h, positions, segments)
         h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
         return x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
 
@@ -192,7 +192,8 @@ class Llama(nn.Module):
     below 0 masked) the loss instead, ``lm_loss.token_loss``'s dict, computed chunk by chunk
     (``loss_chunk``: positions per chunk, None: its automatic choice) with ``z_loss``. A row of
     packed examples gives ``positions`` (``int[B, L]``, from 0 in each example) and
-    ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other."""
+    ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
+    ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU."""
 
     vocab_size: int
     num_layers: int
@@ -210,29 +211,31 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None
-    ) -> Any:
+        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
+        segment_lengths=None,
+    ) -> Any:  # fmt: skip
         del train  # no dropout in a Llama
+        segments = attention_lib.segments(segment_ids, segment_lengths)
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
         embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
         x = embed(tokens)
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)
-        x = self._blocks(x, positions, segment_ids)
+        x = self._blocks(x, positions, segments)
         x = RMSNorm(self.shape.norm_eps, self.dtype, name="final_norm")(x)
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss, name="head")
         if not self.tie_embeddings:
             return head(x, targets)
         return head(x, targets, embed.variables["params"]["embedding"].T.astype(self.dtype))
 
-    def _blocks(self, x: jax.Array, positions: jax.Array, segment_ids=None) -> jax.Array:
+    def _blocks(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
         policy = remat_lib.make_policy(self.remat)
         args = (self.shape, self.dtype, self.implementation, self.fp8)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
             for i in range(self.num_layers):
-                x = cls(*args, name=f"layers_{i}")(x, positions, segment_ids)
+                x = cls(*args, name=f"layers_{i}")(x, positions, segments)
             return x
         block = Block(*args, parent=None)  # applied to one layer's slice at a time
 
@@ -249,7 +252,7 @@ class Llama(nn.Module):
 
         def body(h, layer):
             params = {"params": sharding.layer_params(layer)}
-            return block.apply(params, h, positions, segment_ids), None
+            return block.apply(params, h, positions, segments), None
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)

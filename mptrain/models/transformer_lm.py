@@ -93,7 +93,7 @@ class CausalSelfAttention(nn.Module):
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, train: bool = False, segment_ids=None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool = False, segments=None) -> jax.Array:
         batch, length, d_model = x.shape
         if d_model % self.num_heads:
             raise ValueError(f"d_model={d_model} is not divisible by num_heads={self.num_heads}")
@@ -114,7 +114,7 @@ class CausalSelfAttention(nn.Module):
         if choice.implementation == "materialized":
             dropout = functools.partial(nn.Dropout(self.dropout_rate), deterministic=not train)
         out = attention_lib.causal_attention(
-            q, k, v, choice.implementation, dropout=dropout, segment_ids=segment_ids
+            q, k, v, choice.implementation, dropout=dropout, segment_ids=segments
         )
         out = checkpoint_name(out.reshape(batch, length, d_model), remat_lib.CONTEXT)
         return checkpoint_name(
@@ -153,7 +153,7 @@ class Block(nn.Module):
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False, segment_ids=None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False, segments=None) -> jax.Array:
         drop = nn.Dropout(self.dropout_rate)
         h = layers.layer_norm_f32(x, self.dtype, "ln_attn")
         attn = CausalSelfAttention(
@@ -165,7 +165,7 @@ class Block(nn.Module):
             self.backend,
             name="attn",
         )
-        h = attn(h, train=train, segment_ids=segment_ids)
+        h = attn(h, train=train, segments=segments)
         x = x + drop(h, deterministic=not train)
         h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
         h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, name="mlp")(h, train=train)
@@ -180,7 +180,8 @@ class TransformerLM(nn.Module):
     called with ``train=True`` and ``dropout_rate > 0``. ``attention``: ``"auto" | "cudnn" |
     "materialized"`` (see the module docstring). A row of packed examples gives ``positions``
     (``int[B, L]``, from 0 in each example: the learned positions are looked up by them) and
-    ``segment_ids`` (``int[B, L]``: attention keeps to each example's own).
+    ``segment_ids`` (``int[B, L]``: attention keeps to each example's own), with
+    ``segment_lengths`` (``int[B, M]``) for cuDNN's packed layout on a GPU.
     """
 
     vocab_size: int = 256
@@ -201,9 +202,11 @@ class TransformerLM(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None
-    ) -> Any:
+        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
+        segment_lengths=None,
+    ) -> Any:  # fmt: skip
         length = layers.check_tokens(tokens, self.max_len)
+        segments = attention_lib.segments(segment_ids, segment_lengths)
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
@@ -229,7 +232,7 @@ class TransformerLM(nn.Module):
                 self.backend,
                 name=f"block_{i}",
             )
-            x = block(x, train, segment_ids)
+            x = block(x, train, segments)
         x = layers.layer_norm_f32(x, self.dtype, "ln_final")
         # Logits: 16-bit operands, fp32 accumulation and result; the loss never sees bf16 logits.
         # With targets, the loss itself, chunked (`lm_loss.token_loss`).

@@ -107,14 +107,16 @@ def _convolution_flops(prog: program.Program, inst: program.Instruction, target:
 def _attention_flops(prog: program.Program, inst: program.Instruction, target: str) -> float:
     """cuDNN flash attention: 2 matmuls of `[B,H,Lq,D] x [B,H,D,Lk]` size forward, 5 in the
     backward pass (scores recomputed, then the gradients of values, probabilities, queries
-    and keys); causal masking skips half of each."""
+    and keys); causal masking skips half of each. Packed rows (`PADDING_CAUSAL`, cuDNN's
+    packed layout) are counted as one causal row: the kernel also skips the tiles between
+    examples, so their share of it is an upper bound (rows of n equal examples do 1/n of it)."""
     config = inst.backend_config().get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     query = program.arrays(prog.operand_type(inst, 0))
     if not scores or not query:
         return 0.0
     matmuls = 5 if "Backward" in target else 2
-    causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
+    causal = 0.5 if config.get("mask_type") in ("CAUSAL", "PADDING_CAUSAL") else 1.0
     return 2.0 * matmuls * math.prod(scores) * query[0][1][-1] * causal
 
 

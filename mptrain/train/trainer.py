@@ -305,7 +305,7 @@ def _apply(model: Any, variables: dict, batch: Any, train: bool, **kwargs: Any) 
     `positions` and `segment_ids` on."""
     if getattr(model, "computes_loss", False):
         kwargs["targets"] = batch["targets"]
-    for key in ("positions", "segment_ids"):  # packed rows (`data.sft`): the LMs read them
+    for key in ("positions", "segment_ids", "segment_lengths"):  # packed rows (`data.sft`)
         if key in batch:
             kwargs[key] = batch[key]
     return model.apply(variables, batch["inputs"], train=train, **kwargs)

@@ -69,3 +69,13 @@ def test_an_example_longer_than_the_row_is_cut_or_left_out_and_counted(
 def test_a_bad_too_long_setting_names_the_key():
     with pytest.raises(ValueError, match="^data.too_long='cut': 'truncate' or 'drop'"):
         packing.pack(_examples([3]), seq_len=4, too_long="cut")
+
+
+def test_a_row_takes_at_most_the_examples_it_is_allowed():
+    """`most_examples` (`data.max_segments`: cuDNN's packed layout is built for that many):
+    a row that holds it takes no more, whatever room it has; the rest still fit first."""
+    rows = packing.first_fit_decreasing([1] * 10 + [8], room=10, most_examples=3)
+    assert all(len(row) <= 3 for row in rows)
+    assert sorted(i for row in rows for i in row) == list(range(11))
+    assert rows == [[0, 1, 10], [2, 3, 4], [5, 6, 7], [8, 9]]
+    assert len(packing.first_fit_decreasing([1] * 10 + [8], room=10)) == 2  # uncapped

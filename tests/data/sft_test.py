@@ -277,7 +277,7 @@ def test_the_trainers_step_reads_the_rows_positions_and_segment_ids(tmp_path):
     from mptrain.train import trainer as trainer_lib
 
     config = load_config("llama3", "sft_tiny", **{"data.cache_dir": str(tmp_path / "cache")})
-    config.data.seq_len = 32
+    config.data.seq_len, config.data.max_segments = 32, 8
     batch = config_lib.validate(config) or sft.check_config(config)
     batch = {k: jax.ShapeDtypeStruct((2, 32), v.dtype) for k, v in batch.items()}
     trainer = trainer_lib.Trainer(config, tmp_path / "run")

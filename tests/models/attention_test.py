@@ -433,7 +433,7 @@ def test_head_counts_that_do_not_group_are_refused_naming_both(
 def test_a_packed_row_attends_within_each_example_as_each_alone_does():
     """Examples packed into one row (issue 44): with their segment ids, the materialised path
     gives each example, at every position of the row, the attention it gets alone; grouped
-    query heads, fp32. The other two paths refuse segment ids until they honour them."""
+    query heads, fp32. cuDNN takes the segments' lengths too (the next test)."""
     lengths = (5, 7, 4)  # three examples and no padding: one row of 16
     shape = (1, sum(lengths), 4, 8)
     q, k, v = _qkv(shape, kv_heads=2, dtype=jnp.float32)
@@ -447,8 +447,40 @@ def test_a_packed_row_attends_within_each_example_as_each_alone_does():
         np.testing.assert_allclose(packed[:, piece], alone, rtol=1e-6, atol=1e-6)
         start += n
     assert not np.allclose(attend(q, k, v)[:, 5:], packed[:, 5:])  # unmasked, it would differ
-    with pytest.raises(ValueError, match="^cudnn attention does not take segment ids yet"):
+    with pytest.raises(ValueError, match="^cudnn attention of packed rows takes their segment"):
         attention.causal_attention(q, k, v, "cudnn", segment_ids=segment_ids)
+
+
+def test_cudnns_packed_layout_describes_the_materialised_paths_mask():
+    """The GPU path (issue 44): cuDNN's packed layout reads each row's segments as lengths and
+    offsets (`packed_layout`), causal within each. The mask they describe, as cuDNN reads
+    them, is the materialised path's (same segment, key not after query) on every real token,
+    for rows of 1 to 4 segments and padding, M above the most a row holds; the lengths come
+    from the ids as `data.sft` computes them. Run on an H100: scripts/gpu_check.py."""
+    rows = [(5, 7, 4), (16,), (3, 3, 3, 2), (9, 1)]  # the rest of each 16-token row: padding
+    ids = np.zeros((len(rows), 16), np.int32)
+    for r, lengths in enumerate(rows):
+        ids[r, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    lengths = attention.segment_lengths(jnp.asarray(ids), 6)
+    from mptrain.data import sft
+
+    np.testing.assert_array_equal(lengths, sft.segment_lengths(ids, np.arange(1, 7)))
+    seqlen, offsets = (np.asarray(x) for x in attention.packed_layout(lengths))
+    assert seqlen.shape == (4, 6) and offsets.shape == (4, 7)
+    for r in range(len(rows)):
+        cudnn = np.zeros((16, 16), bool)  # query i sees key j: the same segment, j <= i
+        for s in range(6):
+            if seqlen[r, s] > 0:
+                at = range(offsets[r, s], offsets[r, s] + seqlen[r, s])
+                for i in at:
+                    cudnn[i, at.start : i + 1] = True
+            else:
+                assert seqlen[r, s] == -1 and offsets[r, s] == -1
+        assert offsets[r, 6] == -1
+        real = ids[r] > 0
+        materialised = np.tril(np.ones((16, 16), bool)) & (ids[r][:, None] == ids[r][None, :])
+        np.testing.assert_array_equal(cudnn[real], materialised[real])
+        assert not cudnn[~real].any()  # padding queries see nothing (their loss is masked)
 
 
 @pytest.mark.slow  # make test keeps the materialised path's test of it

@@ -277,6 +277,23 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     assert all(math.prod(map(int, re.findall(r"\d+", b["array"][3:]))) < logits for b in big), big
 
 
+def test_the_8b_on_packed_sft_rows_fits_with_cudnns_packed_layout_and_the_same_floor():
+    """configs/llama3.py:8b_sft (issue 44): packed rows of 8,192 keep their examples apart in
+    cuDNN's packed layout (the rows' segment lengths and offsets, no [B, H, L, L] buffer, no
+    fp32 one of [L, L]), fit as the unpacked 8B does, and price attention as the causal row it
+    is at most: the same FLOPs as the unpacked plan (red when PADDING_CAUSAL counts full)."""
+    packed, unpacked = planned("llama3", "8b_sft", 8), planned("llama3", "8b", 8)
+    assert packed.fits and packed.verdict().startswith("fits"), packed.verdict()
+    att = packed.attention
+    assert att["implementation"].startswith("cuDNN") and att["buffers"] == 0, att
+    assert att["forward_calls"] >= 32 and att["backward_calls"] >= 32, att
+    squares = [b for b in packed.largest if "8192,8192" in b["array"]]
+    assert not squares, squares
+    assert packed.matmul_flops == pytest.approx(unpacked.matmul_flops, rel=1e-6)
+    assert packed.memory["temporaries"] <= unpacked.memory["temporaries"] + GiB
+    print(f"8b_sft {packed.memory} vs 8b {unpacked.memory}; flops {packed.matmul_flops}")
+
+
 # ---- the command line's edge cases: one line, exit 2, no traceback, before anything compiles
 
 GPT2S_TINY = f"--config={ROOT / 'configs' / 'lm_gpt2s.py'}:tiny"
