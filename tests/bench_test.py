@@ -227,3 +227,18 @@ def test_bench_writes_its_table_and_json(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "loop/hand" in table and "resnet bf16-mixed" in table and "MFU" in table
     assert f"jax {jax.__version__}, {result['date']}" in table
+
+
+@pytest.mark.slow  # two compiled steps of their own (make test keeps its compile budget)
+def test_bench_sft_prints_packed_against_unpacked_real_tokens(tmp_path, capsys, monkeypatch):
+    """scripts/bench_sft.py (issue 44): both sides run the same step on the same rows' shape,
+    and packing multiplies the real tokens a second by about the real-token rates' ratio."""
+    monkeypatch.setenv("MPTRAIN_CACHE", str(tmp_path / "cache"))
+    script = runpy.run_path(str(ROOT / "scripts" / "bench_sft.py"))
+    out = tmp_path / "sft.json"
+    result = script["main"](["--blocks=2", "--block_steps=3", "--seq_len=256", f"--out={out}"])
+    assert "median ratio, real tokens/s packed / unpacked:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["median_ratio"] == result["median_ratio"]
+    rates = [(r["packed_real_share"], r["unpacked_real_share"]) for r in result["blocks"]]
+    assert all(packed > 0.85 > 0.5 > unpacked for packed, unpacked in rates), rates
+    assert result["median_ratio"] > 2, result
