@@ -240,11 +240,13 @@ class Program:
         buffers of `[.., length, length]` a materialised one writes (none looked for without
         `length`); counts divided by `per`."""
         calls: dict[tuple[str, str], float] = collections.Counter()
-        count, size, sites = 0.0, 0, set()
+        count, size, sites, packed = 0.0, 0, set(), False
         for inst, runs in self.kernels():
             target = inst.attribute("custom_call_target") or ""
             if target.startswith(ATTENTION):
                 calls["cuDNN", "backward" if "Backward" in target else "forward"] += runs / per
+                fmha = inst.backend_config().get("cudnn_fmha_backend_config", {})
+                packed |= fmha.get("mask_type") == "PADDING_CAUSAL"  # packed rows' layout
             elif target == "tpu_custom_call" and ("flash" in inst.name or "splash" in inst.name):
                 calls["Pallas", "forward" if "fwd" in inst.name else "backward"] += runs / per
             for dtype, dims in arrays(inst.type) if length else ():
@@ -258,6 +260,7 @@ class Program:
         if library:
             kind = "cuDNN fused flash" if library == "cuDNN" else "Pallas TPU flash"
             name = f"{kind} attention: {forward:g} forward + {backward:g} backward calls"
+            name += ", the packed rows' layout (segment lengths)" if packed else ""
             name += "" if count else ", no [B, H, L, L] buffer"
         elif count:
             name = "materialized"

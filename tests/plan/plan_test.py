@@ -286,6 +286,8 @@ def test_the_8b_on_packed_sft_rows_fits_with_cudnns_packed_layout_and_the_same_f
     assert packed.fits and packed.verdict().startswith("fits"), packed.verdict()
     att = packed.attention
     assert att["implementation"].startswith("cuDNN") and att["buffers"] == 0, att
+    assert "the packed rows' layout" in att["implementation"], att
+    assert "packed" not in unpacked.attention["implementation"]
     assert att["forward_calls"] >= 32 and att["backward_calls"] >= 32, att
     squares = [b for b in packed.largest if "8192,8192" in b["array"]]
     assert not squares, squares
