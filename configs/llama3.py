@@ -90,6 +90,20 @@ def _llama3(c, d_model, layers, heads, kv_heads, d_ff, vocab=128_256):
     c.model.remat = "minimal"
 
 
+def _tiny(c, vocab: int, max_len: int) -> None:
+    """The byte-level Llama of `tiny` and `sft_tiny`: 2 layers of width 128, scanned, remat
+    `full`, batch 8, AdamW at 3e-3."""
+    _llama3(c, 128, 2, 4, 2, 344, vocab=vocab)
+    c.model.max_len = max_len
+    c.model.rope_theta = 10_000.0
+    c.model.rope_scaling = None
+    c.model.remat = "full"
+    c.batch_size = 8
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.b2 = 0.99
+    c.optimizer.weight_decay = 0.01
+
+
 def _fine_tune(c, folder: str) -> None:
     """The `hf=DIR` variant (module doc): DIR's model, weights and tokenizer."""
     from mptrain import hf
@@ -175,38 +189,22 @@ def get_config(arg: str | None = None):
         c.data.seq_len = 8192
         c.memory_fraction = 0.92  # of one 80 GB H100: the plan's 69.5 GiB is above JAX's 75%
     elif arg == "tiny":
-        _llama3(c, 128, 2, 4, 2, 344, vocab=256)
-        c.model.max_len = 256
-        c.model.rope_theta = 10_000.0
-        c.model.rope_scaling = None
-        c.model.remat = "full"
+        _tiny(c, vocab=256, max_len=256)
         c.num_train_steps = 800
-        c.batch_size = 8
         c.log_every_steps = 100
         c.eval_every_steps = 400
         c.eval_steps = 30
         c.checkpoint_every_steps = 400
-        c.optimizer.learning_rate = 3e-3
         c.optimizer.warmup_steps = 50
-        c.optimizer.b2 = 0.99
-        c.optimizer.weight_decay = 0.01
         c.data.seq_len = 256
     elif arg == "sft_tiny":
-        _llama3(c, 128, 2, 4, 2, 344, vocab=264)  # the byte tokenizer's 261, rounded up
-        c.model.max_len = 512
-        c.model.rope_theta = 10_000.0
-        c.model.rope_scaling = None
-        c.model.remat = "full"
+        _tiny(c, vocab=264, max_len=512)  # the byte tokenizer's 261 tokens, rounded up
         c.num_train_steps = 400
-        c.batch_size = 8
         c.log_every_steps = 50
         c.eval_every_steps = 100
         c.eval_steps = 7  # the embedded set's 55 held-out rows (the last batch wraps round by one)
         c.checkpoint_every_steps = 200
-        c.optimizer.learning_rate = 3e-3
         c.optimizer.warmup_steps = 40
-        c.optimizer.b2 = 0.99
-        c.optimizer.weight_decay = 0.01
         _sft(c, 512)
     elif arg.startswith("hf="):
         _fine_tune(c, arg[3:])

@@ -252,12 +252,7 @@ def read_examples(path: str) -> Iterator[tuple[str, Any]]:
         raise errors.ConfigError(f"config.data.files: cannot read {path} ({e.strerror})") from None
     count = 0
     if path.endswith(".json"):
-        try:
-            items = json.loads(content)
-        except ValueError as e:
-            raise errors.ConfigError(
-                f"config.data.files: {path} is not JSON ({errors.first_line(e)})"
-            ) from None
+        items = _parsed(content, path)
         if not isinstance(items, list):
             raise errors.ConfigError(f"config.data.files: {path} is not a list of examples")
         for k, item in enumerate(items):
@@ -265,18 +260,20 @@ def read_examples(path: str) -> Iterator[tuple[str, Any]]:
             yield f"{path} item {k}", item
     else:
         for number, line in enumerate(content.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                raise errors.ConfigError(
-                    f"config.data.files: {path} line {number}: not JSON ({errors.first_line(e)})"
-                ) from None
-            count += 1
-            yield f"{path} line {number}", item
+            if line.strip():
+                count += 1
+                yield f"{path} line {number}", _parsed(line, f"{path} line {number}")
     if not count:
         raise errors.ConfigError(f"config.data.files: {path} holds no example")
+
+
+def _parsed(text: bytes, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise errors.ConfigError(
+            f"config.data.files: {where}: not JSON ({errors.first_line(e)})"
+        ) from None
 
 
 def _standard(example: Any, fields: tuple[str, str, str]) -> Any:
