@@ -66,11 +66,9 @@ def export(
     for a workdir it cannot use (nothing is written then), `errors.StorageError` when `out`
     cannot be written."""
     import jax
-    import ml_collections
     import numpy as np
 
-    from mptrain import config as config_lib
-    from mptrain.train import checkpoint, fingerprints, launch
+    from mptrain.train import checkpoint, fingerprints
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
@@ -90,39 +88,12 @@ def export(
     workdir, out = Path(workdir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")
-    config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
-    if not config_path.is_file() or not checkpoints.is_dir():
-        raise errors.WorkdirError(f"--workdir={workdir}: not an mptrain run (no config.json)")
-    try:
-        saved = json.loads(config_path.read_text())
-        if not isinstance(saved, dict):
-            raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-        saved["mesh"] = {**saved.get("mesh", {}), "data": 1, "fsdp": 1}  # whole, on one device
-        saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
-        _without_a_lost_tokenizer(saved)
-        config = ml_collections.ConfigDict(saved)
-        config_lib.validate(config)
-    except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
-        raise errors.WorkdirError(
-            f"--workdir={workdir}: {config_path} is unusable: {errors.first_line(e)}"
-        ) from None
+    config, restored = read_run(workdir, step)
     if format == "hf" and config.model.name != "llama":
         raise errors.ConfigError(
             f"--format=hf: the run in {workdir} trains model.name={config.model.name!r}; only "
             "a 'llama' maps onto a HuggingFace Llama folder (use --format=orbax)"
         )
-    trainer = launch.import_trainer(config.trainer)(config, workdir)
-    init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
-    abstract = jax.eval_shape(init, *args)
-    with checkpoint.Checkpointer(checkpoints, read_only=True) as checkpointer:
-        try:
-            restored = checkpointer.restore(abstract, step)
-        except FileNotFoundError as e:
-            raise errors.ConfigError(f"--step={step}: {e}") from None
-        except (checkpoint.InvalidCheckpointError, checkpoint.CheckpointMismatchError) as e:
-            raise errors.WorkdirError(f"--workdir={workdir}: {e}") from None
-    if restored is None:
-        raise errors.WorkdirError(f"--workdir={workdir}: holds no checkpoint")
     state, meta = restored
     params = jax.device_get(state.params)
     dtypes, kept = {}, []
@@ -160,6 +131,48 @@ def export(
     else:
         checkpoint.save_standalone(out, params, sidecar)
     return sidecar
+
+
+def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
+    """`(config, (state, meta))` of the run in `workdir`: its `config.json` (on one device)
+    and its checkpoint `step` (None: the newest complete one), read only, without the run's
+    lock, so a live run goes on. A `WorkdirError` for a folder that is no run, or holds no
+    checkpoint that restores; a `ConfigError` for a `step` it does not hold."""
+    import jax
+    import ml_collections
+
+    from mptrain import config as config_lib
+    from mptrain.train import checkpoint, launch
+
+    config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
+    if not config_path.is_file() or not checkpoints.is_dir():
+        raise errors.WorkdirError(f"--workdir={workdir}: not an mptrain run (no config.json)")
+    try:
+        saved = json.loads(config_path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+        saved["mesh"] = {**saved.get("mesh", {}), "data": 1, "fsdp": 1}  # whole, on one device
+        saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
+        _without_a_lost_tokenizer(saved)
+        config = ml_collections.ConfigDict(saved)
+        config_lib.validate(config)
+    except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
+        raise errors.WorkdirError(
+            f"--workdir={workdir}: {config_path} is unusable: {errors.first_line(e)}"
+        ) from None
+    trainer = launch.import_trainer(config.trainer)(config, workdir)
+    init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
+    abstract = jax.eval_shape(init, *args)
+    with checkpoint.Checkpointer(checkpoints, read_only=True) as checkpointer:
+        try:
+            restored = checkpointer.restore(abstract, step)
+        except FileNotFoundError as e:
+            raise errors.ConfigError(f"--step={step}: {e}") from None
+        except (checkpoint.InvalidCheckpointError, checkpoint.CheckpointMismatchError) as e:
+            raise errors.WorkdirError(f"--workdir={workdir}: {e}") from None
+    if restored is None:
+        raise errors.WorkdirError(f"--workdir={workdir}: holds no checkpoint")
+    return config, restored
 
 
 def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> None:

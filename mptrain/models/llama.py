@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -128,6 +128,37 @@ class Shape:
     inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
 
 
+class KVCache(NamedTuple):
+    """Every layer's keys and values while decoding: ``k``, ``v`` ``[layers, B, S, K, Dh]``
+    (grouped-query shaped: K kv heads, never repeated to the query heads) in the cache's dtype
+    (the compute dtype by default), slot ``j`` holding position ``j``. Scanned layers read
+    their slice of it in the loop; ``cache.layer(i)`` is layer ``i``'s (``[B, S, K, Dh]``)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def create(cls, layers_: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype):
+        zeros = jnp.zeros((layers_, batch, slots, kv_heads, head_dim), dtype)
+        return cls(zeros, zeros)
+
+    @classmethod
+    def stack(cls, caches: list) -> KVCache:
+        return cls(jnp.stack([c.k for c in caches]), jnp.stack([c.v for c in caches]))
+
+    def layer(self, i: int) -> KVCache:
+        return KVCache(self.k[i], self.v[i])
+
+    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
+        """One layer's cache with ``[B, L, K, Dh]`` k, v written at each row's ``positions``
+        (``[B, L]``), cast to the cache's dtype: a scatter of distinct slots, in place."""
+        rows = jnp.arange(k.shape[0])[:, None]
+        return KVCache(
+            self.k.at[rows, positions].set(k.astype(self.k.dtype)),
+            self.v.at[rows, positions].set(v.astype(self.v.dtype)),
+        )
+
+
 class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     shape: Shape
     dtype: layers.Dtype
@@ -135,7 +166,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     fp8: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s, (batch, length, _) = self.shape, x.shape
         # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
         # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
@@ -147,11 +178,19 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
         inv_freq = np.asarray(s.inv_freq, np.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = attention_lib.causal_attention(q, k, v, self.implementation, segment_ids=segments)
+        if cache is None:
+            out = attention_lib.causal_attention(q, k, v, self.implementation, segment_ids=segments)
+        else:  # decoding (`KVCache`): [B, L] positions, each row's own
+            cache = cache.write(k, v, positions)
+            if length > 1:  # the prompt, from position 0: attention over its own keys
+                out = attention_lib.causal_attention(q, k, v, self.implementation)
+            else:  # one token a row: over the cache, up to each row's position
+                out = attention_lib.cached_attention(q, cache.k, cache.v, positions)
         out = out.reshape(batch, length, s.num_heads * s.head_dim)
         out = checkpoint_name(out, remat_lib.CONTEXT)
         out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8), out)
-        return checkpoint_name(out, remat_lib.PROJECTIONS[3])
+        out = checkpoint_name(out, remat_lib.PROJECTIONS[3])
+        return out if cache is None else (out, cache)
 
 
 class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
@@ -178,13 +217,17 @@ class Block(nn.Module):
     fp8: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s = self.shape
         h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
         attn = Attention(s, self.dtype, self.implementation, self.fp8, name="attn")
-        x = x + attn(h, positions, segments)
+        h = attn(h, positions, segments, cache)
+        if cache is not None:
+            h, cache = h
+        x = x + h
         h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
-        return x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
+        x = x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
+        return x if cache is None else (x, cache)
 
 
 class Llama(nn.Module):
@@ -193,7 +236,14 @@ class Llama(nn.Module):
     (``loss_chunk``: positions per chunk, None: its automatic choice) with ``z_loss``. A row of
     packed examples gives ``positions`` (``int[B, L]``, from 0 in each example) and
     ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
-    ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU."""
+    ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU.
+
+    Decoding (`mptrain.generate`) passes a ``cache`` (``KVCache``, every layer's) and each
+    row's ``positions``, and gets ``(logits, cache)``: a prompt (``L > 1``, from position 0)
+    attends over its own keys as in training and fills the cache; one token a row attends over
+    the cache. ``logits_at`` (``int[B]``) keeps the logits of one position a row (a prompt's
+    last real token), so no ``[B, L, V]`` array is made for a long prompt. The same modules
+    and params as training: nothing here can drift from the model that was trained."""
 
     vocab_size: int
     num_layers: int
@@ -212,7 +262,7 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(
         self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
-        segment_lengths=None,
+        segment_lengths=None, cache=None, logits_at=None,
     ) -> Any:  # fmt: skip
         del train  # no dropout in a Llama
         segments = attention_lib.segments(segment_ids, segment_lengths)
@@ -222,21 +272,32 @@ class Llama(nn.Module):
         x = embed(tokens)
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)
-        x = self._blocks(x, positions, segments)
+        x = self._blocks(x, positions, segments, cache)
+        if cache is not None:
+            x, cache = x
         x = RMSNorm(self.shape.norm_eps, self.dtype, name="final_norm")(x)
+        if logits_at is not None:  # [B, 1, D]: one position a row
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss, name="head")
-        if not self.tie_embeddings:
-            return head(x, targets)
-        return head(x, targets, embed.variables["params"]["embedding"].T.astype(self.dtype))
+        kernel = None
+        if self.tie_embeddings:
+            kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
+        out = head(x, targets, kernel)
+        return out if cache is None else (out, cache)
 
-    def _blocks(self, x: jax.Array, positions: jax.Array, segments=None) -> jax.Array:
-        policy = remat_lib.make_policy(self.remat)
+    def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
+        policy = None if cache is not None else remat_lib.make_policy(self.remat)
         args = (self.shape, self.dtype, self.implementation, self.fp8)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
+            layers_ = []
             for i in range(self.num_layers):
-                x = cls(*args, name=f"layers_{i}")(x, positions, segments)
-            return x
+                layer = None if cache is None else cache.layer(i)
+                x = cls(*args, name=f"layers_{i}")(x, positions, segments, layer)
+                if cache is not None:
+                    x, layer = x
+                    layers_.append(layer)
+            return x if cache is None else (x, KVCache.stack(layers_))
         block = Block(*args, parent=None)  # applied to one layer's slice at a time
 
         def init(rng, x, positions):
@@ -249,6 +310,15 @@ class Llama(nn.Module):
             stacked = self.get_variable("params", sharding.STACKED)
         else:
             stacked = self.param(sharding.STACKED, init, x, positions)
+
+        if cache is not None:  # each layer's slice of the cache rides the loop with its params
+
+            def decode(h, xs):
+                layer, layer_cache = xs
+                params = {"params": sharding.layer_params(layer)}
+                return block.apply(params, h, positions, segments, layer_cache)
+
+            return jax.lax.scan(decode, x, (stacked, cache))
 
         def body(h, layer):
             params = {"params": sharding.layer_params(layer)}
