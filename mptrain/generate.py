@@ -9,7 +9,7 @@ on) or a HuggingFace Llama folder (`--hf`). Prompts come from `--prompt` (repeat
 `.jsonl` file (`--prompts`: a `"prompt"` field, or `"messages"` for `--chat`); `--chat`
 renders each through the chat template as `data.sft` does, with the generation prompt.
 
-How it decodes (`make_decoder`):
+How it decodes (`mptrain.models.decode`):
   * The prompts are one batch, right-padded to the longest; each row has its own positions.
     The prompt is read in one pass (prefill) whose attention is training's (cuDNN on a GPU),
     filling the cache; then one token a row a step, in a compiled `lax.while_loop` (Python is
@@ -27,159 +27,257 @@ How it decodes (`make_decoder`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-PAD = -1  # a row's tokens after it stopped
+from mptrain import errors
+from mptrain.models import decode as decoding
+
+# ---- the command ---------------------------------------------------------------------------
+
+SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers), for `_text_side`
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How the next token is drawn from fp32 logits: `temperature` 0 is greedy (argmax);
-    otherwise the logits over `temperature`, cut to the `top_k` largest (0: all) and to the
-    fewest whose probabilities sum to `top_p` (1: all), then one draw."""
+@dataclasses.dataclass
+class Speaker:
+    """A model ready to answer: the zoo Llama, its params in the compute dtypes, and the text
+    side (`encode`, `decode`, the stop tokens and the chat template, if any)."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not (isinstance(self.temperature, int | float) and self.temperature >= 0):
-            raise ValueError(f"--temperature={self.temperature!r}: must be 0 (greedy) or more")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"--top_k={self.top_k!r}: must be 0 (all tokens) or more")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
-            raise ValueError(f"--top_p={self.top_p!r}: must be in (0, 1]")
-
-    def values(self) -> np.ndarray:
-        """The three as the compiled decoder takes them (run-time values: one program serves
-        greedy decoding and every sampling setting)."""
-        return np.asarray([self.temperature, self.top_k, self.top_p], np.float32)
+    model: Any
+    params: Any
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    stop_ids: list[int]
+    template: str | None
+    tokens: dict  # bos_token / eos_token for the template
+    where: str  # what was read, for the log
 
 
-def sample(logits, rng, sampling):
-    """`[B]` int32 tokens from `[B, V]` fp32 logits; `sampling`: `Sampling.values()` (see
-    `Sampling`), traced values."""
+def _text_side(spec: str, template: str | None = None, tokens: dict | None = None):
+    """`(encode, decode, stop_ids, template, tokens)` for `data.tokenizer=spec`: "bytes" (the
+    text data's bytes, no stop token), `SFT_BYTES` (`data.sft`'s byte tokenizer with
+    Llama 3's markers), or a tokenizer.json's path (its folder's tokenizer_config.json gives
+    the template and the tokens where `template` is None). The stop tokens are the
+    end-of-text and end-of-turn tokens the tokenizer knows."""
+    from mptrain.data import chat, sft, tokenize
+
+    if spec == tokenize.BYTES:
+        encode = lambda text: list(text.encode("utf-8"))
+        decode = lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return encode, decode, [], None, {}
+    tokenizer = sft.tokenizer_of(tokenize.BYTES if spec == SFT_BYTES else spec)
+    if template is None and spec != SFT_BYTES:
+        folder = sft.folder_config(spec)
+        tokens = {k: sft.token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
+        template = chat.template_of("folder", folder) if folder.get("chat_template") else None
+    ends = (*tokenize.EOS_TOKENS, "<|eot_id|>", (tokens or {}).get("eos_token"))
+    stop = {tokenizer.token_to_id(t) for t in ends if t}
+    return (
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        sorted(i for i in stop if i is not None),
+        template,
+        tokens or {},
+    )
+
+
+def load(workdir: str | None = None, hf_folder: str | None = None, step: int | None = None,
+         precision: str | None = None) -> Speaker:  # fmt: skip
+    """The `Speaker` of a run's workdir (its checkpoint `step`, None: the newest complete one,
+    read without the run's lock) or of a HuggingFace Llama folder; `precision` (None: the
+    run's, bf16-mixed for a folder). A `WorkdirError` or `ConfigError` says what is wrong."""
     import jax
-    import jax.numpy as jnp
+    import ml_collections
 
-    temperature, top_k, top_p = sampling[0], sampling[1].astype(jnp.int32), sampling[2]
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    lowest, vocab = jnp.finfo(jnp.float32).min, logits.shape[-1]
-    order = jnp.sort(scaled, axis=-1)[:, ::-1]  # largest first
-    kth = jnp.take(order, jnp.clip(top_k, 1, vocab) - 1, axis=-1)[:, None]
-    scaled = jnp.where((top_k > 0) & (scaled < kth), lowest, scaled)
-    # top-p: keep the largest logits while the probability before each is below top_p
-    order = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(order, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    floor = jnp.min(jnp.where(before < top_p, order, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < floor, lowest, scaled)
-    drawn = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    from mptrain import config as config_lib
+    from mptrain import export, hf, models
+    from mptrain.data import sft
 
-
-MAX_STOPS = 8  # stop tokens a decoder takes (`stops`)
-
-
-def stops(ids: Sequence[int]) -> np.ndarray:
-    """The decoder's `stops` argument: up to `MAX_STOPS` token ids, padded with -2 (no token)."""
-    ids = list(dict.fromkeys(int(i) for i in ids))
-    if len(ids) > MAX_STOPS:
-        raise ValueError(f"{len(ids)} stop tokens: at most {MAX_STOPS}")
-    return np.asarray(ids + [-2] * (MAX_STOPS - len(ids)), np.int32)
-
-
-def make_decoder(
-    model: Any, max_new_tokens: int, cache_dtype: Any = None, keep_logits: bool = False
-) -> Callable:
-    """`decode(params, prompts, lengths, sampling, seed, stop) -> tokens` (jitted): `prompts`
-    int32 `[B, T]` right-padded, `lengths` `[B]` (each at least 1), `sampling` a `Sampling`'s
-    `values()`, `seed` an int, `stop` the stop tokens (`stops(ids)`): all run-time values, so
-    one program serves every setting; `tokens` int32 `[B, max_new_tokens]`,
-    `PAD` after a row's stop token. With `keep_logits`, `(tokens, logits)`: the fp32 logits
-    `[max_new_tokens, B, V]` each token was drawn from (what the tests hold against a full
-    forward pass). `model` is a zoo Llama (`models.create`)."""
-    import jax
-    import jax.numpy as jnp
-
-    from mptrain.models import llama
-
-    shape = model.shape
-
-    def decode(params, prompts, lengths, sampling, seed, stop):
-        batch, prompt_len = prompts.shape
-        slots = prompt_len + max_new_tokens
-        dtype = cache_dtype or model.dtype
-        cache = llama.KVCache.create(
-            model.num_layers, batch, slots, shape.num_kv_heads, shape.head_dim, dtype
-        )
-        positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompts.shape)
-        logits, cache = model.apply(
-            {"params": params}, prompts, positions=positions, cache=cache, logits_at=lengths - 1
-        )
-        key = jax.random.key(seed)
-        first = sample(logits[:, 0], jax.random.fold_in(key, 0), sampling)
-        tokens = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
-        kept = jnp.zeros((max_new_tokens, *logits[:, 0].shape), jnp.float32)
-        kept = kept.at[0].set(logits[:, 0]) if keep_logits else kept
-        done = jnp.isin(first, stop)
-
-        def more(carry):
-            t, _, _, _, done, _ = carry
-            return (t < max_new_tokens) & ~jnp.all(done)
-
-        def step(carry):
-            t, last, cache, tokens, done, kept = carry
-            position = (lengths + t - 1)[:, None]  # the last token's: it goes in slot n + t - 1
-            logits, cache = model.apply(
-                {"params": params}, last[:, None], positions=position, cache=cache
+    if (workdir is None) == (hf_folder is None):
+        raise errors.ConfigError("give --workdir=RUN or --hf=FOLDER (one of them)")
+    if workdir is not None:
+        config, (state, _) = export.read_run(Path(workdir), step)
+        if config.model.name != "llama":
+            raise errors.ConfigError(
+                f"--workdir={workdir}: the run trains model.name={config.model.name!r}; "
+                "mptrain.generate decodes the zoo's llama"
             )
-            token = sample(logits[:, 0], jax.random.fold_in(key, t), sampling)
-            token = jnp.where(done, PAD, token)
-            kept = kept.at[t].set(logits[:, 0]) if keep_logits else kept
-            tokens = tokens.at[:, t].set(token)
-            return t + 1, token, cache, tokens, done | jnp.isin(token, stop), kept
+        params, where = state.params, f"{workdir} step {int(state.step)}"
+        if config.data.name == "sft":
+            s = sft.settings(config)
+            spec = SFT_BYTES if s.tokenizer == sft.BYTES else s.tokenizer
+            text = _text_side(spec, s.template, s.tokens)
+        else:
+            text = _text_side(config.data.get("tokenizer", "bytes"))
+    else:
+        folder = Path(hf_folder)
+        if not hf.is_hf_folder(folder):
+            raise errors.ConfigError(
+                f"--hf={hf_folder}: not a HuggingFace folder (config.json and *.safetensors)"
+            )
+        model_config, params = hf.load(folder)
+        config = config_lib.base_config()
+        config.model = ml_collections.ConfigDict(model_config)
+        config.precision = "bf16-mixed"
+        tokenizer = folder / "tokenizer.json"
+        if not tokenizer.is_file():
+            raise errors.ConfigError(f"--hf={hf_folder}: has no tokenizer.json to read text with")
+        text, where = _text_side(str(tokenizer)), str(folder)
+    if precision is not None:
+        config.precision = precision
+    with errors.config_errors():
+        policy = config_lib.policy_of(config)
+        model = models.create(config.model, policy)
+    params = jax.device_put(policy.cast_params(params))
+    return Speaker(model, params, *text, where=where)
 
-        carry = (jnp.int32(1), first, cache, tokens, done, kept)
-        _, _, _, tokens, _, kept = jax.lax.while_loop(more, step, carry)
-        return (tokens, kept) if keep_logits else tokens
 
-    return jax.jit(decode)
+def answer(speaker: Speaker, prompts: list, max_new_tokens: int, sampling: decoding.Sampling,
+           seed: int = 0, cache_dtype: Any = None) -> list[dict]:  # fmt: skip
+    """Each prompt's completion (`{"prompt", "completion", "tokens"}`), all in one batch; a
+    prompt is a string, or a list of messages rendered by the chat template."""
+    from mptrain.data import chat
+
+    texts = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            texts.append(prompt)
+            continue
+        if speaker.template is None:
+            raise errors.ConfigError(
+                f"prompt {i} is a conversation and the model has no chat template"
+            )
+        try:
+            messages = chat.check_messages(prompt, need_assistant=False)
+            texts.append(
+                chat.render(
+                    speaker.template, messages, add_generation_prompt=True, **speaker.tokens
+                )
+            )
+        except ValueError as e:
+            raise errors.ConfigError(f"prompt {i}: {e}") from None
+    try:
+        ids, lengths = decoding.pad_prompts(
+            [speaker.encode(t) for t in texts], speaker.model.max_len, max_new_tokens
+        )
+    except ValueError as e:
+        raise errors.ConfigError(str(e)) from None
+    decode = decoding.make_decoder(speaker.model, max_new_tokens, cache_dtype)
+    stop = decoding.stops(speaker.stop_ids)
+    out = decode(speaker.params, ids, lengths, sampling.values(), seed, stop)
+    rows = decoding.strip(np.asarray(out), speaker.stop_ids)
+    return [
+        {
+            "prompt": p if isinstance(p, str) else texts[i],
+            "completion": speaker.decode(r),
+            "tokens": r,
+        }
+        for i, (p, r) in enumerate(zip(prompts, rows, strict=True))
+    ]
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], max_len: int, max_new_tokens: int):
-    """`(prompts [B, T], lengths [B])` of token lists, right-padded with 0; a `ValueError`
-    names a prompt that is empty or leaves no room for `max_new_tokens` in `max_len`."""
+def read_prompts(path: str, chat: bool) -> list:
+    """The prompts of a `.jsonl` file: each line's `"prompt"` (a string), or with `chat` its
+    `"messages"` (or a `"prompt"`, as one user turn). A `ConfigError` names the line."""
+    import json
+
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise errors.ConfigError(
+            f"--prompts={path}: cannot read it ({errors.first_line(e)})"
+        ) from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:
+            raise errors.ConfigError(
+                f"--prompts={path} line {number}: not JSON ({errors.first_line(e)})"
+            ) from None
+        item = item if isinstance(item, dict) else {}
+        if chat and isinstance(item.get("messages"), list):
+            prompts.append(item["messages"])
+        elif isinstance(item.get("prompt"), str):
+            prompt = item["prompt"]
+            prompts.append([{"role": "user", "content": prompt}] if chat else prompt)
+        else:
+            want = "'messages' or a string 'prompt'" if chat else "a string 'prompt'"
+            raise errors.ConfigError(f"--prompts={path} line {number}: no {want}")
     if not prompts:
-        raise ValueError("no prompt: give --prompt or --prompts")
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    for i, n in enumerate(lengths):
-        if n == 0:
-            raise ValueError(f"prompt {i} is empty")
-        if n + max_new_tokens > max_len:
-            raise ValueError(
-                f"prompt {i} has {n} tokens: with --max_new_tokens={max_new_tokens} that is "
-                f"past the model's context of {max_len} (model.max_len)"
-            )
-    out = np.zeros((len(prompts), int(lengths.max())), np.int32)
-    for i, p in enumerate(prompts):
-        out[i, : len(p)] = p
-    return out, lengths
+        raise errors.ConfigError(f"--prompts={path}: holds no prompt")
+    return prompts
 
 
-def strip(tokens: np.ndarray, stop_ids: Sequence[int]) -> list[list[int]]:
-    """Each row's tokens up to (without) its stop token and the padding after it."""
-    rows = []
-    for row in np.asarray(tokens).tolist():
-        out = []
-        for t in row:
-            if t == PAD or t in stop_ids:
-                break
-            out.append(t)
-        rows.append(out)
-    return rows
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from absl import logging
+
+    class OneLine(argparse.ArgumentParser):
+        def error(self, message: str):  # one line, as mptrain's other commands
+            sys.stderr.write(f"mptrain.generate: error: {message} (--help lists the flags)\n")
+            sys.exit(errors.EXIT_USAGE)
+
+    parser = OneLine(prog="python -m mptrain.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", help="a run's workdir: its newest complete checkpoint")
+    parser.add_argument("--hf", help="a HuggingFace Llama folder instead")
+    parser.add_argument("--step", type=int, default=None, help="the workdir's checkpoint")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompts", help="a .jsonl file of prompts ('prompt' or 'messages')")
+    parser.add_argument("--chat", action="store_true", help="through the chat template")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=0, help="0: every token")
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", default=None, help="default: the run's (bf16-mixed)")
+    parser.add_argument("--cache_dtype", default=None, help="default: the compute dtype")
+    parser.add_argument("--out", help="also write the answers as .jsonl here")
+    args = parser.parse_args(argv)
+    logging.set_verbosity(logging.WARNING)
+    try:
+        if args.max_new_tokens < 1:
+            raise errors.ConfigError(f"--max_new_tokens={args.max_new_tokens}: must be 1 or more")
+        try:
+            sampling = decoding.Sampling(args.temperature, args.top_k, args.top_p)
+        except ValueError as e:
+            raise errors.ConfigError(str(e)) from None
+        prompts = list(args.prompt)
+        if args.chat:
+            prompts = [[{"role": "user", "content": p}] for p in prompts]
+        if args.prompts:
+            prompts += read_prompts(args.prompts, args.chat)
+        if not prompts:
+            raise errors.ConfigError("no prompt: give --prompt=TEXT or --prompts=FILE.jsonl")
+        cache_dtype = None
+        if args.cache_dtype is not None:
+            if args.cache_dtype not in ("bfloat16", "float16", "float32"):
+                raise errors.ConfigError(
+                    f"--cache_dtype={args.cache_dtype!r}: bfloat16, float16 or float32"
+                )
+            cache_dtype = args.cache_dtype
+        speaker = load(args.workdir, args.hf, args.step, args.precision)
+        answers = answer(speaker, prompts, args.max_new_tokens, sampling, args.seed, cache_dtype)
+    except (errors.ConfigError, errors.WorkdirError) as e:
+        sys.stderr.write(f"mptrain.generate: error: {e}\n")
+        return e.exit_code
+    for i, row in enumerate(answers):
+        print(f"[{i}] {row['prompt']}\n{row['completion']}\n")
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in answers))
+    sys.stderr.write(f"mptrain.generate: {len(answers)} answers from {speaker.where}\n")
+    return errors.EXIT_OK
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from mptrain import target
 from mptrain.models import attention
+from mptrain.models import segments as segments_lib
 
 B, L, H, K, D = 2, 8192, 32, 8, 128
 
@@ -62,7 +63,7 @@ def candidates(segments: int) -> dict:
         )
 
     def cudnn_packed(q, k, v, ids):
-        return attention.cudnn_packed(q, k, v, ids, max_segments=segments)
+        return segments_lib.cudnn_packed(q, k, v, ids, max_segments=segments)
 
     def pallas(q, k, v, ids):
         from jax.experimental.pallas.ops.gpu import attention as gpu_attention

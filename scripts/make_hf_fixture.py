@@ -31,6 +31,9 @@ projections and embedding rows are normal with variance 1 / width in, norm scale
 128,256) in bf16, sharded in 1 GB files with an index, to `--out` (not committed): the folder
 `scripts/hf_load_bench.py` times `mptrain.hf.load_params` on.
 
+Each also holds `generate.npz`: transformers' greedy `generate` from three prompts cut from
+`ids` (5, 12 and 9 tokens), 32 new tokens each (`--generate` writes only these).
+
 `--check=DIR` loads a folder (one `mptrain.hf.save` or `mptrain.export --format=hf` wrote, say)
 with transformers and prints the largest difference of its logits from a reference.npz's
 (`--reference`, default the fixture's): that transformers reads what mptrain writes.
@@ -137,6 +140,40 @@ def write_tiny(out: Path, *, tied: bool, theta: float, scaling: dict | None, v4:
     print(f"{out}: logits max |value| {np.abs(logits).max():.3f}")
 
 
+# Prompts for `--generate`: (row of reference.npz's ids, start, length), three lengths.
+PROMPTS = ((0, 0, 5), (1, 3, 12), (0, 20, 9))
+NEW_TOKENS = 32
+
+
+def write_generated(folder: Path) -> None:
+    """`generate.npz` beside reference.npz: transformers' greedy `generate` (fp32, eager
+    attention, its own KV cache), one prompt at a time, NEW_TOKENS tokens each, never stopping
+    early: `prompts` (int32 [3, longest], right-padded with 0), `lengths` and `tokens` (int32
+    [3, NEW_TOKENS]): what mptrain.generate's batched decoder must give token for token."""
+    from transformers import GenerationConfig
+
+    model = LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = np.load(folder / "reference.npz")["ids"]
+    prompts = [ids[row, start : start + n] for row, start, n in PROMPTS]
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+        eos_token_id=None, pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    tokens = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.from_numpy(prompt[None]).long(), generation_config=config)
+            tokens.append(out[0, len(prompt) :].numpy().astype(np.int32))
+    padded = np.zeros((len(prompts), max(len(p) for p in prompts)), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    np.savez(folder / "generate.npz", prompts=padded, lengths=lengths, tokens=np.stack(tokens))
+    print(f"{folder}: generated {NEW_TOKENS} tokens for prompts of {lengths.tolist()} tokens")
+
+
 def write_1b(out: Path) -> None:
     config = _config(LLAMA_3_2_1B, 500_000.0, {**LLAMA3_SCALING, "factor": 32.0})
     config.rope_parameters["original_max_position_embeddings"] = 8192
@@ -160,7 +197,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", type=Path, default=None)
     parser.add_argument("--reference", type=Path, default=ROOT / "tests/hf/fixture/reference.npz")
+    parser.add_argument(
+        "--generate", action="store_true", help="only write the fixtures' generate.npz"
+    )
     args = parser.parse_args()
+    fixture = args.out or ROOT / "tests" / "hf" / "fixture"
+    if args.generate:
+        for folder in (fixture, fixture / "tied"):
+            write_generated(folder)
+        return
     if args.check is not None:
         reference = np.load(args.reference)
         logits = _logits(args.check, reference["ids"])
@@ -173,9 +218,10 @@ def main() -> None:
             parser.error("--size=1b needs --out (a folder outside the repository)")
         write_1b(args.out)
         return
-    out = args.out or ROOT / "tests" / "hf" / "fixture"
-    write_tiny(out, tied=False, theta=500_000.0, scaling=LLAMA3_SCALING, v4=True)
-    write_tiny(out / "tied", tied=True, theta=50_000.0, scaling=None, v4=False)
+    write_tiny(fixture, tied=False, theta=500_000.0, scaling=LLAMA3_SCALING, v4=True)
+    write_tiny(fixture / "tied", tied=True, theta=50_000.0, scaling=None, v4=False)
+    for folder in (fixture, fixture / "tied"):
+        write_generated(folder)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,11 @@ MODULE_KEYS = {
         "seq_len", "max_bytes", "eval_fraction", "files", "tokenizer", "eos_token", "cache_dir",
     },
     "data.tokens": {"files", "dtype", "seq_len", "eval_fraction"},
+    "data.sft": {
+        "files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "train_on_prompt",
+        "too_long", "packing", "max_segments", "messages_field", "prompt_field",
+        "completion_field", "eos_token", "cache_dir",
+    },
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
     "data.synthetic_images": {"image_shape", "num_classes", "signal"},
 }  # fmt: skip

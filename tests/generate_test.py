@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import integers
 
-from mptrain import generate
+from mptrain.models import decode as generate
 from mptrain.models import llama
 from mptrain.recipe import sharding
 

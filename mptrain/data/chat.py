@@ -96,9 +96,10 @@ def render(template: str, messages: list, add_generation_prompt: bool = False, *
         raise ValueError(f"the chat template does not render it: {errors.first_line(e)}") from None
 
 
-def check_messages(messages: Any) -> list[dict]:
+def check_messages(messages: Any, need_assistant: bool = True) -> list[dict]:
     """`messages` as a conversation: a list of `{"role", "content"}` with known roles and
-    string contents, and an assistant turn; else a `ValueError` saying what is wrong."""
+    string contents, and an assistant turn (for training; a prompt to answer needs none);
+    else a `ValueError` saying what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content}")
     for i, message in enumerate(messages):
@@ -108,7 +109,7 @@ def check_messages(messages: Any) -> list[dict]:
             raise ValueError(f"message {i}: role {message['role']!r} is not one of {ROLES}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"message {i}: 'content' must be a string")
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn: nothing to learn from")
     return messages
 

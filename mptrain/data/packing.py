@@ -112,3 +112,69 @@ def pack(
             at = end
     real = sum(len(x) for x, _ in kept)
     return Packed(**out, examples=len(kept), truncated=truncated, dropped=dropped, real_tokens=real)
+
+
+PLANES = ("inputs", "targets", "segment_ids", "positions")  # a stored row's planes, in order
+
+
+class PackedSource:
+    """Batches of packed rows (the module doc): `random=True` draws each epoch's order from
+    `(seed, epoch)`; `random=False` takes the rows in order, the last batch wrapping round."""
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        random: bool = True,
+        max_segments: int = 64,
+    ):
+        self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
+        self.segment_ids = np.arange(1, max_segments + 1, dtype=np.int32)
+        self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._orders[epoch] = rng.permutation(len(self.rows))
+        return self._orders[epoch]
+
+    def indices(self, index: int) -> np.ndarray:
+        """The rows of batch `index`."""
+        if not isinstance(index, int | np.integer) or index < 0:
+            raise ValueError(f"batch index must be a non-negative int, got {index!r}")
+        at = int(index) * self.batch_size + np.arange(self.batch_size)
+        n = len(self.rows)
+        if not self.random:
+            return at % n
+        epochs = at // n
+        return np.asarray([self._order(int(e))[k] for e, k in zip(epochs, at % n, strict=True)])
+
+    def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
+        """Batch `index` (only its `rows`: a process builds its own)."""
+        picked = np.asarray(self.rows[self.indices(index)[rows]])
+        batch = {plane: picked[:, k] for k, plane in enumerate(PLANES)}
+        batch["segment_lengths"] = segment_lengths(batch["segment_ids"], self.segment_ids)
+        return batch
+
+    def real_tokens(self, start: int, stop: int) -> int:
+        """The real (not padding) tokens of batches `start .. stop - 1`: what tokens/s counts."""
+        return int(sum(self.real[self.indices(i)].sum() for i in range(start, stop)))
+
+    def __repr__(self) -> str:
+        rows, batch = len(self.rows), self.batch_size
+        return f"PackedSource(rows={rows}, batch_size={batch}, random={self.random})"
+
+
+def segment_lengths(segment_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`[rows, M]` tokens of each row's segments `ids` (1 .. M; 0 where a row has fewer):
+    what cuDNN's packed layout reads (`segments.Segments`)."""
+    return (segment_ids[:, :, None] == ids).sum(axis=1, dtype=np.int32)

@@ -1,7 +1,7 @@
 """Supervised fine-tuning data: `data.name="sft"`, examples packed into rows, loss on the answers.
 
 `data.files` globs `.jsonl` files (an example a line) and `.json` files (a list of examples);
-None is the embedded set (`embedded_examples`). An example is a conversation
+None is the embedded set (`examples.embedded`). An example is a conversation
 (`{"messages": [{"role", "content"}, ...]}`) or a pair (`{"prompt", "completion"}`), under the
 field names `data.messages_field`, `data.prompt_field` and `data.completion_field`. Each is
 encoded by `chat.encode`: the conversation rendered by its chat template, the loss on the
@@ -35,13 +35,11 @@ written until every example has encoded.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +47,7 @@ from absl import logging
 
 from mptrain import errors
 from mptrain.data import chat, packing, text, token_cache, tokenize
+from mptrain.data import examples as sources
 
 FORMAT_VERSION = 2  # bump when the rows' layout, the encoding or the embedded set's rule changes
 SUFFIXES = (".jsonl", ".json")
@@ -62,7 +61,6 @@ BYTE_SPECIALS = (
     "<|eot_id|>",
 )
 BYTE_VOCAB = 256 + len(BYTE_SPECIALS)
-PLANES = ("inputs", "targets", "segment_ids", "positions")  # a cached row's planes, in order
 # The keys this source reads under `config.data`, with their defaults (the module doc).
 CONFIG_KEYS = {
     "files": None,
@@ -80,42 +78,6 @@ CONFIG_KEYS = {
     "eos_token": None,
     "cache_dir": None,
 }
-EMBEDDED_MAX_CHARS = 480  # of an embedded pair: one fits a row of 512 with room to spare
-
-
-# ---- the embedded set --------------------------------------------------------------------
-
-
-def embedded_examples() -> Iterator[tuple[str, dict]]:
-    """The embedded set: for each public function or method of the Python standard library
-    (`text.list_files`' files) with a docstring, the prompt is its dotted name and signature
-    and a newline, the completion the docstring's first paragraph (at least 20 characters, the
-    pair at most `EMBEDDED_MAX_CHARS`). About 4,700 pairs on CPython 3.11, the same on every
-    machine with the same Python build. Yields `(where, example)`."""
-    root = text.stdlib_root()
-    for rel in text.list_files(root):
-        with open(os.path.join(root, rel), "rb") as f:
-            source = f.read()
-        try:
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):  # a file of another Python's grammar: not text here
-            continue
-        module = rel[:-3].replace("/", ".").removesuffix(".__init__")
-        for name, node in _functions(tree.body, module + "."):
-            doc = ast.get_docstring(node)
-            first = doc.split("\n\n")[0].strip() if doc else ""
-            prompt = f"{name}({ast.unparse(node.args)})\n"
-            if len(first) >= 20 and len(prompt) + len(first) <= EMBEDDED_MAX_CHARS:
-                yield f"{rel} line {node.lineno}", {"prompt": prompt, "completion": first}
-
-
-def _functions(body: list, prefix: str) -> Iterator[tuple[str, Any]]:
-    for node in body:
-        if node.__class__.__name__ in ("FunctionDef", "AsyncFunctionDef"):
-            if not node.name.startswith("_"):
-                yield prefix + node.name, node
-        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-            yield from _functions(node.body, f"{prefix}{node.name}.")
 
 
 # ---- settings ----------------------------------------------------------------------------
@@ -154,12 +116,13 @@ class Settings:
         return os.path.join(self.cache_dir, f"sft-{self.key()}.npy")
 
 
-def _token_text(value: Any) -> str | None:
+def token_text(value: Any) -> str | None:
     """A `tokenizer_config.json`'s token: a string, or `{"content": ...}`."""
     return value.get("content") if isinstance(value, dict) else value
 
 
-def _folder_config(path: str) -> dict:
+def folder_config(path: str) -> dict:
+    """The `tokenizer_config.json` beside the tokenizer.json `path` ({} where none)."""
     config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
     if not os.path.isfile(config):
         return {}
@@ -216,10 +179,10 @@ def settings(config: Any) -> Settings:
         loaded = tokenizer_of(BYTES)
     else:
         path = tokenize.tokenizer_file(spec)
-        folder, loaded = _folder_config(path), tokenizer_of(path)
+        folder, loaded = folder_config(path), tokenizer_of(path)
         with open(path, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
-        tokens = {k: _token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
+        tokens = {k: token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
     template = _template(keys["chat_template"], folder, path)
     if eos_token is None and tokens["eos_token"]:  # the folder's, as its chat model ends
         eos_token = tokens["eos_token"]
@@ -241,41 +204,6 @@ def tokenizer_of(path: str):
 # ---- reading and encoding ------------------------------------------------------------------
 
 
-def read_examples(path: str) -> Iterator[tuple[str, Any]]:
-    """`(where, example)` of a file's examples: each line of a `.jsonl` (blank lines skipped),
-    each item of a `.json` list. A file that does not read, a line that is not JSON, or a file
-    with no example is a `ConfigError` naming the file (and line)."""
-    try:
-        with open(path, "rb") as f:
-            content = f.read()
-    except OSError as e:
-        raise errors.ConfigError(f"config.data.files: cannot read {path} ({e.strerror})") from None
-    count = 0
-    if path.endswith(".json"):
-        items = _parsed(content, path)
-        if not isinstance(items, list):
-            raise errors.ConfigError(f"config.data.files: {path} is not a list of examples")
-        for k, item in enumerate(items):
-            count += 1
-            yield f"{path} item {k}", item
-    else:
-        for number, line in enumerate(content.splitlines(), 1):
-            if line.strip():
-                count += 1
-                yield f"{path} line {number}", _parsed(line, f"{path} line {number}")
-    if not count:
-        raise errors.ConfigError(f"config.data.files: {path} holds no example")
-
-
-def _parsed(text: bytes, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise errors.ConfigError(
-            f"config.data.files: {where}: not JSON ({errors.first_line(e)})"
-        ) from None
-
-
 def _standard(example: Any, fields: tuple[str, str, str]) -> Any:
     """The example under `chat.encode`'s field names."""
     messages, prompt, completion = fields
@@ -292,7 +220,7 @@ def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every example's `(ids, loss)`, in the files' order; a `ConfigError` names the first bad
     one (its file, line and what is wrong)."""
     tokenizer = tokenizer_of(s.tokenizer)
-    examples = embedded_examples() if not s.files else _in_files(s.files)
+    examples = sources.embedded() if not s.files else sources.in_files(s.files)
     out = []
     for where, example in examples:
         try:
@@ -307,11 +235,6 @@ def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
             raise errors.ConfigError(f"config.data.files: {where}: token id {top} >= {s.vocab}")
         out.append((ids, loss))
     return out
-
-
-def _in_files(paths: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    for path in paths:
-        yield from read_examples(path)
 
 
 # ---- the rows --------------------------------------------------------------------------------
@@ -329,8 +252,8 @@ def _stats(packed: packing.Packed) -> dict:
 
 
 def build(s: Settings) -> tuple[np.ndarray, dict]:
-    """The rows (int32 `[rows, 4, seq_len]`: `PLANES`, the train rows then the eval rows) and
-    their record's `{"train": stats, "eval": stats}`."""
+    """The rows (int32 `[rows, 4, seq_len]`: `packing.PLANES`; the train rows, then the eval
+    rows) and their record's `{"train": stats, "eval": stats}`."""
     examples = encoded(s)
     held_out = round(len(examples) * s.eval_fraction)
     if not 1 <= held_out < len(examples):
@@ -349,7 +272,7 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
                 f"data.seq_len={s.seq_len}"
             )
     rows = np.concatenate(
-        [np.stack([getattr(p, plane) for plane in PLANES], axis=1) for p in packed]
+        [np.stack([getattr(p, plane) for plane in packing.PLANES], axis=1) for p in packed]
     )
     return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1])}
 
@@ -368,69 +291,6 @@ def rows_of(s: Settings) -> tuple[np.ndarray, dict]:
     return token_cache.load(s.path(), np.dtype(np.int32), s.cache_dir, write, "packed SFT rows")
 
 
-class PackedSource:
-    """Batches of packed rows (the module doc): `random=True` draws each epoch's order from
-    `(seed, epoch)`; `random=False` takes the rows in order, the last batch wrapping round."""
-
-    def __init__(
-        self,
-        rows: np.ndarray,
-        batch_size: int,
-        seed: int = 0,
-        *,
-        random: bool = True,
-        max_segments: int = CONFIG_KEYS["max_segments"],
-    ):
-        self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
-        self.segment_ids = np.arange(1, max_segments + 1, dtype=np.int32)
-        self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
-        self._orders: dict[int, np.ndarray] = {}
-
-    @property
-    def num_batches(self) -> int:
-        return -(-len(self.rows) // self.batch_size)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            if len(self._orders) > 2:
-                self._orders.clear()
-            rng = np.random.default_rng([self.seed, epoch])
-            self._orders[epoch] = rng.permutation(len(self.rows))
-        return self._orders[epoch]
-
-    def indices(self, index: int) -> np.ndarray:
-        """The rows of batch `index`."""
-        if not isinstance(index, int | np.integer) or index < 0:
-            raise ValueError(f"batch index must be a non-negative int, got {index!r}")
-        at = int(index) * self.batch_size + np.arange(self.batch_size)
-        n = len(self.rows)
-        if not self.random:
-            return at % n
-        epochs = at // n
-        return np.asarray([self._order(int(e))[k] for e, k in zip(epochs, at % n, strict=True)])
-
-    def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
-        """Batch `index` (only its `rows`: a process builds its own)."""
-        picked = np.asarray(self.rows[self.indices(index)[rows]])
-        batch = {plane: picked[:, k] for k, plane in enumerate(PLANES)}
-        batch["segment_lengths"] = segment_lengths(batch["segment_ids"], self.segment_ids)
-        return batch
-
-    def real_tokens(self, start: int, stop: int) -> int:
-        """The real (not padding) tokens of batches `start .. stop - 1`: what tokens/s counts."""
-        return int(sum(self.real[self.indices(i)].sum() for i in range(start, stop)))
-
-    def __repr__(self) -> str:
-        rows, batch = len(self.rows), self.batch_size
-        return f"PackedSource(rows={rows}, batch_size={batch}, random={self.random})"
-
-
-def segment_lengths(segment_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """`[rows, M]` tokens of each row's segments `ids` (1 .. M; 0 where a row has fewer):
-    what cuDNN's packed layout reads (`attention.Segments`)."""
-    return (segment_ids[:, :, None] == ids).sum(axis=1, dtype=np.int32)
-
-
 def check_config(config: Any) -> dict[str, Any]:
     """What `config.validate` calls: the keys checked, the files found, the tokenizer and the
     template loaded (the vocabulary must fit `model.vocab_size`); no example is read. Returns
@@ -441,7 +301,7 @@ def check_config(config: Any) -> dict[str, Any]:
     tokenize.check_vocab(config, s.vocab, s.tokenizer)
     example = jax.ShapeDtypeStruct((1, s.seq_len), np.int32)
     lengths = jax.ShapeDtypeStruct((1, s.max_segments), np.int32)
-    return dict.fromkeys(PLANES, example) | {"segment_lengths": lengths}
+    return dict.fromkeys(packing.PLANES, example) | {"segment_lengths": lengths}
 
 
 def report(s: Settings, record: dict) -> None:
@@ -464,7 +324,7 @@ def report(s: Settings, record: dict) -> None:
             )  # fmt: skip
 
 
-def create_sources(config: Any) -> tuple[PackedSource, PackedSource]:
+def create_sources(config: Any) -> tuple[packing.PackedSource, packing.PackedSource]:
     """Host-side: `(train, eval)` sources of packed rows (the module doc)."""
     with errors.config_errors():
         s = settings(config)
@@ -474,6 +334,8 @@ def create_sources(config: Any) -> tuple[PackedSource, PackedSource]:
     train = record["sft"]["train"]["rows"]
     most = s.max_segments
     return (
-        PackedSource(rows[:train], config.batch_size, config.seed, max_segments=most),
-        PackedSource(rows[train:], config.batch_size, config.seed, random=False, max_segments=most),
+        packing.PackedSource(rows[:train], config.batch_size, config.seed, max_segments=most),
+        packing.PackedSource(
+            rows[train:], config.batch_size, config.seed, random=False, max_segments=most
+        ),
     )

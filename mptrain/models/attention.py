@@ -7,12 +7,9 @@ Attention, shared by the zoo's transformer and the NNX example, comes in three i
     ``jax.nn.dot_product_attention``. It never writes the ``[B, H, L, L]`` scores to memory:
     on an H100 the GPT-2-small-shaped LM's step fell from 97.6 to 27.6 ms and its temporaries
     from 19.9 to 6.1 GiB. jax only calls cuDNN when asked by name (its default is XLA's
-    materialising path). Packed rows (``Segments``) take cuDNN's packed layout instead
-    (``cudnn_packed``: each example's length and offset, no ``[L, L]`` mask; Hopper or newer):
-    of the three ways to keep a row's examples apart on a GPU, compiled here for an H100 at
-    the 8B plan's shapes (``scripts/attention_paths.py``), it alone adds no ``[L, L]`` buffer
-    and no bytes to read (a mask reaches cuDNN as a bf16 bias it reads for every head; the
-    Pallas Triton kernel takes one head count, so k and v are copied to every query head);
+    materialising path). Packed rows take cuDNN's packed layout instead (each example's
+    length and offset, no ``[L, L]`` mask; Hopper or newer: ``segments.cudnn_packed``, whose
+    module says why that way);
   * ``causal_attention(q, k, v, "flash")``: jax's Pallas flash attention kernel for TPUs
     (``jax.experimental.pallas.ops.tpu.flash_attention``, what MaxText's TPU LMs run, in its
     splash form), with the same fp32 running statistics and no ``[B, H, L, L]`` buffer; on a
@@ -43,12 +40,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mptrain import errors
+from mptrain.models import segments as segments_lib
 from mptrain.models.layers import Dtype, einsum_f32_out
 
 ATTENTION_KEY = "model.attention"
@@ -213,26 +210,6 @@ def _fused_attention(q, k, v, implementation: str):
     )
 
 
-class Segments(NamedTuple):
-    """The examples packed into each row (`data.sft`'s rows): ``ids`` ``[B, L]`` (1, 2, ... a
-    row's examples in order, 0 padding last) and ``lengths`` ``[B, M]`` (``segment_lengths``:
-    each example's tokens, 0 past the row's last; M, the most examples a row holds, is the
-    static bound cuDNN's packed layout is compiled for), which the GPU path reads."""
-
-    ids: jax.Array
-    lengths: jax.Array | None = None
-
-
-def segments(ids: jax.Array | None, lengths: jax.Array | None) -> Segments | None:
-    """A model's ``segment_ids`` and ``segment_lengths`` as one ``Segments`` (None: no
-    packing); lengths without ids are a ``ValueError``."""
-    if ids is None:
-        if lengths is not None:
-            raise ValueError("segment_lengths without segment_ids: give both, or neither")
-        return None
-    return Segments(ids, lengths)
-
-
 def causal_attention(
     q: jax.Array,
     k: jax.Array,
@@ -240,7 +217,7 @@ def causal_attention(
     implementation: str,
     *,
     dropout: Callable[[jax.Array], jax.Array] | None = None,
-    segment_ids: jax.Array | Segments | None = None,
+    segment_ids: jax.Array | segments_lib.Segments | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -259,7 +236,7 @@ def causal_attention(
     """
     _query_heads_per_kv_head(q, k, v)  # all three refuse the same head counts
     lengths = None
-    if isinstance(segment_ids, Segments):
+    if isinstance(segment_ids, segments_lib.Segments):
         segment_ids, lengths = segment_ids
     if implementation in ("cudnn", "flash") and dropout is not None:
         raise ValueError(f"{implementation} attention has no dropout; use 'materialized'")
@@ -269,7 +246,7 @@ def causal_attention(
                 "cudnn attention of packed rows takes their segment lengths too (Segments: "
                 "data.sft's batches carry segment_lengths); or use 'materialized'"
             )
-        return cudnn_packed(q, k, v, lengths=lengths)
+        return segments_lib.cudnn_packed(q, k, v, lengths=lengths)
     if implementation == "cudnn":
         return _fused_attention(q, k, v, "cudnn")  # it takes K < H heads as they are
     if implementation == "flash":
@@ -318,51 +295,6 @@ def cached_attention(q, k_cache, v_cache, positions) -> jax.Array:
     slots = jnp.arange(k_cache.shape[1])
     mask = slots[None, None, :] <= positions[:, :, None]
     return masked_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-
-
-def segment_lengths(segment_ids: jax.Array, max_segments: int) -> jax.Array:
-    """``[B, M]`` lengths of the segments 1 .. M of ``[B, L]`` segment ids (0 where a row has
-    fewer), for rows as ``data.sft`` packs them: each example one run of its id, 1, 2, ... in
-    order, padding (0) last."""
-    ids = jnp.arange(1, max_segments + 1, dtype=segment_ids.dtype)
-    return jnp.sum(segment_ids[:, :, None] == ids, axis=1, dtype=jnp.int32)
-
-
-def packed_layout(lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(seqlen [B, M], offsets [B, M + 1])`` of cuDNN's packed layout from ``[B, M]`` segment
-    lengths (jax's cuDNN module's form): segment ``s`` of row ``b`` holds the tokens
-    ``offsets[b, s] .. offsets[b, s] + seqlen[b, s] - 1``; -1 fills the entries past a row's
-    last segment, and the offsets' last entry."""
-    present = lengths > 0
-    starts = jnp.cumsum(lengths, axis=1) - lengths
-    none = jnp.full((lengths.shape[0], 1), -1, jnp.int32)
-    seqlen = jnp.where(present, lengths, -1).astype(jnp.int32)
-    offsets = jnp.concatenate([jnp.where(present, starts, -1).astype(jnp.int32), none], axis=1)
-    return seqlen, offsets
-
-
-def cudnn_packed(q, k, v, segment_ids=None, *, lengths=None, max_segments=None):
-    """cuDNN's fused attention in its packed layout: each row's segments handed to cuDNN as
-    their lengths and offsets, so that a query attends causally within its own segment only and
-    no ``[L, L]`` mask or bias exists (the kernel skips the tiles between segments). ``lengths``
-    is ``[B, M]`` (``segment_lengths``; computed from ``segment_ids`` and ``max_segments``
-    where not given); a row with more than ``M`` segments would lose the rest, so the packer
-    caps the examples a row takes at ``M``. jax reaches this layout through its cuDNN module,
-    not ``jax.nn.dot_product_attention`` (which takes one length a row)."""
-    from jax._src.cudnn import fused_attention_stablehlo as fused
-
-    if not fused.check_compute_capability("9.0"):  # jax's rule (`Target.devices` answers it
-        raise ValueError(  # for the GPU a plan compiles for)
-            f"{ATTENTION_KEY}: cuDNN keeps the examples of packed rows apart on Hopper GPUs or "
-            f"newer only (its packed layout); set {ATTENTION_KEY}='materialized'"
-        )
-    if lengths is None:
-        lengths = segment_lengths(segment_ids, max_segments)
-    seqlen, offsets = packed_layout(lengths)
-    return fused.dot_product_attention(
-        q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
-        scale=q.shape[-1] ** -0.5, mask_type=fused.MaskType.PADDING_CAUSAL,
-    )  # fmt: skip
 
 
 def _query_heads_per_kv_head(q, k, v) -> int:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -56,39 +56,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
+from mptrain.models import decode as decode_lib
 from mptrain.models import layers, lm_loss
 from mptrain.models import remat as remat_lib
+from mptrain.models import segments as segments_lib
+from mptrain.models.rope import apply_rope, rope_frequencies
 from mptrain.recipe import sharding
-
-
-def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
-    """The inverse frequencies ``[head_dim // 2]`` (float32) of RoPE, with Llama 3's scaling
-    ``(factor, low_freq_factor, high_freq_factor, original_max_len)``: wavelengths longer than
-    ``original_max_len / low_freq_factor`` are stretched by ``factor``, those shorter than
-    ``original_max_len / high_freq_factor`` kept, and those between interpolated smoothly
-    (Meta's rule for Llama 3.1, also HF's ``rope_type="llama3"``). Computed in float64 on the
-    host, a constant of the program."""
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None:
-        factor, low, high, original = (float(v) for v in scaling)
-        wavelen = 2 * np.pi / inv
-        smooth = (original / wavelen - low) / (high - low)
-        mixed = (1 - smooth) * inv / factor + smooth * inv
-        inv = np.where(wavelen > original / low, inv / factor, inv)
-        between = (wavelen <= original / low) & (wavelen >= original / high)
-        inv = np.where(between, mixed, inv)
-    return inv.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
-    packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
-    pairing; the result in ``x``'s dtype."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, Dh/2]
-    x32 = x.astype(jnp.float32)
-    a, b = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -126,37 +99,6 @@ class Shape:
     d_ff: int
     norm_eps: float
     inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
-
-
-class KVCache(NamedTuple):
-    """Every layer's keys and values while decoding: ``k``, ``v`` ``[layers, B, S, K, Dh]``
-    (grouped-query shaped: K kv heads, never repeated to the query heads) in the cache's dtype
-    (the compute dtype by default), slot ``j`` holding position ``j``. Scanned layers read
-    their slice of it in the loop; ``cache.layer(i)`` is layer ``i``'s (``[B, S, K, Dh]``)."""
-
-    k: jax.Array
-    v: jax.Array
-
-    @classmethod
-    def create(cls, layers_: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype):
-        zeros = jnp.zeros((layers_, batch, slots, kv_heads, head_dim), dtype)
-        return cls(zeros, zeros)
-
-    @classmethod
-    def stack(cls, caches: list) -> KVCache:
-        return cls(jnp.stack([c.k for c in caches]), jnp.stack([c.v for c in caches]))
-
-    def layer(self, i: int) -> KVCache:
-        return KVCache(self.k[i], self.v[i])
-
-    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-        """One layer's cache with ``[B, L, K, Dh]`` k, v written at each row's ``positions``
-        (``[B, L]``), cast to the cache's dtype: a scatter of distinct slots, in place."""
-        rows = jnp.arange(k.shape[0])[:, None]
-        return KVCache(
-            self.k.at[rows, positions].set(k.astype(self.k.dtype)),
-            self.v.at[rows, positions].set(v.astype(self.v.dtype)),
-        )
 
 
 class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
@@ -238,12 +180,9 @@ class Llama(nn.Module):
     ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
     ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU.
 
-    Decoding (`mptrain.generate`) passes a ``cache`` (``KVCache``, every layer's) and each
-    row's ``positions``, and gets ``(logits, cache)``: a prompt (``L > 1``, from position 0)
-    attends over its own keys as in training and fills the cache; one token a row attends over
-    the cache. ``logits_at`` (``int[B]``) keeps the logits of one position a row (a prompt's
-    last real token), so no ``[B, L, V]`` array is made for a long prompt. The same modules
-    and params as training: nothing here can drift from the model that was trained."""
+    Decoding (`mptrain.models.decode`) gives a ``cache`` and each row's ``positions`` and gets
+    ``(logits, cache)``: a prompt (from 0) attends over its own keys as in training, one token
+    a row over the cache; ``logits_at`` (``int[B]``) keeps one position's logits a row."""
 
     vocab_size: int
     num_layers: int
@@ -265,7 +204,7 @@ class Llama(nn.Module):
         segment_lengths=None, cache=None, logits_at=None,
     ) -> Any:  # fmt: skip
         del train  # no dropout in a Llama
-        segments = attention_lib.segments(segment_ids, segment_lengths)
+        segments = segments_lib.segments(segment_ids, segment_lengths)
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
         embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
@@ -297,7 +236,7 @@ class Llama(nn.Module):
                 if cache is not None:
                     x, layer = x
                     layers_.append(layer)
-            return x if cache is None else (x, KVCache.stack(layers_))
+            return x if cache is None else (x, decode_lib.KVCache.stack(layers_))
         block = Block(*args, parent=None)  # applied to one layer's slice at a time
 
         def init(rng, x, positions):

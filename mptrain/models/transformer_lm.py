@@ -64,6 +64,7 @@ from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 from mptrain.models import lm_loss as lm_loss_lib
 from mptrain.models import remat as remat_lib
+from mptrain.models import segments as segments_lib
 from mptrain.recipe import fp8 as fp8_lib
 
 
@@ -206,7 +207,7 @@ class TransformerLM(nn.Module):
         segment_lengths=None,
     ) -> Any:  # fmt: skip
         length = layers.check_tokens(tokens, self.max_len)
-        segments = attention_lib.segments(segment_ids, segment_lengths)
+        segments = segments_lib.segments(segment_ids, segment_lengths)
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)

@@ -15,7 +15,7 @@ from helpers import ROOT, load_config
 
 from mptrain import config as config_lib
 from mptrain import errors
-from mptrain.data import sft, token_cache
+from mptrain.data import packing, sft, token_cache
 
 PAIRS = [
     {"prompt": f"Q{k}: what is {k} + {k}?\n", "completion": f"A: {2 * k}, of course." * (k % 3 + 1)}
@@ -114,15 +114,15 @@ def test_the_rows_are_the_same_bytes_from_the_same_file_on_any_machine(tmp_path)
 def test_batch_i_is_a_pure_function_of_seed_and_i_and_each_epoch_sees_every_row(tmp_path):
     rows = np.arange(10 * 4 * 8, dtype=np.int32).reshape(10, 4, 8)
     rows[:, 2] = 1
-    one, two = sft.PackedSource(rows, 4, seed=3), sft.PackedSource(rows, 4, seed=3)
+    one, two = packing.PackedSource(rows, 4, seed=3), packing.PackedSource(rows, 4, seed=3)
     for i in (0, 7, 2, 12):  # any order, any object
         for key, value in one.get_batch(i).items():
             np.testing.assert_array_equal(value, two.get_batch(i)[key])
     seen = np.concatenate([one.indices(i) for i in range(5)])  # 20 rows: two epochs
     assert sorted(seen[:10]) == sorted(seen[10:]) == list(range(10))
     assert list(seen[:10]) != list(seen[10:])  # a new order each epoch
-    assert list(sft.PackedSource(rows, 4, seed=4).indices(0)) != list(one.indices(0))
-    evaluation = sft.PackedSource(rows, 4, random=False)
+    assert list(packing.PackedSource(rows, 4, seed=4).indices(0)) != list(one.indices(0))
+    evaluation = packing.PackedSource(rows, 4, random=False)
     assert [list(evaluation.indices(i)) for i in range(3)] == [
         [0, 1, 2, 3],
         [4, 5, 6, 7],
@@ -135,7 +135,7 @@ def test_real_tokens_count_segments_not_padding(tmp_path):
     rows = np.zeros((6, 4, 8), np.int32)
     for r in range(6):
         rows[r, 2, : r + 1] = 1  # row r holds r + 1 real tokens
-    source = sft.PackedSource(rows, 2, seed=0)
+    source = packing.PackedSource(rows, 2, seed=0)
     want = sum(rows[source.indices(i), 2].astype(bool).sum() for i in range(5))
     assert source.real_tokens(0, 5) == want
     assert source.real_tokens(0, 3) == 21  # one epoch: every row once

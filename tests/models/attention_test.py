@@ -27,7 +27,7 @@ from helpers import (
 )
 from transformer_lm_test import NUM_LAYERS, NUM_MATMULS, _apply, _model, _to_bf16, _tokens
 
-from mptrain.models import attention, transformer_lm
+from mptrain.models import attention, segments, transformer_lm
 
 
 @pytest.fixture(scope="module")
@@ -461,11 +461,11 @@ def test_cudnns_packed_layout_describes_the_materialised_paths_mask():
     ids = np.zeros((len(rows), 16), np.int32)
     for r, lengths in enumerate(rows):
         ids[r, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-    lengths = attention.segment_lengths(jnp.asarray(ids), 6)
-    from mptrain.data import sft
+    lengths = segments.segment_lengths(jnp.asarray(ids), 6)
+    from mptrain.data import packing
 
-    np.testing.assert_array_equal(lengths, sft.segment_lengths(ids, np.arange(1, 7)))
-    seqlen, offsets = (np.asarray(x) for x in attention.packed_layout(lengths))
+    np.testing.assert_array_equal(lengths, packing.segment_lengths(ids, np.arange(1, 7)))
+    seqlen, offsets = (np.asarray(x) for x in segments.packed_layout(lengths))
     assert seqlen.shape == (4, 6) and offsets.shape == (4, 7)
     for r in range(len(rows)):
         cudnn = np.zeros((16, 16), bool)  # query i sees key j: the same segment, j <= i

@@ -1,0 +1,39 @@
+"""Rotary positions (RoPE) as the zoo's Llama applies them: the inverse frequencies, with
+Llama 3's scaling, computed on the host; the rotation, an fp32 island (the Llama module doc).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
+    """The inverse frequencies ``[head_dim // 2]`` (float32) of RoPE, with Llama 3's scaling
+    ``(factor, low_freq_factor, high_freq_factor, original_max_len)``: wavelengths longer than
+    ``original_max_len / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_len / high_freq_factor`` kept, and those between interpolated smoothly
+    (Meta's rule for Llama 3.1, also HF's ``rope_type="llama3"``). Computed in float64 on the
+    host, a constant of the program."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None:
+        factor, low, high, original = (float(v) for v in scaling)
+        wavelen = 2 * np.pi / inv
+        smooth = (original / wavelen - low) / (high - low)
+        mixed = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > original / low, inv / factor, inv)
+        between = (wavelen <= original / low) & (wavelen >= original / high)
+        inv = np.where(between, mixed, inv)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
+    packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
+    pairing; the result in ``x``'s dtype."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, Dh/2]
+    x32 = x.astype(jnp.float32)
+    a, b = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
