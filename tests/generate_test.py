@@ -1,137 +1,96 @@
-"""Decoding with a KV cache (issue 45): each step's logits are a full forward pass's over the
-same tokens, batched prompts of different lengths, greedy and sampled, deterministic by seed.
-The model is training's (`llama.create_model`), its params the Llama tests' (one init program)."""
+"""`python -m mptrain.generate` (issue 45): the command on a HF folder and on a run's workdir,
+and its bad inputs: one line, exit 2, before anything compiles."""
 
-import jax
-import jax.numpy as jnp
-import ml_collections
+import json
+import shutil
+
 import numpy as np
 import pytest
-from helpers import integers
+from helpers import ROOT
 
-from mptrain.models import decode as generate
-from mptrain.models import llama
-from mptrain.recipe import sharding
+from mptrain import generate
+from mptrain.data import chat, sft, tokenize
+from mptrain.models import decode
 
-SCALING = (4.0, 1.0, 4.0, 32)  # positions past 32 lie past the original context
-STEPS = 16
-PROMPTS = [integers(2, (5,), 64).tolist(), integers(3, (11,), 64).tolist(), [7, 3, 9, 1, 4, 2, 8]]
-
-
-def _model(**overrides):
-    config = {
-        "name": "llama",
-        "vocab_size": 64,
-        "d_model": 64,
-        "num_layers": 2,
-        "num_heads": 4,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "d_ff": 96,
-        "max_len": 64,
-        "rope_theta": 10_000.0,
-        "rope_scaling": SCALING,
-        "norm_eps": 1e-5,
-        "tie_embeddings": False,
-        "attention": "materialized",
-        "scan_layers": True,
-        "remat": "none",
-    }
-    return llama.create_model(ml_collections.ConfigDict(config | overrides))
+FIXTURE = ROOT / "tests" / "hf" / "fixture"
 
 
 @pytest.fixture(scope="module")
-def scanned():
-    """The model and the params tests/models/llama_test.py initialises (the same program)."""
-    model = _model()
-    tokens = integers(1, (2, 48), 64)
-    return model, jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+def folder(tmp_path_factory):
+    """The HF fixture (untied, Llama 3 RoPE scaling) with a tokenizer: mptrain's byte-level
+    one (261 tokens of the fixture's 300) and a chat template in Llama 3's layout."""
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "generate.npz"):
+        if (FIXTURE / name).exists():
+            shutil.copy(FIXTURE / name, out / name)
+    tokenize.byte_level(sft.BYTE_SPECIALS).save(str(out / "tokenizer.json"))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    config["chat_template"] = chat.BUILTIN["llama3"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
-def _check_steps_against_a_full_forward(model, params):
-    prompts, lengths = generate.pad_prompts(PROMPTS, model.max_len, STEPS)
-    decode = generate.make_decoder(model, STEPS, keep_logits=True)
-    greedy, none = generate.Sampling().values(), generate.stops([])
-    tokens, logits = decode(params, prompts, lengths, greedy, 0, none)
-    tokens, logits = np.asarray(tokens), np.asarray(logits)
-    assert (tokens >= 0).all()  # no stop token: every row runs all its steps
-    # each row's prompt and what it generated, right-padded: one causal forward pass
-    full = np.zeros((len(PROMPTS), prompts.shape[1] + STEPS), np.int32)
-    for b, n in enumerate(lengths):
-        full[b, : n + STEPS] = np.concatenate([prompts[b, :n], tokens[b]])
-    want = np.asarray(jax.jit(model.apply)({"params": params}, full))
-    for b, n in enumerate(lengths):
-        np.testing.assert_allclose(logits[:, b], want[b, n - 1 : n - 1 + STEPS], atol=2e-5)
-        np.testing.assert_array_equal(tokens[b], want[b, n - 1 : n - 1 + STEPS].argmax(-1))
-    return tokens
-
-
-def test_each_cached_step_gives_the_logits_of_a_full_forward_pass(scanned):
-    """fp32, scanned layers, grouped queries (4 over 1), Llama 3's RoPE scaling, three prompts
-    of 5, 11 and 7 tokens in one batch: at every one of 16 steps, each row's logits are the
-    full forward pass's at that position, past the original context too."""
-    model, params = scanned
-    _check_steps_against_a_full_forward(model, params)
-
-
-@pytest.mark.slow  # the unscanned layout's second decoder and forward program
-def test_the_unscanned_layout_decodes_the_same_tokens(scanned):
-    model, params = scanned
-    tokens = _check_steps_against_a_full_forward(model, params)
-    flat = _model(scan_layers=False)
-    layers = {
-        f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], params[sharding.STACKED]) for i in range(2)
-    }
-    params_flat = {k: v for k, v in params.items() if k != sharding.STACKED} | layers
-    np.testing.assert_array_equal(_check_steps_against_a_full_forward(flat, params_flat), tokens)
-
-
-def test_sampling_is_the_same_for_a_seed_and_stops_at_a_stop_token(scanned):
-    """Temperature, top-k and top-p are run-time values of one compiled decoder: a seed gives
-    the same tokens twice, another seed others; greedy is argmax; a stop token ends its row."""
-    model, params = scanned
-    prompts, lengths = generate.pad_prompts(PROMPTS, model.max_len, STEPS)
-    decode = generate.make_decoder(model, STEPS)
-    hot, none = (
-        generate.Sampling(temperature=1.5, top_k=20, top_p=0.95).values(),
-        generate.stops([]),
-    )
-    one, again = (np.asarray(decode(params, prompts, lengths, hot, 7, none)) for _ in range(2))
-    np.testing.assert_array_equal(one, again)
-    assert not np.array_equal(one, np.asarray(decode(params, prompts, lengths, hot, 8, none)))
-    stop = int(one[1, 3])  # a token row 1 draws at its fourth step: the same draws stop there
-    stopped = np.asarray(decode(params, prompts, lengths, hot, 7, generate.stops([stop])))
-    for row, was in zip(stopped.tolist(), one.tolist(), strict=True):
-        end = was.index(stop) + 1 if stop in was else len(was)
-        assert row[:end] == was[:end] and set(row[end:]) <= {generate.PAD}, (row, was)
-    assert generate.strip(stopped, [stop])[1] == one[1, : one[1].tolist().index(stop)].tolist()
-
-
-def test_top_k_1_and_a_tiny_top_p_are_greedy():
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
-    greedy = np.asarray(logits.argmax(-1))
-    for top_k, top_p in ((1, 1.0), (0, 1e-6)):
-        values = generate.Sampling(temperature=2.0, top_k=top_k, top_p=top_p).values()
-        for seed in range(3):
-            got = generate.sample(logits, jax.random.key(seed), jnp.asarray(values))
-            np.testing.assert_array_equal(got, greedy)
+def _run(capsys, *argv):
+    code = generate.main([*map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "says"),
+    ("args", "says"),
     [
-        ({"temperature": -1.0}, "--temperature=-1.0"),
-        ({"top_k": -2}, "--top_k=-2"),
-        ({"top_p": 0.0}, "--top_p=0.0"),
+        (["--workdir={tmp}/none", "--prompt=x"], "--workdir={tmp}/none: not an mptrain run"),
+        (["--workdir={tmp}", "--prompt=x"], "--workdir={tmp}: not an mptrain run"),
+        (["--workdir={tmp}/bad", "--prompt=x"], "config.json is unusable"),
+        (
+            ["--hf={tmp}/gpt2", "--prompt=x"],
+            "mptrain.hf reads LlamaForCausalLM (model_type 'llama') only",
+        ),
+        (["--hf={tmp}", "--prompt=x"], "not a HuggingFace folder"),
+        (["--workdir={tmp}", "--hf={tmp}", "--prompt=x"], "give --workdir=RUN or --hf=FOLDER"),
+        (["--hf={tmp}"], "no prompt: give --prompt=TEXT or --prompts=FILE.jsonl"),
+        (["--hf={tmp}", "--prompt=x", "--temperature=-1"], "--temperature=-1.0: must be 0"),
+        (["--hf={tmp}", "--prompt=x", "--max_new_tokens=0"], "--max_new_tokens=0: must be 1"),
+        (["--hf={tmp}", "--prompts={tmp}/p.jsonl"], "p.jsonl line 2: no a string 'prompt'"),
+        (["--hf={tmp}", "--prompt=x", "--cache_dtype=int8"], "--cache_dtype='int8'"),
     ],
 )
-def test_bad_sampling_settings_name_the_flag(kwargs, says):
-    with pytest.raises(ValueError, match=says):
-        generate.Sampling(**kwargs)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
+    (tmp_path / "bad" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    code, out, err = _run(capsys, *(a.format(tmp=tmp_path) for a in args))
+    assert code == 2 and not out, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert says.format(tmp=tmp_path) in err, err
 
 
-def test_a_prompt_past_the_context_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens: with --max_new_tokens=8"):
-        generate.pad_prompts([[1, 2], [3] * 60], max_len=64, max_new_tokens=8)
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
-        generate.pad_prompts([[]], max_len=64, max_new_tokens=8)
+def test_a_prompt_past_the_models_context_is_refused(folder, capsys):
+    code, _, err = _run(capsys, f"--hf={folder}", "--prompt=" + "x" * 40, "--max_new_tokens=30")
+    assert code == 2 and "prompt 0 has 40 tokens: with --max_new_tokens=30" in err, err
+    assert "past the model's context of 64" in err
+
+
+def test_the_command_answers_from_a_folder_in_one_batch(folder, capsys, tmp_path):
+    """Greedy, fp32, three prompts of 5, 12 and 9 bytes in one batch: each completion is the
+    one the decoder gives for its tokens (the byte tokenizer: a text's bytes are its ids), and
+    `--out` writes them as jsonl."""
+    prompts = ["hello", "a longer one", "mid-sized"]
+    out = tmp_path / "answers.jsonl"
+    argv = [f"--hf={folder}", *(f"--prompt={p}" for p in prompts), "--max_new_tokens=32"]
+    code, printed, err = _run(capsys, *argv, "--precision=fp32", f"--out={out}")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    speaker = generate.load(hf_folder=str(folder), precision="fp32")
+    ids, lengths = decode.pad_prompts([list(p.encode()) for p in prompts], 64, 32)
+    run = decode.make_decoder(speaker.model, 32)
+    want = run(speaker.params, ids, lengths, decode.Sampling().values(), 0, decode.stops([]))
+    stops = speaker.stop_ids
+    assert [r["tokens"] for r in rows] == decode.strip(np.asarray(want), stops)
+    assert f"[0] hello\n{rows[0]['completion']}\n" in printed
+    assert f"3 answers from {folder}" in err

@@ -71,8 +71,14 @@ def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
 # From the command lines down to the base modules (docs/design.md): a module imports its own
 # group (sub-package, or itself at the top), its layer's others, and the layers below it.
 LAYERS = (
-    ("mptrain", "mptrain.main", "mptrain.export", "mptrain.profile", "mptrain.plan",
-     "mptrain.generate"),  # fmt: skip
+    (
+        "mptrain",
+        "mptrain.main",
+        "mptrain.export",
+        "mptrain.profile",
+        "mptrain.plan",
+        "mptrain.generate",
+    ),
     ("mptrain.train",),
     ("mptrain.record", "mptrain.hf"),
     ("mptrain.inspect",),
