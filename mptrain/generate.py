@@ -27,61 +27,24 @@ How it decodes (`mptrain.models.decode`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from mptrain import errors
 from mptrain.models import decode as decoding
 
 # ---- the command ---------------------------------------------------------------------------
 
-SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers), for `_text_side`
-
 
 @dataclasses.dataclass
 class Speaker:
-    """A model ready to answer: the zoo Llama, its params in the compute dtypes, and the text
-    side (`encode`, `decode`, the stop tokens and the chat template, if any)."""
+    """A model ready to answer: the zoo Llama, its params in the compute dtypes, and its text
+    (`codec.Codec`: encode, decode, the stop tokens and the chat template)."""
 
     model: Any
     params: Any
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    stop_ids: list[int]
-    template: str | None
-    tokens: dict  # bos_token / eos_token for the template
+    codec: Any
     where: str  # what was read, for the log
-
-
-def _text_side(spec: str, template: str | None = None, tokens: dict | None = None):
-    """`(encode, decode, stop_ids, template, tokens)` for `data.tokenizer=spec`: "bytes" (the
-    text data's bytes, no stop token), `SFT_BYTES` (`data.sft`'s byte tokenizer with
-    Llama 3's markers), or a tokenizer.json's path (its folder's tokenizer_config.json gives
-    the template and the tokens where `template` is None). The stop tokens are the
-    end-of-text and end-of-turn tokens the tokenizer knows."""
-    from mptrain.data import chat, sft, tokenize
-
-    if spec == tokenize.BYTES:
-        encode = lambda text: list(text.encode("utf-8"))
-        decode = lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-        return encode, decode, [], None, {}
-    tokenizer = sft.tokenizer_of(tokenize.BYTES if spec == SFT_BYTES else spec)
-    if template is None and spec != SFT_BYTES:
-        folder = sft.folder_config(spec)
-        tokens = {k: sft.token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
-        template = chat.template_of("folder", folder) if folder.get("chat_template") else None
-    ends = (*tokenize.EOS_TOKENS, "<|eot_id|>", (tokens or {}).get("eos_token"))
-    stop = {tokenizer.token_to_id(t) for t in ends if t}
-    return (
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        sorted(i for i in stop if i is not None),
-        template,
-        tokens or {},
-    )
 
 
 def load(workdir: str | None = None, hf_folder: str | None = None, step: int | None = None,
@@ -94,7 +57,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
 
     from mptrain import config as config_lib
     from mptrain import export, hf, models
-    from mptrain.data import sft
+    from mptrain.data import codec
 
     if (workdir is None) == (hf_folder is None):
         raise errors.ConfigError("give --workdir=RUN or --hf=FOLDER (one of them)")
@@ -106,12 +69,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
                 "mptrain.generate decodes the zoo's llama"
             )
         params, where = state.params, f"{workdir} step {int(state.step)}"
-        if config.data.name == "sft":
-            s = sft.settings(config)
-            spec = SFT_BYTES if s.tokenizer == sft.BYTES else s.tokenizer
-            text = _text_side(spec, s.template, s.tokens)
-        else:
-            text = _text_side(config.data.get("tokenizer", "bytes"))
+        text = codec.of_run(config)
     else:
         folder = Path(hf_folder)
         if not hf.is_hf_folder(folder):
@@ -125,58 +83,29 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
         tokenizer = folder / "tokenizer.json"
         if not tokenizer.is_file():
             raise errors.ConfigError(f"--hf={hf_folder}: has no tokenizer.json to read text with")
-        text, where = _text_side(str(tokenizer)), str(folder)
+        text, where = codec.of_tokenizer(str(tokenizer)), str(folder)
     if precision is not None:
         config.precision = precision
     with errors.config_errors():
         policy = config_lib.policy_of(config)
         model = models.create(config.model, policy)
     params = jax.device_put(policy.cast_params(params))
-    return Speaker(model, params, *text, where=where)
+    return Speaker(model, params, text, where)
 
 
 def answer(speaker: Speaker, prompts: list, max_new_tokens: int, sampling: decoding.Sampling,
            seed: int = 0, cache_dtype: Any = None) -> list[dict]:  # fmt: skip
-    """Each prompt's completion (`{"prompt", "completion", "tokens"}`), all in one batch; a
-    prompt is a string, or a list of messages rendered by the chat template."""
-    from mptrain.data import chat
+    """Each prompt's completion (`codec.complete`), all in one batch; a `ConfigError` names a
+    prompt that cannot be read or is too long."""
+    from mptrain.data import codec
 
-    texts = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            texts.append(prompt)
-            continue
-        if speaker.template is None:
-            raise errors.ConfigError(
-                f"prompt {i} is a conversation and the model has no chat template"
-            )
-        try:
-            messages = chat.check_messages(prompt, need_assistant=False)
-            texts.append(
-                chat.render(
-                    speaker.template, messages, add_generation_prompt=True, **speaker.tokens
-                )
-            )
-        except ValueError as e:
-            raise errors.ConfigError(f"prompt {i}: {e}") from None
     try:
-        ids, lengths = decoding.pad_prompts(
-            [speaker.encode(t) for t in texts], speaker.model.max_len, max_new_tokens
-        )
+        return codec.complete(
+            speaker.codec, speaker.model, speaker.params, prompts, max_new_tokens, sampling,
+            seed, cache_dtype,
+        )  # fmt: skip
     except ValueError as e:
         raise errors.ConfigError(str(e)) from None
-    decode = decoding.make_decoder(speaker.model, max_new_tokens, cache_dtype)
-    stop = decoding.stops(speaker.stop_ids)
-    out = decode(speaker.params, ids, lengths, sampling.values(), seed, stop)
-    rows = decoding.strip(np.asarray(out), speaker.stop_ids)
-    return [
-        {
-            "prompt": p if isinstance(p, str) else texts[i],
-            "completion": speaker.decode(r),
-            "tokens": r,
-        }
-        for i, (p, r) in enumerate(zip(prompts, rows, strict=True))
-    ]
 
 
 def read_prompts(path: str, chat: bool) -> list:

@@ -90,7 +90,7 @@ def test_the_command_answers_from_a_folder_in_one_batch(folder, capsys, tmp_path
     ids, lengths = decode.pad_prompts([list(p.encode()) for p in prompts], 64, 32)
     run = decode.make_decoder(speaker.model, 32)
     want = run(speaker.params, ids, lengths, decode.Sampling().values(), 0, decode.stops([]))
-    stops = speaker.stop_ids
+    stops = speaker.codec.stop_ids
     assert [r["tokens"] for r in rows] == decode.strip(np.asarray(want), stops)
     assert f"[0] hello\n{rows[0]['completion']}\n" in printed
     assert f"3 answers from {folder}" in err

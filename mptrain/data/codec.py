@@ -1,0 +1,103 @@
+"""A run's text as a model reads and writes it, for reading what the model says
+(`mptrain.generate`, the samples in a run's record): encode, decode, the tokens that end an
+answer, and the chat template, all from the run's own data settings or a tokenizer's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from mptrain.data import chat, sft, tokenize
+
+SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    stop_ids: list[int]  # the end-of-text and end-of-turn tokens the tokenizer knows
+    template: str | None  # the chat template's text, if any
+    tokens: dict  # bos_token / eos_token for the template
+
+    def prompt(self, prompt: Any) -> str:
+        """A prompt's text: a string as it is; a conversation (a list of messages) through the
+        chat template, with the generation prompt. A `ValueError` says what is wrong."""
+        if isinstance(prompt, str):
+            return prompt
+        if self.template is None:
+            raise ValueError("a conversation, and the model has no chat template")
+        messages = chat.check_messages(prompt, need_assistant=False)
+        return chat.render(self.template, messages, add_generation_prompt=True, **self.tokens)
+
+
+def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = None) -> Codec:
+    """The `Codec` of `data.tokenizer=spec`: "bytes" (the text data's bytes, no stop token),
+    `SFT_BYTES`, or a tokenizer.json's path (its folder's tokenizer_config.json gives the
+    template and the tokens where `template` is None)."""
+    if spec == tokenize.BYTES:
+        encode = lambda text: list(text.encode("utf-8"))
+        decode = lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return Codec(encode, decode, [], None, {})
+    tokenizer = sft.tokenizer_of(tokenize.BYTES if spec == SFT_BYTES else spec)
+    if template is None and spec != SFT_BYTES:
+        folder = sft.folder_config(spec)
+        tokens = {k: sft.token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
+        template = chat.template_of("folder", folder) if folder.get("chat_template") else None
+    ends = (*tokenize.EOS_TOKENS, "<|eot_id|>", (tokens or {}).get("eos_token"))
+    stop = {tokenizer.token_to_id(t) for t in ends if t}
+    return Codec(
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        sorted(i for i in stop if i is not None),
+        template,
+        tokens or {},
+    )
+
+
+def of_run(config: Any) -> Codec:
+    """The `Codec` of a run's data: `data.sft`'s tokenizer, template and tokens, or the text
+    data's tokenizer (bytes, or a tokenizer.json and its folder's template)."""
+    if config.data.name == "sft":
+        s = sft.settings(config)
+        spec = SFT_BYTES if s.tokenizer == sft.BYTES else s.tokenizer
+        return of_tokenizer(spec, s.template, s.tokens)
+    return of_tokenizer(config.data.get("tokenizer", tokenize.BYTES))
+
+
+def complete(
+    codec: Codec,
+    model: Any,
+    params: Any,
+    prompts: list,
+    max_new_tokens: int,
+    sampling: Any = None,
+    seed: int = 0,
+    cache_dtype: Any = None,
+) -> list[dict]:
+    """`{"prompt", "completion", "tokens"}` of each prompt (a string, or a conversation: see
+    `Codec.prompt`), decoded in one batch by `decode.make_decoder` (`sampling`: a
+    `decode.Sampling`, None: greedy). A `ValueError` names a prompt that cannot be read or
+    leaves no room for `max_new_tokens` in the model's context."""
+    import numpy as np
+
+    from mptrain.models import decode
+
+    texts = []
+    for i, prompt in enumerate(prompts):
+        try:
+            texts.append(codec.prompt(prompt))
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    encoded = [codec.encode(t) for t in texts]
+    ids, lengths = decode.pad_prompts(encoded, model.max_len, max_new_tokens)
+    run = decode.make_decoder(model, max_new_tokens, cache_dtype)
+    sampling = (sampling or decode.Sampling()).values()
+    out = run(params, ids, lengths, sampling, seed, decode.stops(codec.stop_ids))
+    rows = decode.strip(np.asarray(out), codec.stop_ids)
+    return [
+        {"prompt": text, "completion": codec.decode(row), "tokens": row}
+        for text, row in zip(texts, rows, strict=True)
+    ]
