@@ -147,6 +147,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.profile.num_steps = 0  # steps traced (0: no trace); results are the same traced or not
     # the record's homes, comma-separated: "tensorboard" (always), "wandb", "mlflow" (loggers.py)
     c.log_to = "tensorboard"
+    # What the model says, in the record (a Llama): at each evaluation its greedy answers to
+    # these prompts go to TensorBoard (text) and samples.jsonl; training is untouched by them
+    c.sample = ml_collections.ConfigDict()
+    c.sample.prompts = ()  # strings; empty: no samples
+    c.sample.chat = False  # each prompt a user turn through the run's chat template
+    c.sample.max_new_tokens = 32  # tokens generated at most for each prompt
     # Several processes (hosts): every process runs the same command with its own process_id.
     # All None: one process, or JAX's auto-detection when a cluster (Slurm, Open MPI, Cloud TPU)
     # reports several.
@@ -206,6 +212,20 @@ def _check_run_keys(config: ml_collections.ConfigDict) -> None:
         value = _get(config, key)
         if not isinstance(value, str) or not value.isidentifier():
             raise ValueError(f"{key}={value!r}: must name a module (a Python identifier)")
+    _check_sample(config)
+
+
+def _check_sample(config: ml_collections.ConfigDict) -> None:
+    sample = config.get("sample") or {}  # absent from the config.json of an older run
+    prompts = sample.get("prompts", ())
+    if not isinstance(prompts, list | tuple) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"sample.prompts={prompts!r}: must be a list of strings")
+    if not isinstance(sample.get("chat", False), bool):
+        raise ValueError(f"sample.chat={sample.get('chat')!r}: must be True or False")
+    errors.check_integer("sample.max_new_tokens", sample.get("max_new_tokens", 32), 1)
+    if prompts and config.model.name != "llama":
+        name = config.model.name
+        raise ValueError(f"sample.prompts: model.name={name!r} cannot answer; samples need a llama")
 
 
 def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -30,6 +30,7 @@ KEYS = {
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "loss.chunk_tokens", "loss.z_loss", "init_from",
     "profile.start_step", "profile.num_steps", "log_to", "memory_fraction",
+    "sample.prompts", "sample.chat", "sample.max_new_tokens",
 }  # fmt: skip
 
 

@@ -76,11 +76,13 @@ def complete(
     sampling: Any = None,
     seed: int = 0,
     cache_dtype: Any = None,
+    run: Any = None,
 ) -> list[dict]:
     """`{"prompt", "completion", "tokens"}` of each prompt (a string, or a conversation: see
     `Codec.prompt`), decoded in one batch by `decode.make_decoder` (`sampling`: a
     `decode.Sampling`, None: greedy). A `ValueError` names a prompt that cannot be read or
-    leaves no room for `max_new_tokens` in the model's context."""
+    leaves no room for `max_new_tokens` in the model's context. `run`: a decoder made for
+    `model` and `max_new_tokens` already (made here where None)."""
     import numpy as np
 
     from mptrain.models import decode
@@ -93,7 +95,7 @@ def complete(
             raise ValueError(f"prompt {i}: {e}") from None
     encoded = [codec.encode(t) for t in texts]
     ids, lengths = decode.pad_prompts(encoded, model.max_len, max_new_tokens)
-    run = decode.make_decoder(model, max_new_tokens, cache_dtype)
+    run = run or decode.make_decoder(model, max_new_tokens, cache_dtype)
     sampling = (sampling or decode.Sampling()).values()
     out = run(params, ids, lengths, sampling, seed, decode.stops(codec.stop_ids))
     rows = decode.strip(np.asarray(out), codec.stop_ids)

@@ -37,7 +37,11 @@ def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> Non
     if jax.process_index() != 0:
         return
     row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
-    path = Path(workdir) / HISTORY
+    append_row(Path(workdir) / HISTORY, row)
+
+
+def append_row(path: Path, row: dict) -> None:
+    """Adds `row` as one JSON line to the file `path` (a line a crash cut short ended first)."""
     with files.writing(path), open(path, "a+b") as f:  # writes go to the end, reads anywhere
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - 1, 0))
@@ -58,14 +62,16 @@ def _rows(path: Path) -> list[tuple[str, dict]]:
     return found
 
 
-def forget_after(workdir: str | os.PathLike, step: int) -> None:
-    """Drops the history's lines past `step` (a run resuming at `step` writes them again),
-    atomically: a reader sees the old history or the new one."""
-    path = Path(workdir) / HISTORY
-    rows = _rows(path)
-    kept = [line + "\n" for line, row in rows if row["step"] <= step]
-    if len(kept) < len(rows) or (path.exists() and not path.read_text().endswith("\n")):
-        files.write_text(path, "".join(kept))
+def forget_after(workdir: str | os.PathLike, step: int, *names: str) -> None:
+    """Drops the lines past `step` of the history (and of the workdir's other files `names`
+    of such lines: the samples) that a run resuming at `step` writes again, atomically: a
+    reader sees the old file or the new one."""
+    for name in (HISTORY, *names):
+        path = Path(workdir) / name
+        rows = _rows(path)
+        kept = [line + "\n" for line, row in rows if row["step"] <= step]
+        if len(kept) < len(rows) or (path.exists() and not path.read_text().endswith("\n")):
+            files.write_text(path, "".join(kept))
 
 
 def load(workdir: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:

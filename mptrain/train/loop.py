@@ -24,7 +24,7 @@ from mptrain import errors, preemption, unused
 from mptrain.recipe import fp8, numerics
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import train_state as train_state_lib
-from mptrain.record import curves, log_totals, numerics_log, throughput
+from mptrain.record import curves, log_totals, numerics_log, samples, throughput
 from mptrain.record import metrics as metrics_lib
 from mptrain.train import checkpoint
 
@@ -165,7 +165,7 @@ class Run:
                 self.workdir, is_main_process=main, restart=self.start + 1, config=cfg
             )
         if main:
-            curves.forget_after(self.workdir, self.start)
+            curves.forget_after(self.workdir, self.start, samples.SAMPLES)
         batches = getattr(self.eval_source, "num_batches", None)
         for line in unused.settings(cfg, batches if isinstance(batches, int) else None):
             logging.warning("mptrain: %s", line)  # settings that cannot do what they say

@@ -43,7 +43,7 @@ from mptrain.models import nnx as nnx_models
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import optim, schedules, sharding, step
 from mptrain.recipe import train_state as train_state_lib
-from mptrain.record import log_totals, loggers, profile, throughput
+from mptrain.record import log_totals, loggers, profile, samples, throughput
 from mptrain.record import metrics as metrics_lib
 from mptrain.train import checkpoint, init_from, loop
 
@@ -85,10 +85,12 @@ class Trainer:
         live state as `run.state`. Extend via `super()`."""
         periodic_actions = metrics_lib.import_clu("periodic_actions")
         cfg, last = self.config, [self.config.num_train_steps]
+        sample = samples.create(self, run)  # what the model says (`config.sample`)
 
         def evaluate(step: int, t: float) -> None:  # clu passes these by name
             self.last_eval = self.evaluate(run.state, run.eval_source, run.eval_step)
             run.record(step, self.last_eval, draw=True)
+            sample(step)
 
         return [  # the speed of the steps is `Run.report`'s (`throughput`)
             periodic_actions.PeriodicCallback(

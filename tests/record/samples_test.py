@@ -1,0 +1,63 @@
+"""What the model says, in the record (`config.sample`, issue 45): greedy answers at each
+evaluation in TensorBoard and samples.jsonl, and a training that is the same with them as
+without them."""
+
+import json
+
+import pytest
+from helpers import event_series, load_config
+
+from mptrain import config as config_lib
+from mptrain import errors
+from mptrain.train import trainer as trainer_lib
+
+TIMINGS = ("step_time", "steps_per_sec", "_per_s", "goodput", "tflops", "mfu")
+RUN = {
+    "num_train_steps": 4,
+    "log_every_steps": 2,
+    "eval_every_steps": 2,
+    "eval_steps": 1,
+    "checkpoint_every_steps": 4,
+}
+
+
+def _history(workdir):
+    rows = [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMINGS)} for r in rows]
+
+
+@pytest.mark.slow  # the decoder's program, besides the tiny Llama's step
+def test_samples_are_written_at_each_evaluation_and_change_nothing_of_the_training(tmp_path):
+    prompts = ("def main(", "import ")
+    on = load_config(
+        "llama3", "tiny", **RUN, **{"sample.prompts": prompts, "sample.max_new_tokens": 8}
+    )
+    trainer_lib.Trainer(on, tmp_path / "on").train_and_evaluate()
+    trainer_lib.Trainer(load_config("llama3", "tiny", **RUN), tmp_path / "off").train_and_evaluate()
+    assert _history(tmp_path / "on") == _history(tmp_path / "off")
+    lines = [json.loads(x) for x in (tmp_path / "on" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in lines] == [(s, p) for s in (2, 4) for p in prompts]
+    assert all(isinstance(r["completion"], str) for r in lines)
+    assert not (tmp_path / "off" / "samples.jsonl").exists()
+    texts = event_series(tmp_path / "on", "sample/0")
+    assert sorted(texts) == [2, 4], texts
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"sample.prompts": ("a", 3)}, "must be a list of strings"),
+        ({"sample.max_new_tokens": 0}, "sample.max_new_tokens=0"),
+    ],
+)
+def test_bad_sample_settings_name_the_key(overrides, says):
+    config = load_config("llama3", "tiny", **overrides)
+    with pytest.raises(errors.ConfigError, match=None) as e:
+        config_lib.validate(config)
+    assert says in str(e.value)
+
+
+def test_samples_need_a_llama():
+    config = load_config("default", **{"sample.prompts": ("x",)})
+    with pytest.raises(errors.ConfigError, match="samples need a llama"):
+        config_lib.validate(config)
