@@ -15,20 +15,57 @@ from mptrain.models import decode
 FIXTURE = ROOT / "tests" / "hf" / "fixture"
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """The HF fixture (untied, Llama 3 RoPE scaling) with a tokenizer: mptrain's byte-level
-    one (261 tokens of the fixture's 300) and a chat template in Llama 3's layout."""
-    out = tmp_path_factory.mktemp("hf") / "llama"
+def _with_tokenizer(fixture, out):
+    """A copy of a HF fixture with a tokenizer: mptrain's byte-level one (261 tokens of the
+    fixture's 300) and a chat template in Llama 3's layout."""
     out.mkdir()
     for name in ("config.json", "model.safetensors", "generate.npz"):
-        if (FIXTURE / name).exists():
-            shutil.copy(FIXTURE / name, out / name)
+        shutil.copy(fixture / name, out / name)
     tokenize.byte_level(sft.BYTE_SPECIALS).save(str(out / "tokenizer.json"))
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
     config["chat_template"] = chat.BUILTIN["llama3"]
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The untied fixture (Llama 3's RoPE scaling), with a tokenizer."""
+    return _with_tokenizer(FIXTURE, tmp_path_factory.mktemp("hf") / "llama")
+
+
+def _transformers_tokens(folder, precision):
+    """mptrain's greedy tokens for the prompts of the fixture's generate.npz (made by
+    transformers' `generate`: scripts/make_hf_fixture.py), in one batch, and transformers'."""
+    expected = np.load(folder / "generate.npz")
+    speaker = generate.load(hf_folder=str(folder), precision=precision)
+    run = decode.make_decoder(speaker.model, expected["tokens"].shape[1])
+    greedy, none = decode.Sampling().values(), decode.stops([])
+    got = run(speaker.params, expected["prompts"], expected["lengths"], greedy, 0, none)
+    return np.asarray(got), expected["tokens"]
+
+
+def test_greedy_decoding_is_transformers_generate_token_for_token(folder):
+    """fp32, the untied fixture (grouped queries, Llama 3's RoPE scaling past its original
+    context of 16), prompts of 5, 12 and 9 tokens batched together, 32 new tokens each:
+    mptrain's tokens are transformers' (each prompt generated alone there)."""
+    got, want = _transformers_tokens(folder, "fp32")
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow  # the tied fixture's and bf16's decoders: two more programs
+def test_the_tied_fixture_too_and_bf16_reports_where_it_first_parts(folder, tmp_path):
+    tied = _with_tokenizer(FIXTURE / "tied", tmp_path / "tied")
+    got, want = _transformers_tokens(tied, "fp32")
+    np.testing.assert_array_equal(got, want)
+    got, want = _transformers_tokens(folder, "bf16-mixed")
+    parted = [
+        int(np.argmax(g != w)) if (g != w).any() else None for g, w in zip(got, want, strict=True)
+    ]
+    print(
+        f"bf16-mixed against transformers' fp32 greedy: first differing token per prompt {parted}"
+    )
+    assert all(p is None or p > 0 for p in parted), parted  # the first token agrees
 
 
 def _run(capsys, *argv):
