@@ -69,7 +69,8 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
                 "mptrain.generate decodes the zoo's llama"
             )
         params, where = state.params, f"{workdir} step {int(state.step)}"
-        text = codec.of_run(config)
+        with errors.config_errors():
+            text = codec.of_run(config)
     else:
         folder = Path(hf_folder)
         if not hf.is_hf_folder(folder):
@@ -83,7 +84,8 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
         tokenizer = folder / "tokenizer.json"
         if not tokenizer.is_file():
             raise errors.ConfigError(f"--hf={hf_folder}: has no tokenizer.json to read text with")
-        text, where = codec.of_tokenizer(str(tokenizer)), str(folder)
+        with errors.config_errors():
+            text, where = codec.of_tokenizer(str(tokenizer)), str(folder)
     if precision is not None:
         config.precision = precision
     with errors.config_errors():

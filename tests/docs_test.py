@@ -39,7 +39,6 @@ NOT_RUN = {
     "gpu-benchmarks": "they are sized for a GPU",
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
-    "transformers": "it needs PyTorch and transformers, which make test does not install",
     "sft-tiny": "400 steps: make test-slow's tests/data/sft_train_test.py runs them",
 }
 MAX_STEPS = 8

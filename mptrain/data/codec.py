@@ -41,6 +41,8 @@ def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = N
         encode = lambda text: list(text.encode("utf-8"))
         decode = lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return Codec(encode, decode, [], None, {})
+    if spec != SFT_BYTES:
+        spec = tokenize.tokenizer_file(spec)  # a folder: its tokenizer.json
     tokenizer = sft.tokenizer_of(tokenize.BYTES if spec == SFT_BYTES else spec)
     if template is None and spec != SFT_BYTES:
         folder = sft.folder_config(spec)
