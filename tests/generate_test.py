@@ -131,3 +131,34 @@ def test_the_command_answers_from_a_folder_in_one_batch(folder, capsys, tmp_path
     assert [r["tokens"] for r in rows] == decode.strip(np.asarray(want), stops)
     assert f"[0] hello\n{rows[0]['completion']}\n" in printed
     assert f"3 answers from {folder}" in err
+
+
+@pytest.mark.slow  # a training subprocess and the decoder's program
+def test_answering_from_a_live_runs_workdir_leaves_the_run_alone(tmp_path, capsys):
+    """While a run trains (a subprocess, checkpoints every 5 steps), the command answers from
+    its newest complete checkpoint; the run takes no notice and ends as it would have."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "mptrain.main", f"--config={ROOT / 'configs' / 'llama3.py'}:tiny",
+        f"--workdir={workdir}", "--config.num_train_steps=60", "--config.checkpoint_every_steps=5",
+        "--config.eval_every_steps=60", "--config.eval_steps=1",
+    ]  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    run = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (workdir / "checkpoints" / "10").exists():
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    code, out, err = _run(capsys, f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=8")
+    assert code == 0, err
+    step = int(err.split(" step ")[-1].split()[0])
+    assert step >= 10 and "[0] def " in out, (out, err)
+    assert run.poll() is None  # still training
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "mptrain: done in" in stderr
