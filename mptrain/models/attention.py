@@ -261,15 +261,21 @@ def causal_attention(
     return masked_attention(q, k, v, mask, dropout)
 
 
-def masked_attention(q, k, v, mask, dropout=None) -> jax.Array:
-    """The materialised fp32 island: ``[B, Lq, H, D]`` q over ``[B, Lk, K, D]`` k, v where
-    ``mask`` (``[B or 1, Lq, Lk]``, True: seen) allows. fp32 scores from 16-bit operands
-    (``einsum_f32_out``), an fp32 softmax, the probabilities cast back to q's dtype; grouped
-    query heads read their kv head as it is (see the module doc). Causal attention's
-    materialised path, and the KV cache's (``cached_attention``)."""
-    groups = _query_heads_per_kv_head(q, k, v)
+def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> jax.Array:
+    """The materialised fp32 island: ``[B, Lq, H, D]`` q over ``[B, Lk, K, D]`` k, v (``[B, K,
+    Lk, D]`` with ``heads_first``: the KV cache's layout) where ``mask`` (``[B or 1, Lq,
+    Lk]``, True: seen) allows. fp32 scores from 16-bit operands (``einsum_f32_out``), an fp32
+    softmax, the probabilities cast back to q's dtype; grouped query heads read their kv head
+    as it is (see the module doc). Causal attention's materialised path, and the KV cache's
+    (``cached_attention``)."""
+    kv = "bhkd" if heads_first else "bkhd"
+    if heads_first:
+        k_, v_ = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # for the check's shapes only
+        groups = _query_heads_per_kv_head(q, k_, v_)
+    else:
+        groups = _query_heads_per_kv_head(q, k, v)
     batch, length, heads, depth = q.shape
-    kv_heads, dtype, keys = k.shape[2], q.dtype, k.shape[1]
+    kv_heads, dtype, keys = k.shape[1 + (not heads_first)], q.dtype, k.shape[2 - (not heads_first)]
     q = q * jnp.asarray(depth**-0.5, dtype)
     # Grouped, q is [B, L, K, G, D] (a free reshape: a group's heads are adjacent) and the
     # einsums carry the group axis g, so each kv head is read as it is, never copied G times.
@@ -277,24 +283,25 @@ def masked_attention(q, k, v, mask, dropout=None) -> jax.Array:
     g = "g" if groups > 1 else ""
     q = q.reshape(batch, length, kv_heads, *[groups] * len(g), depth)
     # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
-    scores = einsum_f32_out(f"bqh{g}d,bkhd->bh{g}qk", q, k)  # [B, K, (G,) Lq, Lk]
+    scores = einsum_f32_out(f"bqh{g}d,{kv}->bh{g}qk", q, k)  # [B, K, (G,) Lq, Lk]
     mask = mask.reshape(mask.shape[0], 1, *[1] * len(g), length, keys)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
     if dropout is not None:  # on [B, H, Lq, Lk], whatever the grouping; the reshapes are free
         probs = dropout(probs.reshape(batch, heads, length, keys)).reshape(probs.shape)
-    out = jnp.einsum(f"bh{g}qk,bkhd->bqh{g}d", probs, v)
+    out = jnp.einsum(f"bh{g}qk,{kv}->bqh{g}d", probs, v)
     return out.reshape(batch, length, heads, depth)
 
 
 def cached_attention(q, k_cache, v_cache, positions) -> jax.Array:
     """One decoding step's attention: ``[B, T, H, D]`` q at ``positions`` (``[B, T]``) over a
-    KV cache (``[B, S, K, D]``, grouped as it is, never repeated to H heads) whose slot ``j``
-    holds the key and value at position ``j``: a query sees the slots up to its own position.
-    Scores ``[B, H, T, S]`` in fp32: the cache once a token, no ``[S, S]`` array."""
-    slots = jnp.arange(k_cache.shape[1])
+    layer's KV cache (``[B, K, S, D]``: the layout the scores' matmul reads as it lies, grouped,
+    never repeated to H heads) whose slot ``j`` holds position ``j``: a query sees the slots
+    up to its own position. Scores ``[B, H, T, S]`` in fp32: no ``[S, S]`` array."""
+    slots = jnp.arange(k_cache.shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]
-    return masked_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
+    return masked_attention(q, k, v, mask, heads_first=True)
 
 
 def _query_heads_per_kv_head(q, k, v) -> int:

@@ -20,34 +20,47 @@ PAD = -1  # a row's tokens after it stopped
 
 
 class KVCache(NamedTuple):
-    """Every layer's keys and values while decoding: ``k``, ``v`` ``[layers, B, S, K, Dh]``
-    (grouped-query shaped: K kv heads, never repeated to the query heads) in the cache's dtype
-    (the compute dtype by default), slot ``j`` holding position ``j``. Scanned layers read
-    their slice of it in the loop; ``cache.layer(i)`` is layer ``i``'s (``[B, S, K, Dh]``)."""
+    """One layer's keys and values while decoding, ``k`` and ``v`` ``[B, K, S, Dh]``: K kv
+    heads (grouped as trained, never repeated to the query heads), S slots, slot ``j`` holding
+    position ``j``, heads first (the layout the attention's matmuls read it in: no transposed
+    copy a token), in the cache's dtype (the compute dtype by default). The decoder holds a
+    tuple of them, one a layer, each updated in place."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def create(cls, layers_: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype):
-        zeros = jnp.zeros((layers_, batch, slots, kv_heads, head_dim), dtype)
-        return cls(zeros, zeros)
-
-    @classmethod
-    def stack(cls, caches: list) -> KVCache:
-        return cls(jnp.stack([c.k for c in caches]), jnp.stack([c.v for c in caches]))
-
-    def layer(self, i: int) -> KVCache:
-        return KVCache(self.k[i], self.v[i])
+        """A tuple of `layers_` empty caches."""
+        zeros = lambda: jnp.zeros((batch, kv_heads, slots, head_dim), dtype)
+        return tuple(cls(zeros(), zeros()) for _ in range(layers_))
 
     def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
-        """One layer's cache with ``[B, L, K, Dh]`` k, v written at each row's ``positions``
-        (``[B, L]``), cast to the cache's dtype: a scatter of distinct slots, in place."""
-        rows = jnp.arange(k.shape[0])[:, None]
+        """The cache with ``[B, L, K, Dh]`` k, v written at each row's ``positions`` (``[B,
+        L]``), cast to the cache's dtype: a scatter of distinct slots, in place."""
+        rows = jnp.arange(k.shape[0])[:, None]  # with positions: the [B, L] slots, K, Dh
         return KVCache(
-            self.k.at[rows, positions].set(k.astype(self.k.dtype)),
-            self.v.at[rows, positions].set(v.astype(self.v.dtype)),
+            self.k.at[rows, :, positions].set(k.astype(self.k.dtype)),
+            self.v.at[rows, :, positions].set(v.astype(self.v.dtype)),
         )
+
+
+def unscanned(model: Any, params: Any) -> tuple[Any, Any]:
+    """`(model, params)` with the layers unrolled, for decoding: a scanned stack would slice
+    each layer's weights out of it every token (a copy XLA's GPU GEMMs do not fuse: three
+    times the bytes a token must read); the unrolled layers read each weight where it lies.
+    MaxText's advice for its decoding too. The params' stack is split once (a copy per call
+    of the decoder, not per token)."""
+    from mptrain.recipe import sharding
+
+    if not getattr(model, "scan_layers", False):
+        return model, params
+    stacked = params[sharding.STACKED]
+    layers = {
+        f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.num_layers)
+    }
+    rest = {k: v for k, v in params.items() if k != sharding.STACKED}
+    return model.clone(scan_layers=False), rest | layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +131,10 @@ def make_decoder(
     forward pass). `model` is a zoo Llama (`models.create`)."""
     shape = model.shape
 
+    layers_model = model
+
     def decode(params, prompts, lengths, sampling, seed, stop):
+        model, params = unscanned(layers_model, params)
         batch, prompt_len = prompts.shape
         slots = prompt_len + max_new_tokens
         dtype = cache_dtype or model.dtype

@@ -56,7 +56,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import decode as decode_lib
 from mptrain.models import layers, lm_loss
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
@@ -180,9 +179,10 @@ class Llama(nn.Module):
     ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
     ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU.
 
-    Decoding (`mptrain.models.decode`) gives a ``cache`` and each row's ``positions`` and gets
-    ``(logits, cache)``: a prompt (from 0) attends over its own keys as in training, one token
-    a row over the cache; ``logits_at`` (``int[B]``) keeps one position's logits a row."""
+    Decoding (`mptrain.models.decode`, layers unrolled) gives a ``cache`` (a ``KVCache`` a
+    layer) and each row's ``positions`` and gets ``(logits, cache)``: a prompt (from 0)
+    attends over its own keys as in training, one token a row over the cache; ``logits_at``
+    (``int[B]``) keeps one position's logits a row."""
 
     vocab_size: int
     num_layers: int
@@ -229,14 +229,16 @@ class Llama(nn.Module):
         args = (self.shape, self.dtype, self.implementation, self.fp8)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
-            layers_ = []
+            caches = []
             for i in range(self.num_layers):
-                layer = None if cache is None else cache.layer(i)
+                layer = None if cache is None else cache[i]
                 x = cls(*args, name=f"layers_{i}")(x, positions, segments, layer)
                 if cache is not None:
                     x, layer = x
-                    layers_.append(layer)
-            return x if cache is None else (x, decode_lib.KVCache.stack(layers_))
+                    caches.append(layer)
+            return x if cache is None else (x, tuple(caches))
+        if cache is not None:
+            raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
         block = Block(*args, parent=None)  # applied to one layer's slice at a time
 
         def init(rng, x, positions):
@@ -249,15 +251,6 @@ class Llama(nn.Module):
             stacked = self.get_variable("params", sharding.STACKED)
         else:
             stacked = self.param(sharding.STACKED, init, x, positions)
-
-        if cache is not None:  # each layer's slice of the cache rides the loop with its params
-
-            def decode(h, xs):
-                layer, layer_cache = xs
-                params = {"params": sharding.layer_params(layer)}
-                return block.apply(params, h, positions, segments, layer_cache)
-
-            return jax.lax.scan(decode, x, (stacked, cache))
 
         def body(h, layer):
             params = {"params": sharding.layer_params(layer)}
