@@ -3,10 +3,12 @@
     python -m mptrain.plan --config=configs/lm_gpt2s.py --target=h100
     python -m mptrain.plan --config=configs/lm_1b.py --target=h100 --devices=8 --config.mesh.fsdp=8
     python -m mptrain.plan --config=configs/lm_gpt2s.py --target=v5e-8 --json=plan.json
+    python -m mptrain.plan --config=configs/llama3.py:8b --target=h100 --decode --context=2048
 
 The package: this module (the command line, `plan` and `fit`), `step` (the step compiled for the
 target and read into a `Plan`), `memory` (the share a run gets, XLA's own rematerialisation),
-`report` (the plan as text), `search` (the search of `--fit`) and `roofline` (the floor). It may
+`report` (the plan as text), `search` (the search of `--fit`), `roofline` (the floor) and
+`decode` (a Llama's decoding step, `--decode`). It may
 import everything below the command lines (`train` and down); nothing in mptrain imports it.
 
 From any machine, a GPU-less laptop or CI included: the Trainer of `config.trainer` is built for
@@ -179,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             flag_values=fv,
         )
         flags.DEFINE_string("json", None, "Also write the plan as JSON here.", flag_values=fv)
+        flags.DEFINE_boolean(
+            "decode", False, "Plan a Llama's decoding step (mptrain.plan.decode).", flag_values=fv
+        )
+        flags.DEFINE_integer("context", 2048, "--decode: the KV cache's slots.", flag_values=fv)
+        flags.DEFINE_integer("batch", 1, "--decode: the rows decoded at once.", flag_values=fv)
 
     flag_values = main_lib.parse_flags(argv, _usage, define)
     if flag_values is None:  # --help
@@ -191,6 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         check_json_path(flag_values.json)
+        if flag_values.decode:
+            from mptrain.plan import decode
+
+            out = decode.plan_decode(
+                flag_values.config, flag_values.target, flag_values.batch, flag_values.context
+            )
+            sys.stdout.write(decode.text(out))
+            if flag_values.json:
+                _write_json(flag_values.json, out)
+            return errors.EXIT_OK
         if flag_values.fit:
             result = fit(flag_values.config, flag_values.target, flag_values.devices)
         else:
