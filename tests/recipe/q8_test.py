@@ -128,7 +128,8 @@ def test_bytes_per_parameter_with_q8_moments(precision, rounding, param_bytes, b
     config.optimizer.mu_dtype = config.optimizer.nu_dtype = "q8"
     tx, _ = optim.make_optimizer(config)
     model = Wide()
-    params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 128)))["params"]
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 128)))["params"]
+    params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), shapes)  # its bytes, not values
     state = mptrain.TrainState.create(
         apply_fn=model.apply, params=params, tx=tx, policy=precision, param_rounding=rounding
     )
