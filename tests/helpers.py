@@ -385,3 +385,24 @@ def overrides(text: str, cache: Path, steps: int = STEPS, more: dict | None = No
 
 def hf_flag(folder) -> str:
     return f"--config={ROOT / 'configs' / 'llama3.py'}:hf={folder}"
+
+
+# ---- the small Llama the model tests share (one init program, one forward program) ----------
+
+LLAMA_SCALING = (4.0, 1.0, 4.0, 32)  # original context 32: positions 32..47 lie past it
+
+
+def llama_config(**overrides):
+    """`config.model` of the model tests' Llama: 2 layers of width 64, 4 query heads over 1 kv
+    head of 16, Llama 3's RoPE scaling over an original context of 32, materialised attention."""
+    import ml_collections
+
+    return ml_collections.ConfigDict(
+        {
+            "name": "llama", "vocab_size": 64, "d_model": 64, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 1, "head_dim": 16, "d_ff": 96, "max_len": 64,
+            "rope_theta": 10_000.0, "rope_scaling": LLAMA_SCALING, "norm_eps": 1e-5,
+            "tie_embeddings": False, "attention": "materialized", "scan_layers": True,
+            "remat": "none", **overrides,
+        }
+    )  # fmt: skip

@@ -3,15 +3,13 @@ same tokens, batched prompts of different lengths, greedy and sampled, determini
 The model is training's (`llama.create_model`), its params the Llama tests' (one init program)."""
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
-from helpers import integers
+from helpers import integers, llama_config
 
 from mptrain.models import decode, llama
 from mptrain.recipe import sharding
 
-SCALING = (4.0, 1.0, 4.0, 32)  # positions past 32 lie past the original context
 STEPS = 16
 # Two prompts of 25 and 32 tokens: with 16 steps the full sequences are the [2, 48] of the Llama
 # tests, whose forward program the check below shares (make test counts its compiles).
@@ -19,25 +17,7 @@ PROMPTS = [integers(2, (25,), 64).tolist(), integers(3, (32,), 64).tolist()]
 
 
 def _model(**overrides):
-    config = {
-        "name": "llama",
-        "vocab_size": 64,
-        "d_model": 64,
-        "num_layers": 2,
-        "num_heads": 4,
-        "num_kv_heads": 1,
-        "head_dim": 16,
-        "d_ff": 96,
-        "max_len": 64,
-        "rope_theta": 10_000.0,
-        "rope_scaling": SCALING,
-        "norm_eps": 1e-5,
-        "tie_embeddings": False,
-        "attention": "materialized",
-        "scan_layers": True,
-        "remat": "none",
-    }
-    return llama.create_model(ml_collections.ConfigDict(config | overrides))
+    return llama.create_model(llama_config(**overrides))
 
 
 @pytest.fixture(scope="module")

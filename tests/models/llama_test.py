@@ -10,37 +10,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import integers, matmul_dtypes, needs_devices, normal
+from helpers import LLAMA_SCALING, integers, llama_config, matmul_dtypes, needs_devices, normal
 from jax.sharding import PartitionSpec
 
 from mptrain.models import layers, llama
 from mptrain.recipe import precision, sharding
 
-SCALING = (4.0, 1.0, 4.0, 32)  # original context 32: positions 32..47 lie past it
-
-
-def _config(**overrides) -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(
-        {
-            "name": "llama",
-            "vocab_size": 64,
-            "d_model": 64,
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 1,
-            "head_dim": 16,
-            "d_ff": 96,
-            "max_len": 64,
-            "rope_theta": 10_000.0,
-            "rope_scaling": SCALING,
-            "norm_eps": 1e-5,
-            "tie_embeddings": False,
-            "attention": "materialized",
-            "scan_layers": True,
-            "remat": "none",
-            **overrides,
-        }
-    )
+SCALING = LLAMA_SCALING
+_config = llama_config
 
 
 def _tokens(batch=2, length=48, vocab=64, seed=1):
