@@ -223,12 +223,38 @@ class Program:
     def operand_type(self, inst: Instruction, index: int) -> str:
         return self.types.get(inst.operands[index], "") if index < len(inst.operands) else ""
 
+    def written(self, inst: Instruction) -> list[str]:
+        """The types of what one run of the kernel `inst` writes: its results, except where it
+        writes a slice into a buffer it was given, in place (a dynamic-update-slice alone, or
+        the root of a fusion or of a tuple's element, whose buffer is a fused parameter): that
+        writes its update, not the buffer (a scanned layer's slice of a stacked array)."""
+        if inst.opcode == "dynamic-update-slice":
+            return [self.operand_type(inst, 1)]
+        callee = (inst.attribute("calls") or "").lstrip("%")
+        body = self.computations.get(callee)
+        if inst.opcode != "fusion" or not body:
+            return [inst.type]
+        by_name = {b.name: b for b in body}
+        root = by_name.get(self.roots.get(callee, ""), body[-1])
+        found = []
+        for name in root.operands if root.opcode == "tuple" else (root.name,):
+            made = by_name.get(name)
+            while made is not None and made.opcode == "bitcast":
+                made = by_name.get(made.operands[0])
+            in_place = made is not None and made.opcode == "dynamic-update-slice"
+            if in_place and _from_parameter(by_name, made.operands[0]):
+                found.append(self.types.get(made.operands[1], ""))  # the update, in place
+            else:
+                found.append(self.types.get(name, ""))
+        return found
+
     def largest(self, per: int = 1) -> list[dict]:
-        """The biggest buffers the kernels write to device memory, `{array, where, bytes (each),
-        count}`, by bytes in all, grouped by type and source line; counts divided by `per`."""
+        """The biggest arrays the kernels write to device memory (`written`: a slice written
+        in place counts as the slice), `{array, where, bytes (each), count}`, by bytes in all,
+        grouped by type and source line; counts divided by `per`."""
         found: dict[tuple[str, str, int], float] = collections.Counter()
         for inst, runs in self.kernels():
-            for dtype, dims in arrays(inst.type, hbm=True):
+            for dtype, dims in (a for t in self.written(inst) for a in arrays(t, hbm=True)):
                 array = f"{dtype}[{','.join(map(str, dims))}]"
                 found[(array, self.where(inst), nbytes(dtype, dims))] += runs / per
         rows = sorted(found.items(), key=lambda kv: -kv[0][2] * kv[1])[:8]
@@ -351,3 +377,14 @@ def _frames(text: str):
         return None
 
     return where
+
+
+VIEWS = {"bitcast", "get-tuple-element"}  # ops that pass a fused parameter on unread
+
+
+def _from_parameter(by_name: dict, name: str) -> bool:
+    """Whether `name` is a fused parameter, through views: a buffer given to the kernel."""
+    made = by_name.get(name)
+    while made is not None and made.opcode in VIEWS:
+        made = by_name.get(made.operands[0])
+    return made is not None and made.opcode == "parameter"

@@ -247,10 +247,6 @@ def bytes_moved(prog: program.Program, per: int = 1) -> float:
     return total / per
 
 
-# ops a fused parameter passes through without a read of its own (a new view of the bytes)
-_VIEWS = {"bitcast", "get-tuple-element"}
-
-
 def kernel_bytes(prog: program.Program, inst: program.Instruction) -> float:
     """Bytes one run of the kernel `inst` reads and writes in device memory: each operand and
     result whole, except where it moves a slice of a buffer in place. A dynamic-update-slice
@@ -278,7 +274,7 @@ def kernel_bytes(prog: program.Program, inst: program.Instruction) -> float:
     def read(name: str) -> float | None:  # the bytes read through `name`; None: all of it
         found = 0.0
         for user, position in users[name]:
-            if user.opcode in _VIEWS:
+            if user.opcode in program.VIEWS:
                 inner = read(user.name)
                 if inner is None:
                     return None
@@ -293,27 +289,4 @@ def kernel_bytes(prog: program.Program, inst: program.Instruction) -> float:
     for i, type_text in enumerate(operands):
         through = read(params[i].name) if i in params else None
         total += hbm(type_text) if through is None else min(hbm(type_text), through)
-    by_name = {b.name: b for b in body}
-    root = by_name.get(prog.roots.get(callee, ""), body[-1])
-    outputs = root.operands if root.opcode == "tuple" else (root.name,)
-    for name in outputs:
-        made = by_name.get(name)
-        while made is not None and made.opcode == "bitcast":
-            made = by_name.get(made.operands[0])
-        if (
-            made is not None
-            and made.opcode == "dynamic-update-slice"
-            and _from_parameter(by_name, made.operands[0])
-        ):
-            total += hbm(prog.types.get(made.operands[1], ""))  # the update, written in place
-        else:
-            total += hbm(prog.types.get(name, ""))
-    return total
-
-
-def _from_parameter(by_name: dict, name: str) -> bool:
-    """Whether `name` is a fused parameter, through bitcasts: a buffer given to the kernel."""
-    made = by_name.get(name)
-    while made is not None and made.opcode in _VIEWS:
-        made = by_name.get(made.operands[0])
-    return made is not None and made.opcode == "parameter"
+    return total + sum(hbm(t) for t in prog.written(inst))  # a slice in place: the slice

@@ -55,6 +55,12 @@ def test_a_stacked_buffers_slices_are_counted_as_slices():
     # The whole call: each layer moves about ten [N, N] arrays (its slices, the matmul, the
     # tanh; 11 x STACKED in all), where counting the stacked buffers whole once a layer gave 56
     assert roofline.bytes_moved(prog) <= 16 * STACKED
+    # and the plan's list of what kernels write names the layer's slice, not the stack: the
+    # stacked output is written whole once (made before the loop), never once a layer
+    for inst in writes:
+        assert all(program.type_bytes(t) <= LAYER + 64 for t in prog.written(inst)), inst
+    stacks = [row for row in prog.largest() if row["bytes"] >= STACKED]
+    assert all(row["count"] <= 1 for row in stacks), prog.largest()
 
 
 def test_the_kernels_bytes_agree_with_xlas_own_cost_analysis():
