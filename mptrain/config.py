@@ -223,9 +223,9 @@ def _check_sample(config: ml_collections.ConfigDict) -> None:
     if not isinstance(sample.get("chat", False), bool):
         raise ValueError(f"sample.chat={sample.get('chat')!r}: must be True or False")
     errors.check_integer("sample.max_new_tokens", sample.get("max_new_tokens", 32), 1)
-    if prompts and config.model.name != "llama":
-        name = config.model.name
-        raise ValueError(f"sample.prompts: model.name={name!r} cannot answer; samples need a llama")
+    run = (config.model.name, config.data.name, str(config.precision))
+    if prompts and (run[0] != "llama" or run[1] == "tokens" or "fp8" in run[2]):
+        raise ValueError(f"sample.prompts: {run} cannot answer; samples need a llama, text, no fp8")
 
 
 def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -14,10 +14,11 @@ How it decodes (`mptrain.models.decode`):
     The prompt is read in one pass (prefill) whose attention is training's (cuDNN on a GPU),
     filling the cache; then one token a row a step, in a compiled `lax.while_loop` (Python is
     not in the token loop) that ends when every row has stopped or `--max_new_tokens` are out.
-  * The cache (`llama.KVCache`): keys and values `[layers, B, S, kv heads, head_dim]`, grouped
-    as trained (never repeated to the query heads), in the compute dtype (bf16 under
-    bf16-mixed; `--cache_dtype` to choose), slot j holding position j. A step attends over the
-    cache up to each row's position: no `[S, S]` array, no prompt recomputed.
+  * The cache (`decode.KVCache`, one a layer, the layers unrolled): keys and values `[B, kv
+    heads, S, head_dim]`, grouped as trained (never repeated to the query heads), in the
+    compute dtype (bf16 under bf16-mixed; `--cache_dtype` to choose), slot j holding position
+    j. A step attends over the cache up to each row's position: no `[S, S]` array, no prompt
+    recomputed.
   * RoPE's angles are fp32 as in training; the logits are fp32, and so is sampling: greedy
     (`--temperature=0`, the default) or temperature, top-k and top-p from `--seed` (step t
     draws from `fold_in(key(seed), t)`: the same tokens for the same seed, every time).
@@ -91,6 +92,11 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
     with errors.config_errors():
         policy = config_lib.policy_of(config)
         model = models.create(config.model, policy)
+    if policy.fp8:  # its dense layers read their fp8 scales from state the decoder lacks
+        raise errors.ConfigError(
+            f"precision={config.precision!r}: mptrain.generate does not decode fp8 layers yet; "
+            "give --precision=bf16-mixed"
+        )
     params = jax.device_put(policy.cast_params(params))
     return Speaker(model, params, text, where)
 
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.set_verbosity(logging.WARNING)
     try:
+        if not 0 <= args.seed < 2**31:
+            raise errors.ConfigError(f"--seed={args.seed}: from 0 to 2**31 - 1")
         if args.max_new_tokens < 1:
             raise errors.ConfigError(f"--max_new_tokens={args.max_new_tokens}: must be 1 or more")
         try:
@@ -203,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, row in enumerate(answers):
         print(f"[{i}] {row['prompt']}\n{row['completion']}\n")
     if args.out:
-        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in answers))
+        try:
+            Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in answers))
+        except OSError as e:
+            sys.stderr.write(f"mptrain.generate: error: --out={args.out}: {e.strerror or e}\n")
+            return errors.StorageError.exit_code
     sys.stderr.write(f"mptrain.generate: {len(answers)} answers from {speaker.where}\n")
     return errors.EXIT_OK
 

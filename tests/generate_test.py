@@ -91,6 +91,7 @@ def _run(capsys, *argv):
         (["--hf={tmp}", "--prompt=x", "--max_new_tokens=0"], "--max_new_tokens=0: must be 1"),
         (["--hf={tmp}", "--prompts={tmp}/p.jsonl"], "p.jsonl line 2: no a string 'prompt'"),
         (["--hf={tmp}", "--prompt=x", "--cache_dtype=int8"], "--cache_dtype='int8'"),
+        (["--hf={tmp}", "--prompt=x", "--seed=3000000000"], "--seed=3000000000: from 0 to"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):

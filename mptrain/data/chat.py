@@ -159,6 +159,8 @@ def encode(example: Any, tokenizer: Any, template: str | None, eos_id: int,
         raise ValueError("neither 'messages' nor 'prompt' and 'completion'")
     encoding = tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray([*encoding.ids, *extra], np.int32)
+    if len(ids) < 2:  # no input with a target after it
+        raise ValueError("an empty example: nothing to learn from")
     starts = np.asarray([start for start, _ in encoding.offsets] + [len(text)] * len(extra))
     loss = np.zeros(len(ids), bool) if not train_on_prompt else np.ones(len(ids), bool)
     for start, end in spans:

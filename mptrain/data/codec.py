@@ -16,7 +16,7 @@ SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers)
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    encode: Callable[[str], list[int]]
+    encode: Callable[[str, bool], list[int]]  # (text, with the tokenizer's own specials: BOS)
     decode: Callable[[list[int]], str]
     stop_ids: list[int]  # the end-of-text and end-of-turn tokens the tokenizer knows
     template: str | None  # the chat template's text, if any
@@ -38,7 +38,7 @@ def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = N
     `SFT_BYTES`, or a tokenizer.json's path (its folder's tokenizer_config.json gives the
     template and the tokens where `template` is None)."""
     if spec == tokenize.BYTES:
-        encode = lambda text: list(text.encode("utf-8"))
+        encode = lambda text, specials=False: list(text.encode("utf-8"))
         decode = lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
         return Codec(encode, decode, [], None, {})
     if spec != SFT_BYTES:
@@ -51,7 +51,7 @@ def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = N
     ends = (*tokenize.EOS_TOKENS, "<|eot_id|>", (tokens or {}).get("eos_token"))
     stop = {tokenizer.token_to_id(t) for t in ends if t}
     return Codec(
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        lambda text, specials=False: tokenizer.encode(text, add_special_tokens=specials).ids,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         sorted(i for i in stop if i is not None),
         template,
@@ -65,7 +65,14 @@ def of_run(config: Any) -> Codec:
     if config.data.name == "sft":
         s = sft.settings(config)
         spec = SFT_BYTES if s.tokenizer == sft.BYTES else s.tokenizer
-        return of_tokenizer(spec, s.template, s.tokens)
+        codec = of_tokenizer(spec, s.template, s.tokens)
+        stops = sorted({*codec.stop_ids, s.eos_id})  # what the run's pairs end with
+        return dataclasses.replace(codec, stop_ids=stops)
+    if config.data.name not in ("text", "sft"):
+        raise ValueError(
+            f"data.name={config.data.name!r}: the run's text has no tokenizer here to read "
+            "prompts with; give the model's folder (--hf), which holds one"
+        )
     return of_tokenizer(config.data.get("tokenizer", tokenize.BYTES))
 
 
@@ -95,7 +102,9 @@ def complete(
             texts.append(codec.prompt(prompt))
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-    encoded = [codec.encode(t) for t in texts]
+    # a plain prompt as the tokenizer reads a text (its BOS, as transformers adds it); a
+    # rendered conversation as it is (its template wrote the BOS)
+    encoded = [codec.encode(t, isinstance(p, str)) for t, p in zip(texts, prompts, strict=True)]
     ids, lengths = decode.pad_prompts(encoded, model.max_len, max_new_tokens)
     run = run or decode.make_decoder(model, max_new_tokens, cache_dtype)
     sampling = (sampling or decode.Sampling()).values()

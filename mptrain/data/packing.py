@@ -15,6 +15,7 @@ left out (`"drop"`); `Packed` counts both, and the share of real tokens.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -134,18 +135,20 @@ class PackedSource:
         self.segment_ids = np.arange(1, max_segments + 1, dtype=np.int32)
         self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
         self._orders: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
 
     @property
     def num_batches(self) -> int:
         return -(-len(self.rows) // self.batch_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            if len(self._orders) > 2:
-                self._orders.clear()
-            rng = np.random.default_rng([self.seed, epoch])
-            self._orders[epoch] = rng.permutation(len(self.rows))
-        return self._orders[epoch]
+        with self._lock:  # the prefetch thread and the meter's count both ask
+            if epoch not in self._orders:
+                if len(self._orders) > 2:
+                    self._orders.clear()
+                rng = np.random.default_rng([self.seed, epoch])
+                self._orders[epoch] = rng.permutation(len(self.rows))
+            return self._orders[epoch]
 
     def indices(self, index: int) -> np.ndarray:
         """The rows of batch `index`."""

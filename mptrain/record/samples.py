@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from mptrain import errors
 from mptrain.record import curves
 
 SAMPLES = "samples.jsonl"
@@ -33,6 +34,15 @@ class Sampler:
             self.prompts = [[{"role": "user", "content": p}] for p in self.prompts]
         self.model, self.run, self.max_new_tokens = trainer.model, run, cfg.max_new_tokens
         self.codec = codec.of_run(trainer.config)
+        try:  # a prompt that cannot be answered stops the run now, not at its first evaluation
+            texts = [self.codec.prompt(p) for p in self.prompts]
+            encoded = [
+                self.codec.encode(t, isinstance(p, str))
+                for t, p in zip(texts, self.prompts, strict=True)
+            ]
+            decode.pad_prompts(encoded, trainer.model.max_len, cfg.max_new_tokens)
+        except ValueError as e:
+            raise errors.ConfigError(f"config.sample.prompts: {e}") from None
         self.decoder = decode.make_decoder(trainer.model, cfg.max_new_tokens)
         self.cast = jax.jit(trainer.policy.cast_params)
         self.path = Path(trainer.workdir) / SAMPLES

@@ -191,6 +191,7 @@ BAD = [
     ),
     ("neither", {"text": "hi"}, "line 2: neither 'messages' nor 'prompt' and 'completion'"),
     ("not a string", {"prompt": "a", "completion": 3}, "line 2: 'prompt' and 'completion' must"),
+    ("empty", {"prompt": "", "completion": ""}, "line 2: an empty example: nothing to learn"),
 ]
 
 
@@ -300,3 +301,18 @@ def _equations(jaxpr):
             inner = getattr(sub, "jaxpr", None)
             if inner is not None:
                 yield from _equations(getattr(inner, "jaxpr", inner))
+
+
+def test_the_runs_end_of_text_token_ends_its_answers_too(tmp_path):
+    """`data.eos_token` (what the run's pairs end with) is among the tokens that stop
+    `mptrain.generate` and the run's samples, besides the tokenizer's usual ones."""
+    from helpers import make_tokenizer
+
+    from mptrain.data import codec
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    make_tokenizer(folder, ["some words to train on"] * 5, specials=("<|im_end|>",))
+    config = _config(tmp_path, tokenizer=str(folder), eos_token="<|im_end|>")
+    end = sft.tokenizer_of(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
+    assert end in codec.of_run(config).stop_ids

@@ -61,3 +61,21 @@ def test_samples_need_a_llama():
     config = load_config("default", **{"sample.prompts": ("x",)})
     with pytest.raises(errors.ConfigError, match="samples need a llama"):
         config_lib.validate(config)
+
+
+def test_prompts_that_cannot_be_answered_stop_the_run_before_it_trains(tmp_path):
+    """A conversation without a chat template (byte-level text), or a prompt past the model's
+    context: a `ConfigError` naming `config.sample.prompts` when the run is set up (the
+    sampler is made with the hooks), not at its first evaluation."""
+    from mptrain.record import samples
+
+    cases = [
+        ({"sample.prompts": ("x",), "sample.chat": True}, "no chat template"),
+        ({"sample.prompts": ("x" * 250,), "sample.max_new_tokens": 32}, "past the model's context"),
+    ]
+    for overrides, says in cases:
+        config = load_config("llama3", "tiny", **overrides)
+        trainer = trainer_lib.Trainer(config, tmp_path / "run")
+        with pytest.raises(errors.ConfigError, match="config.sample.prompts: ") as e:
+            samples.create(trainer, run=None)
+        assert says in str(e.value)
