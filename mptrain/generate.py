@@ -117,26 +117,13 @@ def answer(speaker: Speaker, prompts: list, max_new_tokens: int, sampling: decod
 
 
 def read_prompts(path: str, chat: bool) -> list:
-    """The prompts of a `.jsonl` file: each line's `"prompt"` (a string), or with `chat` its
-    `"messages"` (or a `"prompt"`, as one user turn). A `ConfigError` names the line."""
-    import json
+    """The prompts of a `.jsonl` file (`examples.read_examples`): each line's `"prompt"` (a
+    string), or with `chat` its `"messages"` (or a `"prompt"`, as one user turn). A
+    `ConfigError` names the line."""
+    from mptrain.data import examples
 
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise errors.ConfigError(
-            f"--prompts={path}: cannot read it ({errors.first_line(e)})"
-        ) from None
     prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as e:
-            raise errors.ConfigError(
-                f"--prompts={path} line {number}: not JSON ({errors.first_line(e)})"
-            ) from None
+    for where, item in examples.read_examples(path, "--prompts"):
         item = item if isinstance(item, dict) else {}
         if chat and isinstance(item.get("messages"), list):
             prompts.append(item["messages"])
@@ -145,9 +132,7 @@ def read_prompts(path: str, chat: bool) -> list:
             prompts.append([{"role": "user", "content": prompt}] if chat else prompt)
         else:
             want = "'messages' or a string 'prompt'" if chat else "a string 'prompt'"
-            raise errors.ConfigError(f"--prompts={path} line {number}: no {want}")
-    if not prompts:
-        raise errors.ConfigError(f"--prompts={path}: holds no prompt")
+            raise errors.ConfigError(f"--prompts: {where}: no {want}")
     return prompts
 
 

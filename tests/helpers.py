@@ -406,3 +406,13 @@ def llama_config(**overrides):
             "remat": "none", **overrides,
         }
     )  # fmt: skip
+
+
+TIMINGS = ("step_time", "steps_per_sec", "_per_s", "goodput", "tflops", "mfu")
+
+
+def history_without_timings(workdir) -> list[dict]:
+    """The rows of a run's history.jsonl without the keys that time the run: what two runs
+    that trained the same must share."""
+    rows = [json.loads(x) for x in (Path(workdir) / "history.jsonl").read_text().splitlines() if x]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMINGS)} for r in rows]

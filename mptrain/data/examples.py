@@ -49,20 +49,20 @@ def _functions(body: list, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _functions(node.body, f"{prefix}{node.name}.")
 
 
-def read_examples(path: str) -> Iterator[tuple[str, Any]]:
+def read_examples(path: str, key: str = "config.data.files") -> Iterator[tuple[str, Any]]:
     """`(where, example)` of a file's examples: each line of a `.jsonl` (blank lines skipped),
     each item of a `.json` list. A file that does not read, a line that is not JSON, or a file
-    with no example is a `ConfigError` naming the file (and line)."""
+    with no example is a `ConfigError` naming `key`, the file (and line)."""
     try:
         with open(path, "rb") as f:
             content = f.read()
     except OSError as e:
-        raise errors.ConfigError(f"config.data.files: cannot read {path} ({e.strerror})") from None
+        raise errors.ConfigError(f"{key}: cannot read {path} ({e.strerror})") from None
     count = 0
     if path.endswith(".json"):
-        items = _parsed(content, path)
+        items = _parsed(content, path, key)
         if not isinstance(items, list):
-            raise errors.ConfigError(f"config.data.files: {path} is not a list of examples")
+            raise errors.ConfigError(f"{key}: {path} is not a list of examples")
         for k, item in enumerate(items):
             count += 1
             yield f"{path} item {k}", item
@@ -70,18 +70,16 @@ def read_examples(path: str) -> Iterator[tuple[str, Any]]:
         for number, line in enumerate(content.splitlines(), 1):
             if line.strip():
                 count += 1
-                yield f"{path} line {number}", _parsed(line, f"{path} line {number}")
+                yield f"{path} line {number}", _parsed(line, f"{path} line {number}", key)
     if not count:
-        raise errors.ConfigError(f"config.data.files: {path} holds no example")
+        raise errors.ConfigError(f"{key}: {path} holds no example")
 
 
-def _parsed(text: bytes, where: str) -> Any:
+def _parsed(text: bytes, where: str, key: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as e:
-        raise errors.ConfigError(
-            f"config.data.files: {where}: not JSON ({errors.first_line(e)})"
-        ) from None
+        raise errors.ConfigError(f"{key}: {where}: not JSON ({errors.first_line(e)})") from None
 
 
 def in_files(paths: tuple[str, ...]) -> Iterator[tuple[str, Any]]:

@@ -132,7 +132,7 @@ class PackedSource:
         max_segments: int = 64,
     ):
         self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
-        self.segment_ids = np.arange(1, max_segments + 1, dtype=np.int32)
+        self.max_segments = max_segments
         self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -158,14 +158,17 @@ class PackedSource:
         n = len(self.rows)
         if not self.random:
             return at % n
-        epochs = at // n
-        return np.asarray([self._order(int(e))[k] for e, k in zip(epochs, at % n, strict=True)])
+        epochs, out = at // n, np.empty(self.batch_size, np.int64)
+        for epoch in np.unique(epochs):  # one or two epochs a batch: no loop over its rows
+            where = epochs == epoch
+            out[where] = self._order(int(epoch))[at[where] % n]
+        return out
 
     def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         """Batch `index` (only its `rows`: a process builds its own)."""
         picked = np.asarray(self.rows[self.indices(index)[rows]])
         batch = {plane: picked[:, k] for k, plane in enumerate(PLANES)}
-        batch["segment_lengths"] = segment_lengths(batch["segment_ids"], self.segment_ids)
+        batch["segment_lengths"] = segment_lengths(batch["segment_ids"], self.max_segments)
         return batch
 
     def real_tokens(self, start: int, stop: int) -> int:
@@ -177,7 +180,11 @@ class PackedSource:
         return f"PackedSource(rows={rows}, batch_size={batch}, random={self.random})"
 
 
-def segment_lengths(segment_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """`[rows, M]` tokens of each row's segments `ids` (1 .. M; 0 where a row has fewer):
-    what cuDNN's packed layout reads (`segments.Segments`)."""
-    return (segment_ids[:, :, None] == ids).sum(axis=1, dtype=np.int32)
+def segment_lengths(segment_ids: np.ndarray, most: int) -> np.ndarray:
+    """`[rows, most]` tokens of each row's segments 1 .. `most` (0 where a row has fewer):
+    what cuDNN's packed layout reads (`segments.Segments`). One count over the rows' tokens
+    (each row's ids offset into bins of its own), not a `[rows, L, most]` comparison."""
+    rows = len(segment_ids)
+    ids = np.minimum(segment_ids, most + 1) + (most + 2) * np.arange(rows)[:, None]
+    counts = np.bincount(ids.ravel(), minlength=rows * (most + 2)).reshape(rows, most + 2)
+    return counts[:, 1 : most + 1].astype(np.int32)

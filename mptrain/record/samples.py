@@ -35,12 +35,7 @@ class Sampler:
         self.model, self.run, self.max_new_tokens = trainer.model, run, cfg.max_new_tokens
         self.codec = codec.of_run(trainer.config)
         try:  # a prompt that cannot be answered stops the run now, not at its first evaluation
-            texts = [self.codec.prompt(p) for p in self.prompts]
-            encoded = [
-                self.codec.encode(t, isinstance(p, str))
-                for t, p in zip(texts, self.prompts, strict=True)
-            ]
-            decode.pad_prompts(encoded, trainer.model.max_len, cfg.max_new_tokens)
+            codec.prepare(self.codec, self.prompts, trainer.model.max_len, cfg.max_new_tokens)
         except ValueError as e:
             raise errors.ConfigError(f"config.sample.prompts: {e}") from None
         self.decoder = decode.make_decoder(trainer.model, cfg.max_new_tokens)

@@ -2,7 +2,6 @@
 and a run killed with kill -9 part-way through an epoch resumes onto the uninterrupted run's
 bytes. Slow: each trains for minutes on this CPU (`make test-slow`)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,12 +9,17 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, assert_trees_bytes_equal, load_config, plain_orbax_state
+from helpers import (
+    ROOT,
+    assert_trees_bytes_equal,
+    history_without_timings,
+    load_config,
+    plain_orbax_state,
+)
 
 from mptrain.train import trainer as trainer_lib
 
 CONFIG = f"{ROOT / 'configs' / 'llama3.py'}:sft_tiny"
-TIMINGS = ("step_time", "steps_per_sec", "_per_s", "goodput", "tflops", "mfu")
 
 
 @pytest.mark.slow
@@ -27,7 +31,9 @@ def test_400_steps_of_sft_tiny_halve_the_completion_only_eval_loss(tmp_path):
     first = trainer.evaluate(trainer.init_state())["eval_loss"]
     trainer.train_and_evaluate()
     evals = {
-        row["step"]: row["eval_loss"] for row in _history(tmp_path / "run") if "eval_loss" in row
+        row["step"]: row["eval_loss"]
+        for row in history_without_timings(tmp_path / "run")
+        if "eval_loss" in row
     }
     print(f"sft_tiny: eval loss {first:.4f} at step 0, then {evals}")
     assert config.precision == "bf16-mixed" and max(evals) == 400
@@ -50,11 +56,6 @@ def _command(workdir, cache):
     ]
 
 
-def _history(workdir):
-    rows = [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines() if x]
-    return [{k: v for k, v in row.items() if not any(t in k for t in TIMINGS)} for row in rows]
-
-
 @pytest.mark.slow
 def test_kill_9_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path):
     """40 steps of 131 an epoch: killed once its first checkpoints are down, then run again,
@@ -74,5 +75,5 @@ def test_kill_9_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path):
     again = subprocess.run(_command(crashed, cache), cwd=ROOT, env=env, capture_output=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert b"resuming from step" in again.stderr
-    assert _history(crashed) == _history(straight)
+    assert history_without_timings(crashed) == history_without_timings(straight)
     assert_trees_bytes_equal(plain_orbax_state(straight, 40), plain_orbax_state(crashed, 40))

@@ -5,13 +5,12 @@ without them."""
 import json
 
 import pytest
-from helpers import event_series, load_config
+from helpers import event_series, history_without_timings, load_config
 
 from mptrain import config as config_lib
 from mptrain import errors
 from mptrain.train import trainer as trainer_lib
 
-TIMINGS = ("step_time", "steps_per_sec", "_per_s", "goodput", "tflops", "mfu")
 RUN = {
     "num_train_steps": 4,
     "log_every_steps": 2,
@@ -19,11 +18,6 @@ RUN = {
     "eval_steps": 1,
     "checkpoint_every_steps": 4,
 }
-
-
-def _history(workdir):
-    rows = [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMINGS)} for r in rows]
 
 
 @pytest.mark.slow  # the decoder's program, besides the tiny Llama's step
@@ -34,7 +28,7 @@ def test_samples_are_written_at_each_evaluation_and_change_nothing_of_the_traini
     )
     trainer_lib.Trainer(on, tmp_path / "on").train_and_evaluate()
     trainer_lib.Trainer(load_config("llama3", "tiny", **RUN), tmp_path / "off").train_and_evaluate()
-    assert _history(tmp_path / "on") == _history(tmp_path / "off")
+    assert history_without_timings(tmp_path / "on") == history_without_timings(tmp_path / "off")
     lines = [json.loads(x) for x in (tmp_path / "on" / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in lines] == [(s, p) for s in (2, 4) for p in prompts]
     assert all(isinstance(r["completion"], str) for r in lines)
