@@ -109,6 +109,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.loss.chunk_tokens = config_dict.placeholder(int)
     c.loss.z_loss = 0.0  # coefficient on the mean squared log Z (0: none), as MaxText's z-loss
 
+    # Low-rank adapters over a frozen base (docs/fine-tuning.md#lora); rank None: none
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = config_dict.placeholder(int)  # the adapters' rank, e.g. 16
+    c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
+    c.lora.dropout = 0.0  # of the adapters' input, while training
+    # the projections that get adapters: a regex searched in their kernels' param paths
+    c.lora.targets = r"(attn/(q|k|v|o|qkv|out)|mlp/(gate|up|down|fc_in|fc_out))/kernel$"
+    c.lora.base_dtype = "compute"  # the frozen base: "compute" (its dtype) or "q8" (8 bits)
     c.model = ml_collections.ConfigDict()
     # module under mptrain.models; its own keys sit beside it (the module's CONFIG_KEYS; a
     # Trainer whose build_model is its own reads what it likes here)
@@ -362,23 +370,6 @@ def policy_of(config: ml_collections.ConfigDict):
         current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
     )
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
-
-
-def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
-    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts.
-    A tuple equals the list with its items (a config read back from JSON has lists)."""
-    found = {}
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            found |= changes(a, b, f"{prefix}{key}.")
-        elif _listed(a) != _listed(b):
-            found[f"{prefix}{key}"] = (a, b)
-    return found
-
-
-def _listed(value: Any) -> Any:
-    return [_listed(v) for v in value] if isinstance(value, tuple | list) else value
 
 
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -31,6 +31,7 @@ KEYS = {
     "loss.chunk_tokens", "loss.z_loss", "init_from",
     "profile.start_step", "profile.num_steps", "log_to", "memory_fraction",
     "sample.prompts", "sample.chat", "sample.max_new_tokens",
+    "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.base_dtype",
 }  # fmt: skip
 
 

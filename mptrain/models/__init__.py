@@ -56,17 +56,21 @@ def _quiet():
         logger.removeFilter(below)
 
 
-def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None):
+def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None, lora: Any = None):
     """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
     dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
     a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
     precision). `devices`: what the step is compiled for (None: this process's own); the
     models whose `create_model` takes a `backend` choose by it (`attention.backend_of` them),
     those that take `host_memory` learn whether the devices have pinned host memory. `loss`:
-    `config.loss`, for the models that compute their own loss (`create_model` takes `loss`)."""
+    `config.loss`, for the models that compute their own loss (`create_model` takes `loss`).
+    `lora`: `config.lora`; with a rank set, the model gets adapters (`lora.spec`; only a model
+    whose `create_model` takes `lora` can, and not with fp8)."""
+    import functools
     import inspect
 
     from mptrain.models import attention
+    from mptrain.models import lora as lora_lib
 
     module = import_model(config_model.name)
     takes = inspect.signature(module.create_model).parameters
@@ -78,6 +82,16 @@ def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None
         extra["host_memory"] = has_host_memory(devices)
     if loss is not None and "loss" in takes:
         extra["loss"] = loss
+    if (lora or {}).get("rank") is not None:
+        if "lora" not in takes or policy.fp8:
+            why = "fp8 matmuls do not take adapters yet" if policy.fp8 else "no adapters"
+            raise ValueError(
+                f"lora.rank={lora.get('rank')}: model.name={config_model.name!r} under "
+                f"precision={str(policy)!r}: {why}; LoRA adapts llama and transformer_lm"
+            )
+        build = functools.partial(module.create_model, config_model, policy.compute_dtype)
+        with _quiet():
+            extra["lora"] = lora_lib.spec(lora, lambda spec: build(**extra, lora=spec))
     if not policy.fp8:
         return module.create_model(config_model, policy.compute_dtype, **extra)
     if "fp8" not in takes:
@@ -114,7 +128,7 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
 
     module = import_model(config.model.name)
     with _quiet():
-        model = create(config.model, policy, devices, config.get("loss"))
+        model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
     if config.numerics.per_layer and getattr(model, "scan_layers", False):
         raise ValueError(
             "model.scan_layers=True: numerics.per_layer names the layer where a value went "

@@ -56,7 +56,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import layers, lm_loss
+from mptrain.models import layers, lm_loss, rope
+from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.rope import apply_rope, rope_frequencies
@@ -77,14 +78,14 @@ class RMSNorm(nn.Module):
         return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
 
 
-def _dense(features: int, name: str, fp8: Any = None) -> nn.Dense:
+def _dense(features: int, name: str, fp8: Any = None, lora: Any = None) -> nn.Module:
     init = nn.initializers.normal(stddev=0.02)
     kwargs = {}
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
         from mptrain.recipe import fp8 as fp8_lib
 
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return nn.Dense(features, dtype=None, use_bias=False, kernel_init=init, name=name, **kwargs)
+    return lora_lib.dense(features, name, lora, init, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     dtype: layers.Dtype
     implementation: str
     fp8: Any = None
+    lora: Any = None  # a `lora.Spec`: adapters on the projections it names
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
@@ -112,7 +114,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
         # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
         project = lambda n, name, tag: checkpoint_name(
-            layers.run_in(self.dtype, _dense(n * s.head_dim, name, self.fp8), x), tag
+            layers.run_in(self.dtype, _dense(n * s.head_dim, name, self.fp8, self.lora), x), tag
         ).reshape(batch, length, n, s.head_dim)
         q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
         k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
@@ -129,7 +131,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
                 out = attention_lib.cached_attention(q, cache.k, cache.v, positions)
         out = out.reshape(batch, length, s.num_heads * s.head_dim)
         out = checkpoint_name(out, remat_lib.CONTEXT)
-        out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8), out)
+        out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8, self.lora), out)
         out = checkpoint_name(out, remat_lib.PROJECTIONS[3])
         return out if cache is None else (out, cache)
 
@@ -138,11 +140,12 @@ class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
     shape: Shape
     dtype: layers.Dtype
     fp8: Any = None
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         run = lambda n, name, tag, h: checkpoint_name(
-            layers.run_in(self.dtype, _dense(n, name, self.fp8), h), tag
+            layers.run_in(self.dtype, _dense(n, name, self.fp8, self.lora), h), tag
         )
         gate, up, down = remat_lib.PROJECTIONS[4:7]
         h = nn.silu(run(self.shape.d_ff, "gate", gate, x)) * run(self.shape.d_ff, "up", up, x)
@@ -156,18 +159,19 @@ class Block(nn.Module):
     dtype: layers.Dtype
     implementation: str
     fp8: Any = None
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s = self.shape
         h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
-        attn = Attention(s, self.dtype, self.implementation, self.fp8, name="attn")
+        attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
         h = attn(h, positions, segments, cache)
         if cache is not None:
             h, cache = h
         x = x + h
         h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
-        x = x + MLP(s, self.dtype, self.fp8, name="mlp")(h)
+        x = x + MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
         return x if cache is None else (x, cache)
 
 
@@ -196,6 +200,7 @@ class Llama(nn.Module):
     loss_chunk: int | None = None
     z_loss: float = 0.0
     fp8: Any = None
+    lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -203,7 +208,7 @@ class Llama(nn.Module):
         self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
         segment_lengths=None, cache=None, logits_at=None,
     ) -> Any:  # fmt: skip
-        del train  # no dropout in a Llama
+        del train  # no dropout in a Llama but the adapters', which follows the "dropout" rng
         segments = segments_lib.segments(segment_ids, segment_lengths)
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
@@ -226,7 +231,7 @@ class Llama(nn.Module):
 
     def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         policy = None if cache is not None else remat_lib.make_policy(self.remat)
-        args = (self.shape, self.dtype, self.implementation, self.fp8)
+        args = (self.shape, self.dtype, self.implementation, self.fp8, self.lora)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
             caches = []
@@ -252,12 +257,19 @@ class Llama(nn.Module):
         else:
             stacked = self.param(sharding.STACKED, init, x, positions)
 
-        def body(h, layer):
+        # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
+        dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
+
+        def body(h, xs):
+            layer, index = xs if dropout is not None else (xs, None)
             params = {"params": sharding.layer_params(layer)}
-            return block.apply(params, h, positions, segments), None
+            rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
+            return block.apply(params, h, positions, segments, rngs=rngs), None
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        if dropout is not None:
+            stacked = (stacked, jnp.arange(self.num_layers, dtype=jnp.int32))
         return jax.lax.scan(body, x, stacked)[0]
 
 
@@ -310,27 +322,11 @@ def settings(model_config: Any) -> dict[str, Any]:
         )
     errors.check_number("model.rope_theta", keys["rope_theta"], 1.0, open_low=True)
     errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
-    keys["rope_scaling"] = _rope_scaling(keys["rope_scaling"])
+    keys["rope_scaling"] = rope.scaling(keys["rope_scaling"])
     for key in ("tie_embeddings", "scan_layers"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     return keys
-
-
-def _rope_scaling(value: Any) -> tuple[float, float, float, int] | None:
-    key = "model.rope_scaling"
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        return None
-    if not isinstance(value, tuple | list) or len(value) != 4:
-        raise ValueError(
-            f"{key}={value!r}: None, or Llama 3's (factor, low_freq_factor, high_freq_factor, "
-            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192)"
-        )
-    factor = errors.check_number(f"{key}[0] (factor)", value[0], 1.0)
-    low = errors.check_number(f"{key}[1] (low_freq_factor)", value[1], 0.0, open_low=True)
-    high = errors.check_number(f"{key}[2] (high_freq_factor)", value[2], low, open_low=True)
-    original = errors.check_integer(f"{key}[3] (original_max_len)", value[3], 1, 2**31 - 1)
-    return factor, low, high, original
 
 
 def create_model(
@@ -340,12 +336,14 @@ def create_model(
     backend: attention_lib.Backend | None = None,
     loss: Any = None,
     host_memory: bool = True,
+    lora: Any = None,
 ) -> Llama:
     """Builds a ``Llama`` from ``config.model`` (``CONFIG_KEYS``; host-side, no params). A bad
     value is a ``ConfigError`` naming its key. ``backend``: what the step is compiled for, which
     ``attention="auto"`` decides by; ``host_memory``: whether its devices have pinned host
     memory (the ``*_offloaded`` remat policies need it); ``loss``: ``config.loss``
-    (``chunk_tokens``, ``z_loss``); ``fp8``: the projections' matmuls in fp8."""
+    (``chunk_tokens``, ``z_loss``); ``fp8``: the projections' matmuls in fp8; ``lora``: a
+    ``lora.Spec``, adapters on the projections it names (`mptrain.models.lora`)."""
     with errors.config_errors():
         keys = settings(model_config)
         choice = attention_lib.choose_attention(
@@ -389,4 +387,5 @@ def create_model(
         loss_chunk=chunk,
         z_loss=z_loss,
         fp8=fp8,
+        lora=lora,
     )

@@ -4,9 +4,13 @@ Llama 3's scaling, computed on the host; the rotation, an fp32 island (the Llama
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mptrain import errors
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) -> np.ndarray:
@@ -37,3 +41,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     x32 = x.astype(jnp.float32)
     a, b = jnp.split(x32, 2, axis=-1)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+def scaling(value: Any) -> tuple[float, float, float, int] | None:
+    key = "model.rope_scaling"
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    if not isinstance(value, tuple | list) or len(value) != 4:
+        raise ValueError(
+            f"{key}={value!r}: None, or Llama 3's (factor, low_freq_factor, high_freq_factor, "
+            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192)"
+        )
+    factor = errors.check_number(f"{key}[0] (factor)", value[0], 1.0)
+    low = errors.check_number(f"{key}[1] (low_freq_factor)", value[1], 0.0, open_low=True)
+    high = errors.check_number(f"{key}[2] (high_freq_factor)", value[2], low, open_low=True)
+    original = errors.check_integer(f"{key}[3] (original_max_len)", value[3], 1, 2**31 - 1)
+    return factor, low, high, original

@@ -63,12 +63,13 @@ from mptrain import errors
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 from mptrain.models import lm_loss as lm_loss_lib
+from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.recipe import fp8 as fp8_lib
 
 
-def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense:
+def _dense(features: int, name: str, fp8: Any = None, lora: Any = None, **kwargs: Any):
     """A bias-free ``nn.Dense`` for ``layers.run_in``: its matmul runs in the compute dtype, or in
     fp32 where the casting rule hands its kernel over in fp32 (``keep_fp32``).
 
@@ -77,7 +78,7 @@ def _dense(features: int, name: str, fp8: Any = None, **kwargs: Any) -> nn.Dense
     """
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return nn.Dense(features, dtype=None, use_bias=False, name=name, **kwargs)
+    return lora_lib.dense(features, name, lora, **kwargs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -92,6 +93,7 @@ class CausalSelfAttention(nn.Module):
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.recipe.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
+    lora: Any = None  # a `lora.Spec`: adapters on the projections it names (`models.lora`)
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False, segments=None) -> jax.Array:
@@ -107,7 +109,7 @@ class CausalSelfAttention(nn.Module):
             backend=self.backend,
             length=length,
         )
-        qkv = layers.run_in(self.dtype, _dense(3 * d_model, "qkv", self.fp8), x)
+        qkv = layers.run_in(self.dtype, _dense(3 * d_model, "qkv", self.fp8, self.lora), x)
         qkv = checkpoint_name(qkv, "qkv_proj")
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, L, H, D]
@@ -119,7 +121,7 @@ class CausalSelfAttention(nn.Module):
         )
         out = checkpoint_name(out.reshape(batch, length, d_model), remat_lib.CONTEXT)
         return checkpoint_name(
-            layers.run_in(self.dtype, _dense(d_model, "out", self.fp8), out), "out_proj"
+            layers.run_in(self.dtype, _dense(d_model, "out", self.fp8, self.lora), out), "out_proj"
         )
 
 
@@ -130,15 +132,16 @@ class MLP(nn.Module):
     dtype: layers.Dtype = jnp.float32
     dropout_rate: float = 0.0
     fp8: Any = None
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         d_model = x.shape[-1]
-        h = layers.run_in(self.dtype, _dense(self.d_ff, "fc_in", self.fp8), x)
+        h = layers.run_in(self.dtype, _dense(self.d_ff, "fc_in", self.fp8, self.lora), x)
         h = nn.gelu(checkpoint_name(h, "mlp_up"))
         h = nn.Dropout(self.dropout_rate)(h, deterministic=not train)
         return checkpoint_name(
-            layers.run_in(self.dtype, _dense(d_model, "fc_out", self.fp8), h), "mlp_down"
+            layers.run_in(self.dtype, _dense(d_model, "fc_out", self.fp8, self.lora), h), "mlp_down"
         )
 
 
@@ -152,6 +155,7 @@ class Block(nn.Module):
     attention: str = "auto"
     fp8: Any = None  # an `fp8.Recipe`: the dense layers' matmuls in fp8 (`mptrain.recipe.fp8`)
     backend: attention_lib.Backend | None = None  # what it is compiled for (None: this process)
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False, segments=None) -> jax.Array:
@@ -164,12 +168,15 @@ class Block(nn.Module):
             self.attention,
             self.fp8,
             self.backend,
+            self.lora,
             name="attn",
         )
         h = attn(h, train=train, segments=segments)
         x = x + drop(h, deterministic=not train)
         h = layers.layer_norm_f32(x, self.dtype, "ln_mlp")
-        h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, name="mlp")(h, train=train)
+        h = MLP(self.d_ff, self.dtype, self.dropout_rate, self.fp8, self.lora, name="mlp")(
+            h, train=train
+        )
         return x + drop(h, deterministic=not train)
 
 
@@ -199,6 +206,7 @@ class TransformerLM(nn.Module):
     remat: str = "none"  # `remat.POLICIES`: what each block keeps for the backward pass
     loss_chunk: int | None = None  # `config.loss`: see `lm_loss_lib.token_loss`
     z_loss: float = 0.0
+    lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -231,6 +239,7 @@ class TransformerLM(nn.Module):
                 self.attention,
                 self.fp8,
                 self.backend,
+                self.lora,
                 name=f"block_{i}",
             )
             x = block(x, train, segments)
@@ -291,6 +300,7 @@ def create_model(
     backend: attention_lib.Backend | None = None,
     host_memory: bool = True,
     loss: Any = None,
+    lora: Any = None,
 ) -> TransformerLM:
     """Builds a ``TransformerLM`` from a config with the keys below (host-side, no params).
 
@@ -337,4 +347,5 @@ def create_model(
         remat=remat,
         loss_chunk=chunk,
         z_loss=z_loss,
+        lora=lora,
     )

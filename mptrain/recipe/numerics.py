@@ -282,7 +282,7 @@ def loss_calls(loss_fn: Callable, state: Any, batch: Any) -> Calls:
         params, batch = policy.cast_params(params), policy.cast_to_compute(batch)
         return loss_fn(params, model_state, batch, jax.random.key(0))
 
-    return discover(loss, state.params, state.model_state, batch)
+    return discover(loss, state.model_params, state.model_state, batch)
 
 
 _EMPTY_TAPS = (0, len(COLUMNS))

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mptrain.recipe import q8
+
 F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
 DTYPES = {"f32": F32, "float32": F32, "bf16": BF16, "bfloat16": BF16, "f16": F16, "float16": F16}
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
@@ -139,14 +141,17 @@ class Policy:
 
     def compute_dtypes(self, params: Any) -> Any:
         """Per param leaf, the dtype the model gets it in: fp32 where `keep_fp32` matches, the
-        compute dtype for other floating leaves, its own dtype for the rest."""
+        compute dtype for other floating leaves, its own dtype for the rest; None for an 8-bit
+        frozen kernel (a `q8.Q8` leaf, which the model dequantizes itself: `recipe.frozen`)."""
 
         def one(path, x):
+            if q8.is_q8(x):
+                return None
             if not jnp.issubdtype(x.dtype, jnp.floating):
                 return np.dtype(x.dtype)
             return F32 if self.kept_fp32(path_name(path)) else self.compute_dtype
 
-        return jax.tree_util.tree_map_with_path(one, params)
+        return jax.tree_util.tree_map_with_path(one, params, is_leaf=q8.is_q8)
 
     def kept_fp32_paths(self, params: Any) -> list[str]:
         """The paths of the floating params `keep_fp32` matches, in tree order."""
@@ -164,7 +169,7 @@ class Policy:
 
     def cast_params(self, params: Any) -> Any:
         """`params` as the model gets them: `compute_dtypes` applied."""
-        return jax.tree.map(lambda x, d: x.astype(d), params, self.compute_dtypes(params))
+        return cast_as(params, self.compute_dtypes(params))
 
     def cast_to_param(self, tree: Any) -> Any:
         return _cast_floating(tree, self.param_dtype)
@@ -180,6 +185,14 @@ class Policy:
             f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
             f"output={self.output_dtype.name}" + (f",{FP8}" if self.fp8 else "")
         )
+
+
+def cast_as(tree: Any, dtypes: Any) -> Any:
+    """Each leaf of `tree` cast to its dtype in `dtypes` (`Policy.compute_dtypes`' form: None
+    leaves a `q8.Q8` leaf as it is)."""
+    return jax.tree.map(
+        lambda x, d: x if d is None else x.astype(d), tree, dtypes, is_leaf=q8.is_q8
+    )
 
 
 def _fp8_recipe():

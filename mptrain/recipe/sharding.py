@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mptrain.recipe import q8
+from mptrain.recipe import frozen as frozen_lib
+from mptrain.recipe import precision, q8
 
 AXES = ("data", "fsdp")
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
@@ -203,7 +204,8 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=q8.is_q8)
 
 
-def _specs(mesh: Mesh, tree: Any) -> Any:
+def specs(mesh: Mesh, tree: Any) -> Any:
+    """`state_shardings`' partition specs."""
     return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree))
 
 
@@ -290,8 +292,7 @@ def cast_params(policy: Any, params: Any):
         yield policy.cast_params(params)
         return
     dtypes = policy.compute_dtypes(params)[STACKED]
-    cast = lambda layer: jax.tree.map(lambda x, d: x.astype(d), layer, dtypes)
-    with _per_layer(cast):
+    with _per_layer(lambda layer: precision.cast_as(layer, dtypes)):
         yield {**policy.cast_params(rest), STACKED: stacked}
 
 
@@ -303,7 +304,9 @@ def grad_fn(
     `loss_fn(params, probes, batch, rng, *rest)` receives cast as `policy` says (the compute
     dtype, fp32 for params its `keep_fp32` rule matches: `Policy.compute_dtypes`), and with
     respect to `probes` (None, or float32 arrays that the loss reads only to be differentiated:
-    the per-layer numerics' taps); `aux` is the loss's second output.
+    the per-layer numerics' taps); `aux` is the loss's second output. `frozen=` (keyword):
+    params that do not train (`recipe.frozen`), merged into `params` for the loss, cast and
+    gathered alike, never differentiated.
 
     Without a mesh, or on one device, this is `jax.grad` through the cast. On a larger mesh it is
     a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
@@ -314,9 +317,9 @@ def grad_fn(
     """
     if mesh is None or mesh.size == 1:
 
-        def single(params, probes, batch, rng, *rest):
+        def single(params, probes, batch, rng, *rest, frozen=None):
             def loss(params, probes):
-                with cast_params(policy, params) as cast:
+                with cast_params(policy, frozen_lib.merge(params, frozen)) as cast:
                     return loss_fn(cast, probes, batch, rng, *rest)
 
             (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
@@ -324,23 +327,29 @@ def grad_fn(
 
         return single
 
-    def sharded(params, probes, batch, rng, *rest):
-        specs = _specs(mesh, params)
+    def sharded(params, probes, batch, rng, *rest, frozen=None):
+        param_specs, frozen_specs = specs(mesh, params), specs(mesh, frozen or {})
 
-        def local(params, probes, batch, rng, *rest):
+        def local(params, frozen, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
-            # a stacked leaf's gather takes one layer's slice: its spec without the layer axis
+            # a stacked leaf's gather takes one layer's slice: its spec without the layer axis;
+            # an 8-bit frozen kernel is never split (`check_frozen`): it goes on as it is
             gathers = jax.tree_util.tree_map_with_path(
-                lambda path, s, dtype: _gather(
-                    PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh
+                lambda path, s, dtype: (
+                    (lambda q: q)
+                    if dtype is None
+                    else _gather(PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh)
                 ),
-                specs,
-                policy.compute_dtypes(params),
-                is_leaf=lambda x: isinstance(x, PartitionSpec),
+                frozen_lib.merge(param_specs, frozen_specs),
+                policy.compute_dtypes(frozen_lib.merge(params, frozen)),
+                is_leaf=lambda x: isinstance(x, PartitionSpec) or q8.is_q8(x),
             )
-            gather_all = lambda gathers, tree: jax.tree.map(lambda g, p: g(p), gathers, tree)
+            gather_all = lambda gathers, tree: jax.tree.map(
+                lambda g, p: g(p), gathers, tree, is_leaf=q8.is_q8
+            )
 
             def gathered_loss(params, probes):
+                params = frozen_lib.merge(params, frozen)
                 (whole, stacked), (outer, per_layer) = _unstacked(params), _unstacked(gathers)
                 whole = gather_all(outer, whole)
                 if stacked is None:
@@ -357,42 +366,17 @@ def grad_fn(
             return grads, probe_grads, jax.tree.map(mean, aux)
 
         replicated = PartitionSpec()
-        in_specs = (specs, replicated, PartitionSpec(AXES), replicated, *(replicated for _ in rest))
+        in_specs = (
+            *(param_specs, frozen_specs, replicated, PartitionSpec(AXES), replicated),
+            *(replicated for _ in rest),
+        )
         local = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=in_specs,
-            out_specs=(specs, replicated, replicated),
+            out_specs=(param_specs, replicated, replicated),
             check_vma=False,
         )
-        return local(params, probes, batch, rng, *rest)
+        return local(params, frozen or {}, probes, batch, rng, *rest)
 
     return sharded
-
-
-def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
-    """A float32 vector: per tree, how many of its floating values are NaN or inf.
-
-    On a mesh of several devices each device counts its own shards and one all-reduce adds the
-    counts (a replicated leaf is counted once per device: a count is only ever compared with
-    zero). Elsewhere it is a plain count.
-    """
-
-    def local(*trees):
-        counts = []
-        for tree in trees:
-            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-            bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
-            counts.append(sum(bad, jnp.zeros((), jnp.float32)))
-        return jnp.stack(counts)
-
-    if mesh is None or mesh.size == 1:
-        return local(*trees)
-    summed = jax.shard_map(
-        lambda *trees: jax.lax.psum(local(*trees), AXES),
-        mesh=mesh,
-        in_specs=tuple(_specs(mesh, tree) for tree in trees),
-        out_specs=PartitionSpec(),
-        check_vma=False,
-    )
-    return summed(*trees)

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import loss_scale as loss_scale_lib
@@ -130,7 +130,7 @@ def make_train_step(
         inputs = (policy.cast_to_compute(batch), rng, rest)
         lazy = per_layer and measure_when is not None
         grads, (table, amaxes), (loss, model_state, aux) = grads_of(
-            state.params, (None if lazy else taps, amax_probes), *inputs
+            state.params, (None if lazy else taps, amax_probes), *inputs, frozen=state.frozen
         )
         # ... and ends here: unscale in fp32 so that large gradients cannot overflow on the way.
         grads = scaler.unscale(grads)
@@ -159,7 +159,7 @@ def make_train_step(
             updated = state.apply_gradients(grads=grads, model_state=model_state)
             fp8_state = _fp8_update(updated.model_state, amaxes, state, updated)
             updated = updated.replace(model_state=fp8_state)
-            (bad_params,) = sharding.count_nonfinite((updated.params,), mesh)
+            (bad_params,) = count_nonfinite((updated.params,), mesh)
             applied = finite & (bad_params == 0)
             updated = loss_scale_lib.select_tree(applied, updated, state)
         new_state = updated.replace(
@@ -183,7 +183,9 @@ def make_train_step(
 
             def measure():  # non-finite counts of the param gradients need no unscaling
                 with jax.named_scope(numerics.REPLAY):  # the precision report leaves it out
-                    grads, (table, _), _ = grads_of(state.params, (taps, amax_probes), *inputs)
+                    grads, (table, _), _ = grads_of(
+                        state.params, (taps, amax_probes), *inputs, frozen=state.frozen
+                    )
                     return numerics.finish(table, calls, grads)
 
             if lazy:
@@ -205,8 +207,36 @@ def make_eval_step(
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
-        with policy.matmuls(), sharding.cast_params(policy, state.params) as params:
+        with policy.matmuls(), sharding.cast_params(policy, state.model_params) as params:
             metrics = metric_fn(params, state.model_state, policy.cast_to_compute(batch))
         return precision.to_f32(metrics)
 
     return eval_step
+
+
+def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
+    """A float32 vector: per tree, how many of its floating values are NaN or inf.
+
+    On a mesh of several devices each device counts its own shards and one all-reduce adds the
+    counts (a replicated leaf is counted once per device: a count is only ever compared with
+    zero). Elsewhere it is a plain count.
+    """
+
+    def local(*trees):
+        counts = []
+        for tree in trees:
+            leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+            bad = [jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves]
+            counts.append(sum(bad, jnp.zeros((), jnp.float32)))
+        return jnp.stack(counts)
+
+    if mesh is None or mesh.size == 1:
+        return local(*trees)
+    summed = jax.shard_map(
+        lambda *trees: jax.lax.psum(local(*trees), sharding.AXES),
+        mesh=mesh,
+        in_specs=tuple(sharding.specs(mesh, tree) for tree in trees),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
+    return summed(*trees)

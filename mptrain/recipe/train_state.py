@@ -17,6 +17,7 @@ from flax import struct
 from flax.training import train_state
 
 from mptrain import errors
+from mptrain.recipe import frozen as frozen_lib
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import optim, precision
 
@@ -63,14 +64,21 @@ class TrainState(train_state.TrainState):
     Fields beyond flax's: `loss_scale` (a scaler pytree), `rng` (raw key data, so checkpoints
     hold plain arrays), `skipped_steps` (int32), `model_state` (e.g. batch statistics, `{}` when
     unused), `param_compensation` (Kahan rounding error per param, `{}` unless
-    `param_rounding="kahan"`), and the static `policy` and `param_rounding`.
+    `param_rounding="kahan"`), `frozen` (params that do not train, `recipe.frozen`: `{}` but
+    under adapters; no checkpoint holds them), and the static `policy` and `param_rounding`.
     """
+
+    @property
+    def model_params(self) -> Any:
+        """Every param the model takes: `params` and `frozen` in one tree."""
+        return frozen_lib.merge(self.params, self.frozen)
 
     loss_scale: Any = None
     rng: jax.Array | None = None
     skipped_steps: jax.Array | None = None
     model_state: Any = struct.field(default_factory=dict)
     param_compensation: Any = struct.field(default_factory=dict)
+    frozen: Any = struct.field(default_factory=dict)
     policy: precision.Policy = struct.field(pytree_node=False, default=None)
     param_rounding: str = struct.field(pytree_node=False, default="nearest")
 

@@ -54,7 +54,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mptrain import errors, files, version
-from mptrain.train import checkpoint_meta, fingerprints
+from mptrain.train import adapters, checkpoint_meta, fingerprints
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -160,6 +160,8 @@ class Checkpointer:
         meta = dict(files.to_jsonable(meta))
         meta.setdefault("step", step)
         meta["mptrain_version"] = version.__version__
+        if base := adapters.fingerprint(state):  # a frozen base is named, never saved
+            meta[adapters.BASE], state = base, state.replace(frozen={})
         meta["fingerprint"] = fingerprints.fingerprint(state)
         meta["arrays"] = fingerprints.array_specs(state)
         self.wait()  # a failure of the previous save is told as that step's
@@ -259,7 +261,11 @@ class Checkpointer:
         return state["params"]
 
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong."""
+        """Restores and validates one checkpoint; InvalidCheckpointError says what is wrong. A
+        frozen base is not in it: the result has `abstract_state`'s (`adapters`)."""
+        if frozen := getattr(abstract_state, "frozen", None):
+            state, meta = self._restore_step(step, abstract_state.replace(frozen={}))
+            return state.replace(frozen=frozen), meta
         meta = self.read_meta(step)
         _check_specs(step, meta["arrays"], fingerprints.array_specs(abstract_state))
         try:
@@ -349,10 +355,9 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     step = meta = None
     if restored is not None:
         state, meta = restored
-        step = int(meta["step"])
-        checkpoint_meta.check_resumable(
-            meta, str(policy), config, f"{checkpointer.directory}/{step}"
-        )
+        step, where = int(meta["step"]), f"{checkpointer.directory}/{meta['step']}"
+        checkpoint_meta.check_resumable(meta, str(policy), config, where)
+        adapters.check_base(meta, state, where, config.get("init_from"))
     checkpointer.remove_leftovers()
     return state, step, meta
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from absl import logging
 
-from mptrain import config as config_lib
 from mptrain import errors
 
 # What a meta holds; without it a meta is corrupt, skipped like corrupt arrays (not a KeyError).
@@ -58,8 +57,9 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
     that only one of the two configs has (another mptrain version's) is not a difference."""
     saved, new = (meta.get("config") or {}).get("model"), config.get("model")
     both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
-    changed = config_lib.changes(meta.get("config") or {}, config)
+    changed = changes(meta.get("config") or {}, config)
     model = [key for key in changed if key.startswith("model.") and key.split(".")[1] in both]
+    model += [key for key in changed if key.startswith("lora.") and key != "lora.dropout"]
     step, wanted, problem = meta["step"], config.get("num_train_steps"), None
     if meta.get("policy") not in (None, policy):
         problem = (
@@ -83,3 +83,20 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
         raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
     for key, (old, new) in changed.items():
         logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+
+
+def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """`{dotted key: (old value, new value)}` for each key that differs between two config dicts.
+    A tuple equals the list with its items (a config read back from JSON has lists)."""
+    found = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found |= changes(a, b, f"{prefix}{key}.")
+        elif _listed(a) != _listed(b):
+            found[f"{prefix}{key}"] = (a, b)
+    return found
+
+
+def _listed(value: Any) -> Any:
+    return [_listed(v) for v in value] if isinstance(value, tuple | list) else value

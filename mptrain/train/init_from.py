@@ -45,8 +45,9 @@ from absl import logging
 
 from mptrain import config as config_lib
 from mptrain import errors
+from mptrain.models import lora as lora_lib
 from mptrain.recipe import sharding
-from mptrain.train import checkpoint, checkpoint_meta, fingerprints
+from mptrain.train import adapters, checkpoint, checkpoint_meta, fingerprints
 
 # Model keys a run may set otherwise than the weights it starts from: how the step computes
 # (attention kernel, scanned or not, rematerialisation, dropout, batch-norm momentum) and the
@@ -82,10 +83,14 @@ def read(trainer: Any, train_source: Any) -> Pretrained | None:
     state (its abstract state from `make_init`, traced, not compiled), or None when no
     `init_from` is set or the workdir has checkpoints of its own. Bad input: `ConfigError`."""
     config = trainer.config
-    if config.get("init_from") is None or has_own_checkpoints(trainer.workdir):
+    lora = lora_lib.enabled(config)  # the frozen base is read on every start, resumes too
+    if config.get("init_from") is None or (has_own_checkpoints(trainer.workdir) and not lora):
         return None
     init, args = trainer.make_init(train_source.get_batch(0))
-    return load(config, abstract(jax.eval_shape(init, *args).params))
+    state = jax.eval_shape(init, *args)
+    if lora:
+        return load(config, adapters.base_target(state.frozen, trainer.policy.compute_dtype))
+    return load(config, abstract(state.params))
 
 
 def abstract(params: Any) -> Any:
@@ -167,7 +172,7 @@ def check_model(mine: Any, theirs: dict, source: str, where: str) -> None:
             f"model ({source}); set --config.model.name={theirs.get('name')!r} and its keys"
         )
     keys = (set(mine) & set(theirs)) - RUN_CHOICES
-    changed = config_lib.changes({k: theirs[k] for k in keys}, {k: mine[k] for k in keys})
+    changed = checkpoint_meta.changes({k: theirs[k] for k in keys}, {k: mine[k] for k in keys})
     if changed:
         key, (weights, asked) = next(iter(changed.items()))
         more = f" (and {len(changed) - 1} more keys)" if len(changed) > 1 else ""
@@ -221,6 +226,13 @@ def resume(checkpointer, state, policy, config, pretrained: Pretrained | None = 
     `config.init_from` is set, the fresh `state` with `pretrained`'s params, or, when None
     (a caller of `Trainer.setup` that did not `read` first), with params read now into the
     state's shardings. The fresh params are deleted before the new ones take their place."""
+    if config.get("init_from") is not None and jax.tree.leaves(state.frozen):
+        # adapters: the base is the folder's, before the checkpoint is checked against it
+        target = adapters.base_target(state.frozen, policy.compute_dtype)
+        pretrained = pretrained or load(config, target)
+        logging.info("mptrain: the frozen base is %s", pretrained.origin)
+        state = adapters.with_base(state, pretrained.params)
+        return checkpoint.resume(checkpointer, state, policy, config_lib.to_dict(config))
     state, step, meta = checkpoint.resume(checkpointer, state, policy, config_lib.to_dict(config))
     if config.get("init_from") is None:
         return state, step, meta

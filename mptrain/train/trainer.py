@@ -45,7 +45,7 @@ from mptrain.recipe import optim, schedules, sharding, step
 from mptrain.recipe import train_state as train_state_lib
 from mptrain.record import log_totals, loggers, profile, samples, throughput
 from mptrain.record import metrics as metrics_lib
-from mptrain.train import checkpoint, init_from, loop
+from mptrain.train import adapters, checkpoint, init_from, loop
 
 
 class Trainer:
@@ -69,8 +69,8 @@ class Trainer:
 
     def build_model(self) -> nn.Module:
         """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
-        devices = self.mesh.devices.flat
-        return models.create(self.config.model, self.policy, devices, self.config.get("loss"))
+        cfg, devices = self.config, self.mesh.devices.flat
+        return models.create(cfg.model, self.policy, devices, cfg.get("loss"), cfg.get("lora"))
 
     def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
@@ -154,10 +154,9 @@ class Trainer:
 
         def create(init_rng, state_rng, sample):
             variables = dict(self.init_variables(init_rng, sample))
-            params = variables.pop("params")
-            return train_state_lib.TrainState.create(
+            return train_state_lib.TrainState.create(  # params and frozen (`adapters`)
                 apply_fn=self.model.apply,
-                params=params,
+                **adapters.split(self.model, self.policy, cfg, variables.pop("params")),
                 tx=self.tx,
                 policy=self.policy,
                 loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),

@@ -1,0 +1,203 @@
+"""Low-rank adapters (LoRA) on the language models' projections, over a frozen base.
+
+A projection ``y = x W`` with an adapter computes ``y = x W + (alpha / rank) * (x A) B``: ``A``
+(``lora_a``, ``[in, rank]``) starts random and ``B`` (``lora_b``, ``[rank, out]``) at zero, so
+step 0 is the base model exactly. ``A`` is drawn as PEFT draws it (uniform within
+``1 / sqrt(in)``, torch's ``kaiming_uniform_(a=sqrt(5))``), not the LoRA paper's Gaussian, so
+an mptrain adapter and a PEFT one start alike. With ``dropout`` the adapter's input (only) is
+dropped, during training (a ``"dropout"`` rng present), as in PEFT.
+
+The adapters sit beside the kernel they adapt (``.../attn/q/kernel`` gets ``.../attn/q/lora_a``
+and ``lora_b``), so a LoRA model's params are the base model's plus the adapters: the base's
+checkpoints and HF folders load onto it unchanged. The Trainer trains the adapters alone
+(``mptrain.recipe.frozen``): the rest is frozen, stored once in the compute dtype or in 8 bits
+(``Q8`` kernels, which ``Dense`` dequantizes inside its matmul, one layer at a time, recomputed
+in the backward pass rather than kept).
+
+``config.lora`` (``SETTINGS``): ``rank`` (None: no adapters), ``alpha``, ``dropout``,
+``targets`` (a regex searched in each adaptable kernel's param path, e.g.
+``stacked_layers/attn/q/kernel`` or ``layers_3/mlp/down/kernel``) and ``base_dtype``
+(``"compute"`` or ``"q8"``). ``spec`` turns them into the model's static ``Spec``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mptrain import errors
+from mptrain.recipe import q8
+
+ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
+# The keys of `config.lora` with their defaults: attention's and the MLP's projections of both
+# language models (llama: q k v o gate up down; transformer_lm: qkv out fc_in fc_out).
+SETTINGS = {
+    "rank": None,
+    "alpha": 16.0,
+    "dropout": 0.0,
+    "targets": r"(attn/(q|k|v|o|qkv|out)|mlp/(gate|up|down|fc_in|fc_out))/kernel$",
+    "base_dtype": "compute",
+}
+BASE_DTYPES = ("compute", "q8")
+ALL = "*"  # a `Spec.targets` that adapts every projection that can take an adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a model's projections need to know (static, hashable): the rank, the scaling
+    ``alpha / rank``, the adapter's dropout, and ``targets``: the module paths (as each
+    projection sees its own ``self.path``, "/"-joined) that get adapters, or ``ALL``;
+    ``projections``: those of every projection (the kernels a base may keep in 8 bits)."""
+
+    rank: int
+    scale: float
+    dropout: float = 0.0
+    targets: frozenset[str] | str = ALL
+    projections: frozenset[str] = frozenset()  # every projection's module path, adapted or not
+
+    def adapts(self, path: tuple[str, ...]) -> bool:
+        return self.targets == ALL or "/".join(path) in self.targets
+
+
+def enabled(config: Any) -> bool:
+    """Whether `config` (a run's whole config) asks for adapters (`lora.rank` set)."""
+    return (config.get("lora") or {}).get("rank") is not None
+
+
+def settings(lora: Any) -> dict[str, Any]:
+    """`config.lora`'s keys, checked; a `ValueError` names a bad one."""
+    keys = errors.settings(lora or {}, SETTINGS)
+    why = "the adapters' width; 8 to 64 is usual"
+    keys["rank"] = errors.check_integer("lora.rank", keys["rank"], 1, 2**16, why)
+    keys["alpha"] = errors.check_number("lora.alpha", keys["alpha"], 0.0, open_low=True)
+    keys["dropout"] = errors.check_number("lora.dropout", keys["dropout"], 0.0, 1.0)
+    if keys["dropout"] >= 1.0:
+        raise ValueError(f"lora.dropout={keys['dropout']}: must be below 1 (1 drops every input)")
+    targets = keys["targets"]
+    try:
+        re.compile(targets)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"lora.targets={targets!r}: not a regular expression: {e}") from None
+    keys["base_dtype"] = errors.check_choice("lora.base_dtype", keys["base_dtype"], BASE_DTYPES)
+    return keys
+
+
+def spec(lora: Any, build: Any) -> Spec:
+    """The `Spec` of `config.lora` for the model `build(spec)` makes: its adaptable kernels are
+    found by initialising it abstractly with adapters everywhere, and `lora.targets` must match
+    at least one of them (a `ValueError` lists some if it matches none)."""
+    keys = settings(lora)
+    everywhere = Spec(keys["rank"], keys["alpha"] / keys["rank"], keys["dropout"])
+    kernels = adaptable(_shapes(build(everywhere)))
+    chosen = {path for path in kernels if re.search(keys["targets"], path)}
+    if not chosen:
+        shown = ", ".join(sorted(kernels)[:4]) + (", ..." if len(kernels) > 4 else "")
+        raise ValueError(
+            f"lora.targets={keys['targets']!r}: matches none of the model's {len(kernels)} "
+            f"projections that can take an adapter ({shown})"
+        )
+    return dataclasses.replace(
+        everywhere,
+        targets=frozenset(map(module_path, chosen)),
+        projections=frozenset(map(module_path, kernels)),
+    )
+
+
+def _shapes(model: nn.Module) -> Any:
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+
+
+def adaptable(params: Any) -> list[str]:
+    """The "/"-joined paths of the kernels in `params` that have adapters beside them."""
+    found = []
+
+    def walk(tree: Any, path: tuple[str, ...]) -> None:
+        if not isinstance(tree, dict):
+            return
+        if ADAPTERS[0] in tree and "kernel" in tree:
+            found.append("/".join((*path, "kernel")))
+        for key, value in tree.items():
+            walk(value, (*path, str(key)))
+
+    walk(dict(params), ())
+    return found
+
+
+def module_path(kernel_path: str) -> str:
+    """A kernel's param path as its module sees itself: without `/kernel`, and without the
+    stacked layers' prefix (a scanned block is applied on its own, one layer at a time)."""
+    from mptrain.recipe import sharding
+
+    path = kernel_path.removesuffix("/kernel")
+    return path.removeprefix(f"{sharding.STACKED}/")
+
+
+def is_adapter(path: str) -> bool:
+    """Whether the param at `path` ("/"-joined) is one of an adapter's factors."""
+    return path.rsplit("/", 1)[-1] in ADAPTERS
+
+
+def _init_a(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    bound = 1.0 / math.sqrt(shape[0])  # PEFT's: torch's kaiming_uniform_(a=sqrt(5)) on [r, in]
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+def frozen_matmul(x: jax.Array, kernel: Any) -> jax.Array:
+    """`x @ kernel` in the wider dtype of the two (as a ``dtype=None`` ``nn.Dense``); an 8-bit
+    kernel (`q8.Q8`) is dequantized to `x`'s dtype inside a rematerialised function, so its
+    16-bit copy lives for this one matmul and is remade in the backward pass, never kept."""
+    if not q8.is_q8(kernel):
+        dtype = jnp.result_type(x.dtype, kernel.dtype)
+        return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+
+    @jax.checkpoint
+    def dot(x, kernel):
+        return jnp.dot(x, q8.dequantize(kernel).astype(x.dtype))
+
+    return dot(x, kernel)
+
+
+class Dense(nn.Module):
+    """A bias-free projection for ``layers.run_in`` whose kernel may be frozen in 8 bits, with an
+    adapter when ``lora`` says so (the module doc). Param names as ``nn.Dense``'s: ``kernel``."""
+
+    features: int
+    lora: Spec
+    kernel_init: Any = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "kernel"):  # an 8-bit kernel has no array shape to check
+            kernel = self.get_variable("params", "kernel")
+        else:
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+        y = frozen_matmul(x, kernel)
+        if not self.lora.adapts(self.path):
+            return y
+        s = self.lora
+        a = self.param(ADAPTERS[0], _init_a, (x.shape[-1], s.rank))
+        b = self.param(ADAPTERS[1], nn.initializers.zeros, (s.rank, self.features))
+        h = x
+        if s.dropout > 0 and self.has_rng("dropout"):  # training: the Trainer passes the rng
+            h = nn.Dropout(s.dropout, deterministic=False)(h)
+        h = jnp.dot(h.astype(a.dtype), a) * jnp.asarray(s.scale, a.dtype)
+        return y + jnp.dot(h, b.astype(h.dtype)).astype(y.dtype)
+
+
+def dense(features: int, name: str, lora: Spec | None, kernel_init: Any = None, **kwargs: Any):
+    """The models' projection: ``nn.Dense`` (bias-free, ``dtype=None``) without adapters, the
+    LoRA ``Dense`` under a ``Spec`` (every projection then takes a frozen, maybe 8-bit kernel;
+    those `lora.targets` names get adapters)."""
+    init = {} if kernel_init is None else {"kernel_init": kernel_init}
+    if lora is None:
+        return nn.Dense(features, dtype=None, use_bias=False, name=name, **init, **kwargs)
+    if kwargs:  # fp8's dot_general: refused at set-up (`check_run`)
+        raise ValueError(f"lora: the projections cannot take {', '.join(kwargs)}")
+    return Dense(features, lora, name=name, **init)

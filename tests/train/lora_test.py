@@ -1,0 +1,189 @@
+"""LoRA (`config.lora`): adapters train over a frozen base stored once, in the compute dtype or
+in 8 bits; step 0 is the base model; checkpoints hold what trains and name the base; bad
+settings and a changed base are one line, exit 2.
+
+The run is `configs/llama3.py:hf=DIR` on a copy of `tests/hf/fixture` (its weights the base)
+with rank-4 adapters on every projection, fine-tuned on text (`STEPS` steps, one compiled step).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from helpers import (
+    FIXTURE,
+    STEPS,
+    hf_flag,
+    llama_config,
+    load_config,
+    make_text,
+    make_tokenizer,
+    overrides,
+    run_cli,
+)
+
+from mptrain import models
+from mptrain.models import lora
+from mptrain.recipe import frozen, precision, q8
+from mptrain.train import adapters, checkpoint, init_from
+from mptrain.train import trainer as trainer_lib
+
+LORA = {"lora.rank": 4, "lora.alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """The LoRA run (Trainer API, to keep its final state), its step-0 state and its inputs."""
+    base = tmp_path_factory.mktemp("lora")
+    folder = Path(shutil.copytree(FIXTURE, base / "llama"))
+    text = make_text(base / "notes")
+    make_tokenizer(folder, [p.read_text() for p in sorted((base / "notes").iterdir())])
+    workdir, cache = base / "run", base / "cache"
+    flags = dict(f.removeprefix("--config.").split("=", 1) for f in overrides(text, cache))
+    keys = {k: (int(v) if v.isdigit() else v) for k, v in flags.items()} | LORA
+    config = load_config("llama3", f"hf={folder}", **keys)
+    start = _step0(config, base / "step0")
+    final = trainer_lib.Trainer(config, workdir).train_and_evaluate()
+    return dict(folder=folder, config=config, workdir=workdir, start=start, final=final, text=text)
+
+
+def _step0(config, workdir):
+    trainer = trainer_lib.Trainer(config, workdir)
+    train, _ = trainer.build_datasets()
+    pretrained = init_from.read(trainer, train)
+    state = trainer.init_state(train.get_batch(0))
+    with checkpoint.Checkpointer(Path(workdir) / "checkpoints") as checkpointer:
+        state, _, _ = init_from.resume(checkpointer, state, trainer.policy, config, pretrained)
+    return state, trainer
+
+
+def test_only_the_adapters_train_and_the_base_is_stored_once_in_bf16(tuned):
+    (start, trainer), final = tuned["start"], tuned["final"]
+    names = [precision.path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(final.params)]
+    assert names and all(lora.is_adapter(n) for n in names)
+    assert {x.dtype for x in jax.tree.leaves(final.params)} == {np.dtype(np.float32)}
+    # the optimizer's state: moments of the adapters alone (and counts)
+    for path, x in jax.tree_util.tree_leaves_with_path(final.opt_state):
+        assert x.ndim == 0 or lora.is_adapter(precision.path_name(path)), path
+    # the base: every other param, bf16, the fixture's weights rounded once, bit-identical
+    # after the run's steps
+    assert {x.dtype for x in jax.tree.leaves(final.frozen)} == {np.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(
+        np.asarray(final.frozen["embed"]["embedding"]),
+        np.asarray(start.frozen["embed"]["embedding"]),
+    )
+    for a, b in zip(jax.tree.leaves(final.frozen), jax.tree.leaves(start.frozen), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    tensors = safetensors.numpy.load_file(str(FIXTURE / "model.safetensors"))
+    down = tensors["model.layers.1.mlp.down_proj.weight"].T.astype(jnp.bfloat16)
+    got = np.asarray(start.frozen["stacked_layers"]["mlp"]["down"]["kernel"][1])
+    assert got.tobytes() == down.tobytes()
+    # the adapters did train: B moved off zero
+    b = final.params["stacked_layers"]["attn"]["q"]["lora_b"]
+    assert float(jnp.abs(b).max()) > 0
+    assert trainer.model.lora.scale == 2.0  # alpha / rank
+
+
+def test_step_0_is_the_base_model_exactly(tuned):
+    start, trainer = tuned["start"]
+    config = tuned["config"]
+    base_model = models.create(config.model, trainer.policy)  # no adapters
+    tokens = jnp.asarray(np.arange(24, dtype=np.int32).reshape(2, 12) % 200)
+    cast = trainer.policy.cast_params
+    with_adapters = trainer.model.apply({"params": cast(start.model_params)}, tokens)
+    base = base_model.apply({"params": cast(start.frozen)}, tokens)
+    assert np.asarray(with_adapters).tobytes() == np.asarray(base).tobytes()
+
+
+def test_a_checkpoint_holds_what_trains_and_names_the_base(tuned):
+    meta_file = tuned["workdir"] / "checkpoints" / str(STEPS) / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    arrays = [k for k in meta["arrays"] if k.startswith((".params", ".frozen"))]
+    assert arrays and all(k.endswith(("['lora_a']", "['lora_b']")) for k in arrays)
+    assert meta[adapters.BASE] == adapters.fingerprint(tuned["final"])
+
+
+def test_a_resume_over_a_changed_base_is_one_line_exit_2(tuned, tmp_path, capsys):
+    folder = Path(shutil.copytree(tuned["folder"], tmp_path / "llama"))
+    workdir = Path(shutil.copytree(tuned["workdir"], tmp_path / "run"))
+    flags = [f"--config.{k}={v}" for k, v in LORA.items()]
+    flags += overrides(tuned["text"], tuned["config"].data.cache_dir, steps=STEPS + 10)
+    path = folder / "model.safetensors"
+    tensors = safetensors.numpy.load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+    code, err = run_cli(workdir, *flags, capsys=capsys, config=hf_flag(folder))
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert f"config.init_from={str(folder)!r}" in line and "another base" in line
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("lora.rank", 0, "lora.rank=0"),
+        ("lora.targets", "attn/nothing", "matches none of the model's"),
+        ("lora.base_dtype", "nf4", "lora.base_dtype='nf4'"),
+    ],
+)
+def test_bad_settings_are_one_line_exit_2_and_no_workdir(tmp_path, capsys, key, value, says):
+    workdir = tmp_path / "run"
+    code, err = run_cli(workdir, "--config.lora.rank=4", f"--config.{key}={value}", capsys=capsys)
+    assert code == 2
+    assert says in err and len([x for x in err.splitlines() if "error" in x]) == 1
+    assert not workdir.exists()
+
+
+def _init(precision_name, base_dtype="compute", **model):
+    config = load_config("llama3", "tiny", precision=precision_name, **LORA)
+    config.lora.base_dtype = base_dtype
+    config.model = llama_config(**model)
+    trainer = trainer_lib.Trainer(config, "/nonexistent")
+    batch = {"inputs": np.zeros((2, 8), np.int32), "targets": np.zeros((2, 8), np.int32)}
+    init, args = trainer.make_init(batch)
+    return jax.eval_shape(init, *args), trainer
+
+
+def test_under_bf16_pure_the_adapters_are_bf16_with_stochastic_rounding():
+    state, _ = _init("bf16-pure")
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype(jnp.bfloat16)}
+    assert state.param_rounding == "stochastic"
+    assert {x.dtype for x in jax.tree.leaves(state.frozen)} == {np.dtype(jnp.bfloat16)}
+
+
+def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized_model():
+    shapes, trainer = _init("bf16-mixed", "q8", scan_layers=False)
+    kernels = frozen.split(shapes.frozen, lambda p: p.endswith("/kernel"))[0]
+    found = {
+        precision.path_name(p): (q8.is_q8(x), int(np.prod(x.shape)))
+        for p, x in jax.tree_util.tree_flatten_with_path(kernels, is_leaf=q8.is_q8)[0]
+    }
+    assert found.pop("head/kernel")[0] is False  # the head is no projection: bf16
+    # every projection as large as an 8-bit moment's minimum (k and v, 64 x 16, are smaller)
+    assert {k: big >= q8.MIN_SIZE for k, (_, big) in found.items()} == {
+        k: eight for k, (eight, _) in found.items()
+    }
+    assert sum(eight for eight, _ in found.values()) == 10  # q o gate up down, 2 layers
+    # the 8-bit base's logits are those of its dequantized weights, the adapters adding zero
+    state = trainer.init_state(
+        {"inputs": np.zeros((2, 8), np.int32), "targets": np.zeros((2, 8), np.int32)}
+    )
+    dequantized = jax.tree.map(
+        lambda x: q8.dequantize(x).astype(jnp.bfloat16) if q8.is_q8(x) else x,
+        state.frozen,
+        is_leaf=q8.is_q8,
+    )
+    base_model = models.create(trainer.config.model, trainer.policy)
+    tokens = jnp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8))
+    cast = trainer.policy.cast_params
+    got = trainer.model.apply({"params": cast(state.model_params)}, tokens)
+    want = base_model.apply({"params": cast(dequantized)}, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    eight = [x for x in jax.tree.leaves(state.frozen, is_leaf=q8.is_q8) if q8.is_q8(x)]
+    ratio = frozen.nbytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
+    assert ratio == pytest.approx(q8.nbytes_per_element() / 2)  # 1 byte + 4 per 256
