@@ -13,7 +13,12 @@ with an index, `export.json`, and the run's tokenizer files (`tokenizer.json`, a
 Another model under `--format=hf`, or `--keep_fp32` with it (a folder holds one dtype), exits 2
 with one line and writes nothing. The folder is written beside `--out` and renamed to it once
 whole; what a killed export left beside it, the next export to that `--out` removes.
-`--format=orbax`, the default, is the rest of this page.
+A LoRA run (`config.lora`) exports its base with the adapters merged, `W + (alpha/rank) B A`
+computed in fp32 and rounded once to `--dtype` (under `--format=orbax` and `hf` alike; the base
+is read from its `init_from` and checked against the fingerprint its checkpoints name), or
+under `--format=peft` the adapters alone as a PEFT folder (`mptrain.hf.peft`:
+`adapter_config.json`, `adapter_model.safetensors`), which `peft.PeftModel.from_pretrained`
+loads onto the base folder. `--format=orbax`, the default, is the rest of this page.
 
 Reads the newest valid checkpoint of `--workdir` (or `--step=N`) with the same validation as a
 resume (array specs, fingerprint, finite params; an unusable newest checkpoint falls back to an
@@ -44,7 +49,7 @@ from typing import Any
 from mptrain import errors
 
 DTYPES = ("bfloat16", "float16", "float32")
-FORMATS = ("orbax", "hf")
+FORMATS = ("orbax", "hf", "peft")
 # What an HF folder holds of a tokenizer besides tokenizer.json, copied with it when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -74,9 +79,9 @@ def export(
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
     if format not in FORMATS:
         raise errors.ConfigError(f"--format={format!r}: not supported; valid values: {FORMATS}")
-    if format == "hf" and keep_fp32:
+    if format in ("hf", "peft") and keep_fp32:
         raise errors.ConfigError(
-            f"--keep_fp32={keep_fp32!r}: --format=hf writes every weight in one dtype "
+            f"--keep_fp32={keep_fp32!r}: --format={format} writes every weight in one dtype "
             "(--dtype); leave --keep_fp32 out"
         )
     try:
@@ -89,13 +94,20 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")
     config, restored = read_run(workdir, step)
-    if format == "hf" and config.model.name != "llama":
+    if format in ("hf", "peft") and config.model.name != "llama":
         raise errors.ConfigError(
-            f"--format=hf: the run in {workdir} trains model.name={config.model.name!r}; only "
-            "a 'llama' maps onto a HuggingFace Llama folder (use --format=orbax)"
+            f"--format={format}: the run in {workdir} trains model.name={config.model.name!r}; "
+            "only a 'llama' maps onto a HuggingFace Llama folder (use --format=orbax)"
+        )
+    from mptrain.models import lora
+
+    if format == "peft" and not lora.enabled(config):
+        raise errors.ConfigError(
+            f"--format=peft: the run in {workdir} trains no adapters (config.lora.rank is "
+            "None); --format=hf writes its weights"
         )
     state, meta = restored
-    params = jax.device_get(state.params)
+    params = jax.device_get(state.params if format == "peft" else _weights(config, state))
     dtypes, kept = {}, []
 
     def cast(keys, x):
@@ -125,8 +137,8 @@ def export(
         "config": meta.get("config"),
         "dtypes": dtypes,
     }
-    if format == "hf":
-        sidecar["format"] = "hf"
+    if format in ("hf", "peft"):
+        sidecar["format"] = format
         _save_hf(out, config, params, dtype, sidecar)
     else:
         checkpoint.save_standalone(out, params, sidecar)
@@ -142,7 +154,7 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
     import ml_collections
 
     from mptrain import config as config_lib
-    from mptrain.train import checkpoint, launch
+    from mptrain.train import checkpoint, init_from, launch
 
     config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
     if not config_path.is_file() or not checkpoints.is_dir():
@@ -172,25 +184,43 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
             raise errors.WorkdirError(f"--workdir={workdir}: {e}") from None
     if restored is None:
         raise errors.WorkdirError(f"--workdir={workdir}: holds no checkpoint")
-    return config, restored
+    state, meta = restored  # a LoRA run's base is read as its resume reads it
+    where = f"{checkpoints}/{meta['step']}"
+    return config, (init_from.with_run_base(trainer, state, meta, lambda: init(*args), where), meta)
+
+
+def _weights(config: Any, state: Any) -> Any:
+    """The model's weights: its params, or a LoRA run's base with its adapters merged in fp32
+    (`lora.merged`), rounded once when exported."""
+    from mptrain.models import lora
+
+    if not lora.enabled(config):
+        return state.params
+    keys = lora.settings(config.lora)
+    return lora.merged(state.model_params, keys["alpha"] / keys["rank"])
 
 
 def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> None:
-    """`hf.save` of `params` (numpy, already in `dtype`) into a folder made beside `out` and
-    renamed to it once whole (all or nothing), with the run's tokenizer files and `sidecar`."""
+    """`hf.save` of `params` (numpy, already in `dtype`), or under `--format=peft` a PEFT
+    adapter folder of them (`hf.peft`), into a folder made beside `out` and renamed to it once
+    whole (all or nothing), with the run's tokenizer files and `sidecar`."""
     import shutil
 
     from absl import logging
 
     from mptrain import config as config_lib
     from mptrain import files, hf
+    from mptrain.hf import peft
 
     tokenizer = _tokenizer_files(config)
     staging = _staging(out)
     try:
         staging.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # 0777 less the umask, as the orbax export's
-        hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
+        if sidecar["format"] == "peft":
+            peft.save(staging, params, config.lora, config.get("init_from"))
+        else:
+            hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
         for path in tokenizer:
             shutil.copyfile(path, staging / path.name)
         files.write_json(staging / "export.json", sidecar)

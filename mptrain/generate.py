@@ -69,7 +69,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
                 f"--workdir={workdir}: the run trains model.name={config.model.name!r}; "
                 "mptrain.generate decodes the zoo's llama"
             )
-        params, where = state.params, f"{workdir} step {int(state.step)}"
+        params, where = state.model_params, f"{workdir} step {int(state.step)}"
         with errors.config_errors():
             text = codec.of_run(config)
     else:
@@ -91,7 +91,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
         config.precision = precision
     with errors.config_errors():
         policy = config_lib.policy_of(config)
-        model = models.create(config.model, policy)
+        model = models.create(config.model, policy, lora=config.get("lora"))
     if policy.fp8:  # its dense layers read their fp8 scales from state the decoder lacks
         raise errors.ConfigError(
             f"precision={config.precision!r}: mptrain.generate does not decode fp8 layers yet; "

@@ -201,3 +201,21 @@ def dense(features: int, name: str, lora: Spec | None, kernel_init: Any = None, 
     if kwargs:  # fp8's dot_general: refused at set-up (`check_run`)
         raise ValueError(f"lora: the projections cannot take {', '.join(kwargs)}")
     return Dense(features, lora, name=name, **init)
+
+
+def merged(params: Any, scale: float) -> Any:
+    """`params` (a LoRA model's, base and adapters in one tree) as the base model's, each adapted
+    kernel ``W + scale * A B`` computed in fp32 (an 8-bit kernel dequantized first), adapters
+    removed: every leaf fp32, for one rounding to whatever dtype it is exported in."""
+
+    def walk(tree: Any) -> Any:
+        if not isinstance(tree, dict):
+            return q8.dequantize(tree) if q8.is_q8(tree) else jnp.asarray(tree, jnp.float32)
+        out = {k: walk(v) for k, v in tree.items() if k not in ADAPTERS}
+        if ADAPTERS[0] in tree:
+            a, b = (jnp.asarray(tree[k], jnp.float32) for k in ADAPTERS)
+            delta = jnp.einsum("...ir,...ro->...io", a, b, precision="highest")
+            out["kernel"] = out["kernel"] + jnp.float32(scale) * delta
+        return out
+
+    return walk(dict(params))

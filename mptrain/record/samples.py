@@ -45,7 +45,7 @@ class Sampler:
     def __call__(self, step: int) -> list[dict]:
         from mptrain.data import codec
 
-        params = self.cast(self.run.state.params)
+        params = self.cast(self.run.state.model_params)  # a LoRA run's: base and adapters
         answers = codec.complete(
             self.codec, self.model, params, self.prompts, self.max_new_tokens, run=self.decoder
         )

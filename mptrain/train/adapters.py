@@ -70,10 +70,12 @@ def with_base(state: Any, base: Any) -> Any:
         return jax.vmap(quantize)(x) if sharding.is_stacked(path) else quantize(x)
 
     store = lambda base: jax.tree_util.tree_map_with_path(one, base, like, is_leaf=q8.is_q8)
-    shardings = jax.tree.map(lambda x: x.sharding, like)
-    for x in jax.tree.leaves(like):
-        x.delete()
-    return state.replace(frozen=jax.jit(store, out_shardings=shardings)(base))
+    shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), like)
+    for x in jax.tree.leaves(like):  # a restored state's are abstract: nothing to delete
+        if isinstance(x, jax.Array):
+            x.delete()
+    known = all(s is not None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None))
+    return state.replace(frozen=jax.jit(store, out_shardings=shardings if known else None)(base))
 
 
 def fingerprint(state: Any) -> str | None:

@@ -247,3 +247,19 @@ def resume(checkpointer, state, policy, config, pretrained: Pretrained | None = 
     pretrained = pretrained or load(config, target)
     logging.info("mptrain: initialised from %s", pretrained.origin)
     return state.replace(params=pretrained.params), step, meta
+
+
+def with_run_base(trainer: Any, state: Any, meta: dict, fresh: Any, where: str) -> Any:
+    """A LoRA run's `state` restored from its checkpoint at `where` (`meta`; the frozen base
+    abstract) with its base: `config.init_from`'s, else `fresh()`'s (the model's own init),
+    checked against the fingerprint the checkpoint names. Without adapters, `state`."""
+    if not jax.tree.leaves(state.frozen):
+        return state
+    config = trainer.config
+    if config.get("init_from") is None:
+        state = state.replace(frozen=fresh().frozen)
+    else:
+        target = adapters.base_target(state.frozen, trainer.policy.compute_dtype)
+        state = adapters.with_base(state, load(config, target).params)
+    adapters.check_base(meta, state, where, config.get("init_from"))
+    return state

@@ -187,3 +187,31 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
     eight = [x for x in jax.tree.leaves(state.frozen, is_leaf=q8.is_q8) if q8.is_q8(x)]
     ratio = frozen.nbytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
     assert ratio == pytest.approx(q8.nbytes_per_element() / 2)  # 1 byte + 4 per 256
+
+
+def test_exports_merge_in_fp32_or_write_a_peft_adapter_under_peft_names(tuned, tmp_path):
+    from mptrain import export, hf
+
+    final, scale = tuned["final"], 8.0 / 4
+    export.export(tuned["workdir"], tmp_path / "hf", dtype="float32", format="hf")
+    export.export(tuned["workdir"], tmp_path / "peft", dtype="float32", format="peft")
+    # merged: the stored (bf16) base plus scale * A B, in fp32, rounded once
+    _, weights = hf.load(tmp_path / "hf")
+    q = final.model_params["stacked_layers"]["attn"]["q"]
+    a, b = (np.asarray(q[k], np.float32) for k in ("lora_a", "lora_b"))
+    want = np.asarray(q["kernel"], np.float32) + scale * np.einsum("lir,lro->lio", a, b)
+    np.testing.assert_allclose(weights["stacked_layers"]["attn"]["q"]["kernel"], want, rtol=1e-6)
+    assert not np.array_equal(want, np.asarray(q["kernel"], np.float32))  # the adapters moved
+    # PEFT: torch's [r, in] and [out, r] under the wrapper's names, the config PEFT reads
+    tensors = safetensors.numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_{}.weight"
+    np.testing.assert_array_equal(tensors[name.format("A")], a[1].T)
+    np.testing.assert_array_equal(tensors[name.format("B")], b[1].T)
+    assert len(tensors) == 2 * 7 * 2  # two factors, seven projections, two layers
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    assert config["base_model_name_or_path"] == str(tuned["folder"])
+    assert sorted(config["target_modules"]) == sorted(
+        f"{n}_proj" for n in ("q", "k", "v", "o", "gate", "up", "down")
+    )

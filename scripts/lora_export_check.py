@@ -1,0 +1,68 @@
+"""A LoRA run's exports, checked against transformers and peft: `--format=hf` (merged in fp32)
+and `--format=peft` (the adapters alone, loaded onto the base folder by peft) must give the fp32
+logits of mptrain's merged model within 1e-5 of the largest logit.
+
+    python scripts/lora_export_check.py --workdir=RUN --out=/tmp/lora-check \\
+        --hf_python=/path/to/venv-with-torch-transformers-peft/bin/python
+
+Exports both formats in float32 into `--out`, computes mptrain's logits for a fixed batch of
+tokens (the run's base with its adapters merged, under the fp32 policy), then runs
+`scripts/peft_check.py` with `--hf_python`. Prints a table and writes `--out/check.json`.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mptrain import config as config_lib
+from mptrain import export, models
+
+LIMIT = 1e-5
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hf_python", required=True)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for fmt in ("hf", "peft"):
+        export.export(args.workdir, out / fmt, dtype="float32", format=fmt)
+    config, (state, _) = export.read_run(Path(args.workdir))
+    weights = jax.device_get(export._weights(config, state))
+    config.precision = "fp32"
+    model = models.create(config.model, config_lib.policy_of(config))
+    vocab = config.model.vocab_size
+    tokens = (np.arange(2 * 24, dtype=np.int32).reshape(2, 24) * 7 + 3) % vocab
+    logits = np.asarray(model.apply({"params": weights}, tokens), np.float32)
+    np.savez(out / "reference.npz", tokens=tokens, logits=logits)
+    base = config.init_from
+    found = subprocess.run(
+        [args.hf_python, str(Path(__file__).with_name("peft_check.py")), f"--base={base}",
+         f"--merged={out / 'hf'}", f"--adapter={out / 'peft'}",
+         f"--reference={out / 'reference.npz'}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    result = json.loads(found.stdout.strip().splitlines()[-1])
+    result |= {
+        "limit": LIMIT,
+        "workdir": str(args.workdir),
+        "lora": config_lib.to_dict(config.lora),
+    }
+    (out / "check.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'export':<16} {'max |diff| / max |logit|':>26}")
+    for key in ("merged_hf", "peft_on_base"):
+        print(f"{key:<16} {result[key]:>26.2e}")
+    print(f"largest logit {result['largest_logit']:.3f}; limit {LIMIT:g}; {out / 'check.json'}")
+    return 0 if max(result["merged_hf"], result["peft_on_base"]) <= LIMIT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
