@@ -53,6 +53,13 @@ Arguments:
   400 steps on a 2-core CPU.
 - `8b_sft`: `8b` on packed SFT rows of 8,192 tokens, for `mptrain.plan` (the attention of a
   packed row keeps to its examples).
+- `8b_lora`, `8b_qlora`: `8b` with rank-16 adapters on every projection (alpha 32) over a frozen
+  base, in bf16 or with its projections and token table in 8 bits (`lora.base_dtype="q8"`), on
+  one 24 GB card: batch 2 of 2,048, remat `full_offloaded` (each block's input in the host's
+  pinned memory). `python -m mptrain.plan --config=configs/llama3.py:8b_lora --target=rtx4090`:
+  16.5 GiB (torchtune's LoRA on a 4090: 16.2 GiB, adapters and moments in bf16); `8b_qlora`:
+  9.6 GiB (torchtune's QLoRA, NF4: 7.4 GiB). A LoRA fine-tune of a folder is `hf=DIR` with
+  `--config.lora.rank=16` (docs/fine-tuning.md#lora).
 
 The data of the big ones here is the embedded byte-level text (vocabulary 256 is what it
 tokenizes to): they are for `mptrain.plan`, whose step is the same whatever the tokens mean.
@@ -166,7 +173,7 @@ def get_config(arg: str | None = None):
     c.data.eos_token = config_dict.placeholder(str)  # None: the tokenizer's end-of-text token
     c.data.cache_dir = config_dict.placeholder(str)  # None: $MPTRAIN_CACHE/tokens or ~/.cache
 
-    if arg in ("8b", "8b_sft", None):
+    if arg in ("8b", "8b_sft", "8b_lora", "8b_qlora", None):
         _llama3(c, 4096, 32, 32, 8, 14_336)
         c.batch_size = 16
         c.mesh.data, c.mesh.fsdp = 1, 8
@@ -175,6 +182,11 @@ def get_config(arg: str | None = None):
         if arg == "8b_sft":
             _sft(c, 8192)
             c.model.vocab_size = 128_256  # the plan's: a real run's folder sets its own
+        if arg in ("8b_lora", "8b_qlora"):  # one 24 GB card
+            c.lora.rank, c.lora.alpha = 16, 32.0
+            c.lora.base_dtype = "q8" if arg == "8b_qlora" else "compute"
+            c.batch_size, c.data.seq_len, c.mesh.fsdp = 2, 2048, 1
+            c.model.remat = "full_offloaded"
     elif arg == "70b":
         _llama3(c, 8192, 80, 64, 8, 28_672)
         c.batch_size = 64
@@ -213,7 +225,7 @@ def get_config(arg: str | None = None):
         _sft(c, c.data.seq_len, tokenizer=arg[4:])
     else:
         raise ValueError(
-            f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '70b', '1b', 'tiny', "
-            "'sft_tiny', 'hf=DIR', 'sft=DIR'"
+            f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '8b_lora', '8b_qlora', "
+            "'70b', '1b', 'tiny', 'sft_tiny', 'hf=DIR', 'sft=DIR'"
         )
     return c

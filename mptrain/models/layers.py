@@ -45,7 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain.recipe import sharding
+from mptrain.recipe import q8, sharding
 
 Dtype = Any
 
@@ -278,6 +278,11 @@ class Embed(nn.Module):
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
         shape = (self.num_embeddings, self.features)
+        if self.has_variable("params", "embedding"):  # a frozen 8-bit table has no array shape
+            table = self.get_variable("params", "embedding")
+            if q8.is_q8(table):  # rows of whole blocks (`recipe.frozen`): gathered, then decoded
+                rows = table.replace(codes=table.codes[ids], scales=table.scales[ids])
+                return q8.dequantize(rows).astype(self.dtype)
         table = self.param("embedding", self.embedding_init, shape)
         return embed(table, ids, self.dtype, self.one_hot)
 

@@ -163,7 +163,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
-        s = self.shape
+        s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
         h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
         attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
         h = attn(h, positions, segments, cache)

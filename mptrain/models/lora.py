@@ -187,7 +187,9 @@ class Dense(nn.Module):
         h = x
         if s.dropout > 0 and self.has_rng("dropout"):  # training: the Trainer passes the rng
             h = nn.Dropout(s.dropout, deterministic=False)(h)
-        h = jnp.dot(h.astype(a.dtype), a) * jnp.asarray(s.scale, a.dtype)
+        # the scale on A ([in, rank]), not on x A: a multiply of the activations kept XLA from
+        # fusing the adapter's add into the base matmul (two more [tokens, out] buffers)
+        h = jnp.dot(h.astype(a.dtype), a * jnp.asarray(s.scale, a.dtype))
         return y + jnp.dot(h, b.astype(h.dtype)).astype(y.dtype)
 
 

@@ -24,6 +24,7 @@ PROJECTIONS = (
     "qkv_proj",
 )
 CONTEXT = "context"  # the attention's output, before the out projection
+BLOCK_INPUT = "block_input"  # a block's input (the residual stream), which "full" keeps
 
 POLICIES = {
     "none": "nothing recomputed: every activation the backward pass needs is kept",
@@ -33,6 +34,8 @@ POLICIES = {
     "minimal_with_context": "'minimal' and the attention's output kept: attention not recomputed",
     "minimal_offloaded": "the projections' outputs moved to pinned host memory and fetched back "
     "for the backward pass; the rest recomputed",
+    "full_offloaded": "'full' with each block's input moved to pinned host memory and fetched "
+    "back for the backward pass: nothing of the forward pass kept on the device",
 }
 
 
@@ -47,10 +50,10 @@ def make_policy(name: str) -> Any:
         return policies.save_only_these_names(*PROJECTIONS)
     if name == "minimal_with_context":
         return policies.save_only_these_names(*PROJECTIONS, CONTEXT)
-    if name == "minimal_offloaded":
+    if name.endswith("_offloaded"):
         return policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[],
-            names_which_can_be_offloaded=list(PROJECTIONS),
+            names_which_can_be_offloaded=[BLOCK_INPUT] if name == "full_offloaded" else PROJECTIONS,
             offload_src="device",
             offload_dst="pinned_host",
         )

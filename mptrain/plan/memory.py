@@ -12,6 +12,7 @@ memory before it and the FLOPs it added. The plan reports both; the fit search
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -102,3 +103,34 @@ def recompute(result, lowered, trainer) -> dict[str, Any]:
     before = result.memory["total"] - result.memory["temporaries"] + stats.temp_size_in_bytes
     found = {"limit": 0, "before": before, "after": result.memory["total"]} | result.xla_remat
     return found | {"recompute_flops": recompute, "recompute_share": recompute / flops}
+
+
+def bases(frozen: Any) -> list:
+    """The frozen base's tensors, an 8-bit one (`q8.Q8`) as the one tensor it stands for."""
+    import jax
+
+    from mptrain.recipe import q8
+
+    return jax.tree.leaves(
+        jax.tree.map(lambda x: x.codes if q8.is_q8(x) else x, frozen, is_leaf=q8.is_q8)
+    )
+
+
+def global_bytes(tree: Any) -> int:
+    """Bytes of an abstract tree, all devices' shards together."""
+    import jax
+    import numpy as np
+
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of one device's shards of an abstract tree."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total

@@ -20,13 +20,26 @@ def render(plan: Any) -> str:
         "",
         "memory                          GiB",
     ]
-    for part in ("params", "optimizer", "other_state", "inputs", "temporaries", "outputs"):
-        lines.append(f"  {part.replace('_', ' '):<24} {plan.memory[part] / GiB:9.3f}")
+    parts = ("params", "optimizer", "frozen", "other_state", "inputs", "temporaries", "outputs")
+    names = {
+        "frozen": "frozen base",
+        "params": "params (trained)" if plan.memory.get("frozen") else "params",
+    }
+    for part in parts:
+        if part in plan.memory and (part != "frozen" or plan.memory[part]):
+            name = names.get(part, part.replace("_", " "))
+            lines.append(f"  {name:<24} {plan.memory[part] / GiB:9.3f}")
     lines.append(f"  {'total':<24} {plan.memory['total'] / GiB:9.3f}   {plan.verdict()}")
     lines.append(
         f"  planned against {plan.capacity / GiB:.1f} GiB: {plan.share['why']}, of the "
         f"device's {plan.share['device'] / GiB:.1f} GiB; state "
         f"{plan.state_bytes_per_param:.2f} bytes a parameter"
+        + (
+            f" trained; the frozen base {plan.frozen_bytes_per_param:.2f} bytes a parameter "
+            f"({plan.frozen_params:,} params)"
+            if plan.frozen_params
+            else ""
+        )
     )
     remat = plan.xla_remat
     if remat:

@@ -67,6 +67,9 @@ class Plan:
     # does): then no program was read, and the memory is the state, the inputs and the
     # temporaries the compiler named
     refused: str = ""
+    # a LoRA run's frozen base (`lora`): its params and bytes a parameter (0, 0.0: none)
+    frozen_params: int = 0
+    frozen_bytes_per_param: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -205,12 +208,17 @@ def _refused(chip, trainer, state, inputs, error: str, seconds, version, share) 
     why = errors.first_line(error[len(_OUT_OF_MEMORY) :]).strip()
     found = _TEMPORARIES.search(why)
     temporaries = int(float(found[1]) * 1024 ** ("KMGT".index(found[2]) + 1)) if found else 0
-    params, optimizer = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+    params, optimizer = (
+        plan_memory.shard_bytes(state.params),
+        plan_memory.shard_bytes(state.opt_state),
+    )
+    frozen = plan_memory.shard_bytes(getattr(state, "frozen", {}))
     memory = {
         "params": params,
         "optimizer": optimizer,
-        "other_state": _shard_bytes(state) - params - optimizer,
-        "inputs": _shard_bytes(inputs),
+        "frozen": frozen,
+        "other_state": plan_memory.shard_bytes(state) - params - optimizer - frozen,
+        "inputs": plan_memory.shard_bytes(inputs),
         "temporaries": temporaries,
         "outputs": 0,
         "host": 0,
@@ -251,31 +259,14 @@ def _of_the_run(chip, trainer, state, share, seconds: float, version: str) -> di
         "capacity": int(share["fraction"] * chip.memory_bytes),
         "share": share,
         "xla_remat": {},
-        "state_bytes_per_param": _global_bytes((state.params, state.opt_state)) / max(1, params),
+        "state_bytes_per_param": plan_memory.global_bytes((state.params, state.opt_state))
+        / max(1, params),
+        "frozen_params": (base := sum(math.prod(x.shape) for x in plan_memory.bases(state.frozen))),
+        "frozen_bytes_per_param": plan_memory.global_bytes(state.frozen) / max(1, base),
         "kept_fp32": trainer.policy.kept_fp32_paths(state.params),
         "compile_seconds": round(seconds, 1),
         "jax_version": version,
     }
-
-
-def _global_bytes(tree: Any) -> int:
-    """Bytes of an abstract tree, all devices' shards together."""
-    import jax
-    import numpy as np
-
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def _shard_bytes(tree: Any) -> int:
-    """Bytes of one device's shards of an abstract tree."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def device_bytes(stats) -> int:
@@ -293,12 +284,19 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
     text = compiled.as_text()
     prog = program.Program(text)
     stats = compiled.memory_analysis()
-    held = _shard_bytes(state)
-    params, optimizer = _shard_bytes(state.params), _shard_bytes(state.opt_state)
+    held = plan_memory.shard_bytes(state)
+    params, optimizer = (
+        plan_memory.shard_bytes(state.params),
+        plan_memory.shard_bytes(state.opt_state),
+    )
+    frozen = plan_memory.shard_bytes(
+        getattr(state, "frozen", {})
+    )  # a LoRA run's base: no gradient, no optimizer state
     memory = {
         "params": params,
         "optimizer": optimizer,
-        "other_state": held - params - optimizer,
+        "frozen": frozen,
+        "other_state": held - params - optimizer - frozen,
         "inputs": stats.argument_size_in_bytes - held,  # the batches and the log totals
         "temporaries": stats.temp_size_in_bytes + stats.generated_code_size_in_bytes,
         "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,  # not donated back

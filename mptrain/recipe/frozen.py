@@ -50,18 +50,19 @@ def merge(a: Any, b: Any) -> Any:
 def store(
     frozen: Any,
     dtype: Any,
-    quantized: Callable[[str], bool] = lambda path: False,
+    quantized: Callable[[str, tuple], bool] = lambda path, shape: False,
     stacked: Callable[[str], bool] = lambda path: False,
 ) -> Any:
     """`frozen` (fp32 leaves) as a state keeps it: in `dtype`, or as a `q8.Q8` where
-    `quantized(path)` and the tensor is large enough (`q8.quantized`). A `stacked` kernel (the
-    layers of a scan on its leading axis) is quantized layer by layer, so each layer's slice
-    is a `Q8` of its own."""
+    `quantized(path, shape)` (one layer's shape) and the tensor is large enough
+    (`q8.quantized`). A `stacked` kernel (the layers of a scan on its leading axis) is
+    quantized layer by layer, so each layer's slice is a `Q8` of its own."""
 
     def one(path, x):
         name = precision.path_name(path)
         layered = stacked(name)
-        if not quantized(name) or not q8.quantized(x.shape[1:] if layered else x.shape):
+        shape = x.shape[1:] if layered else x.shape
+        if not quantized(name, shape) or not q8.quantized(shape):
             return x.astype(dtype)
         quantize = lambda w: q8.quantize(w.astype(jnp.float32), "signed")
         return jax.vmap(quantize)(x) if layered else quantize(x)

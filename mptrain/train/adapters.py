@@ -36,13 +36,16 @@ def split(model: Any, policy: Any, config: Any, params: Any) -> dict[str, Any]:
         return {"params": params, "frozen": {}}
     trainable, frozen = frozen_lib.split(params, lora_lib.is_adapter)
     eight_bit = lora_lib.settings(config.lora)["base_dtype"] == "q8"
-    projection = lambda path: lora_lib.module_path(path) in spec.projections
-    stored = frozen_lib.store(
-        frozen,
-        policy.compute_dtype,
-        quantized=lambda path: eight_bit and path.endswith("/kernel") and projection(path),
-        stacked=lambda path: path.split("/")[0] == sharding.STACKED,
-    )
+    tied = getattr(model, "tie_embeddings", False)  # the table is the head's kernel too
+
+    def quantized(path: str, shape: tuple) -> bool:  # the projections, the token table
+        if path.endswith("/kernel"):
+            return eight_bit and lora_lib.module_path(path) in spec.projections
+        rows = shape[-1] % q8.BLOCK_SIZE == 0  # a row is whole blocks: looked up, then decoded
+        return eight_bit and path.endswith("/embedding") and rows and not tied
+
+    stacked = lambda path: path.split("/")[0] == sharding.STACKED
+    stored = frozen_lib.store(frozen, policy.compute_dtype, quantized, stacked)
     return {"params": trainable, "frozen": stored}
 
 
