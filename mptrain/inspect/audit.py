@@ -207,6 +207,7 @@ class PrecisionReport:
     warnings: list[str]
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
+    trains: str = ""  # which params train, in what dtype, and what is frozen (`trainability`)
     # {operand dtype: {precision: FLOPs}}: "default", "high", "highest" (jax's names)
     precisions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -231,6 +232,7 @@ class PrecisionReport:
         total = sum(self.matmul_flops.values()) or 1
         lines = [f"precision report (compute dtype {self.compute_dtype})"]
         lines += [f"casting rule: {self.casting}"] if self.casting else []
+        lines += [f"trained: {self.trains}"] if self.trains else []
         lines += ["", "matmul FLOPs:"]
         for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
             at = ", ".join(f"{p} {f:,}" for p, f in sorted(self.precisions.get(dtype, {}).items()))
@@ -278,6 +280,25 @@ def precision_report(fn: Any, *args: Any, policy: Any = None, config: Any = None
     """
     traced = (fn if hasattr(fn, "trace") else jax.jit(fn)).trace(*args)
     return make_report(traced.jaxpr, traced.lower().compile(), args, policy=policy, config=config)
+
+
+def trainability(state: Any) -> str:
+    """Which params train and in what dtype; under adapters, what is frozen and how it is stored
+    (`recipe.frozen`: 16-bit, or 8-bit `q8` blocks)."""
+    from mptrain.recipe import q8
+
+    count = lambda tree: sum(int(np.size(x)) for x in jax.tree.leaves(tree))
+    dtypes = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(state.params)})
+    text = f"{count(state.params):,} params in {'/'.join(dtypes)}"
+    frozen = getattr(state, "frozen", None)
+    if not jax.tree.leaves(frozen):
+        return f"all {text}"
+    leaves = jax.tree.leaves(frozen, is_leaf=q8.is_q8)
+    eight = sum(int(np.prod(x.shape)) for x in leaves if q8.is_q8(x))
+    rest = sorted({np.dtype(x.dtype).name for x in leaves if not q8.is_q8(x)})
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    stored = f"{'/'.join(rest)}" + (f" ({eight:,} of them in 8-bit q8 blocks)" if eight else "")
+    return f"{text} (the adapters); {total:,} frozen (the base), stored in {stored}"
 
 
 def make_report(
@@ -349,6 +370,7 @@ def make_report(
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
         casting=policy.describe_rules(states[0].params) if states else "",
+        trains=trainability(states[0]) if states else "",
         precisions={dtype: dict(by) for dtype, by in precisions.items()},
         hazards=sorted(
             (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),

@@ -267,6 +267,8 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
         f"{mesh.shape['fsdp']}"
     )
     logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
+    if jax.tree.leaves(getattr(state, "frozen", {})):  # adapters over a frozen base
+        logging.info(f"mptrain: trained: {report.trains}")
     logging.info(
         f"mptrain: per device: state {on_one / 2**20:.1f} MiB; the compiled train step "
         f"{memory.temp_size_in_bytes / 2**20:.1f} MiB temporaries, "

@@ -106,6 +106,8 @@ def test_a_checkpoint_holds_what_trains_and_names_the_base(tuned):
     arrays = [k for k in meta["arrays"] if k.startswith((".params", ".frozen"))]
     assert arrays and all(k.endswith(("['lora_a']", "['lora_b']")) for k in arrays)
     assert meta[adapters.BASE] == adapters.fingerprint(tuned["final"])
+    report = (tuned["workdir"] / "precision_report.txt").read_text()
+    assert "trained: 5,760 params in float32 (the adapters); 65,904 frozen (the base)" in report
 
 
 def test_a_resume_over_a_changed_base_is_one_line_exit_2(tuned, tmp_path, capsys):
