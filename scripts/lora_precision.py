@@ -107,9 +107,9 @@ def main() -> None:
     common = [
         f"--config.init_from={pretrain}", f"--config.data.files={docs}", "--config.lora.rank=8",
         "--config.lora.alpha=16", f"--config.num_train_steps={args.steps}",
-        f"--config.optimizer.learning_rate={args.learning_rate}", "--config.optimizer.warmup_steps=20",
-        "--config.optimizer.weight_decay=0.0", f"--config.eval_every_steps={args.steps}",
-        "--config.eval_steps=20",
+        f"--config.optimizer.learning_rate={args.learning_rate}",
+        "--config.optimizer.warmup_steps=20", "--config.optimizer.weight_decay=0.0",
+        f"--config.eval_every_steps={args.steps}", "--config.eval_steps=20",
     ]  # fmt: skip
     rows = []
     for seed in seeds:
