@@ -334,7 +334,13 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         section = ""
         optim.make_optimizer(config)
         devices = None if devices is None else list(devices)
-        sharding.mesh_shape(config, None if devices is None else len(devices))
+        fsdp = sharding.mesh_shape(config, None if devices is None else len(devices))[1]
+        lora = config.get("lora") or {}
+        if lora.get("rank") is not None and lora.get("base_dtype") == "q8" and fsdp > 1:
+            raise ValueError(
+                f"lora.base_dtype='q8': an 8-bit base is not split over devices yet (mesh.fsdp="
+                f"{fsdp}); use mesh.fsdp=1 (data parallel), or lora.base_dtype='compute'"
+            )
         example = data.check_config(config) if "data" in zoo else None
         if devices is None:  # a run here builds its batches here; a plan's host does not
             data.check_batch(config, example)

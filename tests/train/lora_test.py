@@ -217,3 +217,24 @@ def test_exports_merge_in_fp32_or_write_a_peft_adapter_under_peft_names(tuned, t
     assert sorted(config["target_modules"]) == sorted(
         f"{n}_proj" for n in ("q", "k", "v", "o", "gate", "up", "down")
     )
+
+
+def test_transformer_lm_takes_adapters_on_its_projections_and_starts_as_its_base():
+    config = load_config("default", **LORA)
+    trainer = trainer_lib.Trainer(config, "/nonexistent")
+    batch = {"inputs": np.zeros((2, 8), np.int32), "targets": np.zeros((2, 8), np.int32)}
+    state = trainer.init_state(batch)
+    adapted = {
+        precision.path_name(p).rsplit("/", 1)[0]
+        for p, _ in jax.tree_util.tree_leaves_with_path(state.params)
+    }
+    assert adapted == {
+        f"block_{i}/{m}" for i in range(config.model.num_layers)
+        for m in ("attn/qkv", "attn/out", "mlp/fc_in", "mlp/fc_out")
+    }  # fmt: skip
+    base_model = models.create(config.model, trainer.policy)
+    tokens = jnp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8))
+    cast = trainer.policy.cast_params
+    got = trainer.model.apply({"params": cast(state.model_params)}, tokens)
+    want = base_model.apply({"params": cast(state.frozen)}, tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
