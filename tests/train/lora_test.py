@@ -238,3 +238,50 @@ def test_transformer_lm_takes_adapters_on_its_projections_and_starts_as_its_base
     got = trainer.model.apply({"params": cast(state.model_params)}, tokens)
     want = base_model.apply({"params": cast(state.frozen)}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_then_resume_gives_the_bytes_of_an_uninterrupted_run(tuned, tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import (
+        ROOT,
+        assert_trees_bytes_equal,
+        checkpoint_steps_on_disk,
+        fake_cpu_env,
+        plain_orbax_state,
+    )
+
+    more = {"checkpoint_every_steps": 2, "log_every_steps": 2, **LORA}
+    flags = overrides(tuned["text"], tuned["config"].data.cache_dir, steps=40, more=more)
+    command = lambda workdir: [
+        sys.executable, "-m", "mptrain.main", hf_flag(tuned["folder"]), f"--workdir={workdir}",
+        *flags,
+    ]  # fmt: skip
+    env, rng, crashed, kills = fake_cpu_env(1), random.Random(1), tmp_path / "crashed", []
+    saved = lambda: max(checkpoint_steps_on_disk(crashed), default=0)
+    while len(kills) < 2:
+        before = saved()
+        proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while saved() == before and proc.poll() is None:  # until it has saved a step more
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.2))  # mid-run: between saves, or during one
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills.append(saved())
+    assert kills, "no kill landed before the run finished"
+    for workdir in (crashed, tmp_path / "straight"):
+        done = subprocess.run(command(workdir), cwd=ROOT, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    straight = plain_orbax_state(tmp_path / "straight", 40)
+    assert_trees_bytes_equal(straight, plain_orbax_state(crashed, 40))
+    assert "frozen" not in straight or not jax.tree.leaves(straight["frozen"])
+    print(f"killed with checkpoints of steps {kills} on disk")
