@@ -77,11 +77,12 @@ def plan(config, target: str, devices: int | None = None):
     return plan_step.plan(config, target, devices)
 
 
-def fit(config, target, devices: int | None = None):
-    """The search of `--fit` as data: `mptrain.plan.search.fit` (see there)."""
+def fit(config, target, devices: int | None = None, peft: bool = False):
+    """The search of `--fit` as data: `mptrain.plan.search.fit` (see there); `peft`: adapters
+    over a frozen base may be tried where full training fits nowhere."""
     from mptrain.plan import search as fit_lib
 
-    return fit_lib.fit(config, target, devices)
+    return fit_lib.fit(config, target, devices, peft)
 
 
 def _usage(flag_values) -> str:
@@ -90,7 +91,7 @@ def _usage(flag_values) -> str:
     names = ", ".join(sorted(TARGETS))
     return (
         "usage: python -m mptrain.plan --config=FILE[:ARG] --target=NAME [--devices=N] "
-        "[--fit] [--json=PATH] [--config.KEY=VALUE ...]\n\n"
+        "[--fit [--peft]] [--json=PATH] [--config.KEY=VALUE ...]\n\n"
         "Compiles the run's train step for an accelerator that need not be here and reports "
         "its memory, dtypes, hazards and roofline floor; --fit searches the memory knobs for "
         "the fastest configuration that fits. Exit codes: 0 it fits, 4 it does not, 2 bad "
@@ -98,7 +99,7 @@ def _usage(flag_values) -> str:
         "chip count, e.g. v5e-8)\n\nflags:\n"
         + "\n".join(
             f"  --{n}: {flag_values[n].help}"
-            for n in ("config", "target", "devices", "fit", "json")
+            for n in ("config", "target", "devices", "fit", "peft", "json")
         )
         + "\n"
     )
@@ -180,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
             "print the --config. overrides.",
             flag_values=fv,
         )
+        flags.DEFINE_boolean(
+            "peft",
+            False,
+            "With --fit: also try LoRA adapters over a frozen base (bf16, then 8-bit) where full "
+            "training fits nowhere; their price in quality is not measured.",
+            flag_values=fv,
+        )
         flags.DEFINE_string("json", None, "Also write the plan as JSON here.", flag_values=fv)
         flags.DEFINE_boolean(
             "decode", False, "Plan a Llama's decoding step (mptrain.plan.decode).", flag_values=fv
@@ -209,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 _write_json(flag_values.json, out)
             return errors.EXIT_OK
         if flag_values.fit:
-            result = fit(flag_values.config, flag_values.target, flag_values.devices)
+            args = (flag_values.config, flag_values.target, flag_values.devices)
+            result = fit(*args, peft=flag_values.peft)
         else:
             result = plan(flag_values.config, flag_values.target, flag_values.devices)
     except errors.ConfigError as e:

@@ -13,6 +13,10 @@ what they cost, each candidate by a deviceless compile of the real step (`plan_s
 3. precision, only where nothing above fits: Adam's moments fp32 -> bf16 -> q8
    (`optimizer.mu_dtype`/`nu_dtype`), then bf16 params with stochastic rounding
    (`precision=bf16-pure`, `param_rounding=stochastic`).
+4. with `peft` (`--fit --peft`), only where full training fits nowhere: rank-16 adapters on
+   every projection over a frozen bf16 base (`lora.rank`), then over an 8-bit base
+   (`lora.base_dtype=q8`, where the state is not split over fsdp). They train a small part of
+   the model: what that does to quality is the user's to judge, and the plan says so.
 
 Memory is monotone in each knob, which the search uses instead of compiling every
 combination: the least precision level is the first at which the most memory-saving
@@ -48,6 +52,15 @@ PRECISION = (
     {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8"},
     {"optimizer.mu_dtype": "q8", "optimizer.nu_dtype": "q8", "precision": "bf16-pure"}
     | {"param_rounding": "stochastic"},
+)
+# `--peft`: adapters over a frozen base, after every level of full training
+PEFT = (
+    {"lora.rank": 16, "lora.alpha": 32.0},
+    {"lora.rank": 16, "lora.alpha": 32.0} | {"lora.base_dtype": "q8"},
+)
+QUALITY = (
+    "adapters train a small part of the model (LoRA): what that costs in quality against full "
+    "training is not something this plan measures"
 )
 
 
@@ -144,6 +157,8 @@ class Fit:
                     f"  XLA rematerialises on its own in it: {best.xla_recompute_flops / 1e12:.0f} "
                     "TFLOP a step recomputed, counted in the floor"
                 )
+            if "lora.rank" in best.knobs:
+                lines.append(f"  note: {QUALITY}")
             if best.knobs or best.fraction:
                 lines.append("  python -m mptrain.main ...")
                 lines += [f"    {o}" for o in best.overrides()]
@@ -152,9 +167,12 @@ class Fit:
         return "\n".join(lines) + "\n"
 
 
-def fit(config, target: str | target_lib.Target, devices: int | None = None) -> Fit:
-    """The search of the module doc for `config` on `devices` of `target` (a `Fit`); a
-    `ConfigError` for a bad config or target, as `plan_step.plan` raises them."""
+def fit(
+    config, target: str | target_lib.Target, devices: int | None = None, peft: bool = False
+) -> Fit:
+    """The search of the module doc for `config` on `devices` of `target` (a `Fit`); `peft`:
+    adapters may be tried too (level 4). A `ConfigError` for a bad config or target, as
+    `plan_step.plan` raises them."""
     started = time.monotonic()
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
     plan_step.check_devices(target, named, devices)  # the plain plan's rule (issue 42: D04, D06)
@@ -200,6 +218,9 @@ def fit(config, target: str | target_lib.Target, devices: int | None = None) -> 
     levels = [p for p in PRECISION if _applies(config, p)]
     least = lambda p: _least_bytes(p, config) * per_device if p else given.state
     levels = [p for p in levels if least(p) <= stretch]
+    if peft and _get(config, "lora.rank") is None:  # adapters' state is small: always tried
+        fsdp = base.get("mesh.fsdp", _get(config, "mesh.fsdp", 1))
+        levels += [p for p in PEFT if p.get("lora.base_dtype") != "q8" or fsdp == 1]
 
     def at(level: dict, remat: str, k: int) -> dict[str, Any]:
         knobs = dict(base) | level
@@ -291,6 +312,8 @@ def _need(chip, count: int, closest: Candidate) -> str:
 def _least_bytes(level: dict, config) -> float:
     """The fewest bytes a parameter of a precision level's params and moments take: fp32 or
     bf16 params, two moments of 4, 2 or 1 bytes (q8's scales, sums and counters on top)."""
+    if "lora.rank" in level:  # the adapters are a fraction of a percent of the params
+        return 0.0
     moment = {"bfloat16": 2, "q8": 1}.get(level.get("optimizer.mu_dtype"), 4)
     pure = "bf16-pure" in (level.get("precision"), str(_get(config, "precision")))
     return (2 if pure else 4) + 2 * moment

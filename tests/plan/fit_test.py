@@ -167,3 +167,17 @@ def test_a_tpu_step_over_its_hbm_exits_4_with_the_verdict_first():
     first = _first_line_of_exit_4("llama3.py:tiny", "--target=v5e", "--config.batch_size=16384")
     assert first.startswith("does not fit: needs ") and "compiler refused the step: " in first
     assert "HBM" in first
+
+
+def test_with_peft_adapters_fit_where_full_training_fits_nowhere_and_the_price_is_said():
+    # STATE on 22 MB: full training at its leanest (bf16 params, 8-bit moments) is still over;
+    # rank-16 adapters over the frozen bf16 base fit, and the table says what is not measured
+    config = load_config("lm_gpt2s", "tiny", **STATE)
+    full, adapters = (
+        plan_lib.fit(config, chip_with(22), 1),
+        plan_lib.fit(config, chip_with(22), 1, peft=True),
+    )
+    assert not full.fits and adapters.fits
+    assert adapters.best.knobs["lora.rank"] == 16 and "lora.base_dtype" not in adapters.best.knobs
+    assert adapters.best.memory < 22 * MB
+    assert fit_lib.QUALITY in str(adapters) and "--config.lora.rank=16" in str(adapters)
