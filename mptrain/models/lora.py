@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain import errors
-from mptrain.recipe import q8
+from mptrain.recipe import q8, sharding
 
 ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
 # The keys of `config.lora` with their defaults: attention's and the MLP's projections of both
@@ -132,9 +132,8 @@ def adaptable(params: Any) -> list[str]:
 
 def module_path(kernel_path: str) -> str:
     """A kernel's param path as its module sees itself: without `/kernel`, and without the
-    stacked layers' prefix (a scanned block is applied on its own, one layer at a time)."""
-    from mptrain.recipe import sharding
-
+    stacked layers' prefix (a scanned block is applied on its own, one layer at a time, so a
+    target of the stack is one of every layer)."""
     path = kernel_path.removesuffix("/kernel")
     return path.removeprefix(f"{sharding.STACKED}/")
 

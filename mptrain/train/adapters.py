@@ -63,22 +63,24 @@ def base_target(frozen: Any, compute_dtype: Any) -> Any:
 
 def with_base(state: Any, base: Any) -> Any:
     """`state` with `base` (read into `base_target`) as its frozen params, stored as its fresh
-    ones are (the same dtypes, the same kernels in 8 bits); the fresh ones are deleted first."""
+    ones are (the same dtypes, the same kernels in 8 bits, the same shardings); the fresh ones
+    are deleted first. Leaf by leaf, eagerly: one leaf's 16-bit copy at a time beside the base."""
     like = state.frozen
 
     def one(path, x, old):
+        where = getattr(old, "sharding", None)
         if not q8.is_q8(old):
-            return x.astype(old.dtype)
+            return jax.device_put(x.astype(old.dtype), where)
         quantize = lambda w: q8.quantize(w.astype(jnp.float32), old.kind, old.block_size)
-        return jax.vmap(quantize)(x) if sharding.is_stacked(path) else quantize(x)
+        found = jax.vmap(quantize)(x) if sharding.is_stacked(path) else quantize(x)
+        places = jax.tree.map(lambda y: getattr(y, "sharding", None), old)
+        return jax.tree.map(jax.device_put, found, places)
 
-    store = lambda base: jax.tree_util.tree_map_with_path(one, base, like, is_leaf=q8.is_q8)
-    shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), like)
     for x in jax.tree.leaves(like):  # a restored state's are abstract: nothing to delete
         if isinstance(x, jax.Array):
             x.delete()
-    known = all(s is not None for s in jax.tree.leaves(shardings, is_leaf=lambda s: s is None))
-    return state.replace(frozen=jax.jit(store, out_shardings=shardings if known else None)(base))
+    frozen = jax.tree_util.tree_map_with_path(one, base, like, is_leaf=q8.is_q8)
+    return state.replace(frozen=frozen)
 
 
 def fingerprint(state: Any) -> str | None:
