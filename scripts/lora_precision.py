@@ -24,6 +24,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from precision_band import final_eval_loss  # scripts/ is on the path of a script run
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = f"--config={ROOT / 'configs' / 'llama3.py'}:tiny"
@@ -36,15 +37,6 @@ VARIANTS = {
         "--config.optimizer.nu_dtype=bfloat16",
     ],
 }
-
-
-def final_eval_loss(workdir: Path) -> float | None:
-    history = workdir / "history.jsonl"
-    if not history.is_file():
-        return None
-    losses = [json.loads(line).get("eval_loss") for line in history.read_text().splitlines()]
-    losses = [x for x in losses if x is not None]
-    return losses[-1] if losses else None
 
 
 def train(workdir: Path, flags: list[str]) -> tuple[float, float]:

@@ -416,3 +416,19 @@ def history_without_timings(workdir) -> list[dict]:
     that trained the same must share."""
     rows = [json.loads(x) for x in (Path(workdir) / "history.jsonl").read_text().splitlines() if x]
     return [{k: v for k, v in r.items() if not any(t in k for t in TIMINGS)} for r in rows]
+
+
+def step0(config, workdir):
+    """The state a run of `config` in `workdir` starts from (as `Trainer.setup` makes it,
+    without compiling the step), and its trainer."""
+    from mptrain.train import checkpoint, init_from
+    from mptrain.train import trainer as trainer_lib
+
+    trainer = trainer_lib.Trainer(config, workdir)
+    train, _ = trainer.build_datasets()
+    pretrained = init_from.read(trainer, train)
+    state = trainer.init_state(train.get_batch(0))
+    with checkpoint.Checkpointer(Path(workdir) / "checkpoints") as checkpointer:
+        state, step, _ = init_from.resume(checkpointer, state, trainer.policy, config, pretrained)
+    assert step is None
+    return state, trainer

@@ -36,12 +36,11 @@ from helpers import (
     overrides,
     plain_orbax_state,
     run_cli,
+    step0,
 )
 
 from mptrain import hf
 from mptrain.recipe import sharding
-from mptrain.train import checkpoint, init_from
-from mptrain.train import trainer as trainer_lib
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +55,6 @@ def finetune(tmp_path_factory):
     code, _ = run_cli(workdir, *overrides(text, cache), config=hf_flag(folder))
     assert code == 0
     return dict(folder=folder, text=text, cache=cache, workdir=workdir)
-
-
-def step0(config, workdir):
-    """The state a run of `config` in `workdir` starts from (as `Trainer.setup` makes it,
-    without compiling the step), and its trainer."""
-    trainer = trainer_lib.Trainer(config, workdir)
-    train, _ = trainer.build_datasets()
-    pretrained = init_from.read(trainer, train)
-    state = trainer.init_state(train.get_batch(0))
-    with checkpoint.Checkpointer(Path(workdir) / "checkpoints") as checkpointer:
-        state, step, _ = init_from.resume(checkpointer, state, trainer.policy, config, pretrained)
-    assert step is None
-    return state, trainer
 
 
 def hf_config(folder, **keys):

@@ -25,12 +25,13 @@ from helpers import (
     make_tokenizer,
     overrides,
     run_cli,
+    step0,
 )
 
 from mptrain import models
 from mptrain.models import lora
 from mptrain.recipe import frozen, precision, q8
-from mptrain.train import adapters, checkpoint, init_from
+from mptrain.train import adapters
 from mptrain.train import trainer as trainer_lib
 
 LORA = {"lora.rank": 4, "lora.alpha": 8.0}
@@ -47,19 +48,9 @@ def tuned(tmp_path_factory):
     flags = dict(f.removeprefix("--config.").split("=", 1) for f in overrides(text, cache))
     keys = {k: (int(v) if v.isdigit() else v) for k, v in flags.items()} | LORA
     config = load_config("llama3", f"hf={folder}", **keys)
-    start = _step0(config, base / "step0")
+    start = step0(config, base / "step0")
     final = trainer_lib.Trainer(config, workdir).train_and_evaluate()
     return dict(folder=folder, config=config, workdir=workdir, start=start, final=final, text=text)
-
-
-def _step0(config, workdir):
-    trainer = trainer_lib.Trainer(config, workdir)
-    train, _ = trainer.build_datasets()
-    pretrained = init_from.read(trainer, train)
-    state = trainer.init_state(train.get_batch(0))
-    with checkpoint.Checkpointer(Path(workdir) / "checkpoints") as checkpointer:
-        state, _, _ = init_from.resume(checkpointer, state, trainer.policy, config, pretrained)
-    return state, trainer
 
 
 def test_only_the_adapters_train_and_the_base_is_stored_once_in_bf16(tuned):
