@@ -73,7 +73,7 @@ def export(
     import jax
     import numpy as np
 
-    from mptrain.train import checkpoint, fingerprints
+    from mptrain.train import fingerprints, standalone
 
     if dtype not in DTYPES:
         raise errors.ConfigError(f"--dtype={dtype!r}: not supported; valid values: {DTYPES}")
@@ -141,7 +141,7 @@ def export(
         sidecar["format"] = format
         _save_hf(out, config, params, dtype, sidecar)
     else:
-        checkpoint.save_standalone(out, params, sidecar)
+        standalone.save_standalone(out, params, sidecar)
     return sidecar
 
 

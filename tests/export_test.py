@@ -21,7 +21,7 @@ from helpers import (
 )
 
 from mptrain import export
-from mptrain.train import checkpoint
+from mptrain.train import checkpoint, standalone
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _flat(tree, prefix=""):
 def test_a_bf16_export_restores_with_plain_orbax_keeping_norms_in_fp32(finished_run, tmp_path):
     out = tmp_path / "bf16"
     export.export(finished_run, out, "bfloat16", keep_fp32=r"(^|/)ln_")
-    exported = _flat(checkpoint.load_standalone(out))
+    exported = _flat(standalone.load_standalone(out))
     master = _flat(plain_orbax_state(finished_run, 4)["params"])
     assert set(exported) == set(master)
     norms = [path for path in exported if "/ln_" in f"/{path}"]
@@ -66,7 +66,7 @@ def test_a_bf16_export_restores_with_plain_orbax_keeping_norms_in_fp32(finished_
 def test_a_chosen_step_and_fp16(finished_run, tmp_path):
     sidecar = export.export(finished_run, tmp_path / "fp16", "float16", step=2)
     assert sidecar["source"]["step"] == 2
-    leaves = _flat(checkpoint.load_standalone(tmp_path / "fp16"))
+    leaves = _flat(standalone.load_standalone(tmp_path / "fp16"))
     assert {x.dtype.name for x in leaves.values()} == {"float16"}
 
 

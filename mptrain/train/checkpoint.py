@@ -42,14 +42,13 @@ saved shardings; the recipe above gives numpy arrays on any machine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
-import secrets
 import shutil
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -166,7 +165,7 @@ class Checkpointer:
         meta["arrays"] = fingerprints.array_specs(state)
         self.wait()  # a failure of the previous save is told as that step's
         args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
+            **{STATE_ITEM: ocp.args.StandardSave(_tree(state)), META_ITEM: ocp.args.JsonSave(meta)}
         )
         with self._writing(step):
             if step in self._manager.all_steps():
@@ -269,10 +268,9 @@ class Checkpointer:
         meta = self.read_meta(step)
         _check_specs(step, meta["arrays"], fingerprints.array_specs(abstract_state))
         try:
-            state = self._manager.restore(
-                step,
-                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_state)}),
-            )[STATE_ITEM]
+            item = ocp.args.StandardRestore(_tree(abstract_state))
+            state = self._manager.restore(step, args=ocp.args.Composite(**{STATE_ITEM: item}))
+            state = _untree(abstract_state, state[STATE_ITEM])
         except Exception as e:
             raise InvalidCheckpointError(f"cannot read state: {_summary(e)}") from e
         found = fingerprints.fingerprint(state)
@@ -326,6 +324,25 @@ class Checkpointer:
         return removed
 
 
+def _tree(state: Any) -> Any:
+    """What a checkpoint's `state` item holds of `state`: a `TrainState`'s array fields by name,
+    as orbax writes any dataclass, without `frozen` (a LoRA run's base, never saved), so a
+    checkpoint of any mptrain version restores into any other's state."""
+    if not dataclasses.is_dataclass(state) or not hasattr(state, "frozen"):
+        return state
+    fields = dataclasses.fields(state)
+    return {
+        f.name: getattr(state, f.name)
+        for f in fields
+        if f.metadata.get("pytree_node", True) and f.name != "frozen"
+    }
+
+
+def _untree(like: Any, tree: Any) -> Any:
+    """`_tree`'s inverse: `like` (a state) with the restored fields of `tree`."""
+    return like.replace(**tree) if isinstance(tree, dict) and hasattr(like, "frozen") else tree
+
+
 def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
     if diffs := checkpoint_meta.differences(saved, wanted):
         raise CheckpointMismatchError(
@@ -360,40 +377,3 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
         adapters.check_base(meta, state, where, config.get("init_from"))
     checkpointer.remove_leftovers()
     return state, step, meta
-
-
-# --------------------------------------------------------------------------- export
-
-
-def save_standalone(directory: str | os.PathLike, params: Any, sidecar: dict) -> None:
-    """Writes `params` (numpy arrays) as a plain orbax checkpoint in `directory/params`, and
-    `sidecar` as `directory/export.json`; all or nothing (written beside, then renamed), with
-    the modes the umask gives. A storage failure is one `errors.StorageError` line."""
-    directory = os.path.abspath(directory)
-    parent = os.path.dirname(directory)
-    staging = os.path.join(parent, f".export-{secrets.token_hex(4)}")
-    try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(staging)  # 0777 less the umask: mkdtemp's 0700 would hide the export
-        checkpointer = ocp.PyTreeCheckpointer()
-        checkpointer.save(os.path.join(staging, "params"), params)
-        checkpointer.close()
-        files.write_json(os.path.join(staging, "export.json"), sidecar)
-        if os.path.isdir(directory):  # an empty folder the user made for it
-            os.rmdir(directory)
-        os.rename(staging, directory)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        error = files.storage_error(e, f"the export at {directory}")
-        if error is None:
-            raise
-        raise error from e
-
-
-def load_standalone(directory: str | os.PathLike) -> Any:
-    """An exported `params` tree as numpy arrays (what plain orbax gives)."""
-    path = os.path.join(os.path.abspath(directory), "params")
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))

@@ -28,7 +28,7 @@ from orbax.checkpoint._src.serialization import serialization
 
 from mptrain import errors, export, files
 from mptrain.record import curves
-from mptrain.train import checkpoint
+from mptrain.train import checkpoint, standalone
 
 # orbax abandons its other writes when one fails; their "exception ignored" reports are noise.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -236,7 +236,7 @@ def test_a_storage_error_inside_a_job_is_told_as_the_job(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "_write_text", full)
     out = tmp_path / "exports" / "e"
     with pytest.raises(errors.StorageError) as info:
-        checkpoint.save_standalone(out, {"w": jnp.zeros(2, jnp.float32)}, {"step": 1})
+        standalone.save_standalone(out, {"w": jnp.zeros(2, jnp.float32)}, {"step": 1})
     assert str(info.value).startswith(f"could not write the export at {out}: disk full")
     assert not out.exists() and os.listdir(out.parent) == []
 
