@@ -162,22 +162,31 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
         k: eight for k, (eight, _) in found.items()
     }
     assert sum(eight for eight, _ in found.values()) == 10  # q o gate up down, 2 layers
-    # the 8-bit base's logits are those of its dequantized weights, the adapters adding zero
-    state = trainer.init_state(
-        {"inputs": np.zeros((2, 8), np.int32), "targets": np.zeros((2, 8), np.int32)}
+    # the 8-bit base's logits are those of its dequantized weights, the adapters adding zero:
+    # params drawn here (B zero), split and stored as the state's init does, without compiling
+    # an init of their own
+    tokens = jnp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8))
+    rng = np.random.default_rng(0)
+    draw = lambda path, s: (
+        np.zeros(s.shape, np.float32)
+        if precision.path_name(path).endswith("lora_b")
+        else (0.05 * rng.standard_normal(s.shape)).astype(np.float32)
     )
+    shapes = jax.eval_shape(trainer.model.init, jax.random.key(0), tokens)["params"]
+    drawn = jax.tree_util.tree_map_with_path(draw, shapes)
+    state = adapters.split(trainer.model, trainer.policy, trainer.config, drawn)
     dequantized = jax.tree.map(
         lambda x: q8.dequantize(x).astype(jnp.bfloat16) if q8.is_q8(x) else x,
-        state.frozen,
+        state["frozen"],
         is_leaf=q8.is_q8,
     )
     base_model = models.create(trainer.config.model, trainer.policy)
-    tokens = jnp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8))
     cast = trainer.policy.cast_params
-    got = trainer.model.apply({"params": cast(state.model_params)}, tokens)
+    model_params = frozen.merge(state["params"], state["frozen"])
+    got = trainer.model.apply({"params": cast(model_params)}, tokens)
     want = base_model.apply({"params": cast(dequantized)}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    eight = [x for x in jax.tree.leaves(state.frozen, is_leaf=q8.is_q8) if q8.is_q8(x)]
+    eight = [x for x in jax.tree.leaves(state["frozen"], is_leaf=q8.is_q8) if q8.is_q8(x)]
     ratio = frozen.nbytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
     assert ratio == pytest.approx(q8.nbytes_per_element() / 2)  # 1 byte + 4 per 256
 
@@ -210,6 +219,7 @@ def test_exports_merge_in_fp32_or_write_a_peft_adapter_under_peft_names(tuned, t
     )
 
 
+@pytest.mark.slow  # a second model: make test's are the Llama's, scanned and not
 def test_transformer_lm_takes_adapters_on_its_projections_and_starts_as_its_base():
     config = load_config("default", **LORA)
     trainer = trainer_lib.Trainer(config, "/nonexistent")
