@@ -199,7 +199,7 @@ def dense(features: int, name: str, lora: Spec | None, kernel_init: Any = None, 
     init = {} if kernel_init is None else {"kernel_init": kernel_init}
     if lora is None:
         return nn.Dense(features, dtype=None, use_bias=False, name=name, **init, **kwargs)
-    if kwargs:  # fp8's dot_general: refused at set-up (`check_run`)
+    if kwargs:  # fp8's dot_general: `models.create` refuses adapters under fp8
         raise ValueError(f"lora: the projections cannot take {', '.join(kwargs)}")
     return Dense(features, lora, name=name, **init)
 

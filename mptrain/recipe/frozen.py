@@ -5,8 +5,8 @@ are the state's `params`: fp32 masters (or what the policy says), with gradients
 state. The rest are the state's `frozen`: stored once, in the compute dtype or, for large
 kernels, block-quantized to 8 bits (`q8.Q8`, the format of the 8-bit moments, rounded to
 nearest), with no master copy, no gradient and no optimizer state. The step hands the model
-both, merged back into one tree (`merge`), cast as the policy says (`cast`: an 8-bit leaf goes
-on as it is; the model dequantizes it inside its matmul: `Policy.compute_dtypes`).
+both, merged back into one tree (`merge`), cast as the policy says (`Policy.compute_dtypes`: an
+8-bit leaf goes on as it is, and the model dequantizes it inside its matmul).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mptrain.recipe import precision, q8
 
@@ -68,8 +67,3 @@ def store(
         return jax.vmap(quantize)(x) if layered else quantize(x)
 
     return jax.tree_util.tree_map_with_path(one, frozen)
-
-
-def nbytes(tree: Any) -> int:
-    """Bytes of `tree`'s arrays, `Q8` leaves as their codes and scales."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -333,7 +333,7 @@ def grad_fn(
         def local(params, frozen, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
             # a stacked leaf's gather takes one layer's slice: its spec without the layer axis;
-            # an 8-bit frozen kernel is never split (`check_frozen`): it goes on as it is
+            # an 8-bit frozen kernel is never split (config.validate refuses it): it goes on as is
             gathers = jax.tree_util.tree_map_with_path(
                 lambda path, s, dtype: (
                     (lambda q: q)

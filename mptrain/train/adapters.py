@@ -16,15 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import lora as lora_lib
 from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import q8, sharding
+from mptrain.recipe import precision, q8, sharding
 from mptrain.train import fingerprints
 
 BASE = "base"  # the meta key of the base's fingerprint
+
+
+def _stacked(path: str) -> bool:  # a leaf of the scanned layers' stack
+    return path.split("/")[0] == sharding.STACKED
 
 
 def split(model: Any, policy: Any, config: Any, params: Any) -> dict[str, Any]:
@@ -44,8 +47,7 @@ def split(model: Any, policy: Any, config: Any, params: Any) -> dict[str, Any]:
         rows = shape[-1] % q8.BLOCK_SIZE == 0  # a row is whole blocks: looked up, then decoded
         return eight_bit and path.endswith("/embedding") and rows and not tied
 
-    stacked = lambda path: path.split("/")[0] == sharding.STACKED
-    stored = frozen_lib.store(frozen, policy.compute_dtype, quantized, stacked)
+    stored = frozen_lib.store(frozen, policy.compute_dtype, quantized, _stacked)
     return {"params": trainable, "frozen": stored}
 
 
@@ -63,24 +65,20 @@ def base_target(frozen: Any, compute_dtype: Any) -> Any:
 
 def with_base(state: Any, base: Any) -> Any:
     """`state` with `base` (read into `base_target`) as its frozen params, stored as its fresh
-    ones are (the same dtypes, the same kernels in 8 bits, the same shardings); the fresh ones
-    are deleted first. Leaf by leaf, eagerly: one leaf's 16-bit copy at a time beside the base."""
-    like = state.frozen
-
-    def one(path, x, old):
-        where = getattr(old, "sharding", None)
-        if not q8.is_q8(old):
-            return jax.device_put(x.astype(old.dtype), where)
-        quantize = lambda w: q8.quantize(w.astype(jnp.float32), old.kind, old.block_size)
-        found = jax.vmap(quantize)(x) if sharding.is_stacked(path) else quantize(x)
-        places = jax.tree.map(lambda y: getattr(y, "sharding", None), old)
-        return jax.tree.map(jax.device_put, found, places)
-
-    for x in jax.tree.leaves(like):  # a restored state's are abstract: nothing to delete
+    ones are (`frozen.store`: the same kernels in 8 bits, in the same shardings); the fresh ones
+    are deleted first. Eagerly, leaf by leaf: no program of its own."""
+    like = jax.tree_util.tree_flatten_with_path(state.frozen, is_leaf=q8.is_q8)[0]
+    eight = {precision.path_name(path) for path, x in like if q8.is_q8(x)}
+    places = [getattr(x, "sharding", None) for x in jax.tree.leaves(state.frozen)]
+    for x in jax.tree.leaves(state.frozen):  # a restored state's are abstract: nothing to delete
         if isinstance(x, jax.Array):
             x.delete()
-    frozen = jax.tree_util.tree_map_with_path(one, base, like, is_leaf=q8.is_q8)
-    return state.replace(frozen=frozen)
+    stored = frozen_lib.store(
+        base, state.policy.compute_dtype, lambda path, shape: path in eight, _stacked
+    )
+    leaves, tree = jax.tree.flatten(stored)
+    placed = [x if p is None else jax.device_put(x, p) for x, p in zip(leaves, places, strict=True)]
+    return state.replace(frozen=jax.tree.unflatten(tree, placed))
 
 
 def fingerprint(state: Any) -> str | None:

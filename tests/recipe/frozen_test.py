@@ -9,6 +9,7 @@ import pytest
 from helpers import needs_devices, normal
 from jax.sharding import Mesh
 
+from mptrain.plan import memory as plan_memory
 from mptrain.recipe import frozen, precision, q8, sharding
 
 POLICY = precision.get_policy("bf16-mixed")
@@ -45,7 +46,7 @@ def test_the_frozen_params_are_stored_in_16_or_8_bits_and_cast_for_the_model_as_
     stored = frozen.store(rest, jnp.bfloat16, kernel)
     assert q8.is_q8(stored["w"]["kernel"]) and stored["embed"]["embedding"].dtype == jnp.bfloat16
     # bytes: the kernel's 8-bit codes and a scale per 256, the table's 2 bytes
-    assert frozen.nbytes(stored) == 8 * 512 + 4 * 16 + 16 * 8 * 2
+    assert plan_memory.global_bytes(stored) == 8 * 512 + 4 * 16 + 16 * 8 * 2
     cast = POLICY.cast_params(stored)  # an 8-bit kernel goes to the model as it is
     assert q8.is_q8(cast["w"]["kernel"]) and cast["embed"]["embedding"].dtype == jnp.float32
 

@@ -30,6 +30,7 @@ from helpers import (
 
 from mptrain import models
 from mptrain.models import lora
+from mptrain.plan import memory as plan_memory
 from mptrain.recipe import frozen, precision, q8
 from mptrain.train import adapters
 from mptrain.train import trainer as trainer_lib
@@ -187,7 +188,7 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
     want = base_model.apply({"params": cast(dequantized)}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     eight = [x for x in jax.tree.leaves(state["frozen"], is_leaf=q8.is_q8) if q8.is_q8(x)]
-    ratio = frozen.nbytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
+    ratio = plan_memory.global_bytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
     assert ratio == pytest.approx(q8.nbytes_per_element() / 2)  # 1 byte + 4 per 256
 
 
