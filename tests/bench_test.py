@@ -241,4 +241,8 @@ def test_bench_sft_prints_packed_against_unpacked_real_tokens(tmp_path, capsys, 
     assert json.loads(out.read_text())["median_ratio"] == result["median_ratio"]
     rates = [(r["packed_real_share"], r["unpacked_real_share"]) for r in result["blocks"]]
     assert all(packed > 0.85 > 0.5 > unpacked for packed, unpacked in rates), rates
-    assert result["median_ratio"] > 2, result
+    # packing multiplies the real tokens of a row by more than 2 (deterministic); the timed
+    # ratio follows it loosely: 2 blocks of 3 steps are a smoke run, not a measurement (one
+    # CI run measured 1.98, another 4.5), so it only has to show packing paying at all
+    assert min(packed / unpacked for packed, unpacked in rates) > 2, rates
+    assert result["median_ratio"] > 1.2, result
