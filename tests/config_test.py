@@ -28,6 +28,7 @@ KEYS = {
     "model.name", "data.name", "mesh.data", "mesh.fsdp",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
+    "fp8.bf16_layers", "fp8.min_size",
     "loss.chunk_tokens", "loss.z_loss", "init_from",
     "profile.start_step", "profile.num_steps", "log_to", "memory_fraction",
     "sample.prompts", "sample.chat", "sample.max_new_tokens",

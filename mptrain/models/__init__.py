@@ -97,7 +97,7 @@ def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None
     if "fp8" not in takes:
         raise ValueError(
             f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
-            "fp8 runs the dense layers of transformer_lm"
+            "fp8 runs the projections of llama and transformer_lm"
         )
     return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8, **extra)
 

@@ -61,6 +61,7 @@ from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.rope import apply_rope, rope_frequencies
+from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import sharding
 
 
@@ -82,8 +83,6 @@ def _dense(features: int, name: str, fp8: Any = None, lora: Any = None) -> nn.Mo
     init = nn.initializers.normal(stddev=0.02)
     kwargs = {}
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
-        from mptrain.recipe import fp8 as fp8_lib
-
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
     return lora_lib.dense(features, name, lora, init, **kwargs)
 
@@ -231,24 +230,26 @@ class Llama(nn.Module):
 
     def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         policy = None if cache is not None else remat_lib.make_policy(self.remat)
-        args = (self.shape, self.dtype, self.implementation, self.fp8, self.lora)
+        # fp8 in blocks [start, stop); the first and last `fp8.bf16_layers` stay in bf16
+        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
+        args = lambda i: (self.shape, self.dtype, self.implementation, self._fp8(i), self.lora)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
             caches = []
             for i in range(self.num_layers):
                 layer = None if cache is None else cache[i]
-                x = cls(*args, name=f"layers_{i}")(x, positions, segments, layer)
+                x = cls(*args(i), name=f"layers_{i}")(x, positions, segments, layer)
                 if cache is not None:
                     x, layer = x
                     caches.append(layer)
             return x if cache is None else (x, tuple(caches))
         if cache is not None:
             raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
-        block = Block(*args, parent=None)  # applied to one layer's slice at a time
+        bf16 = Block(*args(None), parent=None)  # applied to one layer's slice at a time
 
         def init(rng, x, positions):
             keys = jax.random.split(rng, self.num_layers)
-            return jax.vmap(lambda k: block.init(k, x, positions)["params"])(keys)
+            return jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
 
         # Read as it is when it exists: under FSDP the loop gets each device's shard of the
         # stack (gathered one layer at a time), which `self.param` would refuse by shape.
@@ -256,21 +257,60 @@ class Llama(nn.Module):
             stacked = self.get_variable("params", sharding.STACKED)
         else:
             stacked = self.param(sharding.STACKED, init, x, positions)
-
         # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
         dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
+        if start == stop:
+            return self._scan(bf16, x, positions, segments, stacked, None, dropout, policy)
+        # Three runs of the one stack: bf16 blocks, fp8 blocks, bf16 blocks, each scanned over
+        # its slice (a static slice of the stacked params). The fp8 blocks' scaling state (and
+        # probes) is stacked on the same layer axis, under `stacked_layers/layers_<a>-<b>`.
+        fp8 = Block(*args(start), parent=None)
+        stack = {name: self._fp8_stack(name, fp8, x, positions, stop - start) for name in COLS}
+        spans = (
+            (0, start, bf16, None),
+            (start, stop, fp8, stack),
+            (stop, self.num_layers, bf16, None),
+        )
+        for a, b, block, extra in spans:
+            if a < b:
+                params = jax.tree.map(lambda p, a=a, b=b: p[a:b], stacked)
+                x = self._scan(block, x, positions, segments, params, extra, dropout, policy, a)
+        return x
+
+    def _fp8(self, layer: int | None) -> Any:
+        """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
+        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
+        return self.fp8 if layer is not None and start <= layer < stop else None
+
+    def _fp8_stack(self, collection: str, block: nn.Module, x, positions, layers: int) -> Any:
+        """The fp8 blocks' `collection` (their scaling state, their probes), one per layer,
+        stacked: a variable of this module, in the Trainer's `model_state` like any other."""
+        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
+        name = fp8_lib.stack_name(start, stop)
+
+        def init():  # what `fp8.DotGeneral` starts from; no randomness in it
+            keys = jax.random.split(jax.random.key(0), layers)
+            return {name: jax.vmap(lambda k: block.init(k, x, positions)[collection])(keys)}
+
+        return self.variable(collection, sharding.STACKED, init).value[name]
+
+    def _scan(self, block, x, positions, segments, stacked, fp8_state, dropout, policy, first=0):
+        """`x` through the layers of `stacked` (blocks `first`, `first + 1`, ...)."""
+        layers = jax.tree.leaves(stacked)[0].shape[0]
 
         def body(h, xs):
-            layer, index = xs if dropout is not None else (xs, None)
-            params = {"params": sharding.layer_params(layer)}
+            layer, state, index = xs
+            variables = {"params": sharding.layer_params(layer), **(state or {})}
             rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
-            return block.apply(params, h, positions, segments, rngs=rngs), None
+            return block.apply(variables, h, positions, segments, rngs=rngs), None
 
         if policy is not None:
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        if dropout is not None:
-            stacked = (stacked, jnp.arange(self.num_layers, dtype=jnp.int32))
-        return jax.lax.scan(body, x, stacked)[0]
+        index = jnp.arange(first, first + layers, dtype=jnp.int32) if dropout is not None else None
+        return jax.lax.scan(body, x, (stacked, fp8_state, index))[0]
+
+
+COLS = (fp8_lib.META, fp8_lib.PROBES)  # the collections an fp8 stack carries
 
 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
@@ -355,11 +395,6 @@ def create_model(
         )
         platform = backend.platform if backend else jax.default_backend()
         keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
-        if fp8 and keys["scan_layers"]:
-            raise ValueError(
-                "model.scan_layers=True: fp8-mixed keeps a scaling state per matmul, which the "
-                "scanned stack does not carry yet; set model.scan_layers=False"
-            )
         chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
     logging.info("mptrain: attention: %s", choice)
     shape = Shape(

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from mptrain.recipe.sharding import STACKED  # a scanned stack's scaling state lives under it
+
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range
 MAX = {E4M3: float(jnp.finfo(E4M3).max), E5M2: float(jnp.finfo(E5M2).max)}  # 448, 57344
@@ -52,6 +54,45 @@ class Recipe:
     history: int = 1024
     margin: int = 0
     current: bool = False
+    # which matmuls: the first and last `bf16_layers` blocks keep theirs in the compute dtype;
+    # with `min_size`, a matmul runs in fp8 only if its input and output features both exceed
+    # it and are multiples of 16 (`selected`)
+    bf16_layers: int = 0
+    min_size: int = 0
+
+
+# What an unset `fp8.*` key means, by `config.model.name` (`defaults`): the Llama follows the
+# recipes that train it in fp8 today: current scaling (torchtitan, Megatron), the first and last
+# blocks in bf16 (NVIDIA's Megatron-Bridge Llama 3 recipes), and no fp8 for matmuls too thin to
+# gain (torchao's filter, whose rowwise rule drops an output of 1,024 or fewer: Llama 3 8B's and
+# 70B's k and v projections). Other models keep every dense layer in fp8 with delayed scaling.
+DEFAULTS = {
+    "llama": {"scaling": "current", "bf16_layers": 1, "min_size": 1024},
+    None: {"scaling": "delayed", "bf16_layers": 0, "min_size": 0},
+}
+
+
+def defaults(model_name: str | None) -> dict[str, Any]:
+    """The `fp8.*` settings an unset key takes under `model.name=model_name` (`DEFAULTS`)."""
+    return DEFAULTS.get(model_name, DEFAULTS[None])
+
+
+def selected(recipe: Recipe, in_features: int, out_features: int) -> bool:
+    """Whether `recipe` runs a `[in_features, out_features]` kernel's matmul in fp8 (the size
+    filter; the layer rule is the model's, `fp8_layers`)."""
+    if not recipe.min_size:
+        return True
+    sizes = (in_features, out_features)
+    return all(n > recipe.min_size and n % 16 == 0 for n in sizes)
+
+
+def fp8_layers(recipe: Recipe | None, num_layers: int) -> tuple[int, int]:
+    """`(start, stop)`: the blocks whose matmuls may run in fp8 (`bf16_layers` at each end
+    keep theirs in the compute dtype); empty without a recipe."""
+    if not recipe:
+        return 0, 0
+    start = min(recipe.bf16_layers, num_layers)
+    return start, max(start, num_layers - recipe.bf16_layers)
 
 
 # (bound, why) of `fp8.history` and `fp8.margin`, which `config.policy_of` checks
@@ -65,6 +106,10 @@ MAX_MARGIN = (
     "e4m3 spans about 2**14.8 from its smallest normal number to its largest, 448: a larger "
     "margin scales the largest value below the smallest normal",
 )
+
+
+MAX_BF16_LAYERS = (2**16, "blocks kept in bf16 at each end of the stack")
+MAX_MIN_SIZE = (2**20, "a matmul's input or output features at most this run in bf16")
 
 
 def init_meta(recipe: Recipe = Recipe()) -> dict[str, jax.Array]:
@@ -232,14 +277,16 @@ class DotGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        del precision, preferred_element_type  # fp8 operands, fp32 accumulation, lhs's dtype
         (contract_lhs, contract_rhs), batch = dimension_numbers
         if batch != ((), ()) or tuple(contract_rhs) != (0,) or rhs.ndim != 2:
             raise ValueError("fp8.DotGeneral: only a Dense's `x @ kernel` is supported")
         if tuple(contract_lhs) != (lhs.ndim - 1,):
             raise ValueError("fp8.DotGeneral: only a Dense's `x @ kernel` is supported")
+        if not selected(self.recipe, *rhs.shape):  # too thin to gain: as a Dense, no state
+            return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
         meta = self.variable(META, "meta", init_meta, self.recipe)
         amax_probe = self.variable(PROBES, "amax", probe)
+        # fp8 operands, fp32 accumulation, the result in lhs's dtype (precision has no say)
         return matmul(lhs, rhs, meta.value, amax_probe.value, self.recipe)
 
 
@@ -258,7 +305,10 @@ def update_state(
     for path, found in traverse_util.flatten_dict(amaxes).items():
         layer = path[:-1]  # (..., "amax") -> the layer's path
         old = {k[-1]: v for k, v in metas.items() if k[:-2] == layer and k[-2] == "meta"}
-        for key, value in update(old, found, recipe, applied, micro_batches).items():
+        one = functools.partial(update, recipe=recipe, applied=applied, micro_batches=micro_batches)
+        # a scanned stack's layers: `[layers, 3]` amaxes, the state stacked on the same axis
+        new = one(old, found) if found.ndim == 1 else jax.vmap(one)(old, found)
+        for key, value in new.items():
             metas[(*layer, "meta", key)] = value
     return {**model_state, META: traverse_util.unflatten_dict(metas)}
 
@@ -270,9 +320,11 @@ def counters(model_state: Any, key: str = "saturated") -> jax.Array:
     from flax import traverse_util
 
     flat = sorted(traverse_util.flatten_dict(model_state[META]).items())
-    if key == "amax":
-        return jnp.concatenate([v[:, 0] for path, v in flat if path[-1] == "amax_history"])
-    return jnp.concatenate([v for path, v in flat if path[-1] == key])
+    if key == "amax":  # (a stacked layer's rows one layer after another, as `counter_names`)
+        found = [v[..., 0] for path, v in flat if path[-1] == "amax_history"]
+    else:
+        found = [v for path, v in flat if path[-1] == key]
+    return jnp.concatenate([v.reshape(-1) for v in found])
 
 
 def counter_names(model_state: Any) -> list[str]:
@@ -281,9 +333,26 @@ def counter_names(model_state: Any) -> list[str]:
     from flax import traverse_util
 
     flat = traverse_util.flatten_dict(model_state[META])
-    layers = [path[:-2] for path in sorted(flat) if path[-1] == "saturated"]
-    names = ["/".join(p for p in layer if p != "DotGeneral_0") for layer in layers]
+    names = []
+    for path in sorted(flat):
+        if path[-1] != "saturated":
+            continue
+        layer = [p for p in path[:-2] if p != "DotGeneral_0"]
+        if STACKED not in layer:
+            names.append("/".join(layer))
+            continue
+        # a scanned stack: (..., STACKED, "layers_<first>-<last>", ...), a layer a row
+        at = layer.index(STACKED)
+        first, last = map(int, layer[at + 1].removeprefix("layers_").split("-"))
+        rest = "/".join(layer[at + 2 :])
+        names += [f"layers_{i}/{rest}" for i in range(first, last + 1)]
     return [f"{name} {tensor}" for name in names for tensor in TENSORS]
+
+
+def stack_name(start: int, stop: int) -> str:
+    """The key, under `STACKED`, of the scaling state of a scanned stack's blocks
+    `start..stop-1` (their layer numbers, which the log's names give)."""
+    return f"layers_{start}-{stop - 1}"
 
 
 def _last(values: Any, size: int) -> Any:
