@@ -120,5 +120,12 @@ def render(plan: Any) -> str:
         f"{100 * floor['mfu']:.0f}% MFU (of {floor['mfu_peak'] / 1e12:.0f} TFLOP/s, "
         f"{floor['mfu_dtype']})",
     ]
+    fp8 = sum(v for d, v in plan.matmul_flops.items() if d.startswith("float8"))
+    if fp8 and "without_fp8_s" in floor:  # (a plan read back from an older JSON has none)
+        lines.append(
+            f"  fp8     {100 * fp8 / total:.0f}% of the FLOPs; at {floor['mfu_dtype']}'s peak "
+            f"the floor would be {1e3 * floor['without_fp8_s']:.3f} ms: fp8 "
+            f"{floor['without_fp8_s'] / floor['floor_s']:.2f}x on this floor"
+        )
     lines += [""] + [f"note: {note}" for note in plan.notes] if plan.notes else []
     return "\n".join(lines) + "\n"

@@ -205,7 +205,11 @@ def floor(
     if compute == "float32" and flops.get("float32_highest", 0) > flops.get("float32", 0):
         compute = "float32_highest"
     reference = peak(chip, compute)
+    # the same step with its fp8 matmuls at the compute dtype's peak: what fp8 buys on this floor
+    slow = {d: peak(chip, compute) if d.startswith("float8") else peaks[d] for d in flops}
+    unfp8 = max(sum(v / slow[d] for d, v in flops.items()), sides["memory"], sides["collectives"])
     return {
+        "without_fp8_s": unfp8,
         "compute_s": sides["compute"],
         "memory_s": sides["memory"],
         "collectives_s": sides["collectives"],

@@ -307,6 +307,30 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     assert all(math.prod(map(int, re.findall(r"\d+", b["array"][3:]))) < logits for b in big), big
 
 
+def test_the_8b_in_fp8_runs_the_matmuls_its_rules_select_as_fp8_gemms_and_the_head_in_bf16():
+    """configs/llama3.py:8b under fp8-mixed on 8 H100s, the Llama's fp8 defaults (issue 47):
+    blocks 1..30 in fp8 (the first and last in bf16), in each q, o, gate, up and down (k and v,
+    1,024 outputs, fall under the size filter), each as 3 GEMMs (forward, two gradients)."""
+    result, bf16 = planned("llama3", "8b", 8, precision="fp8-mixed"), planned("llama3", "8b", 8)
+    print(f"fp8 {result.memory} floor {result.floor}; bf16 {bf16.memory} floor {bf16.floor}")
+    assert result.fits, result.verdict()
+    assert sum(result.fp8_kernels.values()) == 30 * 5 * 3, result.fp8_kernels
+    tokens, d, ff, vocab = 2 * 8192, 4096, 14_336, 128_256
+    selected = 2 * tokens * (2 * d * d + 3 * d * ff)  # q, o; gate, up, down: forward
+    fp8_flops = sum(v for k, v in result.matmul_flops.items() if k.startswith("float8"))
+    assert fp8_flops == pytest.approx(30 * 3 * selected, rel=1e-9), result.matmul_flops
+    # the rest in bf16: the head's (forward, two gradients) among it, k and v, blocks 0 and 31
+    assert result.matmul_flops["bfloat16"] > 3 * 2 * tokens * d * vocab
+    assert set(result.matmul_flops) == {"bfloat16", "float8_e4m3fn", "float8_e5m2"}
+    floor = result.floor
+    assert floor["peaks"]["float8_e4m3fn"] == pytest.approx(
+        2 * floor["peaks"]["bfloat16"], rel=1e-3
+    )
+    # fp8 shortens the compute side; priced at bf16's peak, the same step is back near bf16's
+    assert 1.2 < floor["without_fp8_s"] / floor["floor_s"] < 2
+    assert floor["without_fp8_s"] == pytest.approx(bf16.floor["floor_s"], rel=0.05)
+
+
 def test_the_8b_on_packed_sft_rows_fits_with_cudnns_packed_layout_and_the_same_floor():
     """configs/llama3.py:8b_sft (issue 44): packed rows of 8,192 keep their examples apart in
     cuDNN's packed layout (the rows' segment lengths and offsets, no [B, H, L, L] buffer, no

@@ -2,12 +2,17 @@
 scan (and the remat of each block), equal layer by layer to the unrolled model's."""
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_bytes_equal, load_config
+from helpers import ROOT, assert_trees_bytes_equal, load_config, plain_orbax_state
 
 import mptrain
 from mptrain.recipe import fp8, sharding
@@ -127,3 +132,65 @@ def test_the_llamas_fp8_defaults_are_current_scaling_bf16_ends_and_the_size_filt
     kept = [name for name, shape in kernels.items() if fp8.selected(llama, *shape)]
     assert kept == ["q", "o", "gate", "up", "down"]
     assert fp8.fp8_layers(llama, 32) == (1, 31) and fp8.fp8_layers(llama, 2) == (1, 1)
+
+
+def test_a_skipped_step_leaves_every_layers_fp8_state_bit_identical(tmp_path):
+    """A NaN in a norm's scale: every gradient non-finite, the step skipped; the stacked
+    scaling state (and the rest) as it was, bit for bit, though the amaxes it measured were
+    NaN."""
+    trainer = mptrain.Trainer(_config("delayed", True), tmp_path)
+    state = trainer.init_state()
+    batch = trainer.build_datasets()[0].get_batch(0)
+    step = jax.jit(mptrain.make_train_step(trainer.loss_fn))
+    state, _ = step(state, batch)  # calibrated: scales and a history entry to keep
+    params = {**state.params, "final_norm": {"scale": state.params["final_norm"]["scale"] * np.nan}}
+    poisoned = state.replace(params=params)
+    new, metrics = step(poisoned, trainer.build_datasets()[0].get_batch(1))
+    assert not bool(metrics["applied"]) and int(new.skipped_steps) == 1
+    before = jax.device_get(poisoned.model_state)
+    assert jax.tree.leaves(before[fp8.META])[0].shape[0] == 2  # both layers, one stack
+    assert_trees_bytes_equal(jax.device_get(new.model_state), before)
+    assert_trees_bytes_equal(jax.device_get(new.opt_state), jax.device_get(poisoned.opt_state))
+
+
+def _command(workdir):
+    return [
+        sys.executable,
+        "-m",
+        "mptrain.main",
+        f"--config={ROOT / 'configs' / 'llama3.py'}:tiny",
+        f"--workdir={workdir}",
+        "--config.precision=fp8-mixed",
+        "--config.fp8.bf16_layers=0",
+        "--config.fp8.min_size=0",
+        "--config.num_train_steps=30",
+        "--config.checkpoint_every_steps=5",
+        "--config.log_every_steps=5",
+        "--config.eval_every_steps=30",
+        "--config.eval_steps=2",
+    ]
+
+
+@pytest.mark.slow  # three runs of 30 steps, each compiling
+def test_kill_9_then_resume_equals_the_uninterrupted_scanned_fp8_run(tmp_path):
+    """The tiny Llama as shipped (scanned, remat on) in fp8 with both blocks fp8: killed once
+    its checkpoint 10 is down, run again, it ends with the uninterrupted run's bytes."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    config = load_config("llama3", "tiny")
+    assert config.model.scan_layers and config.model.remat != "none"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = subprocess.run(_command(straight), cwd=ROOT, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(_command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (crashed / "checkpoints" / "10").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again = subprocess.run(_command(crashed), cwd=ROOT, env=env, capture_output=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert b"resuming from step" in again.stderr
+    want, got = plain_orbax_state(straight, 30), plain_orbax_state(crashed, 30)
+    assert jax.tree.leaves(got["model_state"][fp8.META])[0].shape[0] == 2
+    assert_trees_bytes_equal(want, got)
