@@ -138,13 +138,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
-    # The unset keys take the model's defaults (`fp8.DEFAULTS`): the Llama's are current scaling,
-    # one bf16 block at each end, min_size 1024; other models' delayed, 0 and 0.
-    # "delayed": from the amax history; "current": each tensor's own
-    c.fp8.scaling = config_dict.placeholder(str)
+    # Unset (None), the next three take the model's defaults (`fp8.DEFAULTS`): the Llama's are
+    # current scaling, one bf16 block at each end, min_size 1024; other models' delayed, 0, 0.
+    c.fp8.scaling = config_dict.placeholder(str)  # "delayed": the amax history's; "current"
     c.fp8.bf16_layers = config_dict.placeholder(int)  # blocks at each end of the stack kept bf16
-    # a matmul runs in fp8 only if its input and output features both exceed this (and are
-    # multiples of 16); 0: every one
+    # fp8 only for a matmul whose in and out features exceed it (and are multiples of 16)
     c.fp8.min_size = config_dict.placeholder(int)
     c.fp8.history = 1024  # amaxes kept per tensor for delayed scaling (its scale: their max)
     c.fp8.margin = 0  # the scale leaves 2**margin of headroom below the fp8 format's max
@@ -373,25 +371,7 @@ def policy_of(config: ml_collections.ConfigDict):
     )
     policy = dataclasses.replace(policy, matmul_precision=matmuls)
     section = config.get("fp8") or {}  # checked under every precision: a typo is an error
-    default = fp8.Recipe()  # what an unset (None) key means
-    model = fp8.defaults((config.get("model") or {}).get("name"))
-    get = lambda key, value: errors.setting(section, key, value)
-    scaling = get("scaling", model["scaling"])
-    recipe = fp8.Recipe(
-        history=errors.check_integer(
-            "fp8.history", get("history", default.history), 1, *fp8.MAX_HISTORY
-        ),
-        margin=errors.check_integer(
-            "fp8.margin", get("margin", default.margin), 0, *fp8.MAX_MARGIN
-        ),
-        current=errors.check_choice("fp8.scaling", scaling, ("delayed", "current")) == "current",
-        bf16_layers=errors.check_integer(
-            "fp8.bf16_layers", get("bf16_layers", model["bf16_layers"]), 0, *fp8.MAX_BF16_LAYERS
-        ),
-        min_size=errors.check_integer(
-            "fp8.min_size", get("min_size", model["min_size"]), 0, *fp8.MAX_MIN_SIZE
-        ),
-    )
+    recipe = fp8.from_config(section, (config.get("model") or {}).get("name"))
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
 
 

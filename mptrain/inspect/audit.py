@@ -9,10 +9,9 @@ alone: `collectives` reads a compiled program, `state_bytes_per_param` measures 
 state from the arrays, and `setup_warnings` names each config choice that quietly loses
 training signal.
 
-The FLOPs and the hazards are found in the program JAX traces (its jaxpr, backward pass
-included), not in the compiled one: that is the program the user wrote, and on CPU XLA rewrites
-every bf16 matmul, scatter and cross-device sum as an fp32 one, which would hide exactly what
-the report is for.
+The FLOPs and hazards come from the traced program (its jaxpr, backward pass included), not the
+compiled one: the program the user wrote; on CPU XLA rewrites every bf16 matmul, scatter and
+cross-device sum as an fp32 one, which would hide exactly what the report is for.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mptrain.inspect import hlo, program
-from mptrain.recipe import loss_scale, numerics, optim, precision, train_state
+from mptrain.recipe import fp8_names, loss_scale, numerics, optim, precision, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -208,6 +207,7 @@ class PrecisionReport:
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
     trains: str = ""  # which params train, in what dtype, and what is frozen (`trainability`)
+    fp8: str = ""  # under fp8-mixed, which matmuls run in fp8 (`fp8_names.describe`)
     # {operand dtype: {precision: FLOPs}}: "default", "high", "highest" (jax's names)
     precisions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -233,6 +233,8 @@ class PrecisionReport:
         lines = [f"precision report (compute dtype {self.compute_dtype})"]
         lines += [f"casting rule: {self.casting}"] if self.casting else []
         lines += [f"trained: {self.trains}"] if self.trains else []
+        fp8 = sum(f for d, f in self.matmul_flops.items() if d.startswith("float8")) / total
+        lines += [f"fp8 matmuls ({100 * fp8:.1f}% of the FLOPs): {self.fp8}"] if self.fp8 else []
         lines += ["", "matmul FLOPs:"]
         for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
             at = ", ".join(f"{p} {f:,}" for p, f in sorted(self.precisions.get(dtype, {}).items()))
@@ -371,6 +373,7 @@ def make_report(
         warnings=setup_warnings(config) if config is not None else [],
         casting=policy.describe_rules(states[0].params) if states else "",
         trains=trainability(states[0]) if states else "",
+        fp8=fp8_names.describe(states[0].model_state) if states and policy.fp8 else "",
         precisions={dtype: dict(by) for dtype, by in precisions.items()},
         hazards=sorted(
             (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),

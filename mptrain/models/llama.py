@@ -56,7 +56,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import layers, lm_loss, rope
+from mptrain.models import layers, lm_loss, rope, stack
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
@@ -259,58 +259,17 @@ class Llama(nn.Module):
             stacked = self.param(sharding.STACKED, init, x, positions)
         # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
         dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
+        run = functools.partial(stack.scan, x=x, args=(positions, segments), dropout=dropout)
         if start == stop:
-            return self._scan(bf16, x, positions, segments, stacked, None, dropout, policy)
-        # Three runs of the one stack: bf16 blocks, fp8 blocks, bf16 blocks, each scanned over
-        # its slice (a static slice of the stacked params). The fp8 blocks' scaling state (and
-        # probes) is stacked on the same layer axis, under `stacked_layers/layers_<a>-<b>`.
+            return run(bf16, stacked=stacked, policy=policy)
         fp8 = Block(*args(start), parent=None)
-        stack = {name: self._fp8_stack(name, fp8, x, positions, stop - start) for name in COLS}
-        spans = (
-            (0, start, bf16, None),
-            (start, stop, fp8, stack),
-            (stop, self.num_layers, bf16, None),
-        )
-        for a, b, block, extra in spans:
-            if a < b:
-                params = jax.tree.map(lambda p, a=a, b=b: p[a:b], stacked)
-                x = self._scan(block, x, positions, segments, params, extra, dropout, policy, a)
-        return x
+        state = stack.fp8_state(self, fp8, (x, positions), start, stop)
+        return stack.spans(run, stacked, (bf16, fp8), state, start, stop, policy)
 
     def _fp8(self, layer: int | None) -> Any:
         """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
         start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
         return self.fp8 if layer is not None and start <= layer < stop else None
-
-    def _fp8_stack(self, collection: str, block: nn.Module, x, positions, layers: int) -> Any:
-        """The fp8 blocks' `collection` (their scaling state, their probes), one per layer,
-        stacked: a variable of this module, in the Trainer's `model_state` like any other."""
-        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
-        name = fp8_lib.stack_name(start, stop)
-
-        def init():  # what `fp8.DotGeneral` starts from; no randomness in it
-            keys = jax.random.split(jax.random.key(0), layers)
-            return {name: jax.vmap(lambda k: block.init(k, x, positions)[collection])(keys)}
-
-        return self.variable(collection, sharding.STACKED, init).value[name]
-
-    def _scan(self, block, x, positions, segments, stacked, fp8_state, dropout, policy, first=0):
-        """`x` through the layers of `stacked` (blocks `first`, `first + 1`, ...)."""
-        layers = jax.tree.leaves(stacked)[0].shape[0]
-
-        def body(h, xs):
-            layer, state, index = xs
-            variables = {"params": sharding.layer_params(layer), **(state or {})}
-            rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
-            return block.apply(variables, h, positions, segments, rngs=rngs), None
-
-        if policy is not None:
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        index = jnp.arange(first, first + layers, dtype=jnp.int32) if dropout is not None else None
-        return jax.lax.scan(body, x, (stacked, fp8_state, index))[0]
-
-
-COLS = (fp8_lib.META, fp8_lib.PROBES)  # the collections an fp8 stack carries
 
 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mptrain.recipe.sharding import STACKED  # a scanned stack's scaling state lives under it
+from mptrain import errors
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range
@@ -75,6 +75,27 @@ DEFAULTS = {
 def defaults(model_name: str | None) -> dict[str, Any]:
     """The `fp8.*` settings an unset key takes under `model.name=model_name` (`DEFAULTS`)."""
     return DEFAULTS.get(model_name, DEFAULTS[None])
+
+
+def from_config(section: Any, model_name: str | None) -> Recipe:
+    """The `Recipe` of `config.fp8` (`section`) for `model.name=model_name`, its unset keys at
+    `Recipe`'s and the model's defaults; a `ValueError` names a bad key."""
+    model, default = defaults(model_name), Recipe()
+    get = lambda key, value: errors.setting(section, key, value)
+    scaling = errors.check_choice("fp8.scaling", get("scaling", model["scaling"]), SCALINGS)
+    number = lambda key, low, bound: errors.check_integer(
+        f"fp8.{key}", get(key, model.get(key, getattr(default, key))), low, *bound
+    )
+    return Recipe(
+        history=number("history", 1, MAX_HISTORY),
+        margin=number("margin", 0, MAX_MARGIN),
+        current=scaling == "current",
+        bf16_layers=number("bf16_layers", 0, MAX_BF16_LAYERS),
+        min_size=number("min_size", 0, MAX_MIN_SIZE),
+    )
+
+
+SCALINGS = ("delayed", "current")
 
 
 def selected(recipe: Recipe, in_features: int, out_features: int) -> bool:
@@ -315,67 +336,15 @@ def update_state(
 
 def counters(model_state: Any, key: str = "saturated") -> jax.Array:
     """Traced: every fp8 layer's `saturated` counters (or, with `key="amax"`, the amaxes of
-    its newest history entry) in one vector, in the order of `counter_names` (the step's
+    its newest history entry) in one vector, in the order of `fp8_names.counter_names` (the step's
     metrics `fp8_saturated` and `fp8_amax`)."""
     from flax import traverse_util
 
     flat = sorted(traverse_util.flatten_dict(model_state[META]).items())
-    if key == "amax":  # (a stacked layer's rows one layer after another, as `counter_names`)
+    if (
+        key == "amax"
+    ):  # (a stacked layer's rows one layer after another, as `fp8_names.counter_names`)
         found = [v[..., 0] for path, v in flat if path[-1] == "amax_history"]
     else:
         found = [v for path, v in flat if path[-1] == key]
     return jnp.concatenate([v.reshape(-1) for v in found])
-
-
-def counter_names(model_state: Any) -> list[str]:
-    """Host-side, from the structure alone: `"<layer path> <tensor>"` for each entry of
-    `counters`, e.g. "block_0/mlp/fc_in grad"."""
-    from flax import traverse_util
-
-    flat = traverse_util.flatten_dict(model_state[META])
-    names = []
-    for path in sorted(flat):
-        if path[-1] != "saturated":
-            continue
-        layer = [p for p in path[:-2] if p != "DotGeneral_0"]
-        if STACKED not in layer:
-            names.append("/".join(layer))
-            continue
-        # a scanned stack: (..., STACKED, "layers_<first>-<last>", ...), a layer a row
-        at = layer.index(STACKED)
-        first, last = map(int, layer[at + 1].removeprefix("layers_").split("-"))
-        rest = "/".join(layer[at + 2 :])
-        names += [f"layers_{i}/{rest}" for i in range(first, last + 1)]
-    return [f"{name} {tensor}" for name in names for tensor in TENSORS]
-
-
-def stack_name(start: int, stop: int) -> str:
-    """The key, under `STACKED`, of the scaling state of a scanned stack's blocks
-    `start..stop-1` (their layer numbers, which the log's names give)."""
-    return f"layers_{start}-{stop - 1}"
-
-
-def _last(values: Any, size: int) -> Any:
-    import numpy as np
-
-    return np.asarray(values).reshape(-1, size)[-1]  # of several steps per call: the last
-
-
-def log_values(metrics: dict, names: list[str]) -> dict[str, float]:
-    """Host-side: a log step's TensorBoard scalars, per fp8 layer and tensor: the newest amax
-    and the updates clipped so far (`fp8_amax/block_0/mlp/fc_in/grad`, `fp8_clipped/...`)."""
-    tags = [name.replace(" ", "/") for name in names]
-    found = {}
-    for tag, key in (("fp8_amax", "fp8_amax"), ("fp8_clipped", "fp8_saturated")):
-        row = _last(metrics[key], len(tags))
-        found |= {f"{tag}/{t}": float(v) for t, v in zip(tags, row, strict=True)}
-    return found
-
-
-def clipped_again(names: list[str], counts: Any, seen: Any) -> tuple[list[str], Any]:
-    """Host-side: `(["<layer> <tensor> (Nx)", ...], counts)` for the tensors clipped in two or
-    more updates since the counters `seen` (None: since the start); their scale lags their
-    amax (a margin, a shorter history or current scaling help)."""
-    counts = _last(counts, len(names))
-    since = counts - (0 if seen is None else seen)
-    return [f"{n} ({int(c)}x)" for n, c in zip(names, since, strict=True) if c >= 2], counts

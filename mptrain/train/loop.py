@@ -21,7 +21,7 @@ from absl import logging
 
 from mptrain import config as config_lib
 from mptrain import errors, preemption, unused
-from mptrain.recipe import fp8, numerics
+from mptrain.recipe import fp8_names, numerics
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import train_state as train_state_lib
 from mptrain.record import curves, log_totals, numerics_log, samples, throughput
@@ -183,8 +183,8 @@ class Run:
             metrics, totals = jax.device_get((metrics, totals))
             values = metrics_lib.scalars(metrics) | totals.to_scalars() | self.meter.values(step_no)
             if "fp8_amax" in metrics:  # names from the state's structure: no transfer
-                names = fp8.counter_names(self.state.model_state)
-                values |= fp8.log_values(metrics, names)
+                names = fp8_names.counter_names(self.state.model_state)
+                values |= fp8_names.log_values(metrics, names)
                 self.warn_saturation(step_no, names, metrics["fp8_saturated"])
             self.record(step_no, values)
             where = None
@@ -201,8 +201,8 @@ class Run:
 
     def warn_saturation(self, step_no: int, names: list[str], counts: Any) -> None:
         """Host-side. Names the fp8 layers whose values were clipped in two or more updates
-        since the last log step (`fp8.clipped_again`)."""
-        repeated, self.fp8_saturated = fp8.clipped_again(names, counts, self.fp8_saturated)
+        since the last log step (`fp8_names.clipped_again`)."""
+        repeated, self.fp8_saturated = fp8_names.clipped_again(names, counts, self.fp8_saturated)
         if repeated:
             logging.warning(
                 "mptrain: fp8 values clipped up to step %d in %s: the scale from the amax "

@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT, assert_trees_bytes_equal, load_config, plain_orbax_state
 
 import mptrain
-from mptrain.recipe import fp8, sharding
+from mptrain.recipe import fp8, fp8_names, sharding
 
 STEPS = 20
 
@@ -194,3 +194,17 @@ def test_kill_9_then_resume_equals_the_uninterrupted_scanned_fp8_run(tmp_path):
     want, got = plain_orbax_state(straight, 30), plain_orbax_state(crashed, 30)
     assert jax.tree.leaves(got["model_state"][fp8.META])[0].shape[0] == 2
     assert_trees_bytes_equal(want, got)
+
+
+def test_the_precision_report_names_the_fp8_matmuls_by_layer(tmp_path):
+    """What `fp8_names.describe` reads from the scaling state, which the precision report and
+    the start-up log print with the fp8 share of the FLOPs."""
+    state = mptrain.Trainer(_config("current", True), tmp_path / "a").init_state()
+    matmuls = "attn/k, attn/o, attn/q, attn/v, mlp/down, mlp/gate, mlp/up"
+    assert fp8_names.describe(state.model_state) == f"{matmuls} in layers 0-1 (14 matmuls)"
+    unrolled = mptrain.Trainer(_config("current", False, **{"fp8.min_size": 256}), tmp_path / "b")
+    # tiny's width is 128: the filter at 256 leaves none; at 0 with both ends bf16, none either
+    assert fp8_names.describe(unrolled.init_state().model_state).startswith("none")
+    names = fp8_names.counter_names(state.model_state)
+    first = ["layers_0/attn/k x", "layers_0/attn/k kernel", "layers_0/attn/k grad"]
+    assert names[:4] == [*first, "layers_1/attn/k x"]  # a stack's layers, one after the other

@@ -20,7 +20,7 @@ from helpers import (
 import mptrain
 from mptrain import config as config_lib
 from mptrain.inspect import audit
-from mptrain.recipe import fp8, precision
+from mptrain.recipe import fp8, fp8_names, precision
 
 FP8 = {"precision": "fp8-mixed", "num_train_steps": 4}
 
@@ -52,6 +52,8 @@ def test_the_step_runs_the_dense_layers_in_fp8_and_the_rest_in_bf16(tmp_path):
     assert flops.get("float8_e4m3fn", 0) > 0 and flops.get("float8_e5m2", 0) > 0
     assert flops.get("bfloat16", 0) > 0  # the head, the attention scores: not selected
     assert report.compute_fraction == 1.0 and not report.warnings
+    assert "fp8 matmuls (" in str(report) and "block_0/attn/qkv" not in report.fp8
+    assert report.fp8 == "attn/out, attn/qkv, mlp/fc_in, mlp/fc_out in layer 0 (4 matmuls)"
     assert "scatter" not in step.lower(state, batch).as_text()  # the fp8 bookkeeping included
     # every projection of every block has its scaling state; the head and embedding have none
     metas = state.model_state[fp8.META]["block_0"]
@@ -190,7 +192,7 @@ def test_a_layer_clipped_again_and_again_is_named_at_the_log_step(tmp_path, monk
     assert {"fp8_amax/block_0/mlp/fc_in/grad", "fp8_clipped/block_0/attn/qkv/x"} <= tags
     clipped = event_series(tmp_path, "fp8_clipped/block_0/mlp/fc_in/x")
     assert clipped[2] == 2 and clipped[4] == 4  # every update clipped
-    names = fp8.counter_names(trainer.init_state().model_state)
+    names = fp8_names.counter_names(trainer.init_state().model_state)
     assert names[:3] == ["block_0/attn/out x", "block_0/attn/out kernel", "block_0/attn/out grad"]
 
 
