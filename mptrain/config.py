@@ -23,7 +23,7 @@ from mptrain.errors import ConfigError
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds init, dropout and the data order; batch i is a pure function of (seed, i)
-    # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "fp8-mixed" (transformer_lm only)
+    # "fp32" | "bf16-mixed" | "fp16-mixed" | "bf16-pure" | "fp8-mixed" (llama, transformer_lm)
     # | "params=..,compute=..,output=..[,fp8]"
     c.precision = "bf16-mixed"
     # regex over "/"-joined param paths: matching params reach the model in fp32, the rest in

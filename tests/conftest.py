@@ -101,6 +101,8 @@ MOVED_TO_SLOW = {
     "fp8_step_test.py::test_micro_batches_of_one_batch_give_one_history_entry_with_the_batchs_amaxes": "run",
     "fp8_step_test.py::test_a_resumed_fp8_run_equals_the_uninterrupted_one": "variant",
     "q8_test.py::test_a_resumed_q8_run_equals_the_uninterrupted_one": "variant",
+    # the scanned fp8 Llama: make test keeps current scaling (the Llama's default)
+    "fp8_scan_test.py::test_the_scanned_fp8_llama_trains_as_the_unrolled_one[delayed]": "variant",
     # the zoo: make test keeps the default LM, the Llama and the ResNet's two steps, and fp16
     # batch statistics through a skipped step
     "zoo_configs_test.py::test_two_steps_of_every_tiny_config_run[lm_bf16]": "variant",
