@@ -129,11 +129,6 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
     module = import_model(config.model.name)
     with _quiet():
         model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
-    if config.numerics.per_layer and getattr(model, "scan_layers", False):
-        raise ValueError(
-            "model.scan_layers=True: numerics.per_layer names the layer where a value went "
-            "non-finite, and a scanned stack runs its layers as one; set model.scan_layers=False"
-        )
     if example is None:
         return
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import fp8_names, sharding
+from mptrain.recipe import fp8_names, numerics_scan, sharding
 
 
 def scan(block, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=0) -> jax.Array:
@@ -27,17 +27,22 @@ def scan(block, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=
     applied as `block.apply(variables, h, *args)`; `fp8`: the layers' stacked fp8 collections;
     `dropout`: a key, folded with each block's number; `policy`: the remat policy, per block."""
     layers = jax.tree.leaves(stacked)[0].shape[0]
+    taps = numerics_scan.begin(layers, first)  # per-layer numerics: each layer's own rows
 
     def body(h, xs):
-        layer, state, index = xs
+        layer, state, index, rows = xs
         variables = {"params": sharding.layer_params(layer), **(state or {})}
         rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
-        return block.apply(variables, h, *args, rngs=rngs), None
+        with numerics_scan.layer(taps, rows):
+            return block.apply(variables, h, *args, rngs=rngs), None
 
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     index = jnp.arange(first, first + layers, dtype=jnp.int32) if dropout is not None else None
-    return jax.lax.scan(body, x, (stacked, fp8, index))[0]
+    rows = None if taps is None else taps.rows
+    x = jax.lax.scan(body, x, (stacked, fp8, index, rows))[0]
+    numerics_scan.end(taps)
+    return x
 
 
 def fp8_state(module: nn.Module, block: nn.Module, init_args: tuple, start: int, stop: int):

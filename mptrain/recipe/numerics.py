@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from mptrain.recipe import numerics_scan
+
 _STATS = ("amax", "nonfinite", "underflow", "nonzero")
 _GROUPS = {  # (side, direction) -> the prefix of its columns
     ("in", "forward"): "in_",  # the call's floating inputs
@@ -80,6 +82,11 @@ class Calls:
     paths: tuple[str, ...]
     parents: tuple[int, ...]
     plans: tuple[tuple[Tap, Plan], ...] = ()
+    # a call of a scanned stack's block: its layer (its scope is then (STACKED, ...) and its
+    # params' gradient that layer's slice); -1 elsewhere. `groups`: the stacks, (first row,
+    # calls a layer, layers, first layer) each (`numerics_scan`)
+    layers: tuple[int, ...] = ()
+    groups: tuple[tuple[int, int, int, int], ...] = ()
 
     def descendants(self) -> np.ndarray:
         """`d[i, j]`: call j runs inside call i (at any depth)."""
@@ -181,8 +188,14 @@ class _Recording:
     """The interceptor. Without `plans` it taps and measures everything, and works out the
     plans (`plan()`, given how often each tap's values are used); with them, it follows them."""
 
-    def __init__(self, taps: jax.Array | None, tiny: float, plans: dict | None = None):
+    def __init__(self, taps: jax.Array | None, tiny: float, calls: Calls | None = None):
+        plans = None if calls is None else dict(calls.plans)
         self.taps, self.tiny, self.given = taps, tiny, plans
+        # scanned stacks (`numerics_scan`): rows of their layers past the first so far, the
+        # table's row of this taps array's first row, the stacks found or given
+        self.offset, self.base = 0, 0
+        self.groups = {g[0]: g for g in calls.groups} if calls is not None else {}
+        self.index_of: list[int] = []  # each call's row in the table
         self.scopes: list[tuple[str, ...]] = []
         self.paths: list[str] = []
         self.parents: list[int] = []
@@ -213,7 +226,8 @@ class _Recording:
         if measure is None:
             return tree
         self.order.append(tap)
-        tapped = _tap([leaves[i] for i in floating], self.taps, *tap, self.tiny, measure)
+        row = tap[0] - self.base  # in this taps array (a scanned layer's own rows)
+        tapped = _tap([leaves[i] for i in floating], self.taps, row, tap[1], self.tiny, measure)
         for i, x in zip(floating, tapped, strict=True):
             leaves[i] = x
         if len(tapped) == 1:
@@ -223,7 +237,8 @@ class _Recording:
     def intercept(self, next_fun: Callable, args, kwargs, context) -> Any:
         if context.method_name != "__call__":
             return next_fun(*args, **kwargs)
-        index = len(self.paths)
+        index = len(self.paths) + self.offset
+        self.index_of.append(index)
         module = context.module
         scope = tuple(module.scope.path) if module.scope is not None else ()
         self.scopes.append(scope)
@@ -255,8 +270,7 @@ class _Recording:
         return plans
 
     def calls(self, plans: dict[Tap, Plan]) -> Calls:
-        plans = tuple(sorted(plans.items()))
-        return Calls(tuple(self.scopes), tuple(self.paths), tuple(self.parents), plans)
+        return Calls(*numerics_scan.expand(self, plans))
 
 
 @contextlib.contextmanager
@@ -266,10 +280,13 @@ def recording(
     """Records every flax module call made inside the block; with `taps` (a zero float32
     `[calls, len(COLUMNS)]` array), differentiating with respect to `taps` gives the table
     (finish it with `finish`). Pass the `calls` found by `discover` to follow their plans."""
-    plans = None if calls is None else dict(calls.plans)
-    rec = _Recording(taps, float(jnp.finfo(compute_dtype).tiny), plans)
-    with nn.intercept_methods(rec.intercept):
-        yield rec
+    rec = _Recording(taps, float(jnp.finfo(compute_dtype).tiny), calls)
+    token = numerics_scan.ACTIVE.set(rec)  # which a scanned stack's loop asks for
+    try:
+        with nn.intercept_methods(rec.intercept):
+            yield rec
+    finally:
+        numerics_scan.ACTIVE.reset(token)
 
 
 def loss_calls(loss_fn: Callable, state: Any, batch: Any) -> Calls:
@@ -337,11 +354,12 @@ def finish(table: jax.Array, calls: Calls, grads: Any) -> jax.Array:
         return table
     table = calls.resolve(table)
     counts = []
-    for scope in calls.scopes:
+    for scope, layer in zip(calls.scopes, calls.layers or [-1] * len(calls.scopes), strict=True):
         subtree = grads
         for name in scope:
             subtree = subtree.get(name, {}) if isinstance(subtree, dict) else {}
         leaves = [x for x in jax.tree.leaves(subtree) if jnp.issubdtype(x.dtype, jnp.floating)]
+        leaves = leaves if layer < 0 else [x[layer] for x in leaves]  # a stack: its layer
         counts.append(sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in leaves), 0.0))
     return table.at[:, COL["param_grad_nonfinite"]].set(jnp.stack(counts))
 

@@ -1,0 +1,76 @@
+"""`numerics.per_layer` on a scanned Llama: a row per call per layer, named and valued as the
+unrolled model's, and a non-finite value traced to the layer it came from."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import load_config
+from recipe.fp8_scan_test import unstack
+
+import mptrain
+from mptrain.recipe import numerics, sharding
+
+
+def _trainer(tmp_path, scan):
+    overrides = {"precision": "fp32", "model.scan_layers": scan, "numerics.per_layer": True}
+    return mptrain.Trainer(load_config("llama3", "tiny", **overrides), tmp_path / str(scan))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The steps of the scanned and the unrolled tiny Llama, from the same params, with their
+    calls."""
+    tmp_path = tmp_path_factory.mktemp("numerics_scan")
+    found = []
+    for scan in (True, False):
+        trainer = _trainer(tmp_path, scan)
+        state = trainer.init_state()
+        if found:
+            state = state.replace(params=unstack(found[0][0].params))
+        batch = trainer.build_datasets()[0].get_batch(0)
+        calls = numerics.loss_calls(trainer.loss_fn, state, batch)
+        # measured on step 0 and on skipped steps, as the Trainer measures its log steps
+        when = lambda state: state.step == 0
+        step = mptrain.make_train_step(trainer.loss_fn, per_layer=True, measure_when=when)
+        found.append((state, batch, calls, jax.jit(step)))
+    return found
+
+
+def test_each_layer_of_the_stack_gets_the_unrolled_models_rows(pair):
+    (state_a, batch, calls_a, step_a), (state_b, _, calls_b, step_b) = pair
+    assert calls_a.paths == calls_b.paths and len(calls_a.paths) == 28
+    assert calls_a.paths[2:6] == (
+        "layers_0",
+        "layers_0/attn_norm",
+        "layers_0/attn",
+        "layers_0/attn/q",
+    )
+    assert "layers_1/mlp/down" in calls_a.paths
+    assert calls_a.parents == calls_b.parents
+    # the stacked calls' params: their layer's slice of the stack
+    at = calls_a.paths.index("layers_1/mlp/down")
+    assert calls_a.scopes[at] == (sharding.STACKED, "mlp", "down") and calls_a.layers[at] == 1
+    (_, a), (_, b) = step_a(state_a, batch), step_b(state_b, batch)  # step 0: a log step
+    table_a, table_b = np.asarray(a["numerics"]), np.asarray(b["numerics"])
+    assert table_a.any() and table_a.shape == table_b.shape
+    np.testing.assert_allclose(table_a, table_b, rtol=1e-6)
+    amax = numerics.COL["out_amax"]
+    rows = [calls_a.paths.index(f"layers_{i}/mlp/down") for i in (0, 1)]
+    assert table_a[rows[0], amax] != table_a[rows[1], amax]  # each layer its own values
+
+
+def test_a_nan_in_one_layers_weights_is_traced_to_that_layer(pair):
+    """Layer 1's down projection poisoned: both models name it, forward, and skip the step."""
+    found = []
+    for state, batch, calls, step in pair:
+        params = jax.tree.map(np.array, jax.device_get(state.params))
+        if sharding.STACKED in params:
+            kernel = params[sharding.STACKED]["mlp"]["down"]["kernel"]
+            kernel[1, 0, 0] = np.nan
+        else:
+            params["layers_1"]["mlp"]["down"]["kernel"][0, 0] = np.nan
+        _, metrics = step(state.replace(params=params), batch)
+        assert not bool(metrics["applied"])
+        index, direction = metrics["numerics_origin"].tolist()
+        found.append((calls.paths[index], direction))
+    assert found == [("layers_1/mlp/down", 0)] * 2
