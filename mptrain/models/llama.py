@@ -380,6 +380,6 @@ def create_model(
         remat=keys["remat"],
         loss_chunk=chunk,
         z_loss=z_loss,
-        fp8=fp8,
+        fp8=fp8_lib.on(fp8, platform),
         lora=lora,
     )

@@ -11,6 +11,7 @@ per-layer inputs, as MaxText, Levanter and flax carry an amax history per scanne
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,9 @@ def fp8_state(module: nn.Module, block: nn.Module, init_args: tuple, start: int,
     """`{collection: stacked tree}`: blocks `start..stop-1`'s fp8 scaling state and probes, one
     layer a row, variables of `module` (in the Trainer's `model_state` like any other)."""
     name = fp8_names.stack_name(start, stop)
+    if block.fp8.block:  # the state's init runs the blocks under vmap, which JAX's MXFP8
+        # matmul cannot batch: the emulation's values are the same shapes (and unused)
+        block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
     found = {}
     for collection in (fp8_lib.META, fp8_lib.PROBES):
 

@@ -342,7 +342,7 @@ def create_model(
         dtype=compute_dtype,
         dropout_rate=keys["dropout_rate"],
         attention=choice.implementation,
-        fp8=fp8,
+        fp8=fp8_lib.on(fp8, platform),
         backend=backend,
         remat=remat,
         loss_chunk=chunk,

@@ -26,6 +26,8 @@ from mptrain.inspect import program
 from mptrain.recipe import precision
 
 GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+# cuDNN's block-scaled GEMM (MXFP8, `mptrain.recipe.mxfp8`): [B, M, K] x [B, N, K] -> [B, M, N]
+BLOCK_SCALED = "__cudnn$blockScaledDot"
 CONVOLUTIONS = ("__cudnn$convForward", "__cudnn$convBackwardInput", "__cudnn$convBackwardFilter")
 CONVOLUTIONS += ("__cudnn$convBiasActivationForward",)
 
@@ -36,6 +38,9 @@ def matmuls(prog: program.Program) -> Iterator[tuple[program.Instruction, str, f
         target = inst.attribute("custom_call_target") or ""
         if inst.opcode == "dot" or target in GEMMS:
             flops = _dot_flops(prog, inst, target)
+        elif target == BLOCK_SCALED:
+            lhs, out = program.arrays(prog.operand_type(inst, 0)), inst.arrays
+            flops = 2.0 * math.prod(out[0][1]) * lhs[0][1][-1] if lhs and out else 0.0
         elif inst.opcode == "convolution" or target in CONVOLUTIONS:
             flops = _convolution_flops(prog, inst, target)
         elif target.startswith(program.ATTENTION):

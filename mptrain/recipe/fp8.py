@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mptrain import errors
+from mptrain.recipe import mxfp8
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range
@@ -59,6 +60,10 @@ class Recipe:
     # it and are multiples of 16 (`selected`)
     bf16_layers: int = 0
     min_size: int = 0
+    # MXFP8 block scaling (`mptrain.recipe.mxfp8`) instead of a scale a tensor; `emulate`: the
+    # model runs on a CPU, which computes its rounding in fp32 (set by the model's platform)
+    block: bool = False
+    emulate: bool = False
 
 
 # What an unset `fp8.*` key means, by `config.model.name` (`defaults`): the Llama follows the
@@ -90,21 +95,29 @@ def from_config(section: Any, model_name: str | None) -> Recipe:
         history=number("history", 1, MAX_HISTORY),
         margin=number("margin", 0, MAX_MARGIN),
         current=scaling == "current",
+        block=scaling == "mxfp8",
         bf16_layers=number("bf16_layers", 0, MAX_BF16_LAYERS),
         min_size=number("min_size", 0, MAX_MIN_SIZE),
     )
 
 
-SCALINGS = ("delayed", "current")
+SCALINGS = ("delayed", "current", "mxfp8")
+
+
+def on(recipe: Recipe | None, platform: str) -> Recipe | None:
+    """`recipe` as a model compiled for `platform` runs it: MXFP8 emulated off a GPU."""
+    if not recipe or not recipe.block:
+        return recipe
+    return dataclasses.replace(recipe, emulate=platform != "gpu")
 
 
 def selected(recipe: Recipe, in_features: int, out_features: int) -> bool:
     """Whether `recipe` runs a `[in_features, out_features]` kernel's matmul in fp8 (the size
     filter; the layer rule is the model's, `fp8_layers`)."""
-    if not recipe.min_size:
-        return True
-    sizes = (in_features, out_features)
-    return all(n > recipe.min_size and n % 16 == 0 for n in sizes)
+    sizes, multiple = (in_features, out_features), mxfp8.BLOCK if recipe.block else 16
+    if recipe.block and any(n % multiple for n in sizes):
+        return False  # blocks of 32 along the contracted axis, forward and backward
+    return not recipe.min_size or all(n > recipe.min_size and n % multiple == 0 for n in sizes)
 
 
 def fp8_layers(recipe: Recipe | None, num_layers: int) -> tuple[int, int]:
@@ -184,7 +197,8 @@ def update(
     scale = scale_for(maxima, fp8_max, recipe.margin, meta["scale"])
     # the scale this update ran with could not hold its amax: values were clipped
     calibrated = meta["scale"] > 0  # an uncalibrated tensor was scaled by its own amax
-    clipped = (per_update > fp8_max * meta["scale"]) & calibrated & applied & (not recipe.current)
+    by_amax = not (recipe.current or recipe.block)  # only a history's scale can be outgrown
+    clipped = (per_update > fp8_max * meta["scale"]) & calibrated & applied & by_amax
     return {
         "amax_history": jnp.where(applied, history, meta["amax_history"]),
         "scale": jnp.where(applied, scale, meta["scale"]),
@@ -284,7 +298,10 @@ def matmul(
     scale = meta["scale"]
     if "micro_batches" in meta:  # the gradient of one of several micro-batches: that many times
         scale = scale * jnp.stack([jnp.float32(1), jnp.float32(1), meta["micro_batches"]])
-    y = _matmul(x.reshape(-1, x.shape[-1]), kernel, scale, amax_probe, recipe.current)
+    if recipe.block:  # MXFP8: block scales, the meta only logs the amaxes
+        y = mxfp8.matmul(x.reshape(-1, x.shape[-1]), kernel, amax_probe, recipe.emulate)
+    else:
+        y = _matmul(x.reshape(-1, x.shape[-1]), kernel, scale, amax_probe, recipe.current)
     return y.reshape(*lead, kernel.shape[-1])
 
 

@@ -331,6 +331,20 @@ def test_the_8b_in_fp8_runs_the_matmuls_its_rules_select_as_fp8_gemms_and_the_he
     assert floor["without_fp8_s"] == pytest.approx(bf16.floor["floor_s"], rel=0.05)
 
 
+def test_mxfp8_on_a_b200_runs_the_selected_matmuls_as_cudnns_block_scaled_gemms():
+    """fp8.scaling="mxfp8" (blocks of 32 with their own scales) on 8 B200s: XLA compiles each
+    selected matmul, forward and both gradients, to `__cudnn$blockScaledDot`, e4m3 operands."""
+    result = planned("llama3", "8b", 8, tgt="b200", precision="fp8-mixed", fp8__scaling="mxfp8")
+    print(f"b200 mxfp8 {result.memory} {result.fp8_kernels} floor {result.floor}")
+    assert result.fits, result.verdict()
+    assert result.fp8_kernels == {"__cudnn$blockScaledDot": 30 * 5 * 3}, result.fp8_kernels
+    tokens, d, ff = 2 * 8192, 4096, 14_336
+    selected = 30 * 3 * 2 * tokens * (2 * d * d + 3 * d * ff)
+    assert result.matmul_flops["float8_e4m3fn"] == pytest.approx(selected, rel=1e-9)
+    assert set(result.matmul_flops) == {"bfloat16", "float8_e4m3fn"}  # gradients e4m3 too
+    assert result.floor["peaks"]["float8_e4m3fn"] == 4500e12
+
+
 def test_the_8b_on_packed_sft_rows_fits_with_cudnns_packed_layout_and_the_same_floor():
     """configs/llama3.py:8b_sft (issue 44): packed rows of 8,192 keep their examples apart in
     cuDNN's packed layout (the rows' segment lengths and offsets, no [B, H, L, L] buffer, no
