@@ -140,7 +140,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
     # Unset (None), the next three take the model's defaults (`fp8.DEFAULTS`): the Llama's are
     # current scaling, one bf16 block at each end, min_size 1024; other models' delayed, 0, 0.
-    c.fp8.scaling = config_dict.placeholder(str)  # "delayed": the amax history's; "current"
+    c.fp8.scaling = config_dict.placeholder(str)  # "delayed" (history), "current", "mxfp8"
     c.fp8.bf16_layers = config_dict.placeholder(int)  # blocks at each end of the stack kept bf16
     # fp8 only for a matmul whose in and out features exceed it (and are multiples of 16)
     c.fp8.min_size = config_dict.placeholder(int)

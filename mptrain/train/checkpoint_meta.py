@@ -74,6 +74,13 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
             f"{old!r}{f' (and {more} more model keys)' if more else ''}; its weights would be "
             f"misread by another model. Resume with --config.{model[0]}={old!r}"
         )
+    elif layout := _fp8_layout(meta.get("config") or {}, config, policy):
+        key, old, new = layout
+        problem = (
+            f"config.fp8.{key}={new!r}: the checkpoint {where} was trained with fp8.{key}="
+            f"{old!r}; its fp8 scaling state has another layout (which matmuls run in fp8, how "
+            f"many amaxes each keeps). Resume with --config.fp8.{key}={old!r}"
+        )
     elif isinstance(wanted, int) and wanted < step:
         problem = (
             f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "
@@ -83,6 +90,21 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
         raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
     for key, (old, new) in changed.items():
         logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+
+
+def _fp8_layout(saved: dict, config: dict, policy: str) -> tuple[str, Any, Any] | None:
+    """`(key, saved value, new value)` of the first `fp8.*` setting, as the recipe resolves it
+    (an unset key at the model's default), that shapes the fp8 state and changed; else None."""
+    if not policy.endswith(",fp8"):
+        return None
+    from mptrain.recipe import fp8
+
+    name = lambda c: (c.get("model") or {}).get("name")
+    old, new = (fp8.from_config(c.get("fp8") or {}, name(c)) for c in (saved, config))
+    for key in ("bf16_layers", "min_size", "history"):
+        if getattr(old, key) != getattr(new, key):
+            return key, getattr(old, key), getattr(new, key)
+    return None
 
 
 def changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:

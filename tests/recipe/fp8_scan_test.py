@@ -208,3 +208,23 @@ def test_the_precision_report_names_the_fp8_matmuls_by_layer(tmp_path):
     names = fp8_names.counter_names(state.model_state)
     first = ["layers_0/attn/k x", "layers_0/attn/k kernel", "layers_0/attn/k grad"]
     assert names[:4] == [*first, "layers_1/attn/k x"]  # a stack's layers, one after the other
+
+
+def test_a_resume_that_would_change_which_matmuls_run_in_fp8_is_refused_naming_the_key():
+    """The checkpoint's config against the new one, as the recipe resolves them: an unset key
+    and its default are the same; a layout key changed is one line naming it."""
+    from mptrain import errors
+    from mptrain.train import checkpoint_meta
+
+    policy = "params=float32,compute=bfloat16,output=float32,fp8"
+    saved = {"model": {"name": "llama"}, "fp8": {"bf16_layers": None}}
+    meta = {"step": 4, "config": saved, "policy": policy}
+    same = {"model": {"name": "llama"}, "fp8": {"bf16_layers": 1}, "num_train_steps": 8}
+    checkpoint_meta.check_resumable(meta, policy, same, "in runs/x")  # 1 is the default
+    changed = {**same, "fp8": {"bf16_layers": 0}}
+    with pytest.raises(
+        errors.ConfigError, match=r"config\.fp8\.bf16_layers=0: .* fp8\.bf16_layers=1;"
+    ):
+        checkpoint_meta.check_resumable(meta, policy, changed, "in runs/x")
+    other = {**same, "fp8": {"scaling": "delayed"}}  # the same state, scaled another way
+    checkpoint_meta.check_resumable(meta, policy, other, "in runs/x")
