@@ -29,9 +29,9 @@ def pair(tmp_path_factory):
             state = state.replace(params=unstack(found[0][0].params))
         batch = trainer.build_datasets()[0].get_batch(0)
         calls = numerics.loss_calls(trainer.loss_fn, state, batch)
-        # measured on step 0 and on skipped steps, as the Trainer measures its log steps
-        when = lambda state: state.step == 0
-        step = mptrain.make_train_step(trainer.loss_fn, per_layer=True, measure_when=when)
+        # measured in the step's own gradient (numerics.every_step), one program the less than
+        # measuring again on log steps (which numerics_test covers)
+        step = mptrain.make_train_step(trainer.loss_fn, per_layer=True)
         found.append((state, batch, calls, jax.jit(step)))
     return found
 
