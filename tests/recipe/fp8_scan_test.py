@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, assert_trees_bytes_equal, load_config, plain_orbax_state
+from helpers import ROOT, assert_trees_bytes_equal, load_config, needs_devices, plain_orbax_state
 
 import mptrain
 from mptrain.recipe import fp8, fp8_names, sharding
@@ -228,3 +228,23 @@ def test_a_resume_that_would_change_which_matmuls_run_in_fp8_is_refused_naming_t
         checkpoint_meta.check_resumable(meta, policy, changed, "in runs/x")
     other = {**same, "fp8": {"scaling": "delayed"}}  # the same state, scaled another way
     checkpoint_meta.check_resumable(meta, policy, other, "in runs/x")
+
+
+@pytest.mark.slow  # a second variant: make test keeps one device, no accumulation
+@needs_devices(8)
+def test_the_scanned_fp8_state_trains_on_a_4x2_mesh_with_accumulation_and_resumes_on_one(
+    tmp_path,
+):
+    """Delayed scaling, both blocks fp8, 2 micro-batches an update on a data 4 x fsdp 2 mesh:
+    one history entry an update, every layer's; the checkpoint resumes on one device."""
+    mesh = {"mesh.data": 4, "mesh.fsdp": 2, "optimizer.accumulation_steps": 2, "batch_size": 8}
+    wide = mptrain.Trainer(_config("delayed", True, num_train_steps=4, **mesh), tmp_path)
+    wide.train_and_evaluate()
+    saved = plain_orbax_state(tmp_path, 4)
+    history = jax.tree.leaves(saved["model_state"][fp8.META])[0]
+    assert history.shape == (2, 3, fp8.Recipe().history)  # both layers, stacked
+    assert (history[:, :, :2] > 0).all() and (history[:, :, 2:] == 0).all()  # 2 updates
+    one = {"mesh.data": 1, "mesh.fsdp": 1, "optimizer.accumulation_steps": 2, "batch_size": 8}
+    resumed = mptrain.Trainer(_config("delayed", True, num_train_steps=8, **one), tmp_path)
+    final = resumed.train_and_evaluate()
+    assert int(final.step) == 8 and np.isfinite(resumed.last_eval["eval_loss"])
