@@ -54,6 +54,8 @@ def fp8_state(module: nn.Module, block: nn.Module, init_args: tuple, start: int,
         # matmul cannot batch: the emulation's values are the same shapes (and unused)
         block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
     found = {}
+    if fp8_lib.META not in jax.eval_shape(lambda: block.init(jax.random.key(0), *init_args)):
+        return None  # the size filter left no fp8 matmul in the block: no state to carry
     for collection in (fp8_lib.META, fp8_lib.PROBES):
 
         def init(collection=collection):  # what `fp8.DotGeneral` starts from: no randomness

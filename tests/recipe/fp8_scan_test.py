@@ -202,9 +202,11 @@ def test_the_precision_report_names_the_fp8_matmuls_by_layer(tmp_path):
     state = mptrain.Trainer(_config("current", True), tmp_path / "a").init_state()
     matmuls = "attn/k, attn/o, attn/q, attn/v, mlp/down, mlp/gate, mlp/up"
     assert fp8_names.describe(state.model_state) == f"{matmuls} in layers 0-1 (14 matmuls)"
-    unrolled = mptrain.Trainer(_config("current", False, **{"fp8.min_size": 256}), tmp_path / "b")
-    # tiny's width is 128: the filter at 256 leaves none; at 0 with both ends bf16, none either
-    assert fp8_names.describe(unrolled.init_state().model_state).startswith("none")
+    # tiny's width is 128: the filter at 256 leaves none, scanned or not, and no fp8 state
+    for scan in (True, False):
+        filtered = _config("current", scan, **{"fp8.min_size": 256})
+        none = mptrain.Trainer(filtered, tmp_path / f"filtered_{scan}").init_state().model_state
+        assert fp8_names.describe(none).startswith("none") and fp8.META not in none
     names = fp8_names.counter_names(state.model_state)
     first = ["layers_0/attn/k x", "layers_0/attn/k kernel", "layers_0/attn/k grad"]
     assert names[:4] == [*first, "layers_1/attn/k x"]  # a stack's layers, one after the other
