@@ -52,13 +52,13 @@ def train(overrides: dict, seed: int, steps: int | None, workdir: Path) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--steps", type=int, default=None, help="train steps (default: the config's)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
     p.add_argument("--out", default="runs/fp8_llama_tiny.json", help="JSON results")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -87,7 +87,9 @@ def main() -> None:
         rows.append(row | {"ratio_to_first": mean / base, "fp8_matmuls": matmuls})
     for row in rows:
         print(f"  {row['variant']}: fp8 matmuls: {row['fp8_matmuls'] or '(bf16-mixed)'}")
-    files.write_json(Path(args.out), {"seeds": seeds, "steps": args.steps, "rows": rows})
+    result = {"seeds": seeds, "steps": args.steps, "rows": rows}
+    files.write_json(Path(args.out), result)
+    return result
 
 
 if __name__ == "__main__":

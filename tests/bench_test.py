@@ -246,3 +246,18 @@ def test_bench_sft_prints_packed_against_unpacked_real_tokens(tmp_path, capsys, 
     # CI run measured 1.98, another 4.5), so it only has to show packing paying at all
     assert min(packed / unpacked for packed, unpacked in rates) > 2, rates
     assert result["median_ratio"] > 1.2, result
+
+
+@pytest.mark.slow  # two tiny Llama runs, each compiling its steps
+def test_the_fp8_llama_table_trains_each_variant_and_names_its_fp8_matmuls(tmp_path, capsys):
+    """scripts/fp8_llama_tiny.py (issue 47), a few steps: a row per variant with its eval loss
+    and the matmuls it ran in fp8."""
+    script = runpy.run_path(str(ROOT / "scripts" / "fp8_llama_tiny.py"))
+    out = tmp_path / "fp8.json"
+    args = ["--seeds=0", "--steps=3", "--variants=bf16-mixed,fp8-all", f"--out={out}"]
+    result = script["main"](args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    bf16, fp8 = result["rows"]
+    assert bf16["fp8_matmuls"] == "" and fp8["fp8_matmuls"].endswith("(14 matmuls)")
+    assert fp8["ratio_to_first"] == pytest.approx(fp8["mean"] / bf16["mean"])
+    assert "fp8-all" in capsys.readouterr().out
