@@ -17,6 +17,7 @@ whose record is gone is built again, with a warning naming it and why.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import json
@@ -188,9 +189,10 @@ def _build(cache_dir: str, path: str, write: Callable[[str], str], broken=None) 
     process has by the time the lock is ours (a file other than the `broken` one, an
     `_identity`); what it did, or None. A cache folder that cannot be written is a
     `ConfigError` naming `data.cache_dir`; a failed write a `StorageError` naming the file."""
+    made = not os.path.isdir(cache_dir)
     try:
         os.makedirs(cache_dir, exist_ok=True)
-        lock = open(f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held across the build)
+        lock = open(lock_path := f"{path[:-4]}.lock", "a")  # noqa: SIM115 (held to the end)
     except OSError as e:
         raise errors.ConfigError(
             f"config.data.cache_dir={cache_dir!r}: cannot write there ({e.strerror or e})"
@@ -211,5 +213,20 @@ def _build(cache_dir: str, path: str, write: Callable[[str], str], broken=None) 
             raise errors.StorageError(
                 f"could not write the token cache {path}: {e.strerror or e}"
             ) from None
+        except errors.ConfigError:  # bad input: nothing of this build stays behind
+            _remove(lock_path, cache_dir if made else None)
+            raise
     logging.info("data: %s in %.1f s: %s", done, time.perf_counter() - start, path)
     return done
+
+
+def _remove(lock: str, made: str | None) -> None:
+    """A refused build's lock file, and the cache folder it made if nothing else is there. The
+    file's name is a hash of the input, which every process waiting on this lock is refused
+    too; one that builds after all (under other template bounds, say) may build beside a newer
+    process at worst, each staging its own file and renaming it into place whole."""
+    with contextlib.suppress(OSError):
+        os.remove(lock)
+    if made:
+        with contextlib.suppress(OSError):
+            os.rmdir(made)
