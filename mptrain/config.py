@@ -371,7 +371,8 @@ def policy_of(config: ml_collections.ConfigDict):
     )
     policy = dataclasses.replace(policy, matmul_precision=matmuls)
     section = config.get("fp8") or {}  # checked under every precision: a typo is an error
-    recipe = fp8.from_config(section, (config.get("model") or {}).get("name"))
+    model = config.get("model") or {}
+    recipe = fp8.from_config(section, model.get("name"), model.get("num_layers"))
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mptrain.inspect import hlo, program
-from mptrain.recipe import fp8_names, loss_scale, numerics, optim, precision, train_state
+from mptrain.recipe import fp8_names, frozen, loss_scale, numerics, optim, precision, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -206,8 +206,9 @@ class PrecisionReport:
     warnings: list[str]
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
-    trains: str = ""  # which params train, in what dtype, and what is frozen (`trainability`)
+    trains: str = ""  # which params train, in what dtype, and what is frozen (`frozen.describe`)
     fp8: str = ""  # under fp8-mixed, which matmuls run in fp8 (`fp8_names.describe`)
+    fp8_emulated: bool = False  # MXFP8 without a block-scaled GEMM: emulated (`recipe.mxfp8`)
     # {operand dtype: {precision: FLOPs}}: "default", "high", "highest" (jax's names)
     precisions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
@@ -234,7 +235,10 @@ class PrecisionReport:
         lines += [f"casting rule: {self.casting}"] if self.casting else []
         lines += [f"trained: {self.trains}"] if self.trains else []
         fp8 = sum(f for d, f in self.matmul_flops.items() if d.startswith("float8")) / total
-        lines += [f"fp8 matmuls ({100 * fp8:.1f}% of the FLOPs): {self.fp8}"] if self.fp8 else []
+        share = f"{100 * fp8:.1f}% of the FLOPs"
+        if self.fp8_emulated:  # a CPU: MXFP8's rounding, multiplied in the compute dtype
+            share = f"MXFP8 emulated: rounded to its blocks, multiplied in {self.compute_dtype}"
+        lines += [f"fp8 matmuls ({share}): {self.fp8}"] if self.fp8 else []
         lines += ["", "matmul FLOPs:"]
         for dtype, flops in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
             at = ", ".join(f"{p} {f:,}" for p, f in sorted(self.precisions.get(dtype, {}).items()))
@@ -282,25 +286,6 @@ def precision_report(fn: Any, *args: Any, policy: Any = None, config: Any = None
     """
     traced = (fn if hasattr(fn, "trace") else jax.jit(fn)).trace(*args)
     return make_report(traced.jaxpr, traced.lower().compile(), args, policy=policy, config=config)
-
-
-def trainability(state: Any) -> str:
-    """Which params train and in what dtype; under adapters, what is frozen and how it is stored
-    (`recipe.frozen`: 16-bit, or 8-bit `q8` blocks)."""
-    from mptrain.recipe import q8
-
-    count = lambda tree: sum(int(np.size(x)) for x in jax.tree.leaves(tree))
-    dtypes = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(state.params)})
-    text = f"{count(state.params):,} params in {'/'.join(dtypes)}"
-    frozen = getattr(state, "frozen", None)
-    if not jax.tree.leaves(frozen):
-        return f"all {text}"
-    leaves = jax.tree.leaves(frozen, is_leaf=q8.is_q8)
-    eight = sum(int(np.prod(x.shape)) for x in leaves if q8.is_q8(x))
-    rest = sorted({np.dtype(x.dtype).name for x in leaves if not q8.is_q8(x)})
-    total = sum(int(np.prod(x.shape)) for x in leaves)
-    stored = f"{'/'.join(rest)}" + (f" ({eight:,} of them in 8-bit q8 blocks)" if eight else "")
-    return f"{text} (the adapters); {total:,} frozen (the base), stored in {stored}"
 
 
 def make_report(
@@ -372,8 +357,11 @@ def make_report(
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
         casting=policy.describe_rules(states[0].params) if states else "",
-        trains=trainability(states[0]) if states else "",
+        trains=frozen.describe(states[0]) if states else "",
         fp8=fp8_names.describe(states[0].model_state) if states and policy.fp8 else "",
+        fp8_emulated=bool(
+            policy.fp8 and policy.fp8.block and not any(d.startswith("float8") for d in flops)
+        ),
         precisions={dtype: dict(by) for dtype, by in precisions.items()},
         hazards=sorted(
             (hlo.Hazard(*key, kind=kind, count=n) for (*key, kind), n in hazards.items()),

@@ -82,21 +82,29 @@ def defaults(model_name: str | None) -> dict[str, Any]:
     return DEFAULTS.get(model_name, DEFAULTS[None])
 
 
-def from_config(section: Any, model_name: str | None) -> Recipe:
+def from_config(section: Any, model_name: str | None, num_layers: int | None = None) -> Recipe:
     """The `Recipe` of `config.fp8` (`section`) for `model.name=model_name`, its unset keys at
-    `Recipe`'s and the model's defaults; a `ValueError` names a bad key."""
+    `Recipe`'s and the model's defaults; a `ValueError` names a bad key, or a `bf16_layers`
+    past what a model of `num_layers` blocks can keep in bf16."""
     model, default = defaults(model_name), Recipe()
     get = lambda key, value: errors.setting(section, key, value)
     scaling = errors.check_choice("fp8.scaling", get("scaling", model["scaling"]), SCALINGS)
     number = lambda key, low, bound: errors.check_integer(
         f"fp8.{key}", get(key, model.get(key, getattr(default, key))), low, *bound
     )
+    ends = number("bf16_layers", 0, MAX_BF16_LAYERS)
+    if isinstance(num_layers, int) and ends > (num_layers + 1) // 2:
+        raise ValueError(
+            f"fp8.bf16_layers={ends}: the model has {num_layers} blocks, and "
+            f"{(num_layers + 1) // 2} at each end already keep every one in bf16; use fewer, "
+            "or precision='bf16-mixed' for no fp8"
+        )
     return Recipe(
         history=number("history", 1, MAX_HISTORY),
         margin=number("margin", 0, MAX_MARGIN),
         current=scaling == "current",
         block=scaling == "mxfp8",
-        bf16_layers=number("bf16_layers", 0, MAX_BF16_LAYERS),
+        bf16_layers=ends,
         min_size=number("min_size", 0, MAX_MIN_SIZE),
     )
 

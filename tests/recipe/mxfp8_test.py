@@ -75,6 +75,8 @@ def test_mxfp8_is_a_scaling_that_keeps_no_scales_and_trains_the_tiny_llama(tmp_p
     # sees the compute dtype, not an fp32 matmul to warn about
     report = audit.precision_report(step, state, train.get_batch(0))
     assert report.compute_fraction == 1.0 and not report.warnings, str(report)
+    said = f"fp8 matmuls (MXFP8 emulated: rounded to its blocks, multiplied in bfloat16): {want}"
+    assert said in str(report).splitlines(), str(report)
     losses = []
     for i in range(4):
         state, metrics = step(state, train.get_batch(i))
