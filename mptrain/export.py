@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mptrain import errors
+from mptrain import errors, files
 
 DTYPES = ("bfloat16", "float16", "float32")
 FORMATS = ("orbax", "hf", "peft")
@@ -93,6 +93,7 @@ def export(
     workdir, out = Path(workdir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")
+    files.check_output("--out", out, folder=True)
     config, restored = read_run(workdir, step)
     if format in ("hf", "peft") and config.model.name != "llama":
         raise errors.ConfigError(
@@ -157,8 +158,10 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
     from mptrain.train import checkpoint, init_from, launch
 
     config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
-    if not config_path.is_file() or not checkpoints.is_dir():
+    if not config_path.is_file():
         raise errors.WorkdirError(f"--workdir={workdir}: not an mptrain run (no config.json)")
+    if not checkpoints.is_dir():
+        raise errors.WorkdirError(f"--workdir={workdir}: holds no checkpoint (no checkpoints/)")
     try:
         saved = json.loads(config_path.read_text())
         if not isinstance(saved, dict):

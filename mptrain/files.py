@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -114,6 +115,25 @@ def check_workdir(workdir: str | os.PathLike) -> None:
                 f"{path} is {have} where a run keeps {want} of that name: move it away, or "
                 "use another --workdir"
             )
+
+
+def check_output(flag: str, path: str | os.PathLike, folder: bool = False) -> None:
+    """A `ConfigError` (exit 2) naming `flag` when `path` cannot be written, found before any
+    work: where the nearest existing folder above it is a file, or cannot be written in; or
+    where a file is asked for and `path` is a folder. (Whether an existing folder may be
+    written into is its command's rule.)"""
+    path = Path(path).absolute()
+    if not folder and path.is_dir():
+        raise errors.ConfigError(f"{flag}={path}: is a folder; give the path of a file")
+    above = path.parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise errors.ConfigError(f"{flag}={path}: {above} is a file, not a folder")
+    if not _writable(above):
+        raise errors.ConfigError(
+            f"{flag}={path}: cannot write in {above} (permission denied, or read-only)"
+        )
 
 
 def _writable(directory: str | os.PathLike) -> bool:

@@ -31,7 +31,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mptrain import errors
+from mptrain import errors, files
 from mptrain.models import decode as decoding
 
 # ---- the command ---------------------------------------------------------------------------
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"--cache_dtype={args.cache_dtype!r}: bfloat16, float16 or float32"
                 )
             cache_dtype = args.cache_dtype
+        if args.out:
+            files.check_output("--out", args.out)
         speaker = load(args.workdir, args.hf, args.step, args.precision)
         answers = answer(speaker, prompts, args.max_new_tokens, sampling, args.seed, cache_dtype)
     except (errors.ConfigError, errors.WorkdirError) as e:
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}] {row['prompt']}\n{row['completion']}\n")
     if args.out:
         try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in answers))
         except OSError as e:
             sys.stderr.write(f"mptrain.generate: error: --out={args.out}: {e.strerror or e}\n")

@@ -77,10 +77,13 @@ def test_a_chosen_step_and_fp16(finished_run, tmp_path):
         (["--step=3"], "--step=3"),
         (["--keep_fp32=(unclosed"], "--keep_fp32"),
         (["--workdir=/nonexistent/run"], "--workdir=/nonexistent/run"),
+        (["--out={tmp}/file/x"], "--out={tmp}/file/x: {tmp}/file is a file, not a folder"),
     ],
 )
 def test_bad_usage_exits_2_with_one_line_and_writes_nothing(finished_run, tmp_path, args, says):
     out = tmp_path / "out"
+    (tmp_path / "file").write_text("")
+    args, says = [a.format(tmp=tmp_path) for a in args], says.format(tmp=tmp_path)
     argv = [f"--workdir={finished_run}", f"--out={out}", *args]
     result = run_cli_process(*argv, module="mptrain.export")
     assert result.returncode == 2, result.stderr

@@ -92,11 +92,19 @@ def _run(capsys, *argv):
         (["--hf={tmp}", "--prompts={tmp}/p.jsonl"], "p.jsonl line 2: no a string 'prompt'"),
         (["--hf={tmp}", "--prompt=x", "--cache_dtype=int8"], "--cache_dtype='int8'"),
         (["--hf={tmp}", "--prompt=x", "--seed=3000000000"], "--seed=3000000000: from 0 to"),
+        (["--workdir={tmp}/new", "--prompt=x"], "--workdir={tmp}/new: holds no checkpoint"),
+        (  # refused before the model is read: this folder holds none
+            ["--hf={tmp}", "--prompt=x", "--out={tmp}/p.jsonl/a.jsonl"],
+            "--out={tmp}/p.jsonl/a.jsonl: {tmp}/p.jsonl is a file, not a folder",
+        ),
+        (["--hf={tmp}", "--prompt=x", "--out={tmp}"], "--out={tmp}: is a folder"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     (tmp_path / "bad" / "checkpoints").mkdir(parents=True)
     (tmp_path / "bad" / "config.json").write_text("{not json")
+    (tmp_path / "new").mkdir()  # a run that stopped before its first save
+    (tmp_path / "new" / "config.json").write_text("{}")
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
