@@ -163,7 +163,10 @@ def test_a_refused_resume_gives_one_advice_in_clean_sentences(tmp_path, capsys):
     assert run_cli(tmp_path, "--config.num_train_steps=2", capsys=capsys)[0] == 0
     code, err = run_cli(tmp_path, "--config.model.d_model=64", capsys=capsys)
     line = err.strip().splitlines()[-1]
-    assert code == 2 and "belong to a different model" in line, err
+    assert code == 2 and line.startswith("mptrain: error: config.model.d_model=64: "), err
+    assert (
+        "was trained with model.d_model=" in line and "Resume with --config.model.d_model=" in line
+    )
     assert ".." not in line and line.count("workdir to start a new run") == 1
     assert "new setup" not in line
 

@@ -102,6 +102,12 @@ def spec(lora: Any, build: Any) -> Spec:
             f"lora.targets={keys['targets']!r}: matches none of the model's {len(kernels)} "
             f"projections that can take an adapter ({shown})"
         )
+    width, narrowest = min((min(kernels[p][-2:]), p) for p in chosen)
+    if keys["rank"] > width:  # [in, rank] @ [rank, out] holds no more than rank `width`
+        raise ValueError(
+            f"lora.rank={keys['rank']}: above the width of {narrowest} ({width}), which an "
+            f"adapter of rank {width} already spans in full; use a rank of at most {width}"
+        )
     return dataclasses.replace(
         everywhere,
         targets=frozenset(map(module_path, chosen)),
@@ -114,15 +120,16 @@ def _shapes(model: nn.Module) -> Any:
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
 
 
-def adaptable(params: Any) -> list[str]:
-    """The "/"-joined paths of the kernels in `params` that have adapters beside them."""
-    found = []
+def adaptable(params: Any) -> dict[str, tuple[int, ...]]:
+    """The "/"-joined paths of the kernels in `params` that have adapters beside them, with
+    their shapes (a scanned stack's with its layer axis first)."""
+    found = {}
 
     def walk(tree: Any, path: tuple[str, ...]) -> None:
         if not isinstance(tree, dict):
             return
         if ADAPTERS[0] in tree and "kernel" in tree:
-            found.append("/".join((*path, "kernel")))
+            found["/".join((*path, "kernel"))] = tuple(tree["kernel"].shape)
         for key, value in tree.items():
             walk(value, (*path, str(key)))
 

@@ -363,6 +363,11 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     try:
         restored = checkpointer.restore(state)
     except CheckpointMismatchError as e:
+        if steps := checkpointer.all_steps():  # a changed key that explains it, named first
+            with contextlib.suppress(InvalidCheckpointError):
+                meta = checkpointer.read_meta(steps[-1])
+                where = f"{checkpointer.directory}/{steps[-1]}"
+                checkpoint_meta.check_resumable(meta, str(policy), config, where)
         raise errors.WorkdirError(
             f"the checkpoints in {checkpointer.directory} belong to a different model, "
             f"optimizer or precision: {e} Use another --workdir to start a new run"

@@ -117,10 +117,22 @@ def test_a_resume_over_a_changed_base_is_one_line_exit_2(tuned, tmp_path, capsys
     assert f"config.init_from={str(folder)!r}" in line and "another base" in line
 
 
+@pytest.mark.parametrize("key, value", [("lora.rank", 8), ("lora.targets", "attn/(q|v)/kernel$")])
+def test_a_resume_with_other_adapters_names_the_key(tuned, tmp_path, capsys, key, value):
+    workdir = Path(shutil.copytree(tuned["workdir"], tmp_path / "run"))
+    flags = [f"--config.{k}={v}" for k, v in (LORA | {key: value}).items()]
+    flags += overrides(tuned["text"], tuned["config"].data.cache_dir, steps=STEPS + 10)
+    code, err = run_cli(workdir, *flags, capsys=capsys, config=hf_flag(tuned["folder"]))
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert code == 2 and line.startswith(f"mptrain: error: config.{key}={value!r}: "), err
+    assert f"Resume with --config.{key}=" in line and "shape" not in line, line
+
+
 @pytest.mark.parametrize(
     "key, value, says",
     [
         ("lora.rank", 0, "lora.rank=0"),
+        ("lora.rank", 300, "lora.rank=300: above the width of "),
         ("lora.targets", "attn/nothing", "matches none of the model's"),
         ("lora.base_dtype", "nf4", "lora.base_dtype='nf4'"),
     ],
