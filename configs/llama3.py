@@ -74,6 +74,7 @@ import os
 from ml_collections import config_dict
 
 from mptrain import config as config_lib
+from mptrain.data import template
 
 LLAMA3_SCALING = (8.0, 1.0, 4.0, 8192)  # factor, low_freq_factor, high_freq_factor, original
 
@@ -144,9 +145,14 @@ def _sft(c, seq_len: int, files=None, tokenizer: str = "bytes") -> None:
     c.data.train_on_prompt = False
     c.data.too_long = "truncate"
     c.data.packing = True
-    c.data.max_segments = 64  # examples a row takes at most (cuDNN's packed layout's bound)
+    c.data.max_segments = config_dict.placeholder(int)  # examples a row takes (None: 64)
+    c.data.messages_field = "messages"  # where a line keeps its conversation
+    c.data.prompt_field = "prompt"  # ... or its pair
+    c.data.completion_field = "completion"
     c.data.eos_token = config_dict.placeholder(str)
     c.data.cache_dir = config_dict.placeholder(str)
+    c.data.template_max_chars = template.MAX_CHARS  # what a chat template's render may make
+    c.data.template_max_seconds = template.MAX_SECONDS  # ... and how long it may run
 
 
 def get_config(arg: str | None = None):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import needs_devices
+from helpers import load_config, needs_devices
 
 from mptrain import config as config_lib
 from mptrain import runtime
@@ -58,7 +58,8 @@ MODULE_KEYS = {
     "data.sft": {
         "files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "train_on_prompt",
         "too_long", "packing", "max_segments", "messages_field", "prompt_field",
-        "completion_field", "eos_token", "cache_dir",
+        "completion_field", "eos_token", "cache_dir", "template_max_chars",
+        "template_max_seconds",
     },
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
     "data.synthetic_images": {"image_shape", "num_classes", "signal"},
@@ -83,6 +84,22 @@ def test_the_model_and_data_modules_keys_are_pinned():
     found = {f"model.{name}": set(m.CONFIG_KEYS) for name, m in models.modules().items()}
     found |= {f"data.{name}": set(m.CONFIG_KEYS) for name, m in data.modules().items()}
     assert found == MODULE_KEYS
+
+
+@pytest.mark.parametrize("arg", ["sft_tiny", "8b_sft"])
+def test_a_zoo_config_of_a_data_module_takes_every_key_the_module_reads(arg):
+    from mptrain import data
+
+    config = load_config("llama3", arg)
+    assert set(data.modules()[config.data.name].CONFIG_KEYS) <= set(config.data)
+
+
+def test_bf16_layers_past_what_the_model_can_keep_in_bf16_are_refused():
+    config = load_config("llama3", "tiny", precision="fp8-mixed", **{"fp8.bf16_layers": 1})
+    config_lib.validate(config)  # tiny's 2 blocks: one at each end keeps both in bf16
+    config.fp8.bf16_layers = 2
+    with pytest.raises(config_lib.ConfigError, match=r"^config\.fp8\.bf16_layers=2: the model "):
+        config_lib.validate(config)
 
 
 def test_base_config_is_valid():

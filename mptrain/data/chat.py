@@ -2,20 +2,26 @@
 
 Two forms of example, each a JSON object (a line of a `.jsonl` file):
 
-  * a conversation, `{"messages": [{"role": "system" | "user" | "assistant", "content": ...},
-    ...]}` (the OpenAI and HuggingFace form), rendered by a chat template;
+  * a conversation, `{"messages": [{"role": "system" | "user" | "assistant" | "tool",
+    "content": ...}, ...]}` (the OpenAI and HuggingFace form), rendered by a chat template, with
+    the line's `tools` (a list of function schemas) if it has them;
   * a pair, `{"prompt": ..., "completion": ...}`: the prompt's text then the completion's,
     and the end-of-text token.
 
 A chat template is Jinja2 text, as a HuggingFace folder's `tokenizer_config.json` carries it
-(`chat_template`), rendered as `transformers` renders it: a sandboxed environment with
-`trim_blocks` and `lstrip_blocks`, `raise_exception()` to refuse a conversation, and
-`bos_token`/`eos_token` from the folder's config. `BUILTIN` names templates for folders that
-carry none: `"llama3"`, Llama 3's header-and-end-of-turn layout.
+(`chat_template`), rendered as `transformers` renders it (`mptrain.data.template`: a sandboxed
+environment with `trim_blocks` and `lstrip_blocks`, `raise_exception()` to refuse a
+conversation, `bos_token`/`eos_token` from the folder's config, `tools`, and the messages as
+they are, an assistant's `tool_calls` and a tool's `tool_call_id` included), within bounds on
+its time and on what it makes. A message's content is a string, or OpenAI's list of parts whose
+text parts are read as their texts joined by newlines (as vLLM reads them for a text model);
+a part of another type (an image) is refused. `tool_calls` or `tools` that a template never
+reads are refused rather than dropped. `BUILTIN` names templates for folders that carry none:
+`"llama3"`, Llama 3's header-and-end-of-turn layout.
 
 The loss falls on what the model should learn to say: each assistant turn's text and the
 template's end of that turn (so that it learns to stop), or a pair's completion and its
-end-of-text token; the rest (system, user, the template's headers) gets no loss unless
+end-of-text token; the rest (system, user, tool, the template's headers) gets no loss unless
 `train_on_prompt`. The assistant turns are found by rendering: the conversation up to an
 assistant turn, with the template's generation prompt, is where its text starts, and the
 conversation through that turn is where it ends; each render must be a prefix of the whole
@@ -25,15 +31,14 @@ character falls in such a span (`tokenizers`' offsets).
 
 from __future__ import annotations
 
-import functools
-import json
 from typing import Any
 
 import numpy as np
 
-from mptrain import errors
+from mptrain.data import template as templates
+from mptrain.data.template import Template
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # Llama 3's layout, written for mptrain: a header per message, an end-of-turn token after each.
 BUILTIN = {
     "llama3": (
@@ -45,20 +50,6 @@ BUILTIN = {
         "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
     ),
 }
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(template: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    environment.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-    return environment.from_string(template)
 
 
 def template_of(spec: str, folder_config: dict | None = None) -> str:
@@ -84,46 +75,90 @@ def template_of(spec: str, folder_config: dict | None = None) -> str:
     )
 
 
-def render(template: str, messages: list, add_generation_prompt: bool = False, **tokens) -> str:
-    """The text of `messages` under `template` (`tokens`: `bos_token`, `eos_token`)."""
-    from jinja2.exceptions import TemplateError
+def _template(template: Template | str) -> Template:
+    """A template's text is a `Template` under the default bounds."""
+    return template if isinstance(template, Template) else Template(template)
 
-    try:
-        return _compiled(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **tokens
-        )
-    except TemplateError as e:
-        raise ValueError(f"the chat template does not render it: {errors.first_line(e)}") from None
+
+def render(template: Template | str, messages: list, add_generation_prompt: bool = False,
+           tools: list | None = None, **tokens) -> str:  # fmt: skip
+    """The text of `messages` under `template` (`tokens`: `bos_token`, `eos_token`); a
+    `ValueError` names the template and why it does not render them."""
+    context = {"messages": messages, "add_generation_prompt": add_generation_prompt, **tokens}
+    return templates.render(_template(template), **context, **({"tools": tools} if tools else {}))
+
+
+def _text_of_parts(i: int, parts: list) -> str:
+    """OpenAI's content parts as their text (the module doc)."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"message {i}: a content part of type {kind!r}; a text model reads "
+                "[{'type': 'text', 'text': ...}] parts only"
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def check_messages(messages: Any, need_assistant: bool = True) -> list[dict]:
-    """`messages` as a conversation: a list of `{"role", "content"}` with known roles and
-    string contents, and an assistant turn (for training; a prompt to answer needs none);
-    else a `ValueError` saying what is wrong."""
+    """`messages` as a template reads them: a list of `{"role", "content"}` with known roles,
+    each content a string (text parts joined; an assistant's content may be empty beside its
+    `tool_calls`), and an assistant turn (for training; a prompt to answer needs none); else a
+    `ValueError` saying what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {role, content}")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"message {i} has no 'role'")
         if message["role"] not in ROLES:
             raise ValueError(f"message {i}: role {message['role']!r} is not one of {ROLES}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"message {i}: 'content' must be a string")
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        calls, content = message.get("tool_calls"), message.get("content")
+        if calls is not None and not (isinstance(calls, list) and all(map(_is_dict, calls))):
+            raise ValueError(f"message {i}: 'tool_calls' must be a list of objects")
+        if isinstance(content, list):
+            message = {**message, "content": _text_of_parts(i, content)}
+        elif not isinstance(content, str) and not (calls and content is None):
+            raise ValueError(f"message {i}: 'content' must be a string or a list of text parts")
+        out.append(message)
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise ValueError("no assistant turn: nothing to learn from")
-    return messages
+    return out
 
 
-def conversation_spans(template: str, messages: list, **tokens) -> tuple[str, list]:
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+def _check_read(template: Template, messages: list, tools: Any) -> None:
+    """Refuses `tool_calls` or `tools` that `template` never reads (they would be dropped)."""
+    for i, message in enumerate(messages):
+        if message.get("tool_calls") and "tool_calls" not in template.text:
+            raise ValueError(
+                f"message {i} has 'tool_calls', and the chat template ({template.source}) never "
+                "reads 'tool_calls': they would be dropped from what trains; use a template "
+                "that renders them"
+            )
+    if tools and "tools" not in template.text:
+        raise ValueError(
+            f"the line has 'tools', and the chat template ({template.source}) never reads "
+            "'tools': they would be dropped from what trains; use a template that renders them"
+        )
+
+
+def conversation_spans(template: Template | str, messages: list, tools: list | None = None,
+                       **tokens) -> tuple[str, list]:  # fmt: skip
     """The rendered conversation and the `(start, end)` character spans of its assistant
     turns, each with the template's end of that turn (see the module doc)."""
-    text = render(template, messages, **tokens)
+    text = render(template, messages, tools=tools, **tokens)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(template, messages[:k], add_generation_prompt=True, **tokens)
-        through = render(template, messages[: k + 1], **tokens)
+        before = render(template, messages[:k], add_generation_prompt=True, tools=tools, **tokens)
+        through = render(template, messages[: k + 1], tools=tools, **tokens)
         if not (text.startswith(before) and text.startswith(through)):
             raise ValueError(
                 "the chat template renders a conversation's first turns other than the whole "
@@ -133,23 +168,30 @@ def conversation_spans(template: str, messages: list, **tokens) -> tuple[str, li
     return text, spans
 
 
-def encode(example: Any, tokenizer: Any, template: str | None, eos_id: int,
+def encode(example: Any, tokenizer: Any, template: Template | str | None, eos_id: int,
            train_on_prompt: bool = False, **tokens) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """`(ids, loss)` of one example (see the module doc): int32 token ids and a bool per id,
     True where it carries the loss. `tokenizer`: a `tokenizers.Tokenizer`; `template`: the chat
-    template's text (None: conversations are refused); `eos_id`: the end-of-text token a pair
-    ends with. A `ValueError` says what is wrong with the example."""
+    template (None: conversations are refused); `eos_id`: the end-of-text token a pair ends
+    with. A `ValueError` says what is wrong with the example."""
     if not isinstance(example, dict):
         raise ValueError("not a JSON object")
+    tools = example.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(map(_is_dict, tools))):
+        raise ValueError("'tools' must be a list of objects (function schemas)")
     if "messages" in example:
         if template is None:
             raise ValueError("a conversation, and data.chat_template is None")
-        text, spans = conversation_spans(template, check_messages(example["messages"]), **tokens)
+        template, messages = _template(template), check_messages(example["messages"])
+        _check_read(template, messages, tools)
+        text, spans = conversation_spans(template, messages, tools, **tokens)
         extra = []
     elif "prompt" in example or "completion" in example:
         prompt, completion = example.get("prompt"), example.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise ValueError("'prompt' and 'completion' must both be strings")
+        if tools:
+            raise ValueError("a pair has 'tools', which only a conversation's template reads")
         text, spans, extra = (
             prompt + completion,
             [(len(prompt), len(prompt) + len(completion))],

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mptrain.data import chat, sft, tokenize
+from mptrain.data import chat, sft, template, tokenize
 
 SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers)
 
@@ -19,7 +19,7 @@ class Codec:
     encode: Callable[[str, bool], list[int]]  # (text, with the tokenizer's own specials: BOS)
     decode: Callable[[list[int]], str]
     stop_ids: list[int]  # the end-of-text and end-of-turn tokens the tokenizer knows
-    template: str | None  # the chat template's text, if any
+    template: template.Template | None  # the chat template, if any
     tokens: dict  # bos_token / eos_token for the template
 
     def prompt(self, prompt: Any) -> str:
@@ -33,7 +33,9 @@ class Codec:
         return chat.render(self.template, messages, add_generation_prompt=True, **self.tokens)
 
 
-def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = None) -> Codec:
+def of_tokenizer(
+    spec: str, chat_template: template.Template | None = None, tokens: dict | None = None
+) -> Codec:
     """The `Codec` of `data.tokenizer=spec`: "bytes" (the text data's bytes, no stop token),
     `SFT_BYTES`, or a tokenizer.json's path (its folder's tokenizer_config.json gives the
     template and the tokens where `template` is None)."""
@@ -44,17 +46,17 @@ def of_tokenizer(spec: str, template: str | None = None, tokens: dict | None = N
     if spec != SFT_BYTES:
         spec = tokenize.tokenizer_file(spec)  # a folder: its tokenizer.json
     tokenizer = sft.tokenizer_of(tokenize.BYTES if spec == SFT_BYTES else spec)
-    if template is None and spec != SFT_BYTES:
+    if chat_template is None and spec != SFT_BYTES:
         folder = sft.folder_config(spec)
         tokens = {k: sft.token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
-        template = chat.template_of("folder", folder) if folder.get("chat_template") else None
+        chat_template = sft.folder_template(folder, spec)
     ends = (*tokenize.EOS_TOKENS, "<|eot_id|>", (tokens or {}).get("eos_token"))
     stop = {tokenizer.token_to_id(t) for t in ends if t}
     return Codec(
         lambda text, specials=False: tokenizer.encode(text, add_special_tokens=specials).ids,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         sorted(i for i in stop if i is not None),
-        template,
+        chat_template,
         tokens or {},
     )
 

@@ -13,6 +13,8 @@ assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
     (`BYTE_SPECIALS`), so the built-in `"llama3"` template works on it.
   * Template: `data.chat_template` None takes the folder's (the built-in `"llama3"` under
     `"bytes"`); or a name of `chat.BUILTIN`, `"folder"`, or a template's own Jinja2 text.
+    Each render is bounded (`mptrain.data.template`): `data.template_max_seconds` and
+    `data.template_max_chars` (the text and every value the template makes).
   * Rows: the last `data.eval_fraction` of the examples are held out; each side is packed
     into rows of `data.seq_len` (`packing.pack`: first-fit decreasing, `data.packing=False`
     for one example a row); an example longer than a row is cut to it or left out
@@ -27,7 +29,8 @@ assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
     seq_len]`: targets -1 where no loss falls, segment ids 0 in padding and 1, 2, ... for a
     row's examples, positions from 0 in each example; and `"segment_lengths"`, int32 `[batch,
     data.max_segments]`: each example's tokens, which cuDNN's packed layout reads on a GPU (a
-    row takes at most `data.max_segments` examples). The models attend within a segment.
+    row takes at most `data.max_segments` examples: None is 64, or `data.seq_len` where that
+    is less). The models attend within a segment.
 
 A bad example is a `ConfigError` naming the file, the line and what is wrong; nothing is
 written until every example has encoded.
@@ -46,7 +49,7 @@ import numpy as np
 from absl import logging
 
 from mptrain import errors
-from mptrain.data import chat, packing, text, token_cache, tokenize
+from mptrain.data import chat, packing, template, text, token_cache, tokenize
 from mptrain.data import examples as sources
 
 FORMAT_VERSION = 2  # bump when the rows' layout, the encoding or the embedded set's rule changes
@@ -61,6 +64,8 @@ BYTE_SPECIALS = (
     "<|eot_id|>",
 )
 BYTE_VOCAB = 256 + len(BYTE_SPECIALS)
+MAX_SEGMENTS = 64  # examples a row takes at most by default
+CONFIG_FILE = "tokenizer_config.json"  # beside a tokenizer.json: its template and tokens
 # The keys this source reads under `config.data`, with their defaults (the module doc).
 CONFIG_KEYS = {
     "files": None,
@@ -71,12 +76,14 @@ CONFIG_KEYS = {
     "train_on_prompt": False,
     "too_long": "truncate",
     "packing": True,
-    "max_segments": 64,
+    "max_segments": None,  # None: MAX_SEGMENTS, or seq_len where a row is shorter
     "messages_field": "messages",
     "prompt_field": "prompt",
     "completion_field": "completion",
     "eos_token": None,
     "cache_dir": None,
+    "template_max_chars": template.MAX_CHARS,
+    "template_max_seconds": template.MAX_SECONDS,
 }
 
 
@@ -89,7 +96,7 @@ class Settings:
 
     files: tuple[str, ...]  # empty: the embedded set
     tokenizer: str  # "bytes" or a tokenizer.json's path
-    template: str | None  # the chat template's text
+    template: template.Template | None  # the chat template, its source and its bounds
     tokens: dict  # bos_token / eos_token for the template
     eos_id: int  # what ends a pair
     seq_len: int
@@ -109,6 +116,7 @@ class Settings:
         if not self.files:  # the embedded set: this Python's standard library
             stats = [sys.version, text.stdlib_root()]
         what = dataclasses.asdict(self) | {"files": stats, "cache_dir": None}
+        what["template"] = self.template and self.template.text  # not its bounds or its name
         what["version"] = FORMAT_VERSION
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -123,7 +131,7 @@ def token_text(value: Any) -> str | None:
 
 def folder_config(path: str) -> dict:
     """The `tokenizer_config.json` beside the tokenizer.json `path` ({} where none)."""
-    config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+    config = os.path.join(os.path.dirname(path), CONFIG_FILE)
     if not os.path.isfile(config):
         return {}
     try:
@@ -136,17 +144,31 @@ def folder_config(path: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _template(spec: Any, folder: dict, tokenizer: str) -> str | None:
-    """The chat template's text `data.chat_template=spec` names (the module doc)."""
+def folder_template(folder: dict, tokenizer: str, **bounds) -> template.Template | None:
+    """The chat template in `folder` (the content of the `tokenizer_config.json` beside the
+    tokenizer.json `tokenizer`), named by its file; None where it has none."""
+    if not folder.get("chat_template"):
+        return None
+    where = f"the chat_template of {os.path.join(os.path.dirname(tokenizer), CONFIG_FILE)}"
+    return template.Template(chat.template_of("folder", folder), where, **bounds)
+
+
+def _template(spec: Any, folder: dict, tokenizer: str, bounds: dict) -> template.Template | None:
+    """The chat template `data.chat_template=spec` names (the module doc), named as its errors
+    name it, under the bounds `data.template_max_*`."""
     if spec is None:
-        if folder.get("chat_template"):
-            return chat.template_of("folder", folder)
-        return chat.BUILTIN["llama3"] if tokenizer == BYTES else None
+        if tokenizer != BYTES:
+            return folder_template(folder, tokenizer, **bounds)
+        spec = "llama3"
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"data.chat_template={spec!r}: a template's name or its text, or None")
     if "{{" in spec or "{%" in spec:
-        return spec
-    return chat.template_of(spec, folder)
+        return template.Template(spec, "the text of data.chat_template", **bounds)
+    if spec == "folder":
+        return folder_template(folder, tokenizer, **bounds) or template.Template(
+            chat.template_of(spec, folder)  # raises: the folder has none
+        )
+    return template.Template(chat.template_of(spec, folder), f"the built-in {spec!r}", **bounds)
 
 
 def settings(config: Any) -> Settings:
@@ -157,7 +179,27 @@ def settings(config: Any) -> Settings:
         "data.eval_fraction", keys["eval_fraction"], 0.0, 1.0, open_low=True
     )
     too_long = errors.check_choice("data.too_long", keys["too_long"], ("truncate", "drop"))
-    most = errors.check_integer("data.max_segments", keys["max_segments"], 1, seq_len)
+    most = keys["max_segments"]
+    most = min(MAX_SEGMENTS, seq_len) if most is None else most
+    most = errors.check_integer("data.max_segments", most, 1)
+    if most > seq_len:
+        raise ValueError(
+            f"data.seq_len={seq_len} with data.max_segments={most}: a row of {seq_len} tokens "
+            f"holds at most {seq_len} examples; set data.max_segments={seq_len} or less, or a "
+            "longer data.seq_len"
+        )
+    bounds = {
+        "max_chars": errors.check_integer(
+            "data.template_max_chars", keys["template_max_chars"], 1, errors.INT32_MAX
+        ),
+        "max_seconds": errors.check_number(
+            "data.template_max_seconds",
+            keys["template_max_seconds"],
+            0.0,
+            3600.0,
+            open_low=True,
+        ),
+    }
     for key in ("train_on_prompt", "packing"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"data.{key}={keys[key]!r}: must be True or False")
@@ -183,13 +225,13 @@ def settings(config: Any) -> Settings:
         with open(path, "rb") as f:
             digest = hashlib.sha256(f.read()).hexdigest()
         tokens = {k: token_text(folder.get(k)) or "" for k in ("bos_token", "eos_token")}
-    template = _template(keys["chat_template"], folder, path)
+    chat_template = _template(keys["chat_template"], folder, path, bounds)
     if eos_token is None and tokens["eos_token"]:  # the folder's, as its chat model ends
         eos_token = tokens["eos_token"]
     eos = tokenize.eos_id(loaded, path, eos_token)
     vocab = loaded.get_vocab_size(with_added_tokens=True)
     return Settings(
-        files, path, template, tokens, eos, seq_len, fraction, keys["train_on_prompt"],
+        files, path, chat_template, tokens, eos, seq_len, fraction, keys["train_on_prompt"],
         too_long, keys["packing"], most, fields, cache_dir, vocab, digest,
     )  # fmt: skip
 
@@ -205,14 +247,21 @@ def tokenizer_of(path: str):
 
 
 def _standard(example: Any, fields: tuple[str, str, str]) -> Any:
-    """The example under `chat.encode`'s field names."""
+    """The example under `chat.encode`'s field names (a line's `tools` as they are)."""
     messages, prompt, completion = fields
     if not isinstance(example, dict):
         return example
+    tools = {"tools": example["tools"]} if "tools" in example else {}
+    pair = prompt in example or completion in example
+    if messages in example and pair:
+        raise ValueError(
+            f"both {messages!r} and {prompt!r}/{completion!r}: a line is a conversation or a "
+            "pair, not both"
+        )
     if messages in example:
-        return {"messages": example[messages]}
-    if prompt in example or completion in example:
-        return {"prompt": example.get(prompt), "completion": example.get(completion)}
+        return {"messages": example[messages], **tools}
+    if pair:
+        return {"prompt": example.get(prompt), "completion": example.get(completion), **tools}
     raise ValueError(f"neither {messages!r} nor {prompt!r} and {completion!r}")
 
 
@@ -270,6 +319,16 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
             raise errors.ConfigError(
                 f"config.data.too_long='drop': every {name} example is longer than "
                 f"data.seq_len={s.seq_len}"
+            )
+        if not (side.targets >= 0).any():  # each cut to its prompt: nothing to learn from
+            raise errors.ConfigError(
+                f"config.data.seq_len={s.seq_len}: no {name} token carries the loss"
+                + (
+                    f"; every {name} example was cut to data.seq_len before its answer began. "
+                    "Use a longer data.seq_len, or data.too_long='drop' to leave such examples out"
+                    if side.truncated
+                    else f" (the chat template renders no {name} answer)"
+                )
             )
     rows = np.concatenate(
         [np.stack([getattr(p, plane) for plane in packing.PLANES], axis=1) for p in packed]

@@ -92,7 +92,14 @@ def test_the_template_of_a_folder_is_its_tokenizer_config_chat_template(tmp_path
     "example, says",
     [
         ({"messages": [{"content": "hi"}]}, "message 0 has no 'role'"),
-        ({"messages": [{"role": "tool", "content": "hi"}]}, "role 'tool' is not one of"),
+        ({"messages": [{"role": "tolk", "content": "hi"}]}, "role 'tolk' is not one of"),
+        ({"messages": [{"role": "user", "content": None}]}, "'content' must be a string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "message 0: a content part of type 'image_url'; a text model reads",
+        ),
+        ({"messages": [{"role": "assistant", "tool_calls": {}}]}, "'tool_calls' must be a list"),
+        ({"prompt": "a", "completion": "b", "tools": [{}]}, "a pair has 'tools'"),
         ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
         ({"messages": []}, "non-empty list"),
         ({"prompt": "hi"}, "'prompt' and 'completion' must both be strings"),
@@ -108,5 +115,72 @@ def test_a_bad_example_says_what_is_wrong(tokenizer, example, says):
 def test_a_template_that_refuses_a_conversation_says_so(tokenizer):
     strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
     messages = [{"role": "assistant", "content": "hi"}]
-    with pytest.raises(ValueError, match="the chat template does not render it: user first"):
+    with pytest.raises(
+        ValueError, match=r"the chat template \(.*\) does not render it: user first"
+    ):
         chat.encode({"messages": messages}, tokenizer, strict + "x", 0)
+
+
+# A template that renders tool calls and tools (the shape of Qwen 2.5's and Llama 3.1's).
+TOOL_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}; {% endif %}"
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}call {{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m.content }}{% endif %}"
+    "<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+CALL = {"type": "function", "function": {"name": "capital", "arguments": {"of": "france"}}}
+TOOLS = [{"type": "function", "function": {"name": "capital", "parameters": {}}}]
+
+
+def test_tool_calls_and_tools_reach_the_template_and_the_call_carries_the_loss(tokenizer):
+    messages = [
+        {"role": "user", "content": "what is the capital of france?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "content": "paris", "tool_call_id": "0"},
+        {"role": "assistant", "content": "paris"},
+    ]
+    example = {"messages": messages, "tools": TOOLS}
+    ids, loss = chat.encode(example, tokenizer, TOOL_TEMPLATE, 0)
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    assert text == (
+        "tools: capital; "
+        "<|start_header_id|>user<|end_header_id|>what is the capital of france?<|eot_id|>"
+        '<|start_header_id|>assistant<|end_header_id|>call capital{"of": "france"}<|eot_id|>'
+        "<|start_header_id|>tool<|end_header_id|>paris<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>paris<|eot_id|>"
+    )
+    # hand-labelled: the call and the answer, each with its end of turn; not the tool's result
+    assert (
+        _carrying(tokenizer, ids, loss) == 'call capital{"of": "france"}<|eot_id|>paris<|eot_id|>'
+    )
+
+
+def test_tool_calls_or_tools_a_template_never_reads_are_refused_not_dropped(tokenizer):
+    call = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    ]
+    llama3 = chat.template_of("llama3")
+    with pytest.raises(ValueError, match=r"^message 1 has 'tool_calls', and the chat template"):
+        chat.encode({"messages": call}, tokenizer, llama3, 0, **TOKENS)
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    with pytest.raises(ValueError, match="^the line has 'tools', and the chat template"):
+        chat.encode({"messages": plain, "tools": TOOLS}, tokenizer, llama3, 0, **TOKENS)
+
+
+def test_openai_text_parts_read_as_their_text_joined_by_newlines(tokenizer):
+    parts = [
+        {"type": "text", "text": "what is the capital"},
+        {"type": "text", "text": "of france?"},
+    ]
+    said = [{"role": "user", "content": parts}, {"role": "assistant", "content": [parts[1]]}]
+    plain = [
+        {"role": "user", "content": "what is the capital\nof france?"},
+        {"role": "assistant", "content": "of france?"},
+    ]
+    template = chat.template_of("llama3")
+    got = chat.encode({"messages": said}, tokenizer, template, 0, **TOKENS)
+    want = chat.encode({"messages": plain}, tokenizer, template, 0, **TOKENS)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

@@ -159,6 +159,19 @@ def test_long_examples_are_cut_or_left_out_counted_and_said(tmp_path, caplog):
     assert not any((row == ord("x")).all() for row in dropped[0].rows[:, 0])
 
 
+@pytest.mark.parametrize("form", ["pairs", "chats"])
+def test_a_run_where_no_token_carries_the_loss_is_refused(tmp_path, form):
+    examples = [{"prompt": "x" * 100, "completion": "y"}] * 20 if form == "pairs" else CHATS * 2
+    path = _write(tmp_path / "data.jsonl", examples)  # each cut to its prompt or its headers
+    seq_len = 64 if form == "pairs" else 30
+    with pytest.raises(errors.ConfigError) as e:
+        sft.create_sources(_config(tmp_path, files=path, eval_fraction=0.1, seq_len=seq_len))
+    assert str(e.value).startswith(
+        f"config.data.seq_len={seq_len}: no train token carries the loss; every train example "
+        "was cut to data.seq_len before its answer began"
+    )
+
+
 def test_the_rows_are_built_once_and_reused(tmp_path, caplog):
     path = _write(tmp_path / "pairs.jsonl", PAIRS)
     config = _config(tmp_path, files=path, eval_fraction=0.1)
@@ -192,6 +205,21 @@ BAD = [
     ("neither", {"text": "hi"}, "line 2: neither 'messages' nor 'prompt' and 'completion'"),
     ("not a string", {"prompt": "a", "completion": 3}, "line 2: 'prompt' and 'completion' must"),
     ("empty", {"prompt": "", "completion": ""}, "line 2: an empty example: nothing to learn"),
+    (
+        "both forms",
+        {**CHATS[0], "prompt": "a", "completion": "b"},
+        "line 2: both 'messages' and 'prompt'/'completion': a line is a conversation or a pair",
+    ),
+    (
+        "an image",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        "line 2: message 0: a content part of type 'image_url'",
+    ),
+    (
+        "unread tool calls",
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "0"}]}]},
+        "line 2: message 0 has 'tool_calls', and the chat template (the built-in 'llama3')",
+    ),
 ]
 
 
@@ -208,7 +236,7 @@ def test_a_bad_example_is_one_line_naming_file_line_and_field_and_nothing_is_wri
     message = str(e.value)
     assert message.startswith(f"config.data.files: {path} {says}"), message
     assert "\n" not in message
-    assert not list((tmp_path / "cache").glob("sft-*.npy"))  # nothing cached
+    assert not list((tmp_path / "cache").glob("sft-*"))  # nothing cached, no lock left
 
 
 def test_an_empty_file_and_a_template_that_fails_are_named(tmp_path):
@@ -236,6 +264,9 @@ def test_an_empty_file_and_a_template_that_fails_are_named(tmp_path):
         ("chat_template", "llama9", "data.chat_template='llama9': not a template mptrain has"),
         ("packing", "yes", "data.packing='yes': must be True or False"),
         ("files", str(ROOT / "README.md"), "is not one of the files it reads"),
+        ("max_segments", 65, "data.seq_len=64 with data.max_segments=65: a row of 64 tokens"),
+        ("template_max_chars", 0, "data.template_max_chars=0"),
+        ("template_max_seconds", -1.0, "data.template_max_seconds=-1.0"),
     ],
 )
 def test_bad_settings_name_the_key(tmp_path, key, value, says):
@@ -267,7 +298,7 @@ def test_the_command_line_exits_2_with_one_line_and_writes_nothing(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert f"{path} line 2: message 0 has no 'role'" in last, done.stderr[-2000:]
-    assert not workdir.exists() and not list((tmp_path / "cache").glob("sft-*.npy"))
+    assert not workdir.exists() and not (tmp_path / "cache").exists()
 
 
 def test_the_trainers_step_reads_the_rows_positions_and_segment_ids(tmp_path):
