@@ -171,6 +171,25 @@ def test_a_refused_resume_gives_one_advice_in_clean_sentences(tmp_path, capsys):
     assert "new setup" not in line
 
 
+def test_a_refused_resume_compiles_nothing(tmp_path, capsys):
+    """The newest checkpoint's config is checked before any state is built: a resume of
+    another model is one line in seconds, with no program compiled first."""
+    assert run_cli(tmp_path, "--config.num_train_steps=2", capsys=capsys)[0] == 0
+    compiled = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        code, err = run_cli(tmp_path, "--config.model.d_model=64", capsys=capsys)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert code == 2 and "config.model.d_model=64: " in err.strip().splitlines()[-1], err
+    assert not compiled
+
+
 @pytest.mark.parametrize(
     "key, value, says",
     [

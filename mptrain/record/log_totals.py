@@ -35,19 +35,31 @@ class LogTotals:
     consecutive_skips: jax.Array
     last_finite_loss: jax.Array
     numerics: Any = None  # a `numerics_log.Log` when per-layer numerics are recorded
+    # which steps are log steps: every `every`-th, and the run's `last`. Values the step reads,
+    # not constants of its program: runs that differ only in `log_every_steps` or
+    # `num_train_steps` compile the same step (a test suite's tiny runs, a longer resume).
+    every: Any = 1
+    last: Any = 0
 
     @classmethod
-    def zeros(cls, numerics: Any = None) -> LogTotals:
+    def zeros(cls, numerics: Any = None, every: int = 1, last: int = 0) -> LogTotals:
         """Fresh totals (host scalars; under `jax.jit`, constants of the program)."""
         zero_f, zero_i = np.float32(0), np.int32(0)
-        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics)
+        interval = np.int32(every), np.int32(last)
+        return cls(zero_f, zero_i, zero_i, np.float32(np.nan), numerics, *interval)
+
+    def is_log_step(self, step: jax.Array) -> jax.Array:
+        """Whether `step` (0-based, the one being taken) ends on a log step."""
+        return ((step + 1) % self.every == 0) | (step + 1 == self.last)
 
     @classmethod
-    def on_devices(cls, sharding: Any, numerics: Any = None, saved: dict | None = None):
+    def on_devices(
+        cls, sharding: Any, numerics: Any = None, saved: dict | None = None, **interval: int
+    ):
         """Fresh totals made on the devices of `sharding` (a host NaN would not pass
         `device_put`'s check that every process puts the same value); with `saved`
         (`to_meta`'s, from a checkpoint), the interval's sums and the run of non-finite steps
-        so far. Per-layer numerics tables restart at a resume."""
+        so far; `interval`: `every` and `last`. Per-layer numerics tables restart at a resume."""
         values = {}
         if saved:
             last = saved.get("last_finite_loss")
@@ -57,7 +69,8 @@ class LogTotals:
                 "consecutive_skips": np.int32(saved["consecutive_skips"]),
                 "last_finite_loss": np.float32(np.nan if last is None else last),
             }
-        return jax.jit(lambda: cls.zeros(numerics).replace(**values), out_shardings=sharding)()
+        fresh = lambda: cls.zeros(numerics, **interval).replace(**values)
+        return jax.jit(fresh, out_shardings=sharding)()
 
     def add(self, step: jax.Array, metrics: dict[str, jax.Array]) -> LogTotals:
         """Adds step `step`'s metrics: its (fp32) loss counts only if its update was applied;
@@ -110,4 +123,5 @@ def make_totals(config, sharding: Any, loss_fn: Callable, state: Any, batch: Any
     `config.numerics.per_layer`."""
     calls = numerics.loss_calls(loss_fn, state, batch) if config.numerics.per_layer else None
     log = calls and numerics_log.Log.zeros(len(calls.paths), config.log_every_steps)
-    return functools.partial(LogTotals.on_devices, sharding, log), calls
+    interval = {"every": config.log_every_steps, "last": config.num_train_steps}
+    return functools.partial(LogTotals.on_devices, sharding, log, **interval), calls

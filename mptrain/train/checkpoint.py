@@ -352,6 +352,18 @@ def _check_specs(step: int, saved: dict, wanted: dict[str, str]) -> None:
         )
 
 
+def check_continues(checkpointer: Checkpointer, policy, config: dict) -> None:
+    """Refuses, before any state is built or compiled, a config that the newest checkpoint's
+    run cannot continue (`checkpoint_meta.check_resumable`: another model key, precision or
+    adapters, or fewer steps): one line, in seconds. A meta that does not read is `resume`'s to
+    skip."""
+    if steps := checkpointer.all_steps():
+        with contextlib.suppress(InvalidCheckpointError):
+            meta = checkpointer.read_meta(steps[-1])
+            where = f"{checkpointer.directory}/{steps[-1]}"
+            checkpoint_meta.check_resumable(meta, str(policy), config, where)
+
+
 def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, Any, Any]:
     """`(state, step, meta)` of the newest valid checkpoint, else `(state, None, None)`.
     For the run that holds the directory: once the checkpoint is accepted it removes leftovers
@@ -363,11 +375,7 @@ def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tupl
     try:
         restored = checkpointer.restore(state)
     except CheckpointMismatchError as e:
-        if steps := checkpointer.all_steps():  # a changed key that explains it, named first
-            with contextlib.suppress(InvalidCheckpointError):
-                meta = checkpointer.read_meta(steps[-1])
-                where = f"{checkpointer.directory}/{steps[-1]}"
-                checkpoint_meta.check_resumable(meta, str(policy), config, where)
+        check_continues(checkpointer, policy, config)  # a changed key that explains it, first
         raise errors.WorkdirError(
             f"the checkpoints in {checkpointer.directory} belong to a different model, "
             f"optimizer or precision: {e} Use another --workdir to start a new run"

@@ -171,18 +171,16 @@ class Trainer:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the
         log totals, which restart on the device after each log step."""
         cfg, schedule = self.config, self.schedule
-        log_every, last = cfg.log_every_steps, cfg.num_train_steps
-
-        def is_log_step(state):  # the tables read are those of log steps and skipped steps
-            return ((state.step + 1) % log_every == 0) | (state.step + 1 == last)
-
-        when = None if cfg.numerics.every_step else is_log_step
-        recipe = step.make_train_step(
-            self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
-        )
 
         def train_step(state, batch, totals: log_totals.LogTotals):
-            totals = loss_scale_lib.select_tree(state.step % log_every == 0, totals.reset(), totals)
+            # the tables read are those of log steps and skipped steps
+            log_step = totals.is_log_step
+            when = None if cfg.numerics.every_step else lambda s: log_step(s.step)
+            recipe = step.make_train_step(
+                self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
+            )
+            fresh = state.step % totals.every == 0
+            totals = loss_scale_lib.select_tree(fresh, totals.reset(), totals)
             new_state, metrics = recipe(state, batch)
             shardings = sharding.state_shardings(self.mesh, state)
             new_state = jax.lax.with_sharding_constraint(new_state, shardings)
@@ -220,12 +218,14 @@ class Trainer:
         checkpoint's, else with `pretrained`'s params: `init_from.resume`), the compiled steps,
         the writer, checkpointer and hooks. Writes `config.json`; the `Run` is a context manager."""
         cfg, workdir, clock = self.config, self.workdir, throughput.Clock()  # set-up is timed
-        state = self.init_state(train_source.get_batch(0))
         save_bg = checkpoint.use_async(cfg.checkpoint_async, sharding.platform(self.mesh))
         with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep, async_save=save_bg
             )
+            checkpoint.check_continues(checkpointer, self.policy, config_lib.to_dict(cfg))
+        state = self.init_state(train_source.get_batch(0))
+        with loop.allow_transfers():
             state, saved_step, meta = init_from.resume(
                 checkpointer, state, self.policy, cfg, pretrained
             )

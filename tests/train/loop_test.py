@@ -59,6 +59,19 @@ def test_intervals_that_a_call_does_not_divide_are_config_errors(tmp_path):
         mptrain.run(config, tmp_path / "b")
 
 
+def test_runs_that_differ_in_their_log_interval_or_length_share_one_step_program(tmp_path):
+    """`log_every_steps` and `num_train_steps` are values the step reads (`LogTotals`), not
+    constants of its program: the suite's tiny runs, and a resume that trains longer, compile
+    one step where each pair of them compiled its own."""
+    from mptrain.plan import step  # the run's step traced on abstract shapes, as a plan does
+
+    programs = [
+        step._trace(mptrain.Trainer(tiny_config(**keys), tmp_path))[0].lower().as_text()
+        for keys in ({}, LOG4, {"num_train_steps": 100})
+    ]
+    assert programs[0] == programs[1] == programs[2]
+
+
 def test_the_prefetcher_keeps_order_and_hands_on_errors():
     made = []
 
