@@ -199,6 +199,18 @@ MOVED_TO_SLOW = {
     "lm_loss_test.py::test_chunked_loss_and_gradients_are_the_unchunked_ones[4-bfloat16]": "variant",
     "lm_loss_test.py::test_no_array_of_the_batch_times_the_vocabulary_exists[4]": "variant",
     "lm_loss_test.py::test_a_batch_without_a_valid_target_has_loss_0_and_zero_gradients[float32]": "variant",
+    # fifth round, by the programs no other test compiles (issue 55's session): make test keeps
+    # the default LM's, the Llama's and the ResNet's configs training, a refused resume of
+    # other adapters (their targets), and the bf16 table's gather
+    "zoo_configs_test.py::test_mnist_cnn_tiny_trains_on_mock_data": "variant",
+    "lora_test.py::test_a_resume_with_other_adapters_names_the_key[lora.rank-8]": "variant",
+    "audit_test.py::test_a_gather_from_an_fp32_table_is_listed_as_nondeterministic_and_not_warned": "variant",
+    # the chunked loss's gradients: make test keeps the cross-entropy's through chunks, and the
+    # z-loss's value at the model (transformer_lm_test)
+    "lm_loss_test.py::test_z_loss_is_the_mean_squared_log_normaliser": "variant",
+    # the fixture's power to tell a wrong layout: make test keeps its logits against transformers
+    "hf_test.py::test_the_fixture_tells_a_wrong_qk_order_and_ignored_rope_scaling_apart": "variant",
+    "nnx_example_test.py::test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params": "variant",
 }
 
 

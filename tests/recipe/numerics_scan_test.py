@@ -69,6 +69,8 @@ def test_a_nan_in_one_layers_weights_is_traced_to_that_layer(pair):
             kernel[1, 0, 0] = np.nan
         else:
             params["layers_1"]["mlp"]["down"]["kernel"][0, 0] = np.nan
+        # put back where the state's params were, so the step's own program runs again
+        params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, state.params))
         _, metrics = step(state.replace(params=params), batch)
         assert not bool(metrics["applied"])
         index, direction = metrics["numerics_origin"].tolist()

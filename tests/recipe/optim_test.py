@@ -312,8 +312,10 @@ def test_the_step_copies_no_optimizer_state(tmp_path):
     trainer = mptrain.Trainer(tiny_config(), tmp_path)
     source = trainer.build_datasets()[0]
     state = trainer.init_state(source.get_batch(0))
-    step = jax.jit(mptrain.make_train_step(trainer.loss_fn), donate_argnums=0)
-    program = step.lower(state, source.get_batch(0)).compile().as_text()
+    # the step a run compiles (the state donated): the program the tiny runs share
+    step, make_totals, _ = trainer.make_run_step(state, source.get_batch(0))
+    batch = trainer.device_batch(source, 0)
+    program = step.lower(state, batch, make_totals()).compile().as_text()
     entry = program[program.index("\nENTRY") :]
     copies = [line for line in entry.splitlines() if " copy(%state" in line and "[]" not in line]
     assert not copies, copies  # of the donated state's arrays; scalars (counters) aside

@@ -166,7 +166,9 @@ def test_fp16_loss_is_scaled_in_fp32():
 
 def test_bf16_pure_params_stay_bf16_after_many_steps():
     model, batch = MLP(), _data()
-    state = _state(model, batch, "bf16-pure", optax.adam(1e-2))
+    # fp32 first moments from the start: optax's default (the params' dtype, bf16) turns fp32
+    # at the first update, which would compile the step a second time
+    state = _state(model, batch, "bf16-pure", optax.adam(1e-2, mu_dtype=jnp.float32))
     step = jax.jit(mptrain.make_train_step(_loss_fn(model)), donate_argnums=0)
     first = None
     for _ in range(50):

@@ -89,7 +89,7 @@ def bf16_state():
     state = mptrain.TrainState.create(
         apply_fn=None,
         params=_params(),
-        tx=optax.adamw(1e-3),
+        tx=optax.adamw(1e-3, mu_dtype=jnp.float32),  # optax's default follows the params: bf16
         policy="bf16-pure",
         param_rounding="kahan",
         rng=7,
