@@ -8,13 +8,21 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What `make run` needs: mptrain and its dependencies, no extra (the default run trains on
+# embedded text, so it never imports TensorFlow or pytest).
+RUN_STAMP := $(VENV)/.installed-run
+$(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+# What the tests need besides: the extras test (pytest, ruff, ...) and tfds (TensorFlow).
+$(STAMP): $(RUN_STAMP)
 	$(PY) -m pip install --quiet -e '.[test,tfds]'
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) -m mptrain.main --config=configs/default.py --workdir=runs/default
 
 lint: $(STAMP)
