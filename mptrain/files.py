@@ -118,10 +118,11 @@ def check_workdir(workdir: str | os.PathLike) -> None:
 
 
 def check_output(flag: str, path: str | os.PathLike, folder: bool = False) -> None:
-    """A `ConfigError` (exit 2) naming `flag` when `path` cannot be written, found before any
-    work: where the nearest existing folder above it is a file, or cannot be written in; or
-    where a file is asked for and `path` is a folder. (Whether an existing folder may be
-    written into is its command's rule.)"""
+    """Refuses, before any work, an output `path` that cannot be made: a `ConfigError` (exit 2)
+    naming `flag` where the nearest existing folder above it is a file, or where a file is
+    asked for and `path` is a folder; a `StorageError` (exit 1) where that folder cannot be
+    written in (read-only, no permission), as a failed write would be told. (Whether an
+    existing folder may be written into is its command's rule.)"""
     path = Path(path).absolute()
     if not folder and path.is_dir():
         raise errors.ConfigError(f"{flag}={path}: is a folder; give the path of a file")
@@ -130,22 +131,27 @@ def check_output(flag: str, path: str | os.PathLike, folder: bool = False) -> No
         above = above.parent
     if not above.is_dir():
         raise errors.ConfigError(f"{flag}={path}: {above} is a file, not a folder")
-    if not _writable(above):
-        raise errors.ConfigError(
-            f"{flag}={path}: cannot write in {above} (permission denied, or read-only)"
+    if (failed := _probe(above)) is not None:
+        raise storage_error(failed, str(path)) or errors.StorageError(
+            f"could not write {path}: {failed}"
         )
 
 
 def _writable(directory: str | os.PathLike) -> bool:
-    """Whether a file can be made in `directory`: tried, not `os.access`'d, which says yes to
-    root in a folder without write permission only to fail on a read-only filesystem."""
+    """Whether a file can be made in `directory` (`_probe`)."""
+    return _probe(directory) is None
+
+
+def _probe(directory: str | os.PathLike) -> OSError | None:
+    """Why a file cannot be made in `directory`, or None: tried, not `os.access`'d, which says
+    yes to root in a folder without write permission only to fail on a read-only filesystem."""
     probe = os.path.join(directory, f".mptrain-probe.{secrets.token_hex(4)}.tmp")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         os.remove(probe)
-    except OSError:
-        return False
-    return True
+    except OSError as e:
+        return e
+    return None
 
 
 def quiet_storage_failures(library: str) -> None:

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             files.check_output("--out", args.out)
         speaker = load(args.workdir, args.hf, args.step, args.precision)
         answers = answer(speaker, prompts, args.max_new_tokens, sampling, args.seed, cache_dtype)
-    except (errors.ConfigError, errors.WorkdirError) as e:
+    except (errors.ConfigError, errors.WorkdirError, errors.StorageError) as e:
         sys.stderr.write(f"mptrain.generate: error: {e}\n")
         return e.exit_code
     for i, row in enumerate(answers):
