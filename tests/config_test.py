@@ -46,7 +46,7 @@ MODULE_KEYS = {
     "model.llama": {
         "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff",
         "max_len", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "attention",
-        "scan_layers", "remat",
+        "scan_layers", "remat", "family", "attn_bias", "qk_norm", "sliding_window",
     },
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},

@@ -200,14 +200,18 @@ def choose_attention(
     )
 
 
-def _fused_attention(q, k, v, implementation: str):
+def _fused_attention(q, k, v, implementation: str, window: int | None = None):
     """``jax.nn.dot_product_attention`` as the models call it: ``[B, L, H, D]`` in and out (the
-    layout the heads are split in, so no transpose), causal, scores scaled by ``D ** -0.5``.
-    ``local_backend`` traces the very same call to ask jax whether cuDNN can run it."""
+    layout the heads are split in, so no transpose), causal, scores scaled by ``D ** -0.5``;
+    with a ``window``, cuDNN's sliding window (jax's ``local_window_size``: the ``window - 1``
+    keys before a query, and itself). ``local_backend`` traces the very same call to ask jax
+    whether cuDNN can run it."""
     scale = q.shape[-1] ** -0.5
+    local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=True, implementation=implementation
-    )
+        q, k, v, scale=scale, is_causal=True, implementation=implementation,
+        local_window_size=local,
+    )  # fmt: skip
 
 
 def causal_attention(
@@ -218,6 +222,7 @@ def causal_attention(
     *,
     dropout: Callable[[jax.Array], jax.Array] | None = None,
     segment_ids: jax.Array | segments_lib.Segments | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -232,7 +237,9 @@ def causal_attention(
     ``segment_ids`` (``[B, L]`` ints, or ``Segments``): a query sees only the keys of its own
     segment, so the examples packed into a row never attend to each other: a mask on the
     materialised path, the splash kernel's ``SegmentIds``, cuDNN's packed layout (which takes
-    the ``Segments``' lengths: ``cudnn_packed``).
+    the ``Segments``' lengths: ``cudnn_packed``). ``window``: a sliding window, a query sees
+    itself and the ``window - 1`` keys before it (transformers' ``kv_idx > q_idx - window``):
+    the materialised mask, cuDNN's sliding window, the splash kernel's ``LocalMask``.
     """
     _query_heads_per_kv_head(q, k, v)  # all three refuse the same head counts
     lengths = None
@@ -246,16 +253,18 @@ def causal_attention(
                 "cudnn attention of packed rows takes their segment lengths too (Segments: "
                 "data.sft's batches carry segment_lengths); or use 'materialized'"
             )
-        return segments_lib.cudnn_packed(q, k, v, lengths=lengths)
+        return segments_lib.cudnn_packed(q, k, v, lengths=lengths, window=window)
     if implementation == "cudnn":
-        return _fused_attention(q, k, v, "cudnn")  # it takes K < H heads as they are
+        return _fused_attention(q, k, v, "cudnn", window)  # it takes K < H heads as they are
     if implementation == "flash":
-        return _pallas_flash(q, k, v, segment_ids)
+        return _pallas_flash(q, k, v, segment_ids, window)
     if implementation != "materialized":
         choices = "'cudnn' | 'flash' | 'materialized'"
         raise ValueError(f"attention implementation {implementation!r}: {choices}")
     length = q.shape[1]
     mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None]  # query q sees keys k <= q
+    if window is not None:  # ... and k > q - window
+        mask = mask & ~jnp.tril(jnp.ones((length, length), dtype=bool), -window)[None]
     if segment_ids is not None:  # [B, L, L], and only its own segment's keys
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     return masked_attention(q, k, v, mask, dropout)
@@ -293,13 +302,16 @@ def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> 
     return out.reshape(batch, length, heads, depth)
 
 
-def cached_attention(q, k_cache, v_cache, positions) -> jax.Array:
+def cached_attention(q, k_cache, v_cache, positions, window: int | None = None) -> jax.Array:
     """One decoding step's attention: ``[B, T, H, D]`` q at ``positions`` (``[B, T]``) over a
     layer's KV cache (``[B, K, S, D]``: the layout the scores' matmul reads as it lies, grouped,
     never repeated to H heads) whose slot ``j`` holds position ``j``: a query sees the slots
-    up to its own position. Scores ``[B, H, T, S]`` in fp32: no ``[S, S]`` array."""
+    up to its own position (within the last ``window``, with one). Scores ``[B, H, T, S]`` in
+    fp32: no ``[S, S]`` array."""
     slots = jnp.arange(k_cache.shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        mask = mask & (slots[None, None, :] > positions[:, :, None] - window)
     k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
     return masked_attention(q, k, v, mask, heads_first=True)
 
@@ -320,7 +332,7 @@ def _query_heads_per_kv_head(q, k, v) -> int:
     return heads // kv_heads
 
 
-def _pallas_flash(q, k, v, segment_ids=None):
+def _pallas_flash(q, k, v, segment_ids=None, window: int | None = None):
     """jax's Pallas TPU splash attention, the flash kernel MaxText's TPU LMs run, on ``[B, L, H,
     D]`` q and ``[B, L, K, D]`` k, v: causal, scores scaled by ``D ** -0.5``. It walks the keys
     tile by tile with each row's running max and sum in fp32 and never writes the ``[B, H, L,
@@ -347,8 +359,12 @@ def _pallas_flash(q, k, v, segment_ids=None):
     sizes = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
     sizes += ("block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
     calls = 1 if segment_ids is None else batch  # heads a call: every example's, or one's
-    kernel = splash.make_splash_mha(  # one causal mask, shared by every (example, head)
-        mask=masks.MultiHeadMask([masks.CausalMask((length, length))] * (batch * heads // calls)),
+    shape = (length, length)  # causal, within the window when there is one
+    mask = masks.CausalMask(shape)
+    if window is not None:
+        mask = masks.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    kernel = splash.make_splash_mha(  # one mask, shared by every (example, head)
+        mask=masks.MultiHeadMask([mask] * (batch * heads // calls)),
         block_sizes=splash.BlockSizes(**dict.fromkeys(sizes, block)),
         head_shards=1,
         q_seq_shards=1,

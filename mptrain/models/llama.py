@@ -1,9 +1,11 @@
-"""A Llama-style decoder (Llama 2/3, Mistral-like shapes) with its fp32 islands, its layers
-scanned and rematerialised by name.
+"""The decoder of the Llama and of the families that differ from it by a few switches (Mistral,
+Qwen2, Qwen3: `FAMILIES`), with its fp32 islands, its layers scanned and rematerialised by name.
 
-The blocks: RMSNorm, grouped-query attention with rotary positions (RoPE, with Llama 3's
-frequency scaling), RMSNorm, a SwiGLU MLP; no biases; tied or untied embeddings. Every matmul
-takes compute-dtype (``dtype``) operands, as in ``transformer_lm``. The fp32 islands:
+The blocks (`mptrain.models.blocks`): RMSNorm, grouped-query attention with rotary positions
+(RoPE, with Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and
+the families' switches: biases on the attention's projections, RMSNorm on each head's q and k,
+a sliding window. Every matmul takes compute-dtype (``dtype``) operands, as in
+``transformer_lm``. The fp32 islands:
 
   * RMSNorm: the mean square, its rsqrt and the scaling in fp32 (the scale is a param the
     default casting rule keeps in fp32); only the result is cast back to ``dtype``;
@@ -28,6 +30,8 @@ weight transposed to flax's ``[in, out]`` kernel, nothing else reordered; ``L`` 
     L/attn/{q,k,v,o}/kernel        model.layers.i.self_attn.{q,k,v,o}_proj.weight (T)
     L/mlp_norm/scale [D]           model.layers.i.post_attention_layernorm.weight
     L/mlp/{gate,up,down}/kernel    model.layers.i.mlp.{gate,up,down}_proj.weight (T)
+    L/attn/{q,k,v,o}/bias          model.layers.i.self_attn.{q,k,v,o}_proj.bias (attn_bias)
+    L/attn/{q,k}_norm/scale        model.layers.i.self_attn.{q,k}_norm.weight (qk_norm)
     final_norm/scale [D]           model.norm.weight
     head/kernel [D, V] (untied)    lm_head.weight (T)
 
@@ -43,135 +47,23 @@ Remat: ``mptrain.models.remat``, per block.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
-from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import layers, lm_loss, rope, stack
-from mptrain.models import lora as lora_lib
+from mptrain.models import blocks, layers, lm_loss, rope, stack
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
-from mptrain.models.rope import apply_rope, rope_frequencies
+from mptrain.models.blocks import Block, RMSNorm, Shape
+from mptrain.models.rope import rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import sharding
-
-
-class RMSNorm(nn.Module):
-    """``x / rms(x) * scale``, all of it in fp32, the result cast to ``dtype``."""
-
-    eps: float
-    dtype: layers.Dtype
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
-
-
-def _dense(features: int, name: str, fp8: Any = None, lora: Any = None) -> nn.Module:
-    init = nn.initializers.normal(stddev=0.02)
-    kwargs = {}
-    if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
-        kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return lora_lib.dense(features, name, lora, init, **kwargs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A block's sizes and settings (hashable: a static part of the module)."""
-
-    d_model: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    d_ff: int
-    norm_eps: float
-    inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
-
-
-class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
-    shape: Shape
-    dtype: layers.Dtype
-    implementation: str
-    fp8: Any = None
-    lora: Any = None  # a `lora.Spec`: adapters on the projections it names
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
-        s, (batch, length, _) = self.shape, x.shape
-        # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
-        # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
-        project = lambda n, name, tag: checkpoint_name(
-            layers.run_in(self.dtype, _dense(n * s.head_dim, name, self.fp8, self.lora), x), tag
-        ).reshape(batch, length, n, s.head_dim)
-        q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
-        k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
-        v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
-        inv_freq = np.asarray(s.inv_freq, np.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        if cache is None:
-            out = attention_lib.causal_attention(q, k, v, self.implementation, segment_ids=segments)
-        else:  # decoding (`KVCache`): [B, L] positions, each row's own
-            cache = cache.write(k, v, positions)
-            if length > 1:  # the prompt, from position 0: attention over its own keys
-                out = attention_lib.causal_attention(q, k, v, self.implementation)
-            else:  # one token a row: over the cache, up to each row's position
-                out = attention_lib.cached_attention(q, cache.k, cache.v, positions)
-        out = out.reshape(batch, length, s.num_heads * s.head_dim)
-        out = checkpoint_name(out, remat_lib.CONTEXT)
-        out = layers.run_in(self.dtype, _dense(s.d_model, "o", self.fp8, self.lora), out)
-        out = checkpoint_name(out, remat_lib.PROJECTIONS[3])
-        return out if cache is None else (out, cache)
-
-
-class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
-    shape: Shape
-    dtype: layers.Dtype
-    fp8: Any = None
-    lora: Any = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        run = lambda n, name, tag, h: checkpoint_name(
-            layers.run_in(self.dtype, _dense(n, name, self.fp8, self.lora), h), tag
-        )
-        gate, up, down = remat_lib.PROJECTIONS[4:7]
-        h = nn.silu(run(self.shape.d_ff, "gate", gate, x)) * run(self.shape.d_ff, "up", up, x)
-        return run(self.shape.d_model, "down", down, h)
-
-
-class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
-
-    shape: Shape
-    dtype: layers.Dtype
-    implementation: str
-    fp8: Any = None
-    lora: Any = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
-        s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
-        h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
-        attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
-        h = attn(h, positions, segments, cache)
-        if cache is not None:
-            h, cache = h
-        x = x + h
-        h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
-        x = x + MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
-        return x if cache is None else (x, cache)
 
 
 class Llama(nn.Module):
@@ -272,9 +164,14 @@ class Llama(nn.Module):
         return self.fp8 if layer is not None and start <= layer < stop else None
 
 
+# The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
+# setting of the switches of `blocks.Shape`, and the names its folder gives them.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
 # model. `head_dim` None: d_model / num_heads; `rope_scaling` None, or Llama 3's
-# (factor, low_freq_factor, high_freq_factor, original_max_len).
+# (factor, low_freq_factor, high_freq_factor, original_max_len); `family`: the folder it
+# exports as; `attn_bias`, `qk_norm`, `sliding_window`: `blocks.Shape`'s switches.
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -291,6 +188,10 @@ CONFIG_KEYS = {
     "attention": "auto",
     "scan_layers": True,
     "remat": "none",
+    "family": "llama",
+    "attn_bias": "none",
+    "qk_norm": False,
+    "sliding_window": None,
 }
 
 
@@ -322,9 +223,13 @@ def settings(model_config: Any) -> dict[str, Any]:
     errors.check_number("model.rope_theta", keys["rope_theta"], 1.0, open_low=True)
     errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
     keys["rope_scaling"] = rope.scaling(keys["rope_scaling"])
-    for key in ("tie_embeddings", "scan_layers"):
+    for key in ("tie_embeddings", "scan_layers", "qk_norm"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
+    errors.check_choice("model.family", keys["family"], FAMILIES)
+    errors.check_choice("model.attn_bias", keys["attn_bias"], blocks.ATTN_BIASES)
+    if keys["sliding_window"] is not None:
+        errors.check_integer("model.sliding_window", keys["sliding_window"], 1, errors.INT32_MAX)
     return keys
 
 
@@ -367,6 +272,9 @@ def create_model(
             float(f)
             for f in rope_frequencies(keys["head_dim"], keys["rope_theta"], keys["rope_scaling"])
         ),
+        attn_bias=keys["attn_bias"],
+        qk_norm=keys["qk_norm"],
+        window=keys["sliding_window"],
     )
     return Llama(
         vocab_size=keys["vocab_size"],

@@ -177,6 +177,7 @@ class Dense(nn.Module):
     features: int
     lora: Spec
     kernel_init: Any = nn.initializers.lecun_normal()
+    use_bias: bool = False  # a bias as nn.Dense's (Qwen2's q, k, v): frozen with the kernel
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -185,6 +186,8 @@ class Dense(nn.Module):
         else:
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
         y = frozen_matmul(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
         if not self.lora.adapts(self.path):
             return y
         s = self.lora
@@ -204,11 +207,12 @@ def dense(features: int, name: str, lora: Spec | None, kernel_init: Any = None, 
     LoRA ``Dense`` under a ``Spec`` (every projection then takes a frozen, maybe 8-bit kernel;
     those `lora.targets` names get adapters)."""
     init = {} if kernel_init is None else {"kernel_init": kernel_init}
+    use_bias = kwargs.pop("use_bias", False)
     if lora is None:
-        return nn.Dense(features, dtype=None, use_bias=False, name=name, **init, **kwargs)
+        return nn.Dense(features, dtype=None, use_bias=use_bias, name=name, **init, **kwargs)
     if kwargs:  # fp8's dot_general: `models.create` refuses adapters under fp8
         raise ValueError(f"lora: the projections cannot take {', '.join(kwargs)}")
-    return Dense(features, lora, name=name, **init)
+    return Dense(features, lora, name=name, use_bias=use_bias, **init)
 
 
 def merged(params: Any, scale: float) -> Any:

@@ -213,6 +213,48 @@ def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, sh
         np.testing.assert_allclose(got, expected, atol=0.02 * float(jnp.abs(expected).max()))
 
 
+def _windowed(q, k, v, window):
+    """A query's softmax over itself and the `window - 1` keys before it, in numpy float64,
+    k and v repeated to every query head (transformers' `repeat_kv` and sliding mask)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    k, v = (np.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    at = np.arange(q.shape[1])
+    seen = (at[None, :] <= at[:, None]) & (at[None, :] > at[:, None] - window)
+    scores = np.where(seen, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", probs / probs.sum(-1, keepdims=True), v)
+
+
+def test_a_sliding_window_is_the_same_window_on_every_path(monkeypatch):
+    """Mistral's and Qwen's sliding window (a query sees itself and the `window - 1` keys
+    before it): the materialised mask, cuDNN's call (jax's `local_window_size`, run with its
+    reference semantics here), and the KV cache a token at a time, all as transformers
+    masks."""
+    q, k, v = _qkv((2, 12, 4, 8), kv_heads=2, dtype=jnp.float32)
+    want = _windowed(q, k, v, window=5)
+    got = attention.causal_attention(q, k, v, "materialized", window=5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    asked = cudnn_as_xla(monkeypatch)
+    fused = attention.causal_attention(q, k, v, "cudnn", window=5)
+    assert asked == ["cudnn"]
+    np.testing.assert_allclose(fused, want, rtol=1e-5, atol=1e-6)
+    cache = [jnp.swapaxes(x, 1, 2) for x in (k, v)]  # the cache's [B, K, S, D]
+    for t in (3, 8, 11):  # before the window fills, and after
+        step = attention.cached_attention(q[:, t : t + 1], *cache, jnp.full((2, 1), t), window=5)
+        np.testing.assert_allclose(step[:, 0], want[:, t], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # Pallas's interpret mode: the other paths' window runs in make test
+def test_the_tpu_kernels_sliding_window_is_the_same_window_in_interpret_mode():
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v = _qkv((1, 256, 2, 64), kv_heads=1, dtype=jnp.float32)  # two tiles of 128
+    with pltpu.force_tpu_interpret_mode():
+        got = attention.causal_attention(q, k, v, "flash", window=100)
+    np.testing.assert_allclose(got, _windowed(q, k, v, window=100), rtol=1e-4, atol=1e-5)
+
+
 def test_the_model_on_cudnn_matches_the_materialized_model_and_stays_causal(monkeypatch, params):
     pretend_gpu(monkeypatch)
     asked = cudnn_as_xla(monkeypatch)

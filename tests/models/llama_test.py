@@ -13,7 +13,7 @@ import pytest
 from helpers import LLAMA_SCALING, integers, llama_config, matmul_dtypes, needs_devices, normal
 from jax.sharding import PartitionSpec
 
-from mptrain.models import layers, llama
+from mptrain.models import layers, llama, rope
 from mptrain.recipe import precision, sharding
 
 SCALING = LLAMA_SCALING
@@ -118,13 +118,13 @@ def test_the_fp32_forward_equals_a_numpy_reference_past_the_original_context(ove
 
 
 def test_rope_frequencies_follow_llama3s_rule_in_all_three_bands():
-    got = llama.rope_frequencies(16, 10_000.0, SCALING)
+    got = rope.rope_frequencies(16, 10_000.0, SCALING)
     want = _ref_inv_freq(16, 10_000.0, SCALING)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     wavelength = 2 * np.pi / (10_000.0 ** (-np.arange(0, 16, 2) / 16))
     assert (wavelength < 8).any() and (wavelength > 32).any()  # kept and stretched bands
     assert ((wavelength > 8) & (wavelength < 32)).any()  # and the interpolated one
-    unscaled = llama.rope_frequencies(16, 10_000.0)
+    unscaled = rope.rope_frequencies(16, 10_000.0)
     np.testing.assert_allclose(unscaled, 10_000.0 ** (-np.arange(0, 16, 2) / 16), rtol=1e-6)
 
 
@@ -285,10 +285,10 @@ def test_a_packed_row_gives_each_example_its_own_logits_and_gradients():
     # row's own positions too: `positions` are checked where they are read, each row its own
     x = normal(6, (2, 3 * n, 2, 16))
     rows = jnp.concatenate([positions, positions[:, ::-1]])
-    inv_freq = llama.rope_frequencies(16, 10_000.0, SCALING)
-    rotated = llama.apply_rope(x, rows, inv_freq)
+    inv_freq = rope.rope_frequencies(16, 10_000.0, SCALING)
+    rotated = rope.apply_rope(x, rows, inv_freq)
     for b in range(2):
         np.testing.assert_array_equal(
-            rotated[b], llama.apply_rope(x[b : b + 1], rows[b], inv_freq)[0]
+            rotated[b], rope.apply_rope(x[b : b + 1], rows[b], inv_freq)[0]
         )
-    assert not np.allclose(rotated, llama.apply_rope(x, jnp.arange(3 * n), inv_freq))
+    assert not np.allclose(rotated, rope.apply_rope(x, jnp.arange(3 * n), inv_freq))

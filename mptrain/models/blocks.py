@@ -1,0 +1,160 @@
+"""The decoder's blocks (`mptrain.models.llama`'s): RMSNorm, attention, the SwiGLU MLP, and
+`Shape`, what a block needs to know: its sizes, and the switches by which the families the
+decoder reads differ from the Llama (as settings, not copies of the model):
+
+  * ``attn_bias``: ``"none"``, ``"qkv"`` (Qwen2: q, k, v with bias, o without) or ``"all"``
+    (a Llama's or Qwen3's ``attention_bias``: the four projections);
+  * ``qk_norm``: Qwen3's RMSNorm over each head's q and k (its own scale a head dimension),
+    after the projection and before RoPE, in fp32 as every norm here;
+  * ``window``: a sliding window on every layer (Mistral's ``sliding_window``, Qwen's when every
+    layer slides): a query sees itself and the ``window - 1`` keys before it, as transformers'
+    ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``).
+
+Every matmul takes compute-dtype operands; the fp32 islands are the llama module doc's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from mptrain.models import attention as attention_lib
+from mptrain.models import layers
+from mptrain.models import lora as lora_lib
+from mptrain.models import remat as remat_lib
+from mptrain.models.rope import apply_rope
+from mptrain.recipe import fp8 as fp8_lib
+
+ATTN_BIASES = ("none", "qkv", "all")
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * scale``, all of it in fp32, the result cast to ``dtype``."""
+
+    eps: float
+    dtype: layers.Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def dense(features: int, name: str, fp8: Any = None, lora: Any = None, bias: bool = False):
+    """A projection: bias-free unless `bias`, its matmul in fp8 under a recipe (its scaling
+    state in model_state, `mptrain.recipe.fp8`), with an adapter where `lora` says."""
+    init = nn.initializers.normal(stddev=0.02)
+    kwargs = {"use_bias": True} if bias else {}
+    if fp8:
+        kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
+    return lora_lib.dense(features, name, lora, init, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A block's sizes and switches (hashable: a static part of the module; the module doc)."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    norm_eps: float
+    inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
+    attn_bias: str = "none"
+    qk_norm: bool = False
+    window: int | None = None
+
+
+class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
+    shape: Shape
+    dtype: layers.Dtype
+    implementation: str
+    fp8: Any = None
+    lora: Any = None  # a `lora.Spec`: adapters on the projections it names
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
+        s, (batch, length, _) = self.shape, x.shape
+        bias = lambda name: s.attn_bias == "all" or (s.attn_bias == "qkv" and name != "o")
+        run = lambda n, name, h: layers.run_in(
+            self.dtype, dense(n, name, self.fp8, self.lora, bias(name)), h
+        )
+
+        # Three projections, each reshaped (a bitcast, no copy) to the [B, L, heads, Dh] the
+        # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
+        def project(n, name, tag):
+            out = checkpoint_name(run(n * s.head_dim, name, x), tag)
+            out = out.reshape(batch, length, n, s.head_dim)
+            if s.qk_norm and name != "v":  # over each head's dimensions, before RoPE
+                out = RMSNorm(s.norm_eps, self.dtype, name=f"{name}_norm")(out)
+            return out
+
+        q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
+        k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
+        v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
+        inv_freq = np.asarray(s.inv_freq, np.float32)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        window = {"window": s.window}
+        if cache is None:
+            out = attention_lib.causal_attention(
+                q, k, v, self.implementation, segment_ids=segments, **window
+            )
+        else:  # decoding (`KVCache`): [B, L] positions, each row's own
+            cache = cache.write(k, v, positions)
+            if length > 1:  # the prompt, from position 0: attention over its own keys
+                out = attention_lib.causal_attention(q, k, v, self.implementation, **window)
+            else:  # one token a row: over the cache, up to each row's position
+                out = attention_lib.cached_attention(q, cache.k, cache.v, positions, **window)
+        out = out.reshape(batch, length, s.num_heads * s.head_dim)
+        out = checkpoint_name(out, remat_lib.CONTEXT)
+        out = checkpoint_name(run(s.d_model, "o", out), remat_lib.PROJECTIONS[3])
+        return out if cache is None else (out, cache)
+
+
+class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
+    shape: Shape
+    dtype: layers.Dtype
+    fp8: Any = None
+    lora: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        run = lambda n, name, tag, h: checkpoint_name(
+            layers.run_in(self.dtype, dense(n, name, self.fp8, self.lora), h), tag
+        )
+        gate, up, down = remat_lib.PROJECTIONS[4:7]
+        h = nn.silu(run(self.shape.d_ff, "gate", gate, x)) * run(self.shape.d_ff, "up", up, x)
+        return run(self.shape.d_model, "down", down, h)
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    shape: Shape
+    dtype: layers.Dtype
+    implementation: str
+    fp8: Any = None
+    lora: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
+        s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
+        h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
+        attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
+        h = attn(h, positions, segments, cache)
+        if cache is not None:
+            h, cache = h
+        x = x + h
+        h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
+        x = x + MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
+        return x if cache is None else (x, cache)
