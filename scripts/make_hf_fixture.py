@@ -45,10 +45,11 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # the tiny fixture's
@@ -90,17 +91,19 @@ def _config(shapes: dict, theta: float, scaling: dict | None, **kwargs) -> Llama
 
 
 @torch.no_grad()
-def _randomise(model: LlamaForCausalLM, generator: torch.Generator) -> None:
+def _randomise(model: Any, generator: torch.Generator) -> None:
     """Weights that make scores and logits of order one (the module doc says why)."""
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):  # q_norm and k_norm too
             p.copy_(0.5 + torch.rand(p.shape, generator=generator))
+        elif p.ndim == 1:  # a bias: large enough to move every score
+            p.copy_(0.5 * torch.randn(p.shape, generator=generator))
         else:  # a torch Linear's [out, in]; the embedding's rows of norm ~1 (a tied head too)
             p.copy_(torch.randn(p.shape, generator=generator) / p.shape[1] ** 0.5)
 
 
 def _logits(folder: Path, ids: np.ndarray) -> np.ndarray:
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     with torch.no_grad():
@@ -109,9 +112,11 @@ def _logits(folder: Path, ids: np.ndarray) -> np.ndarray:
 
 def _as_transformers_4(folder: Path) -> None:
     """Rewrites config.json in transformers 4.x's form: `rope_theta` at the top, the scaling
-    (or null) as `rope_scaling`, the dtype as `torch_dtype` too."""
+    (or null) as `rope_scaling`, the dtype as `torch_dtype` too, and no `layer_types` (a Qwen2
+    window then comes of `use_sliding_window` and `max_window_layers`)."""
     path = folder / "config.json"
     config = json.loads(path.read_text())
+    config.pop("layer_types", None)
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
@@ -152,7 +157,7 @@ def write_generated(folder: Path) -> None:
     [3, NEW_TOKENS]): what mptrain.generate's batched decoder must give token for token."""
     from transformers import GenerationConfig
 
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     ids = np.load(folder / "reference.npz")["ids"]
@@ -172,6 +177,46 @@ def write_generated(folder: Path) -> None:
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     np.savez(folder / "generate.npz", prompts=padded, lengths=lengths, tokens=np.stack(tokens))
     print(f"{folder}: generated {NEW_TOKENS} tokens for prompts of {lengths.tolist()} tokens")
+
+
+# The other families, each with the switches that set it apart from the Llama turned on:
+# Mistral's and Qwen2's sliding window (16 keys, a third of the 48 positions of the reference),
+# Qwen2's q, k, v biases, Qwen3's q and k norms and tied embeddings. config.json in each form:
+# Qwen2's as Hub checkpoints carry it (transformers 4.x), the others as 5.x writes it.
+FAMILIES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 16}, False),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0},
+        True,
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}, False),
+}
+
+
+def write_family(out: Path, name: str) -> None:
+    import transformers
+
+    config_class, model_class, switches, v4 = FAMILIES[name]
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(4321)
+    rope = {"rope_type": "default", "rope_theta": 50_000.0}
+    config = getattr(transformers, config_class)(**SHAPES, rope_parameters=rope, **switches)
+    model = getattr(transformers, model_class)(config).to(torch.float32)
+    _randomise(model, generator)
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    ids = np.random.default_rng(7).integers(0, SHAPES["vocab_size"], IDS_SHAPE, np.int32)
+    logits = _logits(out, ids)
+    if v4:
+        _as_transformers_4(out)
+        again = _logits(out, ids)
+        assert np.array_equal(again, logits), np.abs(again - logits).max()
+    np.savez(out / "reference.npz", ids=ids, logits=logits.astype(np.float32))
+    write_generated(out)
+    print(f"{out}: {model_class}, logits max |value| {np.abs(logits).max():.3f}")
 
 
 def write_1b(out: Path) -> None:
@@ -200,8 +245,15 @@ def main() -> None:
     parser.add_argument(
         "--generate", action="store_true", help="only write the fixtures' generate.npz"
     )
+    parser.add_argument(
+        "--families", action="store_true", help="only write tests/hf/families/<family>/"
+    )
     args = parser.parse_args()
     fixture = args.out or ROOT / "tests" / "hf" / "fixture"
+    if args.families:
+        for name in FAMILIES:
+            write_family((args.out or ROOT / "tests" / "hf" / "families") / name, name)
+        return
     if args.generate:
         for folder in (fixture, fixture / "tied"):
             write_generated(folder)

@@ -82,7 +82,7 @@ def _run(capsys, *argv):
         (["--workdir={tmp}/bad", "--prompt=x"], "config.json is unusable"),
         (
             ["--hf={tmp}/gpt2", "--prompt=x"],
-            "mptrain.hf reads LlamaForCausalLM (model_type 'llama') only",
+            "mptrain.hf reads model_type 'llama', 'mistral', 'qwen2', 'qwen3'",
         ),
         (["--hf={tmp}", "--prompt=x"], "not a HuggingFace folder"),
         (["--workdir={tmp}", "--hf={tmp}", "--prompt=x"], "give --workdir=RUN or --hf=FOLDER"),

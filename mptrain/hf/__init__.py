@@ -1,14 +1,16 @@
-"""HuggingFace Llama folders in and out: `read_config`, `load`, `load_params`, `save`.
+"""HuggingFace folders in and out: `read_config`, `load`, `load_params`, `save`.
 
-A folder is what transformers' `save_pretrained` writes for a `LlamaForCausalLM`: config.json
-and `model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf.tensors` reads
-and writes the files). Its tensors map onto `mptrain.models.llama`'s param tree by name, each
-torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in llama.py's
-module doc); layers are stacked on a leading axis (`scan_layers`) or kept as `layers_i`.
+A folder is what transformers' `save_pretrained` writes for a causal LM of a family
+`mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3): config.json and
+`model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf.tensors` reads
+and writes the files). Its tensors map onto the param tree of mptrain's decoder
+(`mptrain.models.llama`) by name, each torch `[out, in]` weight transposed to a flax `[in, out]`
+kernel (the table is in llama.py's module doc; biases and norms as they are); layers are stacked
+on a leading axis (`scan_layers`) or kept as `layers_i`.
 
-The package: this module (the mapping of configs and names) and `tensors` (the safetensors
-files, sharded or not). It may import `models`, `recipe` and the base modules; `train` and `export`
-read it.
+The package: this module (the mapping of names), `families` (each family's config.json keys)
+and `tensors` (the files, sharded or not). It may import `models`, `recipe` and the base
+modules; `train` and `export` read it.
 
 config.json comes in two forms, both read: transformers 4.x's `rope_theta` and `rope_scaling`
 (what Hub checkpoints of Llama 3.x carry, with `rope_type` or the older `type`), and 5.x's
@@ -55,6 +57,7 @@ import ml_collections
 import numpy as np
 
 from mptrain import errors
+from mptrain.hf import families
 from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
 from mptrain.recipe import precision, sharding
@@ -71,6 +74,13 @@ _LAYER_NAMES = {
     ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
     ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
     ("mlp", "down", "kernel"): ("mlp.down_proj.weight", True),
+    # the families' switches (`mptrain.hf.families`): biases, each head's q and k norms
+    ("attn", "q", "bias"): ("self_attn.q_proj.bias", False),
+    ("attn", "k", "bias"): ("self_attn.k_proj.bias", False),
+    ("attn", "v", "bias"): ("self_attn.v_proj.bias", False),
+    ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
 }
 _TOP_NAMES = {
     ("embed", "embedding"): ("model.embed_tokens.weight", False),
@@ -96,20 +106,26 @@ def _settings(model_config: Any) -> dict[str, Any]:
         section = ml_collections.ConfigDict({k: v for k, v in model_config.items()})
     name = getattr(section, "name", "llama")
     if name not in (None, "llama"):
-        raise errors.ConfigError(f"config.model.name={name!r}: only a llama maps onto HF Llama")
+        raise errors.ConfigError(
+            f"config.model.name={name!r}: only mptrain's decoder ('llama') maps onto a "
+            "HuggingFace folder"
+        )
     with errors.config_errors():
-        return llama.settings(section)
+        keys = llama.settings(section)
+        families.check(keys)
+    return keys
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The `config.model` section (`name="llama"` and the keys of `llama.CONFIG_KEYS` that a
-    checkpoint fixes) for an HF Llama folder (or its config.json). Keys transformers has
-    defaults for may be absent (`num_key_value_heads`: one per head; `head_dim`: width /
-    heads; `rope_theta` 10,000; `rms_norm_eps` 1e-6; `max_position_embeddings` 2,048;
-    untied); the sizes may not. Errors: `ConfigError` naming the file and the key."""
+    """The `config.model` section (`name="llama"`, its `family`, and the keys of
+    `llama.CONFIG_KEYS` that a checkpoint fixes) for a folder of a family `mptrain.hf.families`
+    reads (or its config.json). Keys transformers has defaults for may be absent
+    (`num_key_value_heads`: one per head; `head_dim`: width / heads, Qwen3's 128; `rope_theta`
+    10,000; `rms_norm_eps` 1e-6; `max_position_embeddings` 2,048; untied); the sizes may not.
+    Errors: `ConfigError` naming the file and the key."""
     file = Path(path)
     file = file / hf_io.CONFIG_FILE if file.is_dir() else file
-    model = hf_io.read_llama_config(file)
+    model = hf_io.read_model_config(file)
     try:  # the model's own rules, here, where the file the values came from is known
         _settings(model)
     except errors.ConfigError as e:
@@ -119,7 +135,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json's content (transformers 4.x form) for a llama `config.model`."""
-    return hf_io.llama_config_json(_settings(model_config), dtype)
+    return hf_io.config_json(_settings(model_config), dtype)
 
 
 # --------------------------------------------------------------------------- the param tree
@@ -155,7 +171,7 @@ def _leaf(keys: tuple[str, ...], shape: tuple[int, ...]) -> _Leaf:
     if keys in _TOP_NAMES:
         name, transposed = _TOP_NAMES[keys]
         return _Leaf(path, (name,), transposed, stacked=False, shape=shape)
-    raise errors.ConfigError(f"params/{path}: no tensor of an HF {hf_io.ARCHITECTURE} maps onto it")
+    raise errors.ConfigError(f"params/{path}: no tensor of a HuggingFace folder maps onto it")
 
 
 def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
@@ -170,6 +186,11 @@ def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
         "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
     }
     layer["attn"]["o"] = {"kernel": (q, d)}
+    biased = {"none": (), "qkv": ("q", "k", "v"), "all": ("q", "k", "v", "o")}[c["attn_bias"]]
+    for name in biased:
+        layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
+    if c["qk_norm"]:
+        layer["attn"] |= {f"{n}_norm": {"scale": (c["head_dim"],)} for n in ("q", "k")}
     tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
     if not c["tie_embeddings"]:
         tree["head"] = {"kernel": (d, v)}
@@ -286,7 +307,7 @@ def _check_unused(reader: hf_io.Reader, leaves: list[_Leaf], config: dict) -> No
     unused = sorted(n for n in reader.files if n not in used and not _IGNORED.fullmatch(n))
     if unused:
         raise errors.ConfigError(
-            f"{reader.files[unused[0]]}: tensor {unused[0]} has no place in the llama that "
+            f"{reader.files[unused[0]]}: tensor {unused[0]} has no place in the model that "
             f"config.json describes ({len(unused)} such tensors)"
         )
 

@@ -1,6 +1,7 @@
-"""The files of a HuggingFace Llama folder: config.json in either of transformers' forms, and
-safetensors tensors found by name, read by slices, written in shards with an index.
-`mptrain.hf` maps them onto mptrain's llama and its param tree; this module knows the files.
+"""The files of a HuggingFace folder: config.json in either of transformers' forms (its family's
+own keys read by `mptrain.hf.families`), and safetensors tensors found by name, read by slices,
+written in shards with an index. `mptrain.hf` maps them onto mptrain's decoder and its param
+tree; this module knows the files.
 
 A folder holds either one `model.safetensors`, or shards `model-0000i-of-0000n.safetensors`
 listed by `model.safetensors.index.json` (its `weight_map`: tensor name -> file); a folder with
@@ -24,6 +25,7 @@ import safetensors
 import safetensors.numpy
 
 from mptrain import errors
+from mptrain.hf import families
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -31,7 +33,6 @@ SINGLE = "model.safetensors"
 # (float64 rounds, as torch's `.float()` does).
 FLOATS = ("F64", "F32", "BF16", "F16")
 CONFIG_FILE = "config.json"
-ARCHITECTURE = "LlamaForCausalLM"
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ShardTensor = tuple[str, tuple[int, ...], int, Callable[[], np.ndarray]]  # name, shape, bytes, get
 
@@ -150,48 +151,46 @@ def transpose_into(out: np.ndarray, part: np.ndarray) -> None:
             out[k : k + 512, i : i + 128] = part[i : i + 128, k : k + 512].T
 
 
-def read_llama_config(file: Path) -> dict[str, Any]:
+def read_model_config(file: Path) -> dict[str, Any]:
     """`mptrain.hf.read_config`'s dict from the config.json `file` (the doc is there)."""
     raw = read_json(file)
-    architectures = raw.get("architectures")
-    if architectures is not None and ARCHITECTURE not in (architectures or []):
-        raise errors.ConfigError(
-            f"{file}: architectures={architectures!r}: mptrain.hf reads {ARCHITECTURE} only"
-        )
-    if architectures is None and raw.get("model_type") != "llama":
-        raise errors.ConfigError(
-            f"{file}: model_type={raw.get('model_type')!r} and no architectures: mptrain.hf "
-            f"reads {ARCHITECTURE} (model_type 'llama') only"
-        )
-    for key, fine in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    family = families.of_config(file, raw)
+    for key, fine in (("hidden_act", "silu"), ("mlp_bias", False)):
         if raw.get(key, fine) not in (fine, None):
             raise errors.ConfigError(
-                f"{file}: {key}={raw[key]!r}: mptrain's llama has {key}={fine!r} only"
+                f"{file}: {key}={raw[key]!r}: mptrain's decoder has {key}={fine!r} only"
             )
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:
         """`raw[key]`, else `default` (transformers' own; None: the key is required)."""
         value = default if raw.get(key) is None else raw[key]
         if value is None:
-            raise errors.ConfigError(f"{file}: no {key!r}, which a Llama's config.json must give")
+            raise errors.ConfigError(
+                f"{file}: no {key!r}, which a {family.architecture}'s config.json must give"
+            )
         return _checked(file, key, value, kind)
 
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     theta, scaling = _rope(file, raw)
     return {
         "name": "llama",
+        "family": family.name,
         "vocab_size": get("vocab_size"),
         "d_model": hidden,
-        "num_layers": get("num_hidden_layers"),
+        "num_layers": layers,
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads", heads),
-        "head_dim": get("head_dim", hidden // heads),
+        "head_dim": get("head_dim", 128 if family.name == "qwen3" else hidden // heads),
         "d_ff": get("intermediate_size"),
         "max_len": get("max_position_embeddings", 2048),
         "rope_theta": _checked(file, "rope_theta", theta, float),
         "rope_scaling": scaling,
         "norm_eps": get("rms_norm_eps", 1e-6, float),
         "tie_embeddings": get("tie_word_embeddings", False, bool),
+        "attn_bias": "none",
+        "qk_norm": False,
+        "sliding_window": None,
+        **family.read(file, raw, layers),
     }
 
 
@@ -237,15 +236,17 @@ def _rope(file: Path, raw: dict) -> tuple[float, tuple | None]:
     return theta, (factor, low, high, original)
 
 
-def llama_config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """config.json's content, transformers 4.x's form, for a llama's checked settings `c`."""
+def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json's content, transformers 4.x's form, for the decoder's checked settings `c`,
+    as its family (`model.family`) writes it."""
+    family = families.FAMILIES[c["family"]]
     scaling = c["rope_scaling"]
     rope = None
     if scaling is not None:
         rope = {"rope_type": "llama3", **dict(zip(_ROPE_KEYS, scaling, strict=True))}
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": c["vocab_size"],
         "hidden_size": c["d_model"],
         "intermediate_size": c["d_ff"],
@@ -259,12 +260,10 @@ def llama_config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
         "rope_scaling": rope,
         "tie_word_embeddings": c["tie_embeddings"],
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
+        **family.write(c),
         "torch_dtype": dtype,
         "dtype": dtype,
     }

@@ -292,7 +292,7 @@ def test_save_refuses_params_that_disagree_with_the_model_config(tmp_path):
         match=r"params/embed/embedding: shape \[300, 48\], but the model config needs \[256, 48\]",
     ):
         hf.save(tmp_path, {**model_config, "vocab_size": 256}, params)
-    with pytest.raises(errors.ConfigError, match="only a llama maps onto HF Llama"):
+    with pytest.raises(errors.ConfigError, match="only mptrain.s decoder .* maps onto a Hugg"):
         hf.save(tmp_path, {**model_config, "name": "transformer_lm"}, params)
     assert not list(tmp_path.iterdir())  # nothing written
 
@@ -316,7 +316,8 @@ Q1 = "model.layers.1.self_attn.q_proj.weight"
 BAD = {
     "gpt2": (
         lambda f: _edit_config(f, lambda c: c.update(architectures=["GPT2LMHeadModel"])),
-        r"config.json: architectures=\['GPT2LMHeadModel'\]: mptrain.hf reads LlamaForCausalLM",
+        r"config.json: architectures=\['GPT2LMHeadModel'\]: mptrain.hf reads LlamaForCausalLM, "
+        r"MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
     ),
     "yarn": (
         lambda f: _edit_config(f, lambda c: c["rope_scaling"].update(rope_type="yarn")),
@@ -341,7 +342,7 @@ BAD = {
     ),
     "a_bias": (
         lambda f: _tensors(f, lambda t: t.update({Q1[:-6] + "bias": np.zeros(64, np.float32)})),
-        r"tensor model.layers.1.self_attn.q_proj.bias has no place in the llama",
+        r"tensor model.layers.1.self_attn.q_proj.bias has no place in the model",
     ),
     "truncated": (lambda f: _cut(f, 200_000), r"model.safetensors: not a readable safetensors"),
     "garbage": (

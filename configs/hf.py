@@ -1,0 +1,23 @@
+"""Fine-tuning a HuggingFace folder of any family mptrain's decoder reads (Llama, Mistral,
+Qwen2, Qwen3: `mptrain.hf.families`), with the recipe of `configs/llama3.py:hf=DIR`.
+
+    python -m mptrain.main --config=configs/hf.py:/models/Qwen3-0.6B --workdir=runs/ft \
+        --config.data.files='notes/**/*.md'
+    python -m mptrain.main --config=configs/hf.py:sft=/models/Qwen3-0.6B --workdir=runs/sft \
+        --config.data.files=chats.jsonl
+
+Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer), or
+`sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md). The
+model section is the folder's own (`mptrain.hf.read_config`: its family and that family's
+switches); everything else is `configs/llama3.py`'s and may be overridden.
+"""
+
+import os
+import runpy
+
+
+def get_config(arg: str | None = None):
+    if not arg:
+        raise ValueError("configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR)")
+    llama3 = runpy.run_path(os.path.join(os.path.dirname(__file__), "llama3.py"))
+    return llama3["get_config"](arg if arg.startswith("sft=") else f"hf={arg}")

@@ -1,0 +1,203 @@
+"""The families beside the Llama (issue 56, first part): Mistral, Qwen2 and Qwen3 folders that
+transformers made itself (`scripts/make_hf_fixture.py --families`, run in a venv of its own:
+Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's q, k, v biases,
+Qwen3's q and k norms and tied embeddings; Qwen2's config.json in transformers 4.x's form, the
+others in 5.x's), read by `mptrain.hf` into the one decoder: its fp32 logits and its greedy
+decoding against transformers' own, each switch shown to matter, the folder written back."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from helpers import ROOT, run_cli
+from hf.hf_test import BF16_BOUND, _error, _reference
+
+from mptrain import errors, export, generate, hf
+from mptrain.models import decode, llama
+
+FAMILIES = Path(__file__).parent / "families"
+NAMES = ("mistral", "qwen2", "qwen3")
+# what each folder is read as: model.family, attn_bias, qk_norm, sliding_window
+SWITCHES = {
+    "mistral": ("mistral", "none", False, 16),
+    "qwen2": ("qwen2", "qkv", False, 16),
+    "qwen3": ("qwen3", "none", True, None),
+}
+# make test reads Qwen2 (a window and biases, config.json in 4.x's form); the others' fp32
+# logits and decoding are second variants of the same path, in make test-slow
+SLOW = pytest.mark.slow
+
+
+def _model(model_config, dtype=jnp.float32, **overrides):
+    section = {**model_config, "attention": "materialized", **overrides}
+    return llama.create_model(ml_collections.ConfigDict(section), dtype)
+
+
+def _logits(model_config, params, ids, dtype=jnp.float32, **overrides):
+    model = _model(model_config, dtype, **overrides)
+    return np.asarray(jax.jit(model.apply)({"params": params}, ids))
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "qwen2" else pytest.param(n, marks=SLOW) for n in NAMES]
+)
+def test_each_familys_fp32_logits_are_transformers(name):
+    folder = FAMILIES / name
+    ids, want = _reference(folder)
+    model_config, params = hf.load(folder)
+    switches = tuple(model_config[k] for k in ("family", "attn_bias", "qk_norm", "sliding_window"))
+    assert switches == SWITCHES[name]
+    assert _error(_logits(model_config, params, ids), want) < 1e-5
+
+
+@SLOW
+@pytest.mark.parametrize("name", NAMES)
+def test_each_switch_moves_the_logits_and_bf16_mixed_stays_in_the_llamas_band(name):
+    """The fixtures can tell a family from the Llama: without its window, its biases or its
+    q and k norms the logits part from transformers' by far more than bf16's band."""
+    folder = FAMILIES / name
+    ids, want = _reference(folder)
+    model_config, params = hf.load(folder)
+    if model_config["sliding_window"] is not None:
+        assert _error(_logits(model_config, params, ids, sliding_window=None), want) > 0.05
+    if model_config["attn_bias"] != "none":
+        layers = params["stacked_layers"]["attn"]
+        unbiased = {k: {"kernel": v["kernel"]} if "bias" in v else v for k, v in layers.items()}
+        plain = {**params, "stacked_layers": {**params["stacked_layers"], "attn": unbiased}}
+        assert _error(_logits(model_config, plain, ids, attn_bias="none"), want) > 0.05
+    if model_config["qk_norm"]:
+        layers = params["stacked_layers"]["attn"]
+        plain_attn = {k: v for k, v in layers.items() if not k.endswith("_norm")}
+        plain = {**params, "stacked_layers": {**params["stacked_layers"], "attn": plain_attn}}
+        assert _error(_logits(model_config, plain, ids, qk_norm=False), want) > 0.05
+    bf16 = _logits(model_config, params, ids, jnp.bfloat16)
+    assert _error(bf16, want) < BF16_BOUND
+
+
+@SLOW
+def test_a_packed_row_with_a_window_gives_each_example_its_own_logits_and_gradients():
+    """Three examples of 12 tokens packed into one row of Qwen2's (biases, a window of 5 keys,
+    so the window cuts inside each example): each example's logits and gradients are those it
+    gets alone, in fp32."""
+    model_config, params = hf.load(FAMILIES / "qwen2")
+    model, n = _model(model_config, sliding_window=5), 12
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 3 * n)), jnp.int32)
+    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
+    positions = jnp.asarray([np.tile(np.arange(n), 3)])
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3 * n, 300)), jnp.float32)
+
+    def packed(p):
+        out = model.apply({"params": p}, tokens, positions=positions, segment_ids=segment_ids)
+        return out, jnp.sum(out * weights)
+
+    def alone(p):
+        out = model.apply({"params": p}, tokens.reshape(3, n)).reshape(1, 3 * n, -1)
+        return out, jnp.sum(out * weights)
+
+    def both(p):
+        return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
+
+    (got, got_grads), (want, want_grads) = jax.jit(both)(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        # fp32 sums in another order: within 1e-5 of each gradient's largest value
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+
+
+@SLOW  # the window on the cache's path runs in make test (attention_test)
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_decoding_is_transformers_generate_token_for_token(name, tmp_path):
+    """What `python -m mptrain.generate --hf=DIR` decodes (its `generate.load`), fp32, three
+    prompts batched (5, 12 and 9 tokens), 32 new tokens each: past the window of 16, so the
+    cache's window mask decides the late tokens."""
+    from generate_test import _with_tokenizer
+
+    folder = _with_tokenizer(FAMILIES / name, tmp_path / name)
+    want = np.load(folder / "generate.npz")
+    speaker = generate.load(hf_folder=str(folder), precision="fp32")
+    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
+    greedy, none = decode.Sampling().values(), decode.stops([])
+    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
+    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+
+
+def test_a_family_written_back_reads_as_it_was_read(tmp_path):
+    for name in NAMES:
+        model_config, params = hf.load(FAMILIES / name)
+        hf.save(tmp_path / name, model_config, params, "float32")
+        written = json.loads((tmp_path / name / "config.json").read_text())
+        source = json.loads((FAMILIES / name / "config.json").read_text())
+        assert (written["architectures"], written["model_type"]) == (
+            source["architectures"],
+            source["model_type"],
+        )
+        again, read = hf.load(tmp_path / name)
+        assert again == model_config
+        assert jax.tree.all(jax.tree.map(np.array_equal, read, params))
+
+
+def _edited(folder, tmp_path, edit):
+    out = Path(shutil.copytree(folder, tmp_path / folder.name))
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, edit, says",
+    [
+        (
+            "qwen2",
+            lambda c: c.update(layer_types=["full_attention", "sliding_attention"]),
+            "layer_types mixes sliding and full attention (layers 1 to 1 of 2 slide)",
+        ),
+        ("qwen2", lambda c: c.update(max_window_layers=1), "layer_types mixes sliding and full"),
+        ("qwen3", lambda c: c.update(layer_types=["full"] * 2), "layer_types=['full', 'full']"),
+        ("mistral", lambda c: c.update(sliding_window=0), "sliding_window=0"),
+        ("qwen3", lambda c: c.update(attention_bias="yes"), "attention_bias='yes'"),
+        ("mistral", lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
+    ],
+)
+def test_what_the_decoder_cannot_run_is_one_line_naming_the_file_and_key(
+    tmp_path, name, edit, says
+):
+    folder = _edited(FAMILIES / name, tmp_path, edit)
+    with pytest.raises(errors.ConfigError) as e:
+        hf.read_config(folder)
+    assert str(e.value).startswith(f"{folder / 'config.json'}: ") and says in str(e.value)
+
+
+def test_a_family_refuses_switches_its_folder_cannot_hold(tmp_path):
+    model_config, params = hf.load(FAMILIES / "qwen3")
+    with pytest.raises(errors.ConfigError, match=r"model.qk_norm=False: a Qwen3ForCausalLM has"):
+        hf.save(tmp_path, {**model_config, "qk_norm": False}, params)
+    with pytest.raises(errors.ConfigError, match=r"model.sliding_window=16: a LlamaForCausalLM"):
+        hf.save(tmp_path, {**model_config, "family": "llama", "qk_norm": False,
+                           "sliding_window": 16}, params)  # fmt: skip
+    assert not list(tmp_path.iterdir())
+
+
+@SLOW
+def test_configs_hf_fine_tunes_a_family_and_exports_it_as_that_family(tmp_path, capsys):
+    """`configs/hf.py:DIR` on the Qwen3 folder: a few steps from its weights, then the export
+    is a Qwen3 folder again (transformers' reading of it: scripts/hf_export_check.py)."""
+    flags = ["--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2"]
+    flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
+    flags += ["--config.eval_steps=1"]
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:{FAMILIES / 'qwen3'}"
+    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
+    assert code == 0, err[-2000:]
+    export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3ForCausalLM"]
+    model_config, params = hf.load(tmp_path / "out")
+    assert model_config == hf.read_config(FAMILIES / "qwen3")
+    _, base = hf.load(FAMILIES / "qwen3")
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, base)
+    assert any(jax.tree.leaves(moved))  # it trained
