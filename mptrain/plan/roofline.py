@@ -114,7 +114,9 @@ def _attention_flops(prog: program.Program, inst: program.Instruction, target: s
     backward pass (scores recomputed, then the gradients of values, probabilities, queries
     and keys); causal masking skips half of each. Packed rows (`PADDING_CAUSAL`, cuDNN's
     packed layout) are counted as one causal row: the kernel also skips the tiles between
-    examples, so their share of it is an upper bound (rows of n equal examples do 1/n of it)."""
+    examples, so their share of it is an upper bound (rows of n equal examples do 1/n of it).
+    A sliding window of W keys (`sliding_window_length`) does W(W+1)/2 + (L-W)W of the L^2
+    (query, key) pairs, the tiles outside it skipped."""
     config = inst.backend_config().get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     query = program.arrays(prog.operand_type(inst, 0))
@@ -122,6 +124,9 @@ def _attention_flops(prog: program.Program, inst: program.Instruction, target: s
         return 0.0
     matmuls = 5 if "Backward" in target else 2
     causal = 0.5 if config.get("mask_type") in ("CAUSAL", "PADDING_CAUSAL") else 1.0
+    window, length = int(config.get("sliding_window_length") or 0), scores[-1]
+    if causal < 1 and 0 < window < length:
+        causal = (window * (window + 1) / 2 + (length - window) * window) / length**2
     return 2.0 * matmuls * math.prod(scores) * query[0][1][-1] * causal
 
 

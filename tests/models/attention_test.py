@@ -245,6 +245,24 @@ def test_a_sliding_window_is_the_same_window_on_every_path(monkeypatch):
         np.testing.assert_allclose(step[:, 0], want[:, t], rtol=1e-5, atol=1e-6)
 
 
+def test_cudnns_window_is_in_the_program_a_gpu_compiles(monkeypatch):
+    """The program lowered for CUDA (as the test above lowers it): cuDNN's forward and backward
+    fused attention carry the sliding window, so no mask or [L, L] buffer stands in for it."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
+    q, k, v = _qkv((2, 64, 4, 16), kv_heads=2)
+
+    def loss(q, k, v):
+        return attention.causal_attention(q, k, v, "cudnn", window=5).astype(jnp.float32).sum()
+
+    traced = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v)
+    program = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in program.splitlines() if "custom_call @__cudnn$fmha" in line]
+    assert len(calls) == 2 and all("sliding_window_length\\22: 5" in c for c in calls), calls
+    assert "64x64x" not in program  # no [L, L] array, forward or backward
+
+
 @pytest.mark.slow  # Pallas's interpret mode: the other paths' window runs in make test
 def test_the_tpu_kernels_sliding_window_is_the_same_window_in_interpret_mode():
     from jax.experimental.pallas import tpu as pltpu

@@ -74,3 +74,33 @@ def test_the_kernels_bytes_agree_with_xlas_own_cost_analysis():
     prog = program.Program(compiled.as_text())
     once = sum(roofline.kernel_bytes(prog, inst) for inst, _ in prog.kernels())
     assert once == pytest.approx(analysis["bytes accessed"], rel=1e-4)
+
+
+class _Fmha:
+    """A cuDNN fused attention call as the compiled program holds one: its backend config and
+    its query operand's type, `[B, L, H, D]`."""
+
+    def __init__(self, **config):
+        self.config = {"intermediate_tensor_shape": {"dimensions": ["2", "4", "64", "64"]}}
+        self.config |= {"mask_type": "CAUSAL", **config}
+
+    def backend_config(self):
+        return {"cudnn_fmha_backend_config": self.config}
+
+    def operand_type(self, inst, index):
+        return "bf16[2,64,4,16]{3,2,1,0}"
+
+
+def test_a_sliding_windows_attention_counts_the_pairs_inside_it():
+    """Causal attention over L = 64 does L^2 / 2 of the score pairs; a window of W keys does
+    W(W+1)/2 + (L-W)W of them (each query its W keys once the window fills)."""
+    causal, fwd = _Fmha(), "__cudnn$fmhaSoftmax"
+    full = roofline._attention_flops(causal, causal, fwd)
+    assert full == 2 * 2 * (2 * 4 * 64 * 64) * 16 * 0.5  # two matmuls, half the pairs
+    windowed = _Fmha(sliding_window_length=8)
+    pairs = 8 * 9 / 2 + (64 - 8) * 8
+    assert roofline._attention_flops(windowed, windowed, fwd) == full * pairs / (64 * 64 / 2)
+    backward = roofline._attention_flops(windowed, windowed, "__cudnn$fmhaSoftmaxBackward")
+    assert backward == roofline._attention_flops(windowed, windowed, fwd) * 5 / 2
+    wide = _Fmha(sliding_window_length=64)  # a window as long as the row: plain causal
+    assert roofline._attention_flops(wide, wide, fwd) == full
