@@ -22,11 +22,13 @@ reads are refused rather than dropped. `BUILTIN` names templates for folders tha
 The loss falls on what the model should learn to say: each assistant turn's text and the
 template's end of that turn (so that it learns to stop), or a pair's completion and its
 end-of-text token; the rest (system, user, tool, the template's headers) gets no loss unless
-`train_on_prompt`. The assistant turns are found by rendering: the conversation up to an
-assistant turn, with the template's generation prompt, is where its text starts, and the
-conversation through that turn is where it ends; each render must be a prefix of the whole
-one (a template for which it is not is refused). A token carries the loss where its first
-character falls in such a span (`tokenizers`' offsets).
+`train_on_prompt`. A template with `{% generation %}` ... `{% endgeneration %}` blocks (what
+TRL asks of templates for assistant-only loss, and transformers tracks) decides itself: the
+text of its blocks carries the loss. Otherwise the assistant turns are found by rendering:
+the conversation up to an assistant turn, with the template's generation prompt, is where its
+text starts, and the conversation through that turn is where it ends; each render must be a
+prefix of the whole one (a template for which it is not is refused). A token carries the
+loss where its first character falls in such a span (`tokenizers`' offsets).
 """
 
 from __future__ import annotations
@@ -84,8 +86,14 @@ def render(template: Template | str, messages: list, add_generation_prompt: bool
            tools: list | None = None, **tokens) -> str:  # fmt: skip
     """The text of `messages` under `template` (`tokens`: `bos_token`, `eos_token`); a
     `ValueError` names the template and why it does not render them."""
+    context = _context(messages, add_generation_prompt, tools, tokens)
+    return templates.render(_template(template), **context)
+
+
+def _context(messages: list, add_generation_prompt: bool, tools: list | None, tokens: dict):
+    """What a template renders from, as transformers hands it over (`tools` where given)."""
     context = {"messages": messages, "add_generation_prompt": add_generation_prompt, **tokens}
-    return templates.render(_template(template), **context, **({"tools": tools} if tools else {}))
+    return context | ({"tools": tools} if tools else {})
 
 
 def _text_of_parts(i: int, parts: list) -> str:
@@ -151,7 +159,17 @@ def _check_read(template: Template, messages: list, tools: Any) -> None:
 def conversation_spans(template: Template | str, messages: list, tools: list | None = None,
                        **tokens) -> tuple[str, list]:  # fmt: skip
     """The rendered conversation and the `(start, end)` character spans of its assistant
-    turns, each with the template's end of that turn (see the module doc)."""
+    turns, each with the template's end of that turn (see the module doc); or, for a template
+    with `{% generation %}` blocks, the spans those mark."""
+    template = _template(template)
+    if templates.has_generation(template):
+        text, spans = templates.render_marked(template, **_context(messages, False, tools, tokens))
+        if not spans:
+            raise ValueError(
+                f"the chat template ({template.source}) has generation blocks, and none marks "
+                "a turn of this conversation: nothing to learn from"
+            )
+        return text, spans
     text = render(template, messages, tools=tools, **tokens)
     spans = []
     for k, message in enumerate(messages):

@@ -52,13 +52,31 @@ class _Exceeded(Exception):
     """A bound reached; the message says which (without the template's name)."""
 
 
+# A `{% generation %}` block's text is marked by these in the rendered text, then taken out:
+# characters of Unicode's private use area, which a conversation holding them is refused for.
+OPEN, CLOSE = "\ue000", "\ue001"
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def has_generation(template: Template) -> bool:
+    """Whether `template` marks what the assistant generates (`{% generation %}` blocks, as
+    TRL asks of templates for assistant-only loss)."""
+    return bool(_GENERATION.search(template.text))
+
+
 def render(template: Template, **context: Any) -> str:
     """The text of `template` under `context` (`messages`, `add_generation_prompt`, the
     tokens); a `ValueError` naming the template says why it does not render."""
+    return render_marked(template, **context)[0]
+
+
+def render_marked(template: Template, **context: Any) -> tuple[str, list[tuple[int, int]]]:
+    """`render`'s text and the `(start, end)` character spans of its `{% generation %}` blocks
+    (transformers' `AssistantTracker` finds the same spans)."""
     try:
         compiled = _compiled(template.text, template.max_chars)
         with _deadline(template.max_seconds):
-            return compiled.render(**context)
+            marked = compiled.render(**context)
     except _Exceeded as e:
         raise ValueError(f"the chat template ({template.source}) {e}") from None
     except RecursionError:
@@ -72,6 +90,30 @@ def render(template: Template, **context: Any) -> str:
         raise ValueError(
             f"the chat template ({template.source}) does not render it: {kind}{first}"
         ) from None
+    return _unmarked(marked, template)
+
+
+def _unmarked(marked: str, template: Template) -> tuple[str, list[tuple[int, int]]]:
+    """The text without its markers, and the spans they marked."""
+    if OPEN not in marked and CLOSE not in marked:
+        return marked, []
+    parts, spans, at = re.split(f"([{OPEN}{CLOSE}])", marked), [], 0
+    text, start = [], None
+    for part in parts:
+        if part == OPEN and start is None:
+            start = at
+        elif part == CLOSE and start is not None:
+            spans.append((start, at))
+            start = None
+        elif part in (OPEN, CLOSE):
+            raise ValueError(
+                f"the chat template ({template.source}) renders the characters U+E000 or "
+                "U+E001 (the conversation holds them, or a generation block nests)"
+            )
+        else:
+            text.append(part)
+            at += len(part)
+    return "".join(text), spans
 
 
 # ---- time ----------------------------------------------------------------------------------
@@ -210,8 +252,10 @@ def _tojson(value: Any, indent: Any = None, **kwargs: Any) -> str:
 @functools.lru_cache(maxsize=16)
 def _compiled(text: str, max_chars: int):
     """A template's text compiled under the bound `max_chars`."""
+    from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def too_big(what: str, size: int):
@@ -232,6 +276,18 @@ def _compiled(text: str, max_chars: int):
         if (size := table[name](*args)) > max_chars:
             too_big(f"asked {name} for a value", size)
         return args
+
+    class Generation(Extension):  # `{% generation %}...{% endgeneration %}`: its text marked
+        tags = frozenset(("generation",))
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_mark")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return f"{OPEN}{caller()}{CLOSE}"
 
     class Generator(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: its result is checked
@@ -304,7 +360,7 @@ def _compiled(text: str, max_chars: int):
     def raise_exception(message):
         raise TemplateError(message)
 
-    environment = Bounded(trim_blocks=True, lstrip_blocks=True)
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation])
     environment.sized, environment.concat = sized, concat
     environment.globals.pop("lipsum", None)
     environment.globals["raise_exception"] = raise_exception

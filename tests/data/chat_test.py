@@ -184,3 +184,37 @@ def test_openai_text_parts_read_as_their_text_joined_by_newlines(tokenizer):
     got = chat.encode({"messages": said}, tokenizer, template, 0, **TOKENS)
     want = chat.encode({"messages": plain}, tokenizer, template, 0, **TOKENS)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# TRL's form of a template for assistant-only loss: what the assistant says is wrapped in
+# `{% generation %}` blocks, the end of its turn inside them, the header outside.
+MARKED = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|eot_id|>"
+    "{% endgeneration %}{% else %}{{ m['content'] }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+)
+
+
+def test_generation_blocks_decide_which_tokens_carry_the_loss(tokenizer):
+    messages = [
+        {"role": "user", "content": "what is the capital of france?"},
+        {"role": "assistant", "content": "paris"},
+        {"role": "user", "content": "and germany?"},
+        {"role": "assistant", "content": "berlin"},
+    ]
+    ids, loss = chat.encode({"messages": messages}, tokenizer, MARKED, 0)
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    assert "\ue000" not in text and text.count("<|start_header_id|>assistant") == 2
+    # hand-labelled: the two blocks, their ends of turn in, the headers out
+    assert _carrying(tokenizer, ids, loss) == "paris<|eot_id|>berlin<|eot_id|>"
+    # a prompt to answer renders without the blocks' marks
+    prompt = chat.render(MARKED, messages[:1], add_generation_prompt=True)
+    assert prompt == (
+        "<|start_header_id|>user<|end_header_id|>what is the capital of france?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>"
+    )
+    with pytest.raises(ValueError, match="has generation blocks, and none marks a turn"):
+        chat.encode(
+            {"messages": messages}, tokenizer, MARKED.replace("'assistant' %}", "'x' %}", 1), 0
+        )
