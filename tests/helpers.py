@@ -432,3 +432,26 @@ def step0(config, workdir):
         state, step, _ = init_from.resume(checkpointer, state, trainer.policy, config, pretrained)
     assert step is None
     return state, trainer
+
+
+def packed_and_alone(model, params, tokens, weights):
+    """Three examples of a third of `tokens` (`[1, 3n]`) packed into one row (positions from 0
+    in each, their segment ids) and the same three as rows of their own: `[(logits, grads)]`
+    of each, the grads of the logits' sum against `weights`, as `[1, 3n, V]` logits both;
+    one compiled program."""
+    n = tokens.shape[1] // 3
+    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
+    positions = jnp.asarray([np.tile(np.arange(n), 3)])
+
+    def packed(p):
+        out = model.apply({"params": p}, tokens, positions=positions, segment_ids=segment_ids)
+        return out, jnp.sum(out * weights)
+
+    def alone(p):  # the three examples as a batch of three rows of their own
+        out = model.apply({"params": p}, tokens.reshape(3, n)).reshape(1, 3 * n, -1)
+        return out, jnp.sum(out * weights)
+
+    def both(p):
+        return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
+
+    return jax.jit(both)(params)

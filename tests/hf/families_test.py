@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, packed_and_alone, run_cli
 from hf.hf_test import BF16_BOUND, _error, _reference
 
 from mptrain import errors, export, generate, hf
@@ -87,22 +87,8 @@ def test_a_packed_row_with_a_window_gives_each_example_its_own_logits_and_gradie
     model_config, params = hf.load(FAMILIES / "qwen2")
     model, n = _model(model_config, sliding_window=5), 12
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 3 * n)), jnp.int32)
-    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
-    positions = jnp.asarray([np.tile(np.arange(n), 3)])
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3 * n, 300)), jnp.float32)
-
-    def packed(p):
-        out = model.apply({"params": p}, tokens, positions=positions, segment_ids=segment_ids)
-        return out, jnp.sum(out * weights)
-
-    def alone(p):
-        out = model.apply({"params": p}, tokens.reshape(3, n)).reshape(1, 3 * n, -1)
-        return out, jnp.sum(out * weights)
-
-    def both(p):
-        return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
-
-    (got, got_grads), (want, want_grads) = jax.jit(both)(params)
+    (got, got_grads), (want, want_grads) = packed_and_alone(model, params, tokens, weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         # fp32 sums in another order: within 1e-5 of each gradient's largest value

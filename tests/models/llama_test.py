@@ -10,7 +10,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import LLAMA_SCALING, integers, llama_config, matmul_dtypes, needs_devices, normal
+from helpers import (
+    LLAMA_SCALING,
+    integers,
+    llama_config,
+    matmul_dtypes,
+    needs_devices,
+    normal,
+    packed_and_alone,
+)
 from jax.sharding import PartitionSpec
 
 from mptrain.models import layers, llama, rope
@@ -262,22 +270,9 @@ def test_a_packed_row_gives_each_example_its_own_logits_and_gradients():
     model, n = llama.create_model(_config()), 16
     tokens = _tokens(batch=1, length=3 * n)
     params = _init(model, _tokens())  # the other tests' params: their init's program
-    segment_ids = jnp.asarray([np.repeat(np.arange(1, 4), n)])
     positions = jnp.asarray([np.tile(np.arange(n), 3)])
     weights = normal(5, (1, 3 * n, 64))
-
-    def packed(p):
-        out = model.apply({"params": p}, tokens, positions=positions, segment_ids=segment_ids)
-        return out, jnp.sum(out * weights)
-
-    def alone(p):  # the three examples as a batch of three rows of their own
-        out = model.apply({"params": p}, tokens.reshape(3, n)).reshape(1, 3 * n, -1)
-        return out, jnp.sum(out * weights)
-
-    def both(p):
-        return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
-
-    (got, got_grads), (want, want_grads) = jax.jit(both)(params)
+    (got, got_grads), (want, want_grads) = packed_and_alone(model, params, tokens, weights)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
