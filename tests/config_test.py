@@ -47,6 +47,8 @@ MODULE_KEYS = {
         "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff",
         "max_len", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "attention",
         "scan_layers", "remat", "family", "attn_bias", "qk_norm", "sliding_window",
+        "layer_types", "rope_local_theta", "norm_plus_one", "post_norms", "query_pre_attn_scalar",
+        "attn_softcap", "final_softcap", "mlp_act", "embed_scale",
     },
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},

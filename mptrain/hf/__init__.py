@@ -1,12 +1,11 @@
 """HuggingFace folders in and out: `read_config`, `load`, `load_params`, `save`.
 
 A folder is what transformers' `save_pretrained` writes for a causal LM of a family
-`mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3): config.json and
-`model.safetensors`, or shards with `model.safetensors.index.json` (`mptrain.hf.tensors` reads
-and writes the files). Its tensors map onto the param tree of mptrain's decoder
-(`mptrain.models.llama`) by name, each torch `[out, in]` weight transposed to a flax `[in, out]`
-kernel (the table is in llama.py's module doc; biases and norms as they are); layers are stacked
-on a leading axis (`scan_layers`) or kept as `layers_i`.
+`mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3): config.json and
+the safetensors. Its tensors map onto the param tree of mptrain's decoder (`mptrain.models.llama`)
+by name, each torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in
+llama.py's module doc; biases and norms as they are); layers are stacked on a leading axis
+(`scan_layers`) or kept as `layers_i`.
 
 The package: this module (the mapping of names), `families` (each family's config.json keys)
 and `tensors` (the files, sharded or not). It may import `models`, `recipe` and the base
@@ -14,9 +13,9 @@ modules; `train` and `export` read it.
 
 config.json comes in two forms, both read: transformers 4.x's `rope_theta` and `rope_scaling`
 (what Hub checkpoints of Llama 3.x carry, with `rope_type` or the older `type`), and 5.x's
-`rope_parameters` (`rope_theta` inside). RoPE types: "default" and Llama 3's "llama3"; any
-other ("yarn", "linear", "dynamic", ...) is an error rather than a model that runs and is
-quietly worse. `save` writes the 4.x form, which transformers 4.x and 5.x both load.
+`rope_parameters` (`rope_theta` inside; Gemma 3's per layer type). RoPE types: "default",
+"linear" and Llama 3's "llama3"; any other ("yarn", "dynamic", ...) is an error rather than a
+model that runs and is quietly worse. `save` writes the 4.x form, which 4.x and 5.x both load.
 
 Against the peers:
   * q and k are loaded as HF stores them. HF Llama rotates "half" pairs (dimension j with
@@ -82,6 +81,13 @@ _LAYER_NAMES = {
     ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
 }
+# Gemma's four norms a block (`post_norms`): its post_attention_layernorm follows the attention
+_POST_NORM_NAMES = {
+    **_LAYER_NAMES,
+    ("attn_post_norm", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", False),
+    ("mlp_post_norm", "scale"): ("post_feedforward_layernorm.weight", False),
+}
 _TOP_NAMES = {
     ("embed", "embedding"): ("model.embed_tokens.weight", False),
     ("final_norm", "scale"): ("model.norm.weight", False),
@@ -119,10 +125,9 @@ def _settings(model_config: Any) -> dict[str, Any]:
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The `config.model` section (`name="llama"`, its `family`, and the keys of
     `llama.CONFIG_KEYS` that a checkpoint fixes) for a folder of a family `mptrain.hf.families`
-    reads (or its config.json). Keys transformers has defaults for may be absent
-    (`num_key_value_heads`: one per head; `head_dim`: width / heads, Qwen3's 128; `rope_theta`
-    10,000; `rms_norm_eps` 1e-6; `max_position_embeddings` 2,048; untied); the sizes may not.
-    Errors: `ConfigError` naming the file and the key."""
+    reads (or its config.json). Keys transformers has defaults for may be absent (its defaults
+    are the family's: `families.Family.defaults`); the sizes may not. Errors: `ConfigError`
+    naming the file and the key."""
     file = Path(path)
     file = file / hf_io.CONFIG_FILE if file.is_dir() else file
     model = hf_io.read_model_config(file)
@@ -156,16 +161,17 @@ class _Leaf:
         return tuple(reversed(self.shape)) if self.transposed else self.shape
 
 
-def _leaf(keys: tuple[str, ...], shape: tuple[int, ...]) -> _Leaf:
+def _leaf(keys: tuple[str, ...], shape: tuple[int, ...], post_norms: bool = False) -> _Leaf:
     path = "/".join(keys)
     top, rest = keys[0], keys[1:]
     layer = re.fullmatch(r"layers_(\d+)", top)
-    if top == sharding.STACKED and rest in _LAYER_NAMES and shape:
-        name, transposed = _LAYER_NAMES[rest]
+    table = _POST_NORM_NAMES if post_norms else _LAYER_NAMES
+    if top == sharding.STACKED and rest in table and shape:
+        name, transposed = table[rest]
         names = tuple(_LAYER_PREFIX.format(i) + name for i in range(shape[0]))
         return _Leaf(path, names, transposed, stacked=True, shape=shape[1:])
-    if layer and rest in _LAYER_NAMES:
-        name, transposed = _LAYER_NAMES[rest]
+    if layer and rest in table:
+        name, transposed = table[rest]
         names = (_LAYER_PREFIX.format(layer[1]) + name,)
         return _Leaf(path, names, transposed, stacked=False, shape=shape)
     if keys in _TOP_NAMES:
@@ -191,6 +197,8 @@ def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
         layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
     if c["qk_norm"]:
         layer["attn"] |= {f"{n}_norm": {"scale": (c["head_dim"],)} for n in ("q", "k")}
+    if c["post_norms"]:
+        layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
     tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
     if not c["tie_embeddings"]:
         tree["head"] = {"kernel": (d, v)}
@@ -262,7 +270,7 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
     """`target` with each leaf `build(read, leaf)`, where `read(index)` returns that slice of
     the param (in the leaf's dtype) from the files; every shape is checked before any read."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    leaves = [_leaf(_keys(p), tuple(t.shape)) for p, t in flat]
+    leaves = [_leaf(_keys(p), tuple(t.shape), config["post_norms"]) for p, t in flat]
     with hf_io.Reader(path) as reader:
         for leaf, (_, t) in zip(leaves, flat, strict=True):
             want = leaf.hf_shape
@@ -333,6 +341,7 @@ def save(
         errors.check_integer("max_shard_bytes", max_shard_bytes, 1)
     name = {precision.F32: "float32", precision.BF16: "bfloat16", precision.F16: "float16"}
     hf_config = to_hf_config(model_config, name[out_dtype])
+    post_norms = _settings(model_config)["post_norms"]
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     scanned = any(_keys(p)[0] == sharding.STACKED for p, _ in flat)
     want = {
@@ -350,7 +359,7 @@ def save(
                 f"params/{'/'.join(keys)}: shape {list(np.shape(x))}, but the model config "
                 f"needs {needs}"
             )
-        leaf = _leaf(keys, tuple(np.shape(x)))
+        leaf = _leaf(keys, tuple(np.shape(x)), post_norms)
         want.pop(keys)
         nbytes = int(np.prod(leaf.hf_shape)) * out_dtype.itemsize
         for i, hf_name in enumerate(leaf.names):
@@ -385,6 +394,6 @@ def _order(name: str) -> tuple:
     """HF's order: the embedding, the layers in turn, the final norm, the head."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
     if layer:
-        within = [n for n, _ in _LAYER_NAMES.values()].index(name[layer.end() :])
+        within = [n for n, _ in _POST_NORM_NAMES.values()].index(name[layer.end() :])
         return (1, int(layer[1]), within)
     return (0 if "embed" in name else 2 if "norm" in name else 3, 0, 0)

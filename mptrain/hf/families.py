@@ -6,12 +6,22 @@ keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
   * mistral (MistralForCausalLM): `sliding_window` on every layer when set (4,096 if absent);
   * qwen2 (Qwen2ForCausalLM): q, k, v with bias, o without; a window by `use_sliding_window`;
   * qwen3 (Qwen3ForCausalLM): RMSNorm over each head's q and k before RoPE; `attention_bias`;
-    the window as Qwen2's. (What differs is read from transformers' `modular_*.py`.)
+    the window as Qwen2's;
+  * gemma2 (Gemma2ForCausalLM): RMSNorm by `1 + w`, four norms a block, embeddings times
+    sqrt(hidden_size), scores scaled by `query_pre_attn_scalar ** -0.5` and soft-capped
+    (`attn_logit_softcapping`), the logits too (`final_logit_softcapping`), a GELU (tanh) MLP,
+    a window on alternate layers (`layer_types`);
+  * gemma3 (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2 with `1 + w` norms on each
+    head's q and k, no soft-caps by default, five sliding layers to a global one (`layer_types`,
+    or the older `sliding_window_pattern`), the sliding layers' RoPE base their own
+    (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), unscaled.
+(What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
-A window is read as transformers reads it: Qwen's `layer_types`, else `use_sliding_window`
-with `sliding_window` on the layers from `max_window_layers` on. The decoder takes one window
-for every layer, so a folder whose layers mix sliding and full attention is refused, naming the
-key, rather than run as another model. The tensor names are `mptrain.hf`'s table.
+A window is read as transformers reads it: `layer_types` where given, else Qwen's
+`use_sliding_window` with `sliding_window` on the layers from `max_window_layers` on, Gemma's
+pattern. Layers that mix sliding and full attention are the decoder's `layer_types`. A key
+whose value the decoder does not implement is refused, naming the file and the key, rather
+than run as another model. The tensor names are `mptrain.hf`'s table.
 """
 
 from __future__ import annotations
@@ -22,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mptrain import errors
-
-SLIDING, FULL = "sliding_attention", "full_attention"
+from mptrain.models.llama import FULL, SLIDING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +43,7 @@ class Family:
     read: Callable[[Path, dict, int], dict]  # (file, config.json, layers) -> switches
     write: Callable[[dict], dict]  # the decoder's settings -> config.json's own keys
     can: Callable[[dict], str | None]  # why the settings' switches are not this family's
+    defaults: tuple = ()  # config.json's keys that default otherwise than the Llama's
 
 
 def _bias(file: Path, raw: dict, fixed: str | None = None) -> str:
@@ -46,44 +56,132 @@ def _bias(file: Path, raw: dict, fixed: str | None = None) -> str:
     return "all" if value else "none"
 
 
-def _window(file: Path, raw: dict, layers: int, qwen: bool) -> int | None:
-    """The one sliding window of every layer, or None (the module doc)."""
-    if qwen:
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-        first = raw.get("max_window_layers", 28)
-        kinds = raw.get("layer_types")
-        if kinds is None:
-            kinds = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
-        if not isinstance(kinds, list) or len(kinds) != layers or {*kinds} - {SLIDING, FULL}:
-            raise errors.ConfigError(
-                f"{file}: layer_types={kinds!r}: a list of {layers} of {SLIDING!r}, {FULL!r}"
-            )
-        if len(set(kinds)) > 1:
-            sliding = [i for i, kind in enumerate(kinds) if kind == SLIDING]
-            raise errors.ConfigError(
-                f"{file}: layer_types mixes sliding and full attention (layers {sliding[0]} to "
-                f"{sliding[-1]} of {layers} slide): mptrain's decoder takes one kind for every "
-                "layer"
-            )
-        window = raw.get("sliding_window") if kinds[0] == SLIDING else None
-    else:
-        window = raw.get("sliding_window", 4096)
-    if window is None:
-        return None
+def _checked_window(file: Path, window: Any) -> int:
     try:
         return errors.check_integer("sliding_window", window, 1, errors.INT32_MAX)
     except ValueError as e:
         raise errors.ConfigError(f"{file}: {e}") from None
 
 
+def _layers(file: Path, raw: dict, layers: int, default: list[str], window: Any) -> dict:
+    """`sliding_window` and `layer_types` from `raw`'s `layer_types` (else `default`): one
+    window for every layer where all slide, `layer_types` where they mix."""
+    kinds = raw.get("layer_types")
+    kinds = default if kinds is None else kinds
+    if not isinstance(kinds, list) or len(kinds) != layers or {*kinds} - {SLIDING, FULL}:
+        raise errors.ConfigError(
+            f"{file}: layer_types={kinds!r}: a list of {layers} of {SLIDING!r}, {FULL!r}"
+        )
+    if SLIDING not in kinds:
+        return {"sliding_window": None, "layer_types": None}
+    if window is None:
+        raise errors.ConfigError(
+            f"{file}: layer_types has {SLIDING!r} layers but no sliding_window"
+        )
+    window = _checked_window(file, window)
+    return {"sliding_window": window, "layer_types": None if FULL not in kinds else tuple(kinds)}
+
+
+def _qwen(file: Path, raw: dict, layers: int) -> dict:
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    first = raw.get("max_window_layers", 28)
+    default = [SLIDING if window is not None and i >= first else FULL for i in range(layers)]
+    return _layers(file, raw, layers, default, raw.get("sliding_window"))
+
+
+def _mistral(file: Path, raw: dict) -> dict:
+    window = raw.get("sliding_window", 4096)
+    return {"sliding_window": None if window is None else _checked_window(file, window)}
+
+
+def _kinds(c: dict) -> list[str]:
+    if c["layer_types"] is not None:
+        return list(c["layer_types"])
+    return [SLIDING if c["sliding_window"] is not None else FULL] * c["num_layers"]
+
+
 def _qwen_window_json(c: dict) -> dict:
-    window, layers = c["sliding_window"], c["num_layers"]
+    kinds = _kinds(c)
+    sliding = [i for i, kind in enumerate(kinds) if kind == SLIDING]
     return {
-        "use_sliding_window": window is not None,
-        "sliding_window": window,
-        "max_window_layers": 0 if window is not None else layers,
-        "layer_types": [SLIDING if window is not None else FULL] * layers,
+        "use_sliding_window": bool(sliding),
+        "sliding_window": c["sliding_window"],
+        "max_window_layers": sliding[0] if sliding else c["num_layers"],
+        "layer_types": kinds,
     }
+
+
+def _number(file: Path, raw: dict, key: str, default: Any) -> float | None:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    try:
+        return errors.check_number(key, value, 0.0, open_low=True)
+    except ValueError as e:
+        raise errors.ConfigError(f"{file}: {e}") from None
+
+
+def _gemma(file: Path, raw: dict, layers: int, version: int) -> dict:
+    if raw.get("use_bidirectional_attention"):
+        raise errors.ConfigError(
+            f"{file}: use_bidirectional_attention=true: an encoder (EmbeddingGemma); mptrain's "
+            "decoder is causal"
+        )
+    every = raw.get("sliding_window_pattern", 2 if version == 2 else 6)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise errors.ConfigError(f"{file}: sliding_window_pattern={every!r}: a positive integer")
+    default = [SLIDING if (i + 1) % every else FULL for i in range(layers)]
+    caps = (50.0, 30.0) if version == 2 else (None, None)
+    return {
+        "attn_bias": _bias(file, raw),
+        "qk_norm": version == 3,
+        "norm_plus_one": True,
+        "post_norms": True,
+        "embed_scale": True,
+        "mlp_act": "gelu_tanh",
+        "query_pre_attn_scalar": _number(file, raw, "query_pre_attn_scalar", 256),
+        "attn_softcap": _number(file, raw, "attn_logit_softcapping", caps[0]),
+        "final_softcap": _number(file, raw, "final_logit_softcapping", caps[1]),
+        **_layers(file, raw, layers, default, raw.get("sliding_window", 4096)),
+    }
+
+
+def _gemma_json(c: dict, version: int) -> dict:
+    scalar = c["query_pre_attn_scalar"] or c["head_dim"]  # an int where whole: transformers'
+    out = {
+        "attention_bias": c["attn_bias"] == "all",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+        "attn_logit_softcapping": c["attn_softcap"],
+        "final_logit_softcapping": c["final_softcap"],
+        "sliding_window": c["sliding_window"] or 4096,
+        "layer_types": _kinds(c),
+    }
+    if version == 3:
+        out["rope_local_base_freq"] = float(c["rope_local_theta"] or c["rope_theta"])
+    return out
+
+
+# The decoder's switches as a family that is not Gemma has them
+_PLAIN = {
+    "norm_plus_one": False,
+    "post_norms": False,
+    "embed_scale": False,
+    "mlp_act": "silu",
+    "query_pre_attn_scalar": None,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "rope_local_theta": None,
+}
+_GEMMA = {"norm_plus_one": True, "post_norms": True, "embed_scale": True, "mlp_act": "gelu_tanh"}
+# transformers' defaults of the Gemma configs where they are not the Llama's
+_GEMMA_DEFAULTS = (
+    ("head_dim", 256),
+    ("rms_norm_eps", 1e-6),
+    ("tie_word_embeddings", True),
+    ("max_position_embeddings", 8192),
+)
 
 
 def _unlike(c: dict, **want: Any) -> str | None:
@@ -104,26 +202,25 @@ FAMILIES = {
             "llama",
             read=lambda file, raw, n: {"attn_bias": _bias(file, raw)},
             write=lambda c: {"attention_bias": c["attn_bias"] == "all", "mlp_bias": False},
-            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=False, sliding_window=None),
+            can=lambda c: _unlike(
+                c, attn_bias=("none", "all"), qk_norm=False, sliding_window=None, **_PLAIN
+            ),
         ),
         Family(
             "mistral",
             "MistralForCausalLM",
             "mistral",
-            read=lambda file, raw, n: {"sliding_window": _window(file, raw, n, qwen=False)},
+            read=lambda file, raw, n: _mistral(file, raw),
             write=lambda c: {"sliding_window": c["sliding_window"]},
-            can=lambda c: _unlike(c, attn_bias="none", qk_norm=False),
+            can=lambda c: _unlike(c, attn_bias="none", qk_norm=False, layer_types=None, **_PLAIN),
         ),
         Family(
             "qwen2",
             "Qwen2ForCausalLM",
             "qwen2",
-            read=lambda file, raw, n: {
-                "attn_bias": "qkv",
-                "sliding_window": _window(file, raw, n, qwen=True),
-            },
+            read=lambda file, raw, n: {"attn_bias": "qkv", **_qwen(file, raw, n)},
             write=_qwen_window_json,
-            can=lambda c: _unlike(c, attn_bias="qkv", qk_norm=False),
+            can=lambda c: _unlike(c, attn_bias="qkv", qk_norm=False, **_PLAIN),
         ),
         Family(
             "qwen3",
@@ -132,15 +229,41 @@ FAMILIES = {
             read=lambda file, raw, n: {
                 "attn_bias": _bias(file, raw),
                 "qk_norm": True,
-                "sliding_window": _window(file, raw, n, qwen=True),
+                **_qwen(file, raw, n),
             },
             write=lambda c: {"attention_bias": c["attn_bias"] == "all", **_qwen_window_json(c)},
-            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True),
+            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
+            defaults=(("head_dim", 128),),
+        ),
+        Family(
+            "gemma2",
+            "Gemma2ForCausalLM",
+            "gemma2",
+            read=lambda file, raw, n: _gemma(file, raw, n, 2),
+            write=lambda c: _gemma_json(c, 2),
+            can=lambda c: _unlike(
+                c, attn_bias=("none", "all"), qk_norm=False, rope_local_theta=None, **_GEMMA
+            ),
+            defaults=_GEMMA_DEFAULTS,
+        ),
+        Family(
+            "gemma3",
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            read=lambda file, raw, n: _gemma(file, raw, n, 3),
+            write=lambda c: _gemma_json(c, 3),
+            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_GEMMA),
+            defaults=(*_GEMMA_DEFAULTS[:3], ("max_position_embeddings", 131_072)),
         ),
     )
 }
 ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
+# Folders that hold one of these families' decoders inside a larger model: named, not read
+NESTED = {
+    "Gemma3ForConditionalGeneration": "its text model (text_config, model.language_model.*) "
+    "beside a vision tower",
+}
 
 
 def of_config(file: Path, raw: dict) -> Family:
@@ -149,6 +272,12 @@ def of_config(file: Path, raw: dict) -> Family:
     architectures = raw.get("architectures")
     if architectures is not None:
         found = [ARCHITECTURES[a] for a in architectures or () if a in ARCHITECTURES]
+        nested = [a for a in architectures or () if a in NESTED]
+        if not found and nested:
+            raise errors.ConfigError(
+                f"{file}: architectures={architectures!r}: {NESTED[nested[0]]}; mptrain.hf "
+                "reads the text-only folders (Gemma3ForCausalLM)"
+            )
         if not found:
             raise errors.ConfigError(
                 f"{file}: architectures={architectures!r}: mptrain.hf reads "

@@ -27,6 +27,8 @@ import safetensors.numpy
 from mptrain import errors
 from mptrain.hf import families
 
+FULL, SLIDING = families.FULL, families.SLIDING
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # The safetensors dtypes a float param may be stored in; each widens to float32 exactly
@@ -155,14 +157,19 @@ def read_model_config(file: Path) -> dict[str, Any]:
     """`mptrain.hf.read_config`'s dict from the config.json `file` (the doc is there)."""
     raw = read_json(file)
     family = families.of_config(file, raw)
-    for key, fine in (("hidden_act", "silu"), ("mlp_bias", False)):
+    gemma = family.name.startswith("gemma")
+    # the MLP's activation: SiLU, or Gemma's GELU (tanh), which it names hidden_activation
+    act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+    for key, fine in (act, ("mlp_bias", False)):
         if raw.get(key, fine) not in (fine, None):
             raise errors.ConfigError(
                 f"{file}: {key}={raw[key]!r}: mptrain's decoder has {key}={fine!r} only"
             )
+    defaults = dict(family.defaults)
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:
         """`raw[key]`, else `default` (transformers' own; None: the key is required)."""
+        default = defaults.get(key, default)
         value = default if raw.get(key) is None else raw[key]
         if value is None:
             raise errors.ConfigError(
@@ -171,7 +178,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         return _checked(file, key, value, kind)
 
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
-    theta, scaling = _rope(file, raw)
+    theta, scaling, local = _rope(file, raw, gemma)
     return {
         "name": "llama",
         "family": family.name,
@@ -180,7 +187,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "num_layers": layers,
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads", heads),
-        "head_dim": get("head_dim", 128 if family.name == "qwen3" else hidden // heads),
+        "head_dim": get("head_dim", hidden // heads),
         "d_ff": get("intermediate_size"),
         "max_len": get("max_position_embeddings", 2048),
         "rope_theta": _checked(file, "rope_theta", theta, float),
@@ -190,6 +197,11 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "attn_bias": "none",
         "qk_norm": False,
         "sliding_window": None,
+        "layer_types": None,
+        "rope_local_theta": local and _checked(file, "rope_local_base_freq", local, float),
+        **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
+        **dict.fromkeys(("norm_plus_one", "post_norms", "embed_scale"), False),
+        "mlp_act": "silu",
         **family.read(file, raw, layers),
     }
 
@@ -207,23 +219,44 @@ def _checked(file: Path, key: str, value: Any, kind: type) -> Any:
         raise errors.ConfigError(f"{file}: {e}") from None
 
 
-def _rope(file: Path, raw: dict) -> tuple[float, tuple | None]:
-    """`(rope_theta, rope_scaling)` from either form of config.json."""
-    if raw.get("rope_parameters") is not None:  # transformers 5.x: rope_theta inside
-        key, rope = "rope_parameters", raw["rope_parameters"]
-    else:  # 4.x: rope_theta apart, the scaling null when there is none
-        key, rope = "rope_scaling", raw.get("rope_scaling") or {}
+def _rope(file: Path, raw: dict, gemma: bool = False) -> tuple[float, tuple | None, Any]:
+    """`(rope_theta, rope_scaling, the sliding layers' base or None)` from either form of
+    config.json: Gemma 3 gives the sliding layers a base of their own (`rope_local_base_freq`,
+    or 5.x's `rope_parameters` per layer type), unscaled."""
+    rope, local = raw.get("rope_parameters"), raw.get("rope_local_base_freq")
+    if gemma and isinstance(rope, dict) and {FULL, SLIDING} & set(rope):
+        for kind in (FULL, SLIDING):
+            if not isinstance(rope.get(kind, {}), dict):
+                raise errors.ConfigError(f"{file}: rope_parameters.{kind}: an object expected")
+        local_rope = rope.get(SLIDING, {})
+        theta, scaling = _rope_of(file, f"rope_parameters.{SLIDING}", local_rope, raw)
+        if scaling is not None:
+            raise errors.ConfigError(
+                f"{file}: rope_parameters.{SLIDING}.rope_type={local_rope.get('rope_type')!r}: "
+                "mptrain's sliding layers take RoPE type 'default' only"
+            )
+        return (*_rope_of(file, f"rope_parameters.{FULL}", rope.get(FULL, {}), raw), theta)
+    if rope is not None:  # transformers 5.x: rope_theta inside
+        return (*_rope_of(file, "rope_parameters", rope, raw), local)
+    return (*_rope_of(file, "rope_scaling", raw.get("rope_scaling") or {}, raw, apart=True), local)
+
+
+def _rope_of(file: Path, key: str, rope: Any, raw: dict, apart: bool = False) -> tuple:
+    """`(rope_theta, rope_scaling)` of one RoPE object `rope` (config.json's `key`); `apart`:
+    4.x's form, rope_theta beside it."""
     if not isinstance(rope, dict):
         raise errors.ConfigError(f"{file}: {key}={rope!r}: an object expected")
-    theta = rope.get("rope_theta") if key == "rope_parameters" else None
+    theta = None if apart else rope.get("rope_theta")
     theta = raw.get("rope_theta", 10_000.0) if theta is None else theta
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
         return theta, None
+    if kind == "linear":
+        return theta, ("linear", _checked(file, f"{key}.factor", rope.get("factor"), float))
     if kind != "llama3":
         raise errors.ConfigError(
-            f"{file}: {key}.rope_type={kind!r}: not implemented; mptrain's llama has RoPE "
-            "types 'default' and 'llama3'"
+            f"{file}: {key}.rope_type={kind!r}: not implemented; mptrain's decoder has RoPE "
+            "types 'default', 'linear' and 'llama3'"
         )
     missing = [k for k in _ROPE_KEYS if rope.get(k) is None]
     if missing:
@@ -242,7 +275,9 @@ def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
     family = families.FAMILIES[c["family"]]
     scaling = c["rope_scaling"]
     rope = None
-    if scaling is not None:
+    if scaling is not None and scaling[0] == "linear":
+        rope = {"rope_type": "linear", "factor": float(scaling[1])}
+    elif scaling is not None:
         rope = {"rope_type": "llama3", **dict(zip(_ROPE_KEYS, scaling, strict=True))}
     return {
         "architectures": [family.architecture],

@@ -46,11 +46,12 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import segments as segments_lib
+from mptrain.models import splash
 from mptrain.models.layers import Dtype, einsum_f32_out
 
 ATTENTION_KEY = "model.attention"
 ATTENTION_CHOICES = ("auto", "cudnn", "flash", "materialized")
-FLASH_BLOCKS = (512, 256, 128)  # the Pallas kernel's tiles along the sequence, largest first
+FLASH_BLOCKS = splash.FLASH_BLOCKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +171,7 @@ def choose_attention(
     dropout_rate: float = 0.0,
     backend: Backend | None = None,
     length: int | None = None,
+    softcap: float | None = None,
 ) -> AttentionChoice:
     """Resolves ``model.attention`` (``"auto" | "cudnn" | "flash" | "materialized"``) for
     sequences of ``length``; host-side.
@@ -177,14 +179,17 @@ def choose_attention(
     ``"auto"`` is cuDNN wherever it can run on ``backend`` (default: ``local_backend()``), the
     Pallas flash kernel on a TPU, and the materialised island elsewhere, as torch's
     ``scaled_dot_product_attention`` keeps its math fallback; ``"cudnn"`` or ``"flash"`` where
-    it cannot run is a ``ValueError`` naming the key and why.
+    it cannot run is a ``ValueError`` naming the key and why. Scores with a ``softcap`` (Gemma
+    2's) are not cuDNN's: its fused kernel has none (transformers runs Gemma 2 eager or with
+    flash-attn's soft-cap for the same reason).
     """
     requested = errors.check_choice(ATTENTION_KEY, requested, ATTENTION_CHOICES)
     if requested == "materialized":
         return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
     backend = backend or local_backend()
     why = {
-        "cudnn": _why_not_cudnn(backend, dtype, head_dim, dropout_rate),
+        "cudnn": _why_not_cudnn(backend, dtype, head_dim, dropout_rate)
+        or (softcap and f"cuDNN has no soft-cap on the scores (model.attn_softcap={softcap})"),
         "flash": _why_not_flash(backend, dtype, length, dropout_rate),
     }
     for name in ("cudnn", "flash"):
@@ -200,13 +205,14 @@ def choose_attention(
     )
 
 
-def _fused_attention(q, k, v, implementation: str, window: int | None = None):
+def _fused_attention(q, k, v, implementation: str, window=None, scale=None):
     """``jax.nn.dot_product_attention`` as the models call it: ``[B, L, H, D]`` in and out (the
-    layout the heads are split in, so no transpose), causal, scores scaled by ``D ** -0.5``;
+    layout the heads are split in, so no transpose), causal, scores scaled by ``scale``
+    (``D ** -0.5`` where None);
     with a ``window``, cuDNN's sliding window (jax's ``local_window_size``: the ``window - 1``
     keys before a query, and itself). ``local_backend`` traces the very same call to ask jax
     whether cuDNN can run it."""
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation=implementation,
@@ -223,6 +229,8 @@ def causal_attention(
     dropout: Callable[[jax.Array], jax.Array] | None = None,
     segment_ids: jax.Array | segments_lib.Segments | None = None,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -240,8 +248,15 @@ def causal_attention(
     the ``Segments``' lengths: ``cudnn_packed``). ``window``: a sliding window, a query sees
     itself and the ``window - 1`` keys before it (transformers' ``kv_idx > q_idx - window``):
     the materialised mask, cuDNN's sliding window, the splash kernel's ``LocalMask``.
+    ``scale``: the scores' (None: ``D ** -0.5``); ``softcap``: Gemma 2's ``cap * tanh(s /
+    cap)`` on the fp32 scores before the mask, on the materialised path and the splash kernel
+    (cuDNN has none: ``choose_attention`` does not pick it then).
     """
-    _query_heads_per_kv_head(q, k, v)  # all three refuse the same head counts
+    _query_heads_per_kv_head(q, k, v)
+    if softcap is not None and implementation == "cudnn":
+        raise ValueError(
+            f"cudnn attention has no soft-cap on its scores ({softcap}); use 'materialized'"
+        )  # all three refuse the same head counts
     lengths = None
     if isinstance(segment_ids, segments_lib.Segments):
         segment_ids, lengths = segment_ids
@@ -253,11 +268,11 @@ def causal_attention(
                 "cudnn attention of packed rows takes their segment lengths too (Segments: "
                 "data.sft's batches carry segment_lengths); or use 'materialized'"
             )
-        return segments_lib.cudnn_packed(q, k, v, lengths=lengths, window=window)
-    if implementation == "cudnn":
-        return _fused_attention(q, k, v, "cudnn", window)  # it takes K < H heads as they are
+        return segments_lib.cudnn_packed(q, k, v, lengths=lengths, window=window, scale=scale)
+    if implementation == "cudnn":  # it takes K < H heads as they are
+        return _fused_attention(q, k, v, "cudnn", window, scale)
     if implementation == "flash":
-        return _pallas_flash(q, k, v, segment_ids, window)
+        return splash.attention(q, k, v, segment_ids, window, scale, softcap)
     if implementation != "materialized":
         choices = "'cudnn' | 'flash' | 'materialized'"
         raise ValueError(f"attention implementation {implementation!r}: {choices}")
@@ -267,16 +282,19 @@ def causal_attention(
         mask = mask & ~jnp.tril(jnp.ones((length, length), dtype=bool), -window)[None]
     if segment_ids is not None:  # [B, L, L], and only its own segment's keys
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    return masked_attention(q, k, v, mask, dropout)
+    return masked_attention(q, k, v, mask, dropout, scale=scale, softcap=softcap)
 
 
-def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> jax.Array:
+def masked_attention(
+    q, k, v, mask, dropout=None, heads_first: bool = False, scale=None, softcap=None
+) -> jax.Array:
     """The materialised fp32 island: ``[B, Lq, H, D]`` q over ``[B, Lk, K, D]`` k, v (``[B, K,
     Lk, D]`` with ``heads_first``: the KV cache's layout) where ``mask`` (``[B or 1, Lq,
-    Lk]``, True: seen) allows. fp32 scores from 16-bit operands (``einsum_f32_out``), an fp32
-    softmax, the probabilities cast back to q's dtype; grouped query heads read their kv head
-    as it is (see the module doc). Causal attention's materialised path, and the KV cache's
-    (``cached_attention``)."""
+    Lk]``, True: seen) allows, scaled by ``scale`` (None: ``D ** -0.5``), soft-capped by
+    ``softcap`` before the mask where given. fp32 scores from 16-bit operands
+    (``einsum_f32_out``), an fp32 softmax, the probabilities cast back to q's dtype; grouped
+    query heads read their kv head as it is (see the module doc). Causal attention's
+    materialised path, and the KV cache's (``cached_attention``)."""
     kv = "bhkd" if heads_first else "bkhd"
     if heads_first:
         k_, v_ = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # for the check's shapes only
@@ -285,7 +303,7 @@ def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> 
         groups = _query_heads_per_kv_head(q, k, v)
     batch, length, heads, depth = q.shape
     kv_heads, dtype, keys = k.shape[1 + (not heads_first)], q.dtype, k.shape[2 - (not heads_first)]
-    q = q * jnp.asarray(depth**-0.5, dtype)
+    q = q * jnp.asarray(depth**-0.5 if scale is None else scale, dtype)
     # Grouped, q is [B, L, K, G, D] (a free reshape: a group's heads are adjacent) and the
     # einsums carry the group axis g, so each kv head is read as it is, never copied G times.
     # Multi-head (G == 1) has no g: the reshape is the identity and the einsums are as before.
@@ -293,6 +311,8 @@ def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> 
     q = q.reshape(batch, length, kv_heads, *[groups] * len(g), depth)
     # Scores: 16-bit operands, fp32 result that goes straight into the fp32 softmax.
     scores = einsum_f32_out(f"bqh{g}d,{kv}->bh{g}qk", q, k)  # [B, K, (G,) Lq, Lk]
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     mask = mask.reshape(mask.shape[0], 1, *[1] * len(g), length, keys)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
@@ -302,7 +322,9 @@ def masked_attention(q, k, v, mask, dropout=None, heads_first: bool = False) -> 
     return out.reshape(batch, length, heads, depth)
 
 
-def cached_attention(q, k_cache, v_cache, positions, window: int | None = None) -> jax.Array:
+def cached_attention(
+    q, k_cache, v_cache, positions, window=None, scale=None, softcap=None
+) -> jax.Array:
     """One decoding step's attention: ``[B, T, H, D]`` q at ``positions`` (``[B, T]``) over a
     layer's KV cache (``[B, K, S, D]``: the layout the scores' matmul reads as it lies, grouped,
     never repeated to H heads) whose slot ``j`` holds position ``j``: a query sees the slots
@@ -313,7 +335,7 @@ def cached_attention(q, k_cache, v_cache, positions, window: int | None = None) 
     if window is not None:
         mask = mask & (slots[None, None, :] > positions[:, :, None] - window)
     k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
-    return masked_attention(q, k, v, mask, heads_first=True)
+    return masked_attention(q, k, v, mask, heads_first=True, scale=scale, softcap=softcap)
 
 
 def _query_heads_per_kv_head(q, k, v) -> int:
@@ -330,57 +352,3 @@ def _query_heads_per_kv_head(q, k, v) -> int:
             "needs the key/value heads to divide the query heads"
         )
     return heads // kv_heads
-
-
-def _pallas_flash(q, k, v, segment_ids=None, window: int | None = None):
-    """jax's Pallas TPU splash attention, the flash kernel MaxText's TPU LMs run, on ``[B, L, H,
-    D]`` q and ``[B, L, K, D]`` k, v: causal, scores scaled by ``D ** -0.5``. It walks the keys
-    tile by tile with each row's running max and sum in fp32 and never writes the ``[B, H, L,
-    L]`` scores; its backward pass recomputes them from the fp32 log-sum-exp ``[B, H, L]`` (the
-    older ``flash_attention`` kernel keeps those statistics 128 lanes wide: 2 GiB more of
-    temporaries on GPT-2-small's shape). Tiles of the largest of ``FLASH_BLOCKS`` that divides
-    ``L`` (``L`` itself when none does: Pallas's interpret mode on a CPU takes any, a TPU wants
-    multiples of 128).
-
-    Grouped queries are the kernel's own: ``make_splash_mha`` takes fewer kv heads than q
-    heads, reads kv head ``h // (q heads // kv heads)`` for q head ``h`` (its index maps), and
-    its dk, dv kernel sums over the q heads of each kv head. With the examples folded into the
-    heads, q head ``b * H + h`` reads kv head ``(b * H + h) // G == b * K + h // G`` (``G = H //
-    K``): its own example's, so one call serves every example and kv head, as for ``K == H``.
-    ``make_splash_mqa`` (one ``[L, D]`` k, v for all q heads) would need a vmap over ``B * K``
-    for the same work. With ``segment_ids`` the examples differ in their segments, which the
-    kernel takes one set of a call: it runs over the examples in a loop (``lax.map``), each
-    call with its ``H`` q heads, ``K`` kv heads and ``SegmentIds``."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
-    batch, length, heads, depth = q.shape
-    block = next((b for b in FLASH_BLOCKS if length % b == 0), length)
-    sizes = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv")
-    sizes += ("block_kv_dkv_compute", "block_q_dq", "block_kv_dq")
-    calls = 1 if segment_ids is None else batch  # heads a call: every example's, or one's
-    shape = (length, length)  # causal, within the window when there is one
-    mask = masks.CausalMask(shape)
-    if window is not None:
-        mask = masks.LocalMask(shape, window_size=(window - 1, 0), offset=0)
-    kernel = splash.make_splash_mha(  # one mask, shared by every (example, head)
-        mask=masks.MultiHeadMask([mask] * (batch * heads // calls)),
-        block_sizes=splash.BlockSizes(**dict.fromkeys(sizes, block)),
-        head_shards=1,
-        q_seq_shards=1,
-    )
-    q = q * jnp.asarray(depth**-0.5, q.dtype)
-    if segment_ids is not None:  # [B, H, L, D] q and [B, K, L, D] k, v, a call an example
-
-        def one(args):
-            q, k, v, ids = args
-            return kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
-
-        heads_first = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-        # a loop, not jax.vmap: the kernel's backward pass has no batching rule
-        out = jax.lax.map(one, (*heads_first, segment_ids.astype(jnp.int32)))
-        return jnp.swapaxes(out, 1, 2)
-    # [B * H, L, D] q and [B * K, L, D] k, v: the kernel's layout, the examples as more heads
-    flat = lambda x: jnp.swapaxes(x, 1, 2).reshape(-1, length, depth)
-    out = kernel(flat(q), flat(k), flat(v))
-    return jnp.swapaxes(out.reshape(batch, heads, length, depth), 1, 2)

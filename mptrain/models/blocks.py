@@ -6,9 +6,16 @@ decoder reads differ from the Llama (as settings, not copies of the model):
     (a Llama's or Qwen3's ``attention_bias``: the four projections);
   * ``qk_norm``: Qwen3's RMSNorm over each head's q and k (its own scale a head dimension),
     after the projection and before RoPE, in fp32 as every norm here;
-  * ``window``: a sliding window on every layer (Mistral's ``sliding_window``, Qwen's when every
-    layer slides): a query sees itself and the ``window - 1`` keys before it, as transformers'
-    ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``).
+  * ``window``: a sliding window (Mistral's ``sliding_window``; Qwen's, Gemma's on the layers
+    ``layer_types`` names): a query sees itself and the ``window - 1`` keys before it, as
+    transformers' ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``). ``window`` and
+    ``inv_freq`` (a RoPE base of its own, or none) may differ from layer to layer: the decoder
+    takes a `Shape` a layer (`mptrain.models.llama`'s ``layer_shapes``);
+  * Gemma's: ``norm_plus_one`` (RMSNorm scales by ``1 + w``, ``w`` from 0, in fp32),
+    ``post_norms`` (a norm after the attention and after the MLP too, four a block),
+    ``attn_scale`` (the scores' scale, ``query_pre_attn_scalar ** -0.5``, where it is not
+    ``head_dim ** -0.5``), ``attn_softcap`` (``cap * tanh(s / cap)`` on the fp32 scores, before
+    the mask) and ``mlp_act`` ``"gelu_tanh"`` (GELU's tanh form, in fp32, for SwiGLU's SiLU).
 
 Every matmul takes compute-dtype operands; the fp32 islands are the llama module doc's.
 """
@@ -33,20 +40,24 @@ from mptrain.models.rope import apply_rope
 from mptrain.recipe import fp8 as fp8_lib
 
 ATTN_BIASES = ("none", "qkv", "all")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * scale``, all of it in fp32, the result cast to ``dtype``."""
+    """``x / rms(x) * scale`` (``* (1 + scale)``, ``scale`` from 0, with ``plus_one``: Gemma's),
+    all of it in fp32, the result cast to ``dtype``."""
 
     eps: float
     dtype: layers.Dtype
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],)).astype(jnp.float32)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+        return (x32 * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
 def dense(features: int, name: str, fp8: Any = None, lora: Any = None, bias: bool = False):
@@ -73,6 +84,14 @@ class Shape:
     attn_bias: str = "none"
     qk_norm: bool = False
     window: int | None = None
+    norm_plus_one: bool = False
+    post_norms: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    mlp_act: str = "silu"
+
+    def norm(self, dtype: layers.Dtype, name: str) -> RMSNorm:
+        return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
 
 
 class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
@@ -96,32 +115,33 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             out = checkpoint_name(run(n * s.head_dim, name, x), tag)
             out = out.reshape(batch, length, n, s.head_dim)
             if s.qk_norm and name != "v":  # over each head's dimensions, before RoPE
-                out = RMSNorm(s.norm_eps, self.dtype, name=f"{name}_norm")(out)
+                out = s.norm(self.dtype, f"{name}_norm")(out)
             return out
 
         q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
         k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
-        inv_freq = np.asarray(s.inv_freq, np.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        window = {"window": s.window}
+        if s.inv_freq:  # none: a layer without positions (NoPE)
+            inv_freq = np.asarray(s.inv_freq, np.float32)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
         if cache is None:
             out = attention_lib.causal_attention(
-                q, k, v, self.implementation, segment_ids=segments, **window
+                q, k, v, self.implementation, segment_ids=segments, **how
             )
         else:  # decoding (`KVCache`): [B, L] positions, each row's own
             cache = cache.write(k, v, positions)
             if length > 1:  # the prompt, from position 0: attention over its own keys
-                out = attention_lib.causal_attention(q, k, v, self.implementation, **window)
+                out = attention_lib.causal_attention(q, k, v, self.implementation, **how)
             else:  # one token a row: over the cache, up to each row's position
-                out = attention_lib.cached_attention(q, cache.k, cache.v, positions, **window)
+                out = attention_lib.cached_attention(q, cache.k, cache.v, positions, **how)
         out = out.reshape(batch, length, s.num_heads * s.head_dim)
         out = checkpoint_name(out, remat_lib.CONTEXT)
         out = checkpoint_name(run(s.d_model, "o", out), remat_lib.PROJECTIONS[3])
         return out if cache is None else (out, cache)
 
 
-class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
+class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with mlp_act="gelu_tanh"
     shape: Shape
     dtype: layers.Dtype
     fp8: Any = None
@@ -133,12 +153,18 @@ class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
             layers.run_in(self.dtype, dense(n, name, self.fp8, self.lora), h), tag
         )
         gate, up, down = remat_lib.PROJECTIONS[4:7]
-        h = nn.silu(run(self.shape.d_ff, "gate", gate, x)) * run(self.shape.d_ff, "up", up, x)
+        h = run(self.shape.d_ff, "gate", gate, x)
+        if self.shape.mlp_act == "gelu_tanh":  # in fp32, as torch computes a 16-bit GELU
+            h = nn.gelu(h.astype(jnp.float32), approximate=True).astype(h.dtype)
+        else:
+            h = nn.silu(h)
+        h = h * run(self.shape.d_ff, "up", up, x)
         return run(self.shape.d_model, "down", down, h)
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``post_norms``
+    (Gemma's) ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``."""
 
     shape: Shape
     dtype: layers.Dtype
@@ -149,12 +175,16 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
-        h = RMSNorm(s.norm_eps, self.dtype, name="attn_norm")(x)
+        h = s.norm(self.dtype, "attn_norm")(x)
         attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
         h = attn(h, positions, segments, cache)
         if cache is not None:
             h, cache = h
+        if s.post_norms:
+            h = s.norm(self.dtype, "attn_post_norm")(h)
         x = x + h
-        h = RMSNorm(s.norm_eps, self.dtype, name="mlp_norm")(x)
-        x = x + MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
+        h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(s.norm(self.dtype, "mlp_norm")(x))
+        if s.post_norms:
+            h = s.norm(self.dtype, "mlp_post_norm")(h)
+        x = x + h
         return x if cache is None else (x, cache)

@@ -1,14 +1,16 @@
 """The decoder of the Llama and of the families that differ from it by a few switches (Mistral,
-Qwen2, Qwen3: `FAMILIES`), with its fp32 islands, its layers scanned and rematerialised by name.
+Qwen2, Qwen3, Gemma 2 and 3: `FAMILIES`), with its fp32 islands, its layers scanned (a period of
+layer kinds at a time where they differ: `stack`) and rematerialised by name.
 
 The blocks (`mptrain.models.blocks`): RMSNorm, grouped-query attention with rotary positions
 (RoPE, with Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and
 the families' switches: biases on the attention's projections, RMSNorm on each head's q and k,
-a sliding window. Every matmul takes compute-dtype (``dtype``) operands, as in
-``transformer_lm``. The fp32 islands:
+a sliding window (on the layers `layer_types` names, each with its own RoPE base), and
+Gemma's norms, scales, soft-caps and GELU (`blocks`). Every matmul takes compute-dtype
+(``dtype``) operands, as in ``transformer_lm``. The fp32 islands:
 
   * RMSNorm: the mean square, its rsqrt and the scaling in fp32 (the scale is a param the
-    default casting rule keeps in fp32); only the result is cast back to ``dtype``;
+    default casting rule keeps in fp32; Gemma's ``1 + w`` too); only the result is cast back;
   * RoPE: the angles ``position * inv_freq`` from fp32 positions, their sin and cos in fp32, and
     the rotation of q and k applied in fp32, cast back to ``dtype`` just before the attention
     matmul (torchtitan rotates in fp32; HF transformers casts cos/sin to the activations' dtype
@@ -17,6 +19,7 @@ a sliding window. Every matmul takes compute-dtype (``dtype``) operands, as in
     q.k scores both ways;
   * attention's softmax statistics (``attention.causal_attention``: cuDNN, the Pallas TPU
     kernel and the materialised path all keep them in fp32);
+  * soft-caps (Gemma 2's): on the fp32 scores and on the fp32 logits;
   * the logits: 16-bit operands, fp32 accumulation and result, never rounded to 16 bits;
     with targets, ``lm_loss.token_loss`` computes them chunk by chunk, so the fp32
     ``[tokens, vocab]`` array never exists.
@@ -32,6 +35,9 @@ weight transposed to flax's ``[in, out]`` kernel, nothing else reordered; ``L`` 
     L/mlp/{gate,up,down}/kernel    model.layers.i.mlp.{gate,up,down}_proj.weight (T)
     L/attn/{q,k,v,o}/bias          model.layers.i.self_attn.{q,k,v,o}_proj.bias (attn_bias)
     L/attn/{q,k}_norm/scale        model.layers.i.self_attn.{q,k}_norm.weight (qk_norm)
+    with post_norms (Gemma): L/attn_post_norm/scale is post_attention_layernorm.weight,
+    L/mlp_norm/scale pre_feedforward_layernorm.weight, L/mlp_post_norm/scale
+    post_feedforward_layernorm.weight
     final_norm/scale [D]           model.norm.weight
     head/kernel [D, V] (untied)    lm_head.weight (T)
 
@@ -47,6 +53,7 @@ Remat: ``mptrain.models.remat``, per block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -60,7 +67,7 @@ from mptrain.models import attention as attention_lib
 from mptrain.models import blocks, layers, lm_loss, rope, stack
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
-from mptrain.models.blocks import Block, RMSNorm, Shape
+from mptrain.models.blocks import Block, Shape
 from mptrain.models.rope import rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import sharding
@@ -92,6 +99,9 @@ class Llama(nn.Module):
     z_loss: float = 0.0
     fp8: Any = None
     lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
+    layer_shapes: tuple[Shape, ...] = ()  # each layer's, where they differ; else `shape`'s
+    embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
+    final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -105,26 +115,33 @@ class Llama(nn.Module):
         init = nn.initializers.normal(stddev=0.02)
         embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
         x = embed(tokens)
+        if self.embed_scale:  # Gemma's: the scalar in the activations' dtype, as in transformers
+            x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)
         x = self._blocks(x, positions, segments, cache)
         if cache is not None:
             x, cache = x
-        x = RMSNorm(self.shape.norm_eps, self.dtype, name="final_norm")(x)
+        x = self.shape.norm(self.dtype, "final_norm")(x)
         if logits_at is not None:  # [B, 1, D]: one position a row
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss, name="head")
+        head = lm_loss.Head(
+            self.vocab_size, init, self.loss_chunk, self.z_loss, self.final_softcap, name="head"
+        )
         kernel = None
         if self.tie_embeddings:
             kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
         out = head(x, targets, kernel)
         return out if cache is None else (out, cache)
 
+    def _shape(self, layer: int) -> Shape:
+        return self.layer_shapes[layer] if self.layer_shapes else self.shape
+
     def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         policy = None if cache is not None else remat_lib.make_policy(self.remat)
         # fp8 in blocks [start, stop); the first and last `fp8.bf16_layers` stay in bf16
         start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
-        args = lambda i: (self.shape, self.dtype, self.implementation, self._fp8(i), self.lora)
+        args = lambda i: (self._shape(i), self.dtype, self.implementation, self._fp8(i), self.lora)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
             caches = []
@@ -137,7 +154,11 @@ class Llama(nn.Module):
             return x if cache is None else (x, tuple(caches))
         if cache is not None:
             raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
-        bf16 = Block(*args(None), parent=None)  # applied to one layer's slice at a time
+        # every layer's params have one shape (the layers differ in window and RoPE only)
+        block = lambda shape, fp8: Block(
+            shape, self.dtype, self.implementation, fp8, self.lora, parent=None
+        )  # applied to one layer's slice at a time
+        bf16 = block(self._shape(0), None)
 
         def init(rng, x, positions):
             keys = jax.random.split(rng, self.num_layers)
@@ -152,11 +173,16 @@ class Llama(nn.Module):
         # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
         dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
         run = functools.partial(stack.scan, x=x, args=(positions, segments), dropout=dropout)
+
+        def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
+            shapes = [self._shape(i) for i in range(a, b)]
+            return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
+
         if start == stop:
-            return run(bf16, stacked=stacked, policy=policy)
+            return run(period(0, self.num_layers), stacked=stacked, policy=policy)
         fp8 = Block(*args(start), parent=None)
         state = stack.fp8_state(self, fp8, (x, positions), start, stop)
-        return stack.spans(run, stacked, (bf16, fp8), state, start, stop, policy)
+        return stack.spans(run, stacked, period, state, start, stop, policy)
 
     def _fp8(self, layer: int | None) -> Any:
         """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
@@ -166,12 +192,20 @@ class Llama(nn.Module):
 
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the switches of `blocks.Shape`, and the names its folder gives them.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
+
 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
 # model. `head_dim` None: d_model / num_heads; `rope_scaling` None, or Llama 3's
-# (factor, low_freq_factor, high_freq_factor, original_max_len); `family`: the folder it
-# exports as; `attn_bias`, `qk_norm`, `sliding_window`: `blocks.Shape`'s switches.
+# (factor, low_freq_factor, high_freq_factor, original_max_len), or ("linear", factor);
+# `family`: the folder it exports as; `attn_bias`, `qk_norm`, `sliding_window` and Gemma's
+# `norm_plus_one`, `post_norms`, `attn_softcap`, `mlp_act`: `blocks.Shape`'s switches;
+# `query_pre_attn_scalar` (None: head_dim) scales the scores by its -1/2 power.
+# `layer_types` (None: every layer sliding where `sliding_window` is set, else full) names each
+# layer's attention, SLIDING or FULL; `rope_local_theta` (None: rope_theta) is the RoPE base of
+# the sliding layers, unscaled (Gemma 3's). `embed_scale`: embeddings times sqrt(d_model);
+# `final_softcap`: the logits' soft-cap.
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -192,6 +226,15 @@ CONFIG_KEYS = {
     "attn_bias": "none",
     "qk_norm": False,
     "sliding_window": None,
+    "layer_types": None,
+    "rope_local_theta": None,
+    "norm_plus_one": False,
+    "post_norms": False,
+    "query_pre_attn_scalar": None,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "mlp_act": "silu",
+    "embed_scale": False,
 }
 
 
@@ -223,14 +266,74 @@ def settings(model_config: Any) -> dict[str, Any]:
     errors.check_number("model.rope_theta", keys["rope_theta"], 1.0, open_low=True)
     errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
     keys["rope_scaling"] = rope.scaling(keys["rope_scaling"])
-    for key in ("tie_embeddings", "scan_layers", "qk_norm"):
+    for key in ("tie_embeddings", "scan_layers", "qk_norm", "norm_plus_one", "post_norms"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     errors.check_choice("model.family", keys["family"], FAMILIES)
     errors.check_choice("model.attn_bias", keys["attn_bias"], blocks.ATTN_BIASES)
+    if not isinstance(keys["embed_scale"], bool):
+        raise ValueError(f"model.embed_scale={keys['embed_scale']!r}: must be True or False")
+    errors.check_choice("model.mlp_act", keys["mlp_act"], blocks.MLP_ACTS)
     if keys["sliding_window"] is not None:
         errors.check_integer("model.sliding_window", keys["sliding_window"], 1, errors.INT32_MAX)
+    for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+        if keys[key] is not None:
+            keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)
+    keys["layer_types"] = _layer_types(keys)
     return keys
+
+
+def _layer_types(keys: dict) -> tuple[str, ...] | None:
+    """`model.layer_types` checked: None, or one of SLIDING, FULL a layer (a tuple); a sliding
+    layer needs `model.sliding_window`."""
+    kinds, n = keys["layer_types"], keys["num_layers"]
+    if kinds is None:
+        return None
+    if isinstance(kinds, str) or not isinstance(kinds, tuple | list) or len(kinds) != n:
+        raise ValueError(
+            f"model.layer_types={kinds!r}: None, or one of {SLIDING!r}, {FULL!r} for each of "
+            f"the {n} layers"
+        )
+    bad = next((k for k in kinds if k not in (SLIDING, FULL)), None)
+    if bad is not None:
+        raise ValueError(f"model.layer_types: {bad!r} is not {SLIDING!r} or {FULL!r}")
+    if SLIDING in kinds and keys["sliding_window"] is None:
+        raise ValueError(
+            f"model.layer_types has {SLIDING!r} layers but model.sliding_window is None"
+        )
+    return tuple(kinds)
+
+
+def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
+    """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
+    frequencies = lambda theta, scaling: tuple(
+        float(f) for f in rope_frequencies(keys["head_dim"], theta, scaling)
+    )
+    scalar = keys["query_pre_attn_scalar"]
+    base = Shape(
+        d_model=keys["d_model"],
+        num_heads=keys["num_heads"],
+        num_kv_heads=keys["num_kv_heads"],
+        head_dim=keys["head_dim"],
+        d_ff=keys["d_ff"],
+        norm_eps=float(keys["norm_eps"]),
+        inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
+        attn_bias=keys["attn_bias"],
+        qk_norm=keys["qk_norm"],
+        window=keys["sliding_window"],
+        norm_plus_one=keys["norm_plus_one"],
+        post_norms=keys["post_norms"],
+        attn_scale=None if scalar is None else float(scalar) ** -0.5,
+        attn_softcap=keys["attn_softcap"],
+        mlp_act=keys["mlp_act"],
+    )
+    if keys["layer_types"] is None:
+        return (base,) * keys["num_layers"]
+    local = base
+    if keys["rope_local_theta"] is not None:
+        local = dataclasses.replace(base, inv_freq=frequencies(keys["rope_local_theta"], None))
+    full = dataclasses.replace(base, window=None)
+    return tuple(local if kind == SLIDING else full for kind in keys["layer_types"])
 
 
 def create_model(
@@ -256,30 +359,20 @@ def create_model(
             head_dim=keys["head_dim"],
             backend=backend,
             length=keys["max_len"],
+            softcap=keys["attn_softcap"],
         )
         platform = backend.platform if backend else jax.default_backend()
         keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
         chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
     logging.info("mptrain: attention: %s", choice)
-    shape = Shape(
-        d_model=keys["d_model"],
-        num_heads=keys["num_heads"],
-        num_kv_heads=keys["num_kv_heads"],
-        head_dim=keys["head_dim"],
-        d_ff=keys["d_ff"],
-        norm_eps=float(keys["norm_eps"]),
-        inv_freq=tuple(
-            float(f)
-            for f in rope_frequencies(keys["head_dim"], keys["rope_theta"], keys["rope_scaling"])
-        ),
-        attn_bias=keys["attn_bias"],
-        qk_norm=keys["qk_norm"],
-        window=keys["sliding_window"],
-    )
+    shapes = layer_shapes(keys)
     return Llama(
         vocab_size=keys["vocab_size"],
         num_layers=keys["num_layers"],
-        shape=shape,
+        shape=shapes[0],
+        layer_shapes=shapes if len(set(shapes)) > 1 else (),
+        embed_scale=keys["embed_scale"],
+        final_softcap=keys["final_softcap"],
         max_len=keys["max_len"],
         dtype=compute_dtype,
         tie_embeddings=keys["tie_embeddings"],

@@ -34,6 +34,7 @@ partial sum enters the carry unrounded; the hidden states' gradient is a 16-bit 
 
 from __future__ import annotations
 
+import functools
 import numbers
 from math import inf
 from typing import Any
@@ -88,27 +89,34 @@ def settings(loss: Any) -> tuple[int | None, float]:
     return loss.chunk_tokens, float(z_loss)
 
 
-def _logits(h: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jnp.einsum("bcd,dv->bcv", h, kernel, preferred_element_type=jnp.float32)
+def _logits(h: jax.Array, kernel: jax.Array, softcap: float | None = None) -> jax.Array:
+    logits = jnp.einsum("bcd,dv->bcv", h, kernel, preferred_element_type=jnp.float32)
+    return logits if softcap is None else capped(logits, softcap)
+
+
+def capped(logits: jax.Array, softcap: float) -> jax.Array:
+    """Gemma 2's soft-cap, ``cap * tanh(logits / cap)``, on fp32 logits."""
+    return softcap * jnp.tanh(logits / softcap)
 
 
 def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
 
 
-@jax.custom_vjp
-def _chunked_head(hidden, kernel, targets):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_head(hidden, kernel, targets, softcap):
     """Per token of ``hidden [N, B, c, D]`` (N chunks), fp32 ``[N, B, c]`` each: the logsumexp
-    of its logits, its target's logit (0 for a target < 0) and whether the argmax is the target."""
-    return _chunked_head_fwd(hidden, kernel, targets)[0]
+    of its logits (soft-capped by ``softcap`` where given), its target's logit (0 for a target
+    < 0) and whether the argmax is the target."""
+    return _chunked_head_fwd(hidden, kernel, targets, softcap)[0]
 
 
-def _chunked_head_fwd(hidden, kernel, targets):
+def _chunked_head_fwd(hidden, kernel, targets, softcap):
     compute_kernel = kernel.astype(hidden.dtype)
 
     def body(_, chunk):
         h, t = chunk
-        logits = _logits(h, compute_kernel)
+        logits = _logits(h, compute_kernel, softcap)
         picked = jnp.sum(jnp.where(_is_target(t, logits.shape[-1]), logits, 0.0), axis=-1)
         correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
         return None, (jax.nn.logsumexp(logits, axis=-1), picked, correct)
@@ -117,17 +125,20 @@ def _chunked_head_fwd(hidden, kernel, targets):
     return (lse, picked, correct), (hidden, kernel, targets, lse)
 
 
-def _chunked_head_bwd(residuals, cotangents):
+def _chunked_head_bwd(softcap, residuals, cotangents):
     hidden, kernel, targets, lse = residuals
     g_lse, g_picked, _ = cotangents  # ``correct`` is a count: no gradient
     compute_kernel = kernel.astype(hidden.dtype)
 
     def body(d_kernel, chunk):
         h, t, lse_c, g_lse_c, g_picked_c = chunk
-        logits = _logits(h, compute_kernel)
+        logits = _logits(h, compute_kernel, softcap)
         softmax = jnp.exp(logits - lse_c[..., None])
         picked = jnp.where(_is_target(t, logits.shape[-1]), g_picked_c[..., None], 0.0)
-        d_logits = (softmax * g_lse_c[..., None] + picked).astype(h.dtype)  # the island's end
+        d_logits = softmax * g_lse_c[..., None] + picked
+        if softcap is not None:  # through cap * tanh(z / cap): times 1 - tanh^2
+            d_logits = d_logits * (1.0 - jnp.square(logits / softcap))
+        d_logits = d_logits.astype(h.dtype)  # the island's end
         d_h = jnp.einsum("bcv,dv->bcd", d_logits, compute_kernel)
         d_kernel += jnp.einsum("bcd,bcv->dv", h, d_logits, preferred_element_type=jnp.float32)
         return d_kernel, d_h
@@ -147,6 +158,7 @@ def token_loss(
     *,
     chunk: int | None = None,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> dict[str, jax.Array]:
     """The next-token loss of ``hidden [B, L, D] @ kernel [D, V]`` against ``targets [B, L]``.
 
@@ -161,6 +173,7 @@ def token_loss(
     z-loss of MaxText and Levanter, which pulls log Z to 0); ``loss``, ``cross_entropy +
     z_loss * z_loss-mean``, the one to differentiate; ``accuracy``, the fraction whose argmax
     is the target; and ``tokens``, the number of valid tokens. The last two have no gradient.
+    ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
     """
     batch, length, _ = hidden.shape
     _check_chunk(chunk, "chunk")
@@ -174,7 +187,7 @@ def token_loss(
     def to_chunks(x):  # [B, N * c, ...] -> [N, B, c, ...]: the batch axis stays whole
         return jnp.moveaxis(x.reshape(batch, padded // chunk, chunk, *x.shape[2:]), 1, 0)
 
-    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets))
+    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets), softcap)
     lse, picked, correct = (
         jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
     )
@@ -205,6 +218,7 @@ class Head(nn.Module):
     kernel_init: Any = nn.initializers.lecun_normal()  # nn.Dense's
     chunk: int | None = None
     z_loss: float = 0.0
+    softcap: float | None = None  # the logits' soft-cap (`capped`), Gemma 2's
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
@@ -214,5 +228,8 @@ class Head(nn.Module):
         length = x.shape[1]
         whole = (self.chunk or auto_chunk(length, self.vocab_size)) >= length
         if targets is None or (whole and not self.z_loss):
-            return layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
-        return token_loss(x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss)
+            logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
+            return logits if self.softcap is None else capped(logits, self.softcap)
+        return token_loss(
+            x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss, softcap=self.softcap
+        )

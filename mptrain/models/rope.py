@@ -18,10 +18,13 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
     ``(factor, low_freq_factor, high_freq_factor, original_max_len)``: wavelengths longer than
     ``original_max_len / low_freq_factor`` are stretched by ``factor``, those shorter than
     ``original_max_len / high_freq_factor`` kept, and those between interpolated smoothly
-    (Meta's rule for Llama 3.1, also HF's ``rope_type="llama3"``). Computed in float64 on the
-    host, a constant of the program."""
+    (Meta's rule for Llama 3.1, also HF's ``rope_type="llama3"``); or ``("linear", factor)``,
+    every frequency divided by ``factor`` (HF's ``"linear"``: Gemma 3's global layers).
+    Computed in float64 on the host, a constant of the program."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None:
+    if scaling is not None and scaling[0] == "linear":
+        inv = inv / float(scaling[1])
+    elif scaling is not None:
         factor, low, high, original = (float(v) for v in scaling)
         wavelen = 2 * np.pi / inv
         smooth = (original / wavelen - low) / (high - low)
@@ -43,14 +46,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def scaling(value: Any) -> tuple[float, float, float, int] | None:
+def scaling(value: Any) -> tuple | None:
     key = "model.rope_scaling"
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
         return None
+    if isinstance(value, tuple | list) and len(value) == 2 and value[0] == "linear":
+        return "linear", errors.check_number(f"{key}[1] (factor)", value[1], 1.0)
     if not isinstance(value, tuple | list) or len(value) != 4:
         raise ValueError(
-            f"{key}={value!r}: None, or Llama 3's (factor, low_freq_factor, high_freq_factor, "
-            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192)"
+            f"{key}={value!r}: None, Llama 3's (factor, low_freq_factor, high_freq_factor, "
+            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192), or ('linear', factor)"
         )
     factor = errors.check_number(f"{key}[0] (factor)", value[0], 1.0)
     low = errors.check_number(f"{key}[1] (low_freq_factor)", value[1], 0.0, open_low=True)

@@ -62,7 +62,9 @@ def packed_layout(lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
     return seqlen, offsets
 
 
-def cudnn_packed(q, k, v, segment_ids=None, *, lengths=None, max_segments=None, window=None):
+def cudnn_packed(
+    q, k, v, segment_ids=None, *, lengths=None, max_segments=None, window=None, scale=None
+):
     """cuDNN's fused attention in its packed layout: each row's segments handed to cuDNN as
     their lengths and offsets, so that a query attends causally within its own segment only and
     no ``[L, L]`` mask or bias exists (the kernel skips the tiles between segments). ``lengths``
@@ -80,8 +82,9 @@ def cudnn_packed(q, k, v, segment_ids=None, *, lengths=None, max_segments=None, 
     if lengths is None:
         lengths = segment_lengths(segment_ids, max_segments)
     seqlen, offsets = packed_layout(lengths)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return fused.dot_product_attention(
         q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
-        scale=q.shape[-1] ** -0.5, mask_type=fused.MaskType.PADDING_CAUSAL,
+        scale=scale, mask_type=fused.MaskType.PADDING_CAUSAL,
         sliding_window_length=window,  # the window - 1 keys before a query, and itself
     )  # fmt: skip

@@ -84,9 +84,9 @@ class Calls:
     plans: tuple[tuple[Tap, Plan], ...] = ()
     # a call of a scanned stack's block: its layer (its scope is then (STACKED, ...) and its
     # params' gradient that layer's slice); -1 elsewhere. `groups`: the stacks, (first row,
-    # calls a layer, layers, first layer) each (`numerics_scan`)
+    # calls a step, steps, first layer, layers a step) each (`numerics_scan`)
     layers: tuple[int, ...] = ()
-    groups: tuple[tuple[int, int, int, int], ...] = ()
+    groups: tuple[tuple[int, int, int, int, int], ...] = ()
 
     def descendants(self) -> np.ndarray:
         """`d[i, j]`: call j runs inside call i (at any depth)."""

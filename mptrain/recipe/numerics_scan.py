@@ -26,23 +26,25 @@ ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("mptrain_numerics",
 
 @dataclasses.dataclass
 class Scan:
-    """One scanned run of blocks `first..first + layers - 1`, whose calls start at row `start`;
-    `rows`: their rows of the table (None while discovering)."""
+    """One scanned run of `layers` steps of `stride` blocks each (layers `first`, `first + 1`,
+    ...), whose calls start at row `start`; `rows`: their rows of the table, a step's calls a
+    row of `[layers, calls, columns]` (None while discovering)."""
 
     rec: Any
     start: int
     layers: int
     first: int
+    stride: int = 1
     rows: Any = None
 
 
-def begin(layers: int, first: int) -> Scan | None:
+def begin(layers: int, first: int, stride: int = 1) -> Scan | None:
     """Before the scan: its rows, when a recording with taps is under way (else None)."""
     rec = ACTIVE.get()
     if rec is None or rec.taps is None:
         return None
     start = len(rec.paths) + rec.offset
-    scan = Scan(rec, start, layers, first)
+    scan = Scan(rec, start, layers, first, stride)
     if rec.given is not None:  # the calls are known: the layers' rows of the taps array
         calls = rec.groups[start][1]
         rows = rec.taps[start - rec.base : start - rec.base + layers * calls]
@@ -70,7 +72,7 @@ def end(scan: Scan | None) -> None:
         return
     rec = scan.rec
     calls = len(rec.paths) + rec.offset - scan.start
-    rec.groups.setdefault(scan.start, (scan.start, calls, scan.layers, scan.first))
+    rec.groups.setdefault(scan.start, (scan.start, calls, scan.layers, scan.first, scan.stride))
     rec.offset += (scan.layers - 1) * calls
 
 
@@ -88,11 +90,12 @@ def expand(rec: Any, plans: dict) -> tuple:
             scopes[index], paths[index] = rec.scopes[k], rec.paths[k]
             parents[index] = rec.parents[k]
             continue
-        _, calls, count, first = group
+        start, calls, count, first, stride = group
+        within = (index - start) // (calls // stride)  # the block of a step that made the call
         for i in range(count):
-            at, parent = index + i * calls, rec.parents[k]
-            scopes[at], layers[at] = (sharding.STACKED, *rec.scopes[k]), first + i
-            paths[at] = "/".join((f"layers_{first + i}", *rec.scopes[k]))
+            at, parent, layer = index + i * calls, rec.parents[k], first + i * stride + within
+            scopes[at], layers[at] = (sharding.STACKED, *rec.scopes[k]), layer
+            paths[at] = "/".join((f"layers_{layer}", *rec.scopes[k]))
             parents[at] = parent + i * calls if group_of(parent) else parent
     expanded = {}
     for (index, side), plan in plans.items():

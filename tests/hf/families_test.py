@@ -1,9 +1,11 @@
-"""The families beside the Llama (issue 56, first part): Mistral, Qwen2 and Qwen3 folders that
-transformers made itself (`scripts/make_hf_fixture.py --families`, run in a venv of its own:
-Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's q, k, v biases,
-Qwen3's q and k norms and tied embeddings; Qwen2's config.json in transformers 4.x's form, the
-others in 5.x's), read by `mptrain.hf` into the one decoder: its fp32 logits and its greedy
-decoding against transformers' own, each switch shown to matter, the folder written back."""
+"""The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 folders
+that transformers made itself (`scripts/make_hf_fixture.py --families`, run in a venv of its
+own: Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's q, k, v biases,
+Qwen3's q and k norms and tied embeddings; Gemma 2's three layers, sliding and global in turn,
+with soft-caps that bite; Gemma 3's four layers of a pattern of three, with two RoPE bases;
+Qwen2's and Gemma 2's config.json in transformers 4.x's form, the others in 5.x's), read by
+`mptrain.hf` into the one decoder: its fp32 logits and its greedy decoding against
+transformers' own, each switch shown to matter, the folder written back."""
 
 import json
 import shutil
@@ -21,16 +23,37 @@ from mptrain import errors, export, generate, hf
 from mptrain.models import decode, llama
 
 FAMILIES = Path(__file__).parent / "families"
-NAMES = ("mistral", "qwen2", "qwen3")
-# what each folder is read as: model.family, attn_bias, qk_norm, sliding_window
+NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+S, F = llama.SLIDING, llama.FULL
+# what each folder is read as: model.family, attn_bias, qk_norm, sliding_window, layer_types
 SWITCHES = {
-    "mistral": ("mistral", "none", False, 16),
-    "qwen2": ("qwen2", "qkv", False, 16),
-    "qwen3": ("qwen3", "none", True, None),
+    "mistral": ("mistral", "none", False, 16, None),
+    "qwen2": ("qwen2", "qkv", False, 16, None),
+    "qwen3": ("qwen3", "none", True, None, None),
+    "gemma2": ("gemma2", "none", False, 16, (S, F, S)),
+    "gemma3": ("gemma3", "none", True, 16, (S, S, F, S)),
 }
-# make test reads Qwen2 (a window and biases, config.json in 4.x's form); the others' fp32
-# logits and decoding are second variants of the same path, in make test-slow
+# Gemma's switches as the fixtures set them, and what each is without them
+GEMMA = {
+    "gemma2": {"attn_softcap": 2.0, "final_softcap": 3.0, "query_pre_attn_scalar": 24.0},
+    "gemma3": {"rope_local_theta": 10_000.0, "rope_scaling": ("linear", 2.0)},
+}
+PLAIN = {
+    "attn_softcap": None,
+    "final_softcap": None,
+    "query_pre_attn_scalar": None,
+    "rope_local_theta": None,
+    "rope_scaling": None,
+    "embed_scale": False,
+    "mlp_act": "silu",
+    "norm_plus_one": False,
+    "layer_types": None,
+}
+# make test reads Gemma 2 (a window on alternate layers, scanned as a period and a layer over,
+# the soft-caps and Gemma's norms, config.json in 4.x's form); the others' fp32 logits and
+# decoding are second variants of the same path, in make test-slow
 SLOW = pytest.mark.slow
+KEYS = ("family", "attn_bias", "qk_norm", "sliding_window", "layer_types")
 
 
 def _model(model_config, dtype=jnp.float32, **overrides):
@@ -44,27 +67,38 @@ def _logits(model_config, params, ids, dtype=jnp.float32, **overrides):
 
 
 @pytest.mark.parametrize(
-    "name", [n if n == "qwen2" else pytest.param(n, marks=SLOW) for n in NAMES]
+    "name", [n if n == "gemma2" else pytest.param(n, marks=SLOW) for n in NAMES]
 )
 def test_each_familys_fp32_logits_are_transformers(name):
     folder = FAMILIES / name
     ids, want = _reference(folder)
     model_config, params = hf.load(folder)
-    switches = tuple(model_config[k] for k in ("family", "attn_bias", "qk_norm", "sliding_window"))
-    assert switches == SWITCHES[name]
+    assert tuple(model_config[k] for k in KEYS) == SWITCHES[name]
+    assert {k: model_config[k] for k in GEMMA.get(name, {})} == GEMMA.get(name, {})
     assert _error(_logits(model_config, params, ids), want) < 1e-5
+
+
+@SLOW
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_unrolled_is_gemma_scanned(name):
+    """The layers one by one (each its own window and RoPE) give transformers' logits too."""
+    ids, want = _reference(FAMILIES / name)
+    model_config, params = hf.load(FAMILIES / name, scan_layers=False)
+    assert _error(_logits(model_config, params, ids, scan_layers=False), want) < 1e-5
 
 
 @SLOW
 @pytest.mark.parametrize("name", NAMES)
 def test_each_switch_moves_the_logits_and_bf16_mixed_stays_in_the_llamas_band(name):
     """The fixtures can tell a family from the Llama: without its window, its biases or its
-    q and k norms the logits part from transformers' by far more than bf16's band."""
+    q and k norms (Gemma: its soft-caps, RoPE bases, scales, norms, GELU) the logits part from
+    transformers' by far more than bf16's band."""
     folder = FAMILIES / name
     ids, want = _reference(folder)
     model_config, params = hf.load(folder)
     if model_config["sliding_window"] is not None:
-        assert _error(_logits(model_config, params, ids, sliding_window=None), want) > 0.05
+        unwindowed = _logits(model_config, params, ids, sliding_window=None, layer_types=None)
+        assert _error(unwindowed, want) > 0.05
     if model_config["attn_bias"] != "none":
         layers = params["stacked_layers"]["attn"]
         unbiased = {k: {"kernel": v["kernel"]} if "bias" in v else v for k, v in layers.items()}
@@ -75,16 +109,24 @@ def test_each_switch_moves_the_logits_and_bf16_mixed_stays_in_the_llamas_band(na
         plain_attn = {k: v for k, v in layers.items() if not k.endswith("_norm")}
         plain = {**params, "stacked_layers": {**params["stacked_layers"], "attn": plain_attn}}
         assert _error(_logits(model_config, plain, ids, qk_norm=False), want) > 0.05
+    for key, plain in PLAIN.items():  # Gemma's, one at a time
+        if model_config[key] != plain:
+            assert _error(_logits(model_config, params, ids, **{key: plain}), want) > 0.05, key
+    # bf16-mixed: in the Llama's band, or within transformers' own error in bf16 on the same
+    # folder where that is wider (Gemma's: its norms scale by 1 + w, four to a block)
     bf16 = _logits(model_config, params, ids, jnp.bfloat16)
-    assert _error(bf16, want) < BF16_BOUND
+    assert _error(bf16, want) < max(
+        BF16_BOUND, float(np.load(folder / "reference.npz")["bf16_error"])
+    )
 
 
 @SLOW
-def test_a_packed_row_with_a_window_gives_each_example_its_own_logits_and_gradients():
-    """Three examples of 12 tokens packed into one row of Qwen2's (biases, a window of 5 keys,
-    so the window cuts inside each example): each example's logits and gradients are those it
-    gets alone, in fp32."""
-    model_config, params = hf.load(FAMILIES / "qwen2")
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_a_packed_row_with_a_window_gives_each_example_its_own_logits_and_gradients(name):
+    """Three examples of 12 tokens packed into one row of Qwen2's (biases) and of Gemma 2's
+    (soft-caps, a window on alternate layers), a window of 5 keys, so it cuts inside each
+    example: each example's logits and gradients are those it gets alone, in fp32."""
+    model_config, params = hf.load(FAMILIES / name)
     model, n = _model(model_config, sliding_window=5), 12
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 300, (1, 3 * n)), jnp.int32)
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3 * n, 300)), jnp.float32)
@@ -140,10 +182,27 @@ def _edited(folder, tmp_path, edit):
     [
         (
             "qwen2",
-            lambda c: c.update(layer_types=["full_attention", "sliding_attention"]),
-            "layer_types mixes sliding and full attention (layers 1 to 1 of 2 slide)",
+            lambda c: c.update(layer_types=["full_attention", "sliding"]),
+            "layer_types=['full_attention', 'sliding']: a list of 2 of",
         ),
-        ("qwen2", lambda c: c.update(max_window_layers=1), "layer_types mixes sliding and full"),
+        ("gemma3", lambda c: c.update(use_bidirectional_attention=True), "an encoder"),
+        ("gemma2", lambda c: c.update(hidden_activation="gelu"), "hidden_activation='gelu'"),
+        (
+            "gemma2",
+            lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
+            "rope_scaling.rope_type='yarn': not implemented",
+        ),
+        (
+            "gemma3",
+            lambda c: c["rope_parameters"][S].update(rope_type="linear", factor=2.0),
+            "rope_parameters.sliding_attention.rope_type='linear'",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(architectures=["Gemma3ForConditionalGeneration"]),
+            "its text model (text_config",
+        ),
+        ("gemma2", lambda c: c.update(attn_logit_softcapping=-1), "attn_logit_softcapping=-1"),
         ("qwen3", lambda c: c.update(layer_types=["full"] * 2), "layer_types=['full', 'full']"),
         ("mistral", lambda c: c.update(sliding_window=0), "sliding_window=0"),
         ("qwen3", lambda c: c.update(attention_bias="yes"), "attention_bias='yes'"),
@@ -187,3 +246,15 @@ def test_configs_hf_fine_tunes_a_family_and_exports_it_as_that_family(tmp_path, 
     _, base = hf.load(FAMILIES / "qwen3")
     moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, base)
     assert any(jax.tree.leaves(moved))  # it trained
+
+
+def test_a_qwen_whose_layers_mix_windows_reads_and_writes_them_layer_by_layer(tmp_path):
+    """Qwen's `max_window_layers`: the layers below it attend fully, those from it on slide;
+    read as `layer_types` (the decoder's per-layer kinds) and written back the same."""
+    folder = _edited(FAMILIES / "qwen2", tmp_path, lambda c: c.update(max_window_layers=1))
+    model_config, params = hf.load(folder)
+    assert (model_config["sliding_window"], model_config["layer_types"]) == (16, (F, S))
+    hf.save(tmp_path / "out", model_config, params, "float32")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (written["max_window_layers"], written["layer_types"]) == (1, [F, S])
+    assert hf.read_config(tmp_path / "out") == model_config

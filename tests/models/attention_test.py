@@ -213,12 +213,16 @@ def test_the_cudnn_call_computes_what_the_materialized_path_does(monkeypatch, sh
         np.testing.assert_allclose(got, expected, atol=0.02 * float(jnp.abs(expected).max()))
 
 
-def _windowed(q, k, v, window):
+def _windowed(q, k, v, window, scale=None, softcap=None):
     """A query's softmax over itself and the `window - 1` keys before it, in numpy float64,
-    k and v repeated to every query head (transformers' `repeat_kv` and sliding mask)."""
+    k and v repeated to every query head (transformers' `repeat_kv` and sliding mask); the
+    scores scaled by `scale` (else 1 / sqrt(D)) and soft-capped as Gemma 2's eager attention."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     k, v = (np.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     at = np.arange(q.shape[1])
     seen = (at[None, :] <= at[:, None]) & (at[None, :] > at[:, None] - window)
     scores = np.where(seen, scores, -np.inf)
@@ -271,6 +275,38 @@ def test_the_tpu_kernels_sliding_window_is_the_same_window_in_interpret_mode():
     with pltpu.force_tpu_interpret_mode():
         got = attention.causal_attention(q, k, v, "flash", window=100)
     np.testing.assert_allclose(got, _windowed(q, k, v, window=100), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # Pallas's interpret mode: a second variant of the kernel's window
+def test_gemmas_scale_and_soft_cap_are_the_same_on_the_materialised_path_and_the_tpu_kernel():
+    """Gemma 2's scores: scaled by query_pre_attn_scalar ** -0.5, soft-capped before the mask."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v = _qkv((1, 256, 2, 64), kv_heads=1, dtype=jnp.float32)
+    q = q * 8.0  # scores of order ten, where a cap of 2 bites
+    how = {"window": 100, "scale": 24.0**-0.5, "softcap": 2.0}
+    want = _windowed(q, k, v, **how)
+    assert np.abs(want - _windowed(q, k, v, window=100, scale=how["scale"])).max() > 0.05
+    got = attention.causal_attention(q, k, v, "materialized", **how)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pltpu.force_tpu_interpret_mode():
+        got = attention.causal_attention(q, k, v, "flash", **how)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_scores_with_a_soft_cap_are_not_cudnns(monkeypatch):
+    """cuDNN's fused kernel has no soft-cap: "auto" takes the materialised path and says why,
+    "cudnn" by name is refused naming the key; a call that asks for both is refused too."""
+    pretend_gpu(monkeypatch)
+    how = {"dtype": jnp.bfloat16, "head_dim": 64, "length": 128}
+    assert attention.choose_attention("auto", **how).implementation == "cudnn"
+    choice = attention.choose_attention("auto", **how, softcap=50.0)
+    assert choice.implementation == "materialized" and "model.attn_softcap=50.0" in choice.reason
+    with pytest.raises(ValueError, match=r"model.attention='cudnn' cannot run here: cuDNN has no"):
+        attention.choose_attention("cudnn", **how, softcap=50.0)
+    q, k, v = _qkv((1, 8, 2, 16), kv_heads=1, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"cudnn attention has no soft-cap"):
+        attention.causal_attention(q, k, v, "cudnn", softcap=50.0)
 
 
 def test_the_model_on_cudnn_matches_the_materialized_model_and_stays_causal(monkeypatch, params):

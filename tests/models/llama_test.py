@@ -206,7 +206,7 @@ def test_bf16_compute_runs_every_matmul_in_bf16_with_fp32_islands():
         ({"num_kv_heads": 3}, "model.num_kv_heads=3: must divide model.num_heads=4"),
         ({"head_dim": 15}, "model.head_dim=15: RoPE rotates pairs"),
         ({"head_dim": None, "d_model": 66}, "model.num_heads=4: does not divide model.d_model=66"),
-        ({"rope_scaling": (8.0, 1.0)}, r"model.rope_scaling=\(8.0, 1.0\): None, or Llama 3.s"),
+        ({"rope_scaling": (8.0, 1.0)}, r"model.rope_scaling=\(8.0, 1.0\): None, Llama 3.s"),
         ({"rope_scaling": (8.0, 4.0, 1.0, 8192)}, r"model.rope_scaling\[2\] \(high_freq_factor\)"),
         ({"remat": "most"}, "model.remat='most'"),
         ({"scan_layers": "yes"}, "model.scan_layers='yes': must be True or False"),

@@ -62,6 +62,27 @@ def test_chunked_loss_and_gradients_are_the_unchunked_ones(dtype, chunk):
         assert _ulps(f_kernel, d_kernel, dtype).max() <= 1
 
 
+@pytest.mark.slow  # a second variant of the chunked rule (the fixtures' Gemma 2 in make test)
+@pytest.mark.parametrize("chunk", [3, None])
+def test_soft_capped_chunked_loss_and_gradients_are_those_of_the_capped_logits(chunk):
+    """Gemma 2's final soft-cap inside the chunked rule's forward and backward: the loss and
+    gradients of autodiff through ``cap * tanh(logits / cap)`` on the whole fp32 logits."""
+    args, cap = _inputs(jnp.float32), 2.0
+
+    def reference(h, k, t):
+        return layers.cross_entropy(lm_loss.capped(_logits(h, k), cap), t)
+
+    def chunked(h, k, t):
+        return lm_loss.token_loss(h, k, t, chunk=chunk, softcap=cap)["loss"]
+
+    expected, (d_hidden, d_kernel) = _value_and_grads(reference, *args)
+    found, (f_hidden, f_kernel) = _value_and_grads(chunked, *args)
+    assert abs(float(expected) - float(_value_and_grads(_reference, *args)[0])) > 0.05
+    np.testing.assert_allclose(found, expected, rtol=1e-6)
+    np.testing.assert_allclose(f_hidden, d_hidden, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(f_kernel, d_kernel, rtol=1e-5, atol=1e-7)
+
+
 def _masked(targets):
     """Targets with a third of the tokens masked (-1 and -100), and the indices of the rest."""
     mask = np.arange(B * L).reshape(B, L) % 3 == 1

@@ -11,19 +11,28 @@ import mptrain
 from mptrain.recipe import numerics, sharding
 
 
-def _trainer(tmp_path, scan):
+def _trainer(tmp_path, scan, **more):
     overrides = {"precision": "fp32", "model.scan_layers": scan, "numerics.per_layer": True}
-    return mptrain.Trainer(load_config("llama3", "tiny", **overrides), tmp_path / str(scan))
+    config = load_config("llama3", "tiny", **overrides, **more)
+    return mptrain.Trainer(config, tmp_path / str(scan))
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+# Layers of two kinds, a period of two and a layer over (Gemma 2's pattern on three layers): the
+# stack scans pairs of blocks, then one, and each layer still gets its own rows
+KINDS = {
+    "model.num_layers": 3,
+    "model.sliding_window": 4,
+    "model.layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
+}
+
+
+def _pair(tmp_path_factory, **more):
     """The steps of the scanned and the unrolled tiny Llama, from the same params, with their
     calls."""
     tmp_path = tmp_path_factory.mktemp("numerics_scan")
     found = []
     for scan in (True, False):
-        trainer = _trainer(tmp_path, scan)
+        trainer = _trainer(tmp_path, scan, **more)
         state = trainer.init_state()
         if found:
             state = state.replace(params=unstack(found[0][0].params))
@@ -34,6 +43,24 @@ def pair(tmp_path_factory):
         step = mptrain.make_train_step(trainer.loss_fn, per_layer=True)
         found.append((state, batch, calls, jax.jit(step)))
     return found
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _pair(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_a_stack_of_two_kinds_of_layer_gives_each_layer_its_own_rows(tmp_path_factory):
+    (state_a, batch, calls_a, step_a), (state_b, _, calls_b, step_b) = _pair(
+        tmp_path_factory, **KINDS
+    )
+    assert calls_a.paths == calls_b.paths and calls_a.parents == calls_b.parents
+    at = calls_a.paths.index("layers_2/mlp/down")
+    assert calls_a.scopes[at] == (sharding.STACKED, "mlp", "down") and calls_a.layers[at] == 2
+    assert calls_a.layers[calls_a.paths.index("layers_1/attn/q")] == 1
+    (_, a), (_, b) = step_a(state_a, batch), step_b(state_b, batch)
+    np.testing.assert_allclose(np.asarray(a["numerics"]), np.asarray(b["numerics"]), rtol=1e-6)
 
 
 def test_each_layer_of_the_stack_gets_the_unrolled_models_rows(pair):
