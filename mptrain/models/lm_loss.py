@@ -53,23 +53,28 @@ AUTO_MIN_POSITIONS = 512
 AUTO_MAX_ELEMENTS = 2**26
 
 
-def auto_chunk(length: int, vocab: int) -> int:
+def auto_chunk(length: int, vocab: int, width: int = 0) -> int:
     """Positions per chunk for ``chunk=None``: the whole ``length`` (one chunk) while
     ``length * vocab <= 2**24``; else the largest power of two ``c`` with ``c * vocab <= 2**24``
     (at least 1), raised to ``min(length, 512)`` where that many positions' logits stay within
-    ``2**26``.
+    ``2**26``, or within the head's own fp32 gradient carry (``width * vocab``, ``width`` the
+    hidden size) where that is larger.
 
     The floor of 512 is for the head's gradient: each chunk reads and writes the fp32 carry
     (``[D, V]``, 2.1 GB at Llama 3 8B's head) once, so its traffic is the number of chunks
     times 4.2 GB. At Llama 3's vocabulary of 128,256 the 2**24 rule alone gave chunks of 128,
     64 for 8192 tokens: 273 GB a step for the 8B on 8 H100s, 8.7% of its planned floor; chunks
     of 512 make it 72 GB (2.3%), and the plan's peak memory stayed 63.04 GiB (the 1b on one
-    H100 stayed 69.55 GiB): the loss's chunk is not where the step peaks."""
+    H100 stayed 69.55 GiB): the loss's chunk is not where the step peaks. Gemma 3's vocabulary
+    of 262,208 is past 2**26 at 512 positions: 2**24's rule gave chunks of 32, 256 passes over
+    its 3.75 GiB carry (Gemma-3-12B on 8 H100s, 16 x 8,192); 512 positions' logits are a
+    seventh of that carry, so the carry's size allows them."""
     if length * vocab <= AUTO_CHUNK_ELEMENTS:
         return length
     chunk = 1 << max(0, (AUTO_CHUNK_ELEMENTS // vocab).bit_length() - 1)
     wide = min(length, AUTO_MIN_POSITIONS)
-    return wide if chunk < wide and wide * vocab <= AUTO_MAX_ELEMENTS else chunk
+    bound = max(AUTO_MAX_ELEMENTS, width * vocab)
+    return wide if chunk < wide and wide * vocab <= bound else chunk
 
 
 def _check_chunk(chunk: Any, name: str) -> None:
@@ -177,7 +182,8 @@ def token_loss(
     """
     batch, length, _ = hidden.shape
     _check_chunk(chunk, "chunk")
-    chunk = min(auto_chunk(length, kernel.shape[1]) if chunk is None else chunk, length)
+    width, vocab = kernel.shape
+    chunk = min(auto_chunk(length, vocab, width) if chunk is None else chunk, length)
     padded = -(-length // chunk) * chunk
     valid = targets >= 0
     if padded > length:
@@ -226,7 +232,7 @@ class Head(nn.Module):
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.vocab_size))
         x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
         length = x.shape[1]
-        whole = (self.chunk or auto_chunk(length, self.vocab_size)) >= length
+        whole = (self.chunk or auto_chunk(length, self.vocab_size, x.shape[-1])) >= length
         if targets is None or (whole and not self.z_loss):
             logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
             return logits if self.softcap is None else capped(logits, self.softcap)

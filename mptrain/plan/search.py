@@ -354,7 +354,8 @@ def _chunk_knob(config) -> dict[str, Any]:
     length, vocab = _get(config, "data.seq_len"), _get(config, "model.vocab_size")
     if not (length and vocab) or _get(config, "loss") is None:
         return {}
-    chunk = _get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab)
+    width = _get(config, "model.d_model") or 0
+    chunk = _get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab, width)
     return {"loss.chunk_tokens": CHUNK} if chunk >= length > CHUNK else {}
 
 

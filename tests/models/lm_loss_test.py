@@ -233,6 +233,9 @@ def test_auto_chunk_keeps_a_chunk_within_2_to_the_24_logits_and_512_positions_wi
     assert lm_loss.auto_chunk(8192, 128_256) == 512
     assert lm_loss.auto_chunk(300, 128_256) == 300  # 512 is more than the sequence: one chunk
     assert lm_loss.auto_chunk(8192, 200_000) == 64  # 512 x 200,000 is over 2**26: 2**24's rule
+    # ... unless the head's fp32 gradient carry (width x vocabulary) is larger: Gemma 3's
+    assert lm_loss.auto_chunk(8192, 262_208, 3840) == 512
+    assert lm_loss.auto_chunk(8192, 262_208, 256) == 32
     assert lm_loss.auto_chunk(3000, 10_000) == 1024
     assert lm_loss.auto_chunk(4, 2**25) == 1  # a vocabulary over the budget: one position
 
