@@ -187,7 +187,9 @@ def write_generated(folder: Path) -> None:
 # of 2 on the scores and 3 on the logits (its defaults of 50 and 30 would barely touch scores and
 # logits of this size), query_pre_attn_scalar 24 where head_dim is 16. Gemma 3: four layers of a
 # pattern of three (sliding, sliding, full, sliding), the global layers' RoPE base 50,000 with
-# linear scaling by 2, the sliding layers' 10,000 unscaled.
+# linear scaling by 2, the sliding layers' 10,000 unscaled. OLMo 2: norms after the attention
+# and the MLP only, q and k norms over the whole projection. SmolLM3: three layers, the middle one
+# without RoPE (an interval of 2) and with the window (transformers slides its NoPE layers).
 GEMMA_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -222,6 +224,21 @@ FAMILIES = {
             "sliding_window_pattern": 3,
             "query_pre_attn_scalar": 24,
             "rope_parameters": GEMMA_ROPE,
+        },
+        False,
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 1, "eos_token_id": 2}, True),
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
         },
         False,
     ),

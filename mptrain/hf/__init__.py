@@ -186,17 +186,18 @@ def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
     d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
     q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
     layer = {
-        "attn_norm": {"scale": (d,)},
         "attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}},
-        "mlp_norm": {"scale": (d,)},
         "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
     }
+    if c["pre_norms"]:
+        layer |= {"attn_norm": {"scale": (d,)}, "mlp_norm": {"scale": (d,)}}
     layer["attn"]["o"] = {"kernel": (q, d)}
     biased = {"none": (), "qkv": ("q", "k", "v"), "all": ("q", "k", "v", "o")}[c["attn_bias"]]
     for name in biased:
         layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
-    if c["qk_norm"]:
-        layer["attn"] |= {f"{n}_norm": {"scale": (c["head_dim"],)} for n in ("q", "k")}
+    if c["qk_norm"]:  # over a head, or (qk_norm_width) the projection's whole width
+        wide = {"q": q, "k": kv} if c["qk_norm_width"] else dict.fromkeys("qk", c["head_dim"])
+        layer["attn"] |= {f"{n}_norm": {"scale": (wide[n],)} for n in ("q", "k")}
     if c["post_norms"]:
         layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
     tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}

@@ -14,7 +14,11 @@ keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
   * gemma3 (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2 with `1 + w` norms on each
     head's q and k, no soft-caps by default, five sliding layers to a global one (`layer_types`,
     or the older `sliding_window_pattern`), the sliding layers' RoPE base their own
-    (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), unscaled.
+    (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), unscaled;
+  * olmo2 (Olmo2ForCausalLM): norms after the attention and after the MLP only, none before;
+    q and k norms over the whole projection, before the split into heads;
+  * smollm3 (SmolLM3ForCausalLM): no RoPE on the layers `no_rope_layers` marks 0 (every
+    `no_rope_layer_interval`-th, 4th by default); tied embeddings by default.
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -163,6 +167,37 @@ def _gemma_json(c: dict, version: int) -> dict:
     return out
 
 
+def _smollm3(file: Path, raw: dict, layers: int) -> dict:
+    every = raw.get("no_rope_layer_interval", 4)
+    marks = raw.get("no_rope_layers")  # 1: the layer takes RoPE, 0: it does not
+    if marks is None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise errors.ConfigError(
+                f"{file}: no_rope_layer_interval={every!r}: a positive integer"
+            )
+        marks = [int((i + 1) % every != 0) for i in range(layers)]
+    if not isinstance(marks, list) or len(marks) != layers or {*marks} - {0, 1}:
+        raise errors.ConfigError(f"{file}: no_rope_layers={marks!r}: a list of {layers} of 1, 0")
+    window = {"sliding_window": None, "layer_types": None}
+    if raw.get("use_sliding_window"):
+        default = [SLIDING if not rope else FULL for rope in marks]
+        window = _layers(file, raw, layers, default, raw.get("sliding_window"))
+    nope = tuple(i for i, rope in enumerate(marks) if not rope)
+    return {"attn_bias": _bias(file, raw), "nope_layers": nope or None, **window}
+
+
+def _smollm3_json(c: dict) -> dict:
+    nope, kinds = set(c["nope_layers"] or ()), _kinds(c)
+    return {
+        "attention_bias": c["attn_bias"] == "all",
+        "mlp_bias": False,
+        "no_rope_layers": [int(i not in nope) for i in range(c["num_layers"])],
+        "use_sliding_window": SLIDING in kinds,
+        "sliding_window": c["sliding_window"],
+        "layer_types": kinds,
+    }
+
+
 # The decoder's switches as a family that is not Gemma has them
 _PLAIN = {
     "norm_plus_one": False,
@@ -174,6 +209,8 @@ _PLAIN = {
     "final_softcap": None,
     "rope_local_theta": None,
 }
+_PLAIN |= {"pre_norms": True, "qk_norm_width": False, "nope_layers": None}
+_NOT_NOPE = {k: v for k, v in _PLAIN.items() if k != "nope_layers"}  # SmolLM3's NoPE layers
 _GEMMA = {"norm_plus_one": True, "post_norms": True, "embed_scale": True, "mlp_act": "gelu_tanh"}
 # transformers' defaults of the Gemma configs where they are not the Llama's
 _GEMMA_DEFAULTS = (
@@ -234,6 +271,35 @@ FAMILIES = {
             write=lambda c: {"attention_bias": c["attn_bias"] == "all", **_qwen_window_json(c)},
             can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
             defaults=(("head_dim", 128),),
+        ),
+        Family(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            "olmo2",
+            read=lambda file, raw, n: {
+                "attn_bias": _bias(file, raw),
+                "qk_norm": True,
+                "qk_norm_width": True,
+                "pre_norms": False,
+                "post_norms": True,
+            },
+            write=lambda c: {"attention_bias": c["attn_bias"] == "all"},
+            can=lambda c: _unlike(
+                c,
+                attn_bias=("none", "all"),
+                sliding_window=None,
+                **{**_PLAIN, "qk_norm_width": True, "pre_norms": False, "post_norms": True},
+            ),
+            defaults=(("rms_norm_eps", 1e-5),),
+        ),
+        Family(
+            "smollm3",
+            "SmolLM3ForCausalLM",
+            "smollm3",
+            read=lambda file, raw, n: _smollm3(file, raw, n),
+            write=_smollm3_json,
+            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=False, **_NOT_NOPE),
+            defaults=(("tie_word_embeddings", True),),
         ),
         Family(
             "gemma2",

@@ -200,10 +200,20 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "layer_types": None,
         "rope_local_theta": local and _checked(file, "rope_local_base_freq", local, float),
         **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
-        **dict.fromkeys(("norm_plus_one", "post_norms", "embed_scale"), False),
+        **dict.fromkeys(("norm_plus_one", "post_norms", "embed_scale", "qk_norm_width"), False),
+        "pre_norms": True,
+        "nope_layers": None,
         "mlp_act": "silu",
+        "token_ids": _token_ids(raw),
         **family.read(file, raw, layers),
     }
+
+
+def _token_ids(raw: dict) -> tuple | None:
+    """config.json's (pad, bos, eos) ids, an eos list as a tuple; None where none is given."""
+    ids = [raw.get(f"{k}_token_id") for k in ("pad", "bos", "eos")]
+    ids = [tuple(i) if isinstance(i, list) else i for i in ids]
+    return None if ids == [None] * 3 else tuple(ids)
 
 
 def _checked(file: Path, key: str, value: Any, kind: type) -> Any:
@@ -294,6 +304,10 @@ def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
         "rope_theta": float(c["rope_theta"]),
         "rope_scaling": rope,
         "tie_word_embeddings": c["tie_embeddings"],
+        **{
+            f"{k}_token_id": list(i) if isinstance(i, tuple) else i
+            for k, i in zip(("pad", "bos", "eos"), c["token_ids"] or (), strict=False)
+        },
         "hidden_act": "silu",
         "attention_dropout": 0.0,
         "initializer_range": 0.02,

@@ -5,7 +5,8 @@ decoder reads differ from the Llama (as settings, not copies of the model):
   * ``attn_bias``: ``"none"``, ``"qkv"`` (Qwen2: q, k, v with bias, o without) or ``"all"``
     (a Llama's or Qwen3's ``attention_bias``: the four projections);
   * ``qk_norm``: Qwen3's RMSNorm over each head's q and k (its own scale a head dimension),
-    after the projection and before RoPE, in fp32 as every norm here;
+    after the projection and before RoPE, in fp32 as every norm here; with ``qk_norm_width``
+    OLMo 2's, over the whole projection (all heads) before it is split into heads;
   * ``window``: a sliding window (Mistral's ``sliding_window``; Qwen's, Gemma's on the layers
     ``layer_types`` names): a query sees itself and the ``window - 1`` keys before it, as
     transformers' ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``). ``window`` and
@@ -13,6 +14,7 @@ decoder reads differ from the Llama (as settings, not copies of the model):
     takes a `Shape` a layer (`mptrain.models.llama`'s ``layer_shapes``);
   * Gemma's: ``norm_plus_one`` (RMSNorm scales by ``1 + w``, ``w`` from 0, in fp32),
     ``post_norms`` (a norm after the attention and after the MLP too, four a block),
+    ``pre_norms`` False (OLMo 2's block: norms after the attention and the MLP only),
     ``attn_scale`` (the scores' scale, ``query_pre_attn_scalar ** -0.5``, where it is not
     ``head_dim ** -0.5``), ``attn_softcap`` (``cap * tanh(s / cap)`` on the fp32 scores, before
     the mask) and ``mlp_act`` ``"gelu_tanh"`` (GELU's tanh form, in fp32, for SwiGLU's SiLU).
@@ -32,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from mptrain import errors
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
-from mptrain.models.rope import apply_rope
+from mptrain.models.rope import apply_rope, rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
 
 ATTN_BIASES = ("none", "qkv", "all")
+SLIDING, FULL = "sliding_attention", "full_attention"  # a layer's attention, transformers' names
 MLP_ACTS = ("silu", "gelu_tanh")
 
 
@@ -85,7 +89,9 @@ class Shape:
     qk_norm: bool = False
     window: int | None = None
     norm_plus_one: bool = False
+    pre_norms: bool = True
     post_norms: bool = False
+    qk_norm_width: bool = False
     attn_scale: float | None = None
     attn_softcap: float | None = None
     mlp_act: str = "silu"
@@ -113,8 +119,11 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
         def project(n, name, tag):
             out = checkpoint_name(run(n * s.head_dim, name, x), tag)
+            norm = s.qk_norm and name != "v"  # before RoPE: over each head, or all of them
+            if norm and s.qk_norm_width:
+                out = s.norm(self.dtype, f"{name}_norm")(out)
             out = out.reshape(batch, length, n, s.head_dim)
-            if s.qk_norm and name != "v":  # over each head's dimensions, before RoPE
+            if norm and not s.qk_norm_width:
                 out = s.norm(self.dtype, f"{name}_norm")(out)
             return out
 
@@ -164,7 +173,8 @@ class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with mlp_act
 
 class Block(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``post_norms``
-    (Gemma's) ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``."""
+    (Gemma's) ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``; without
+    ``pre_norms`` too (OLMo 2's) ``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
 
     shape: Shape
     dtype: layers.Dtype
@@ -175,7 +185,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
-        h = s.norm(self.dtype, "attn_norm")(x)
+        pre = lambda name, h: s.norm(self.dtype, name)(h) if s.pre_norms else h
+        h = pre("attn_norm", x)
         attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
         h = attn(h, positions, segments, cache)
         if cache is not None:
@@ -183,8 +194,81 @@ class Block(nn.Module):
         if s.post_norms:
             h = s.norm(self.dtype, "attn_post_norm")(h)
         x = x + h
-        h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(s.norm(self.dtype, "mlp_norm")(x))
+        h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(pre("mlp_norm", x))
         if s.post_norms:
             h = s.norm(self.dtype, "mlp_post_norm")(h)
         x = x + h
         return x if cache is None else (x, cache)
+
+
+# --------------------------------------------------------------- each layer's Shape
+
+
+def nope_layers(value: Any, layers: int) -> tuple[int, ...] | None:
+    """`model.nope_layers` checked: None, or the layers (numbers from 0) that take no RoPE."""
+    if value is None or value == ():
+        return None
+    if isinstance(value, str) or not isinstance(value, tuple | list):
+        raise ValueError(f"model.nope_layers={value!r}: None, or a tuple of layer numbers")
+    for layer in value:
+        errors.check_integer("model.nope_layers[...]", layer, 0, layers - 1)
+    return tuple(sorted(set(value)))
+
+
+def layer_types(keys: dict) -> tuple[str, ...] | None:
+    """`model.layer_types` checked: None, or one of SLIDING, FULL a layer (a tuple); a sliding
+    layer needs `model.sliding_window`."""
+    kinds, n = keys["layer_types"], keys["num_layers"]
+    if kinds is None:
+        return None
+    if isinstance(kinds, str) or not isinstance(kinds, tuple | list) or len(kinds) != n:
+        raise ValueError(
+            f"model.layer_types={kinds!r}: None, or one of {SLIDING!r}, {FULL!r} for each of "
+            f"the {n} layers"
+        )
+    bad = next((k for k in kinds if k not in (SLIDING, FULL)), None)
+    if bad is not None:
+        raise ValueError(f"model.layer_types: {bad!r} is not {SLIDING!r} or {FULL!r}")
+    if SLIDING in kinds and keys["sliding_window"] is None:
+        raise ValueError(
+            f"model.layer_types has {SLIDING!r} layers but model.sliding_window is None"
+        )
+    return tuple(kinds)
+
+
+def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
+    """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
+    frequencies = lambda theta, scaling: tuple(
+        float(f) for f in rope_frequencies(keys["head_dim"], theta, scaling)
+    )
+    scalar = keys["query_pre_attn_scalar"]
+    base = Shape(
+        d_model=keys["d_model"],
+        num_heads=keys["num_heads"],
+        num_kv_heads=keys["num_kv_heads"],
+        head_dim=keys["head_dim"],
+        d_ff=keys["d_ff"],
+        norm_eps=float(keys["norm_eps"]),
+        inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
+        attn_bias=keys["attn_bias"],
+        qk_norm=keys["qk_norm"],
+        window=keys["sliding_window"],
+        norm_plus_one=keys["norm_plus_one"],
+        pre_norms=keys["pre_norms"],
+        post_norms=keys["post_norms"],
+        qk_norm_width=keys["qk_norm_width"],
+        attn_scale=None if scalar is None else float(scalar) ** -0.5,
+        attn_softcap=keys["attn_softcap"],
+        mlp_act=keys["mlp_act"],
+    )
+    local, full = base, base
+    if keys["layer_types"] is not None:
+        if keys["rope_local_theta"] is not None:
+            local = dataclasses.replace(base, inv_freq=frequencies(keys["rope_local_theta"], None))
+        full = dataclasses.replace(base, window=None)
+    kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
+    nope = set(keys["nope_layers"] or ())
+    return tuple(
+        dataclasses.replace(shape, inv_freq=()) if i in nope else shape
+        for i, shape in enumerate(local if kind == SLIDING else full for kind in kinds)
+    )

@@ -53,7 +53,6 @@ Remat: ``mptrain.models.remat``, per block.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -68,7 +67,6 @@ from mptrain.models import blocks, layers, lm_loss, rope, stack
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.blocks import Block, Shape
-from mptrain.models.rope import rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import sharding
 
@@ -192,8 +190,8 @@ class Llama(nn.Module):
 
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the switches of `blocks.Shape`, and the names its folder gives them.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
-SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3")
+SLIDING, FULL = blocks.SLIDING, blocks.FULL  # `layer_types`' values, transformers'
 
 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
@@ -205,7 +203,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, 
 # `layer_types` (None: every layer sliding where `sliding_window` is set, else full) names each
 # layer's attention, SLIDING or FULL; `rope_local_theta` (None: rope_theta) is the RoPE base of
 # the sliding layers, unscaled (Gemma 3's). `embed_scale`: embeddings times sqrt(d_model);
-# `final_softcap`: the logits' soft-cap.
+# `final_softcap`: the logits' soft-cap. OLMo 2's `pre_norms` False and `qk_norm_width` (the
+# q and k norms over the whole projection); `nope_layers`: the layers without RoPE (SmolLM3's).
+# `token_ids`: a folder's (pad, bos, eos) ids, which the model never reads and an export writes
+# back to config.json.
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -235,6 +236,10 @@ CONFIG_KEYS = {
     "final_softcap": None,
     "mlp_act": "silu",
     "embed_scale": False,
+    "pre_norms": True,
+    "qk_norm_width": False,
+    "nope_layers": None,
+    "token_ids": None,
 }
 
 
@@ -266,7 +271,8 @@ def settings(model_config: Any) -> dict[str, Any]:
     errors.check_number("model.rope_theta", keys["rope_theta"], 1.0, open_low=True)
     errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
     keys["rope_scaling"] = rope.scaling(keys["rope_scaling"])
-    for key in ("tie_embeddings", "scan_layers", "qk_norm", "norm_plus_one", "post_norms"):
+    bools = ("tie_embeddings", "scan_layers", "qk_norm", "norm_plus_one", "post_norms")
+    for key in (*bools, "pre_norms", "qk_norm_width"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     errors.check_choice("model.family", keys["family"], FAMILIES)
@@ -279,61 +285,9 @@ def settings(model_config: Any) -> dict[str, Any]:
     for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "final_softcap"):
         if keys[key] is not None:
             keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)
-    keys["layer_types"] = _layer_types(keys)
+    keys["layer_types"] = blocks.layer_types(keys)
+    keys["nope_layers"] = blocks.nope_layers(keys["nope_layers"], keys["num_layers"])
     return keys
-
-
-def _layer_types(keys: dict) -> tuple[str, ...] | None:
-    """`model.layer_types` checked: None, or one of SLIDING, FULL a layer (a tuple); a sliding
-    layer needs `model.sliding_window`."""
-    kinds, n = keys["layer_types"], keys["num_layers"]
-    if kinds is None:
-        return None
-    if isinstance(kinds, str) or not isinstance(kinds, tuple | list) or len(kinds) != n:
-        raise ValueError(
-            f"model.layer_types={kinds!r}: None, or one of {SLIDING!r}, {FULL!r} for each of "
-            f"the {n} layers"
-        )
-    bad = next((k for k in kinds if k not in (SLIDING, FULL)), None)
-    if bad is not None:
-        raise ValueError(f"model.layer_types: {bad!r} is not {SLIDING!r} or {FULL!r}")
-    if SLIDING in kinds and keys["sliding_window"] is None:
-        raise ValueError(
-            f"model.layer_types has {SLIDING!r} layers but model.sliding_window is None"
-        )
-    return tuple(kinds)
-
-
-def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
-    """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
-    frequencies = lambda theta, scaling: tuple(
-        float(f) for f in rope_frequencies(keys["head_dim"], theta, scaling)
-    )
-    scalar = keys["query_pre_attn_scalar"]
-    base = Shape(
-        d_model=keys["d_model"],
-        num_heads=keys["num_heads"],
-        num_kv_heads=keys["num_kv_heads"],
-        head_dim=keys["head_dim"],
-        d_ff=keys["d_ff"],
-        norm_eps=float(keys["norm_eps"]),
-        inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
-        attn_bias=keys["attn_bias"],
-        qk_norm=keys["qk_norm"],
-        window=keys["sliding_window"],
-        norm_plus_one=keys["norm_plus_one"],
-        post_norms=keys["post_norms"],
-        attn_scale=None if scalar is None else float(scalar) ** -0.5,
-        attn_softcap=keys["attn_softcap"],
-        mlp_act=keys["mlp_act"],
-    )
-    if keys["layer_types"] is None:
-        return (base,) * keys["num_layers"]
-    local = base
-    if keys["rope_local_theta"] is not None:
-        local = dataclasses.replace(base, inv_freq=frequencies(keys["rope_local_theta"], None))
-    full = dataclasses.replace(base, window=None)
-    return tuple(local if kind == SLIDING else full for kind in keys["layer_types"])
 
 
 def create_model(
@@ -365,7 +319,7 @@ def create_model(
         keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
         chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
     logging.info("mptrain: attention: %s", choice)
-    shapes = layer_shapes(keys)
+    shapes = blocks.layer_shapes(keys)
     return Llama(
         vocab_size=keys["vocab_size"],
         num_layers=keys["num_layers"],

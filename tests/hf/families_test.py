@@ -1,9 +1,11 @@
-"""The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 folders
-that transformers made itself (`scripts/make_hf_fixture.py --families`, run in a venv of its
-own: Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's q, k, v biases,
-Qwen3's q and k norms and tied embeddings; Gemma 2's three layers, sliding and global in turn,
-with soft-caps that bite; Gemma 3's four layers of a pattern of three, with two RoPE bases;
-Qwen2's and Gemma 2's config.json in transformers 4.x's form, the others in 5.x's), read by
+"""The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 and
+SmolLM3 folders that transformers made itself (`scripts/make_hf_fixture.py --families`, run in
+a venv of its own: Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's
+q, k, v biases, Qwen3's q and k norms and tied embeddings; Gemma 2's three layers, sliding and
+global in turn, with soft-caps that bite; Gemma 3's four layers of a pattern of three, with two
+RoPE bases; OLMo 2's norms after the attention and the MLP only, q and k normed over the whole
+projection; SmolLM3's middle layer of three without RoPE and with the window; Qwen2's, Gemma
+2's and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read by
 `mptrain.hf` into the one decoder: its fp32 logits and its greedy decoding against
 transformers' own, each switch shown to matter, the folder written back."""
 
@@ -23,7 +25,7 @@ from mptrain import errors, export, generate, hf
 from mptrain.models import decode, llama
 
 FAMILIES = Path(__file__).parent / "families"
-NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3")
 S, F = llama.SLIDING, llama.FULL
 # what each folder is read as: model.family, attn_bias, qk_norm, sliding_window, layer_types
 SWITCHES = {
@@ -32,11 +34,15 @@ SWITCHES = {
     "qwen3": ("qwen3", "none", True, None, None),
     "gemma2": ("gemma2", "none", False, 16, (S, F, S)),
     "gemma3": ("gemma3", "none", True, 16, (S, S, F, S)),
+    "olmo2": ("olmo2", "none", True, None, None),
+    "smollm3": ("smollm3", "none", False, 16, (F, S, F)),
 }
-# Gemma's switches as the fixtures set them, and what each is without them
+# The other switches as the fixtures set them, and (PLAIN) what each is without them
 GEMMA = {
     "gemma2": {"attn_softcap": 2.0, "final_softcap": 3.0, "query_pre_attn_scalar": 24.0},
     "gemma3": {"rope_local_theta": 10_000.0, "rope_scaling": ("linear", 2.0)},
+    "olmo2": {"pre_norms": False, "post_norms": True, "qk_norm_width": True},
+    "smollm3": {"nope_layers": (1,), "tie_embeddings": True},
 }
 PLAIN = {
     "attn_softcap": None,
@@ -48,6 +54,7 @@ PLAIN = {
     "mlp_act": "silu",
     "norm_plus_one": False,
     "layer_types": None,
+    "nope_layers": None,
 }
 # make test reads Gemma 2 (a window on alternate layers, scanned as a period and a layer over,
 # the soft-caps and Gemma's norms, config.json in 4.x's form); the others' fp32 logits and
@@ -203,6 +210,7 @@ def _edited(folder, tmp_path, edit):
             "its text model (text_config",
         ),
         ("gemma2", lambda c: c.update(attn_logit_softcapping=-1), "attn_logit_softcapping=-1"),
+        ("smollm3", lambda c: c.update(no_rope_layers=[1, 2, 1]), "no_rope_layers=[1, 2, 1]"),
         ("qwen3", lambda c: c.update(layer_types=["full"] * 2), "layer_types=['full', 'full']"),
         ("mistral", lambda c: c.update(sliding_window=0), "sliding_window=0"),
         ("qwen3", lambda c: c.update(attention_bias="yes"), "attention_bias='yes'"),
