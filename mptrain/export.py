@@ -221,7 +221,8 @@ def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> 
         staging.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()  # 0777 less the umask, as the orbax export's
         if sidecar["format"] == "peft":
-            peft.save(staging, params, config.lora, config.get("init_from"))
+            model = hf.read_settings(config_lib.to_dict(config.model))
+            peft.save(staging, params, config.lora, config.get("init_from"), model)
         else:
             hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
         for path in tokenizer:

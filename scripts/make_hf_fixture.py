@@ -190,6 +190,7 @@ def write_generated(folder: Path) -> None:
 # linear scaling by 2, the sliding layers' 10,000 unscaled. OLMo 2: norms after the attention
 # and the MLP only, q and k norms over the whole projection. SmolLM3: three layers, the middle one
 # without RoPE (an interval of 2) and with the window (transformers slides its NoPE layers).
+# Phi-3: q, k, v and gate, up fused, half of each head rotated, a window of 16.
 GEMMA_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -239,6 +240,22 @@ FAMILIES = {
             "pad_token_id": 0,
             "bos_token_id": 1,
             "eos_token_id": 2,
+        },
+        False,
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "sliding_window": 16,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 50_000.0,
+                "partial_rotary_factor": 0.5,
+            },
         },
         False,
     ),

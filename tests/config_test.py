@@ -49,7 +49,7 @@ MODULE_KEYS = {
         "scan_layers", "remat", "family", "attn_bias", "qk_norm", "sliding_window",
         "layer_types", "rope_local_theta", "norm_plus_one", "post_norms", "query_pre_attn_scalar",
         "attn_softcap", "final_softcap", "mlp_act", "embed_scale", "pre_norms", "qk_norm_width",
-        "nope_layers", "token_ids",
+        "nope_layers", "token_ids", "partial_rotary_factor",
     },
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},

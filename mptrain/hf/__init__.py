@@ -44,7 +44,6 @@ tensor (`np.asarray`), so it runs where the params are fully addressable (one pr
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -56,43 +55,11 @@ import ml_collections
 import numpy as np
 
 from mptrain import errors
-from mptrain.hf import families
+from mptrain.hf import families, names
 from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
 from mptrain.recipe import precision, sharding
 
-_LAYER_PREFIX = "model.layers.{}."
-# A block's params (path under the layer) -> HF name under model.layers.i., transposed?
-_LAYER_NAMES = {
-    ("attn_norm", "scale"): ("input_layernorm.weight", False),
-    ("attn", "q", "kernel"): ("self_attn.q_proj.weight", True),
-    ("attn", "k", "kernel"): ("self_attn.k_proj.weight", True),
-    ("attn", "v", "kernel"): ("self_attn.v_proj.weight", True),
-    ("attn", "o", "kernel"): ("self_attn.o_proj.weight", True),
-    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False),
-    ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
-    ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
-    ("mlp", "down", "kernel"): ("mlp.down_proj.weight", True),
-    # the families' switches (`mptrain.hf.families`): biases, each head's q and k norms
-    ("attn", "q", "bias"): ("self_attn.q_proj.bias", False),
-    ("attn", "k", "bias"): ("self_attn.k_proj.bias", False),
-    ("attn", "v", "bias"): ("self_attn.v_proj.bias", False),
-    ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
-    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
-    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
-}
-# Gemma's four norms a block (`post_norms`): its post_attention_layernorm follows the attention
-_POST_NORM_NAMES = {
-    **_LAYER_NAMES,
-    ("attn_post_norm", "scale"): ("post_attention_layernorm.weight", False),
-    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", False),
-    ("mlp_post_norm", "scale"): ("post_feedforward_layernorm.weight", False),
-}
-_TOP_NAMES = {
-    ("embed", "embedding"): ("model.embed_tokens.weight", False),
-    ("final_norm", "scale"): ("model.norm.weight", False),
-    ("head", "kernel"): ("lm_head.weight", True),
-}
 # Tensors some checkpoints carry that no param is made from: RoPE's frequencies (recomputed
 # from the config). lm_head.weight is skipped too where config.json ties it to the embedding,
 # as transformers skips it (`_check_unused`).
@@ -122,6 +89,11 @@ def _settings(model_config: Any) -> dict[str, Any]:
     return keys
 
 
+def read_settings(model_config: Any) -> dict[str, Any]:
+    """`config.model`'s decoder settings, checked (what `names` maps by)."""
+    return _settings(model_config)
+
+
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The `config.model` section (`name="llama"`, its `family`, and the keys of
     `llama.CONFIG_KEYS` that a checkpoint fixes) for a folder of a family `mptrain.hf.families`
@@ -146,69 +118,9 @@ def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:
 # --------------------------------------------------------------------------- the param tree
 
 
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """One param and the HF tensors it is made of: one per layer when stacked."""
-
-    path: str  # "stacked_layers/attn/q/kernel", for messages
-    names: tuple[str, ...]
-    transposed: bool
-    stacked: bool
-    shape: tuple[int, ...]  # one layer's, as the param has it
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:  # as the file has each of `names`
-        return tuple(reversed(self.shape)) if self.transposed else self.shape
-
-
-def _leaf(keys: tuple[str, ...], shape: tuple[int, ...], post_norms: bool = False) -> _Leaf:
-    path = "/".join(keys)
-    top, rest = keys[0], keys[1:]
-    layer = re.fullmatch(r"layers_(\d+)", top)
-    table = _POST_NORM_NAMES if post_norms else _LAYER_NAMES
-    if top == sharding.STACKED and rest in table and shape:
-        name, transposed = table[rest]
-        names = tuple(_LAYER_PREFIX.format(i) + name for i in range(shape[0]))
-        return _Leaf(path, names, transposed, stacked=True, shape=shape[1:])
-    if layer and rest in table:
-        name, transposed = table[rest]
-        names = (_LAYER_PREFIX.format(layer[1]) + name,)
-        return _Leaf(path, names, transposed, stacked=False, shape=shape)
-    if keys in _TOP_NAMES:
-        name, transposed = _TOP_NAMES[keys]
-        return _Leaf(path, (name,), transposed, stacked=False, shape=shape)
-    raise errors.ConfigError(f"params/{path}: no tensor of a HuggingFace folder maps onto it")
-
-
 def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
     """The llama param tree's shapes (tuples) for `config.model`, scanned or not."""
-    c = _settings(model_config)
-    d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
-    q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
-    layer = {
-        "attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}},
-        "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
-    }
-    if c["pre_norms"]:
-        layer |= {"attn_norm": {"scale": (d,)}, "mlp_norm": {"scale": (d,)}}
-    layer["attn"]["o"] = {"kernel": (q, d)}
-    biased = {"none": (), "qkv": ("q", "k", "v"), "all": ("q", "k", "v", "o")}[c["attn_bias"]]
-    for name in biased:
-        layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
-    if c["qk_norm"]:  # over a head, or (qk_norm_width) the projection's whole width
-        wide = {"q": q, "k": kv} if c["qk_norm_width"] else dict.fromkeys("qk", c["head_dim"])
-        layer["attn"] |= {f"{n}_norm": {"scale": (wide[n],)} for n in ("q", "k")}
-    if c["post_norms"]:
-        layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
-    tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
-    if not c["tie_embeddings"]:
-        tree["head"] = {"kernel": (d, v)}
-    is_shape = lambda x: isinstance(x, tuple)
-    if scan_layers:
-        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), layer, is_leaf=is_shape)
-    else:
-        tree.update({f"layers_{i}": layer for i in range(n)})
-    return tree
+    return names.shapes(_settings(model_config), scan_layers)
 
 
 def _keys(path: tuple) -> tuple[str, ...]:
@@ -271,7 +183,8 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
     """`target` with each leaf `build(read, leaf)`, where `read(index)` returns that slice of
     the param (in the leaf's dtype) from the files; every shape is checked before any read."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-    leaves = [_leaf(_keys(p), tuple(t.shape), config["post_norms"]) for p, t in flat]
+    c = _settings(config)
+    leaves = [names.leaf(_keys(p), tuple(t.shape), c) for p, t in flat]
     with hf_io.Reader(path) as reader:
         for leaf, (_, t) in zip(leaves, flat, strict=True):
             want = leaf.hf_shape
@@ -292,27 +205,31 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _read(reader: hf_io.Reader, leaf: _Leaf, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+def _read(reader: hf_io.Reader, leaf: names.Leaf, index: tuple, dtype: Any) -> np.ndarray:
     """The param's `index` slice in `dtype` (bf16 and fp16 widen exactly; fp32 to bf16 rounds
     to nearest even), read a layer at a time into the one array it returns."""
-    names = leaf.names
+    tensors = leaf.names
     if leaf.stacked:
-        names = [names[i] for i in range(*index[0].indices(len(names)))]
+        tensors = [tensors[i] for i in range(*index[0].indices(len(tensors)))]
         index = index[1:]
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape, strict=True))
-    out = np.empty((len(names), *shape), dtype)
-    for layer, name in enumerate(names):
+    out = np.empty((len(tensors), *shape), dtype)
+    hf_index = index[::-1] if leaf.transposed else index
+    if leaf.rows is not None:  # a block of a fused tensor's rows
+        first, stop, _ = hf_index[0].indices(leaf.rows[1] - leaf.rows[0])
+        hf_index = (slice(leaf.rows[0] + first, leaf.rows[0] + stop), *hf_index[1:])
+    for layer, name in enumerate(tensors):
         if leaf.transposed:  # the kernel's [in, out] slice is the weight's [out, in] one
-            hf_io.transpose_into(out[layer], reader.read(name, index[::-1]))
+            hf_io.transpose_into(out[layer], reader.read(name, hf_index))
         else:
             out[layer] = reader.read(name, index)
     return out if leaf.stacked else out[0]
 
 
-def _check_unused(reader: hf_io.Reader, leaves: list[_Leaf], config: dict) -> None:
+def _check_unused(reader: hf_io.Reader, leaves: list[names.Leaf], config: dict) -> None:
     used = {name for leaf in leaves for name in leaf.names}
     if config["tie_embeddings"]:
-        used.add(_TOP_NAMES[("head", "kernel")][0])
+        used.add(names.TOP_NAMES[("head", "kernel")][0])
     unused = sorted(n for n in reader.files if n not in used and not _IGNORED.fullmatch(n))
     if unused:
         raise errors.ConfigError(
@@ -342,7 +259,7 @@ def save(
         errors.check_integer("max_shard_bytes", max_shard_bytes, 1)
     name = {precision.F32: "float32", precision.BF16: "bfloat16", precision.F16: "float16"}
     hf_config = to_hf_config(model_config, name[out_dtype])
-    post_norms = _settings(model_config)["post_norms"]
+    c = _settings(model_config)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     scanned = any(_keys(p)[0] == sharding.STACKED for p, _ in flat)
     want = {
@@ -352,6 +269,7 @@ def save(
         )[0]
     }
     tensors: dict[str, hf_io.ShardTensor] = {}
+    fused: dict[str, tuple] = {}
     for p, x in flat:
         keys = _keys(p)
         if keys not in want or tuple(np.shape(x)) != want[keys]:
@@ -360,23 +278,32 @@ def save(
                 f"params/{'/'.join(keys)}: shape {list(np.shape(x))}, but the model config "
                 f"needs {needs}"
             )
-        leaf = _leaf(keys, tuple(np.shape(x)), post_norms)
+        leaf = names.leaf(keys, tuple(np.shape(x)), c)
         want.pop(keys)
         nbytes = int(np.prod(leaf.hf_shape)) * out_dtype.itemsize
         for i, hf_name in enumerate(leaf.names):
             get = lambda x=x, i=i, leaf=leaf: _export(x[i] if leaf.stacked else x, leaf, out_dtype)
+            if leaf.rows is not None:  # a part of a fused tensor: the parts, by first row
+                parts = fused.setdefault(hf_name, (leaf.hf_shape, nbytes, {}))[2]
+                parts[leaf.rows[0]] = get
+                continue
             tensors[hf_name] = (hf_name, leaf.hf_shape, nbytes, get)
     if want:
         missing = "/".join(next(iter(want)))
         raise errors.ConfigError(f"params/{missing}: missing, and the model config needs it")
-    ordered = sorted(tensors.values(), key=lambda t: _order(t[0]))
+    for hf_name, (shape, nbytes, parts) in fused.items():
+        get = lambda parts=parts: np.concatenate([parts[k]() for k in sorted(parts)])
+        tensors[hf_name] = (hf_name, shape, nbytes, get)
+    ordered = sorted(tensors.values(), key=lambda t: names.order(t[0]))
     files = {hf_io.CONFIG_FILE: json.dumps(hf_config, indent=2) + "\n"}
     hf_io.write(Path(path), ordered, max_shard_bytes, files)
 
 
-def _export(x: Any, leaf: _Leaf, dtype: np.dtype) -> np.ndarray:
-    """One layer's param as the file holds it: rounded to `dtype`, transposed for a kernel."""
-    x, out = np.asarray(x), np.empty(leaf.hf_shape, dtype)
+def _export(x: Any, leaf: names.Leaf, dtype: np.dtype) -> np.ndarray:
+    """One layer's param as the file holds it: rounded to `dtype`, transposed for a kernel
+    (its own rows only, for a part of a fused tensor)."""
+    x = np.asarray(x)
+    out = np.empty(x.T.shape if leaf.transposed else x.shape, dtype)
     with np.errstate(over="ignore"):  # float16's overflow is told below, with the param's name
         if leaf.transposed:
             hf_io.transpose_into(out, x)
@@ -389,12 +316,3 @@ def _export(x: Any, leaf: _Leaf, dtype: np.dtype) -> np.ndarray:
             "in bfloat16 or float32"
         )
     return out
-
-
-def _order(name: str) -> tuple:
-    """HF's order: the embedding, the layers in turn, the final norm, the head."""
-    layer = re.match(r"model\.layers\.(\d+)\.", name)
-    if layer:
-        within = [n for n, _ in _POST_NORM_NAMES.values()].index(name[layer.end() :])
-        return (1, int(layer[1]), within)
-    return (0 if "embed" in name else 2 if "norm" in name else 3, 0, 0)

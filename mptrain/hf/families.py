@@ -18,7 +18,10 @@ keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
   * olmo2 (Olmo2ForCausalLM): norms after the attention and after the MLP only, none before;
     q and k norms over the whole projection, before the split into heads;
   * smollm3 (SmolLM3ForCausalLM): no RoPE on the layers `no_rope_layers` marks 0 (every
-    `no_rope_layer_interval`-th, 4th by default); tied embeddings by default.
+    `no_rope_layer_interval`-th, 4th by default); tied embeddings by default;
+  * phi3 (Phi3ForCausalLM): q, k, v fused in one `qkv_proj` and gate, up in `gate_up_proj`
+    (split on load, fused again on export: `Family.fused`); `partial_rotary_factor`; a window
+    on every layer when `sliding_window` is set. Its `longrope` scaling is not read.
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -38,6 +41,8 @@ from typing import Any
 from mptrain import errors
 from mptrain.models.llama import FULL, SLIDING
 
+_PARTIAL = "partial_rotary_factor"  # Phi-3's part of a head that RoPE rotates
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -48,6 +53,8 @@ class Family:
     write: Callable[[dict], dict]  # the decoder's settings -> config.json's own keys
     can: Callable[[dict], str | None]  # why the settings' switches are not this family's
     defaults: tuple = ()  # config.json's keys that default otherwise than the Llama's
+    # fused tensors: ((module, HF name under the layer), the parts in the order of their rows)
+    fused: tuple = ()
 
 
 def _bias(file: Path, raw: dict, fixed: str | None = None) -> str:
@@ -167,14 +174,22 @@ def _gemma_json(c: dict, version: int) -> dict:
     return out
 
 
+def _phi3(file: Path, raw: dict) -> dict:
+    """Phi-3's window (every layer, none by default) and the part of a head RoPE rotates (at
+    the top in 4.x's form, inside `rope_parameters` in 5.x's)."""
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = {"partial_rotary_factor": rope.get("partial_rotary_factor", raw.get(_PARTIAL, 1.0))}
+    window = raw.get("sliding_window")
+    window = None if window is None else _checked_window(file, window)
+    return {"sliding_window": window, _PARTIAL: _number(file, factor, _PARTIAL, 1.0)}
+
+
 def _smollm3(file: Path, raw: dict, layers: int) -> dict:
     every = raw.get("no_rope_layer_interval", 4)
     marks = raw.get("no_rope_layers")  # 1: the layer takes RoPE, 0: it does not
     if marks is None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise errors.ConfigError(
-                f"{file}: no_rope_layer_interval={every!r}: a positive integer"
-            )
+            raise errors.ConfigError(f"{file}: no_rope_layer_interval={every!r}: a positive int")
         marks = [int((i + 1) % every != 0) for i in range(layers)]
     if not isinstance(marks, list) or len(marks) != layers or {*marks} - {0, 1}:
         raise errors.ConfigError(f"{file}: no_rope_layers={marks!r}: a list of {layers} of 1, 0")
@@ -208,17 +223,13 @@ _PLAIN = {
     "attn_softcap": None,
     "final_softcap": None,
     "rope_local_theta": None,
+    **{"pre_norms": True, "qk_norm_width": False, "nope_layers": None, _PARTIAL: 1.0},
 }
-_PLAIN |= {"pre_norms": True, "qk_norm_width": False, "nope_layers": None}
 _NOT_NOPE = {k: v for k, v in _PLAIN.items() if k != "nope_layers"}  # SmolLM3's NoPE layers
+_NOT_PARTIAL = {k: v for k, v in _PLAIN.items() if k != _PARTIAL}  # Phi-3's partial RoPE
 _GEMMA = {"norm_plus_one": True, "post_norms": True, "embed_scale": True, "mlp_act": "gelu_tanh"}
 # transformers' defaults of the Gemma configs where they are not the Llama's
-_GEMMA_DEFAULTS = (
-    ("head_dim", 256),
-    ("rms_norm_eps", 1e-6),
-    ("tie_word_embeddings", True),
-    ("max_position_embeddings", 8192),
-)
+_GEMMA_DEFAULTS = (("head_dim", 256), ("rms_norm_eps", 1e-6), ("tie_word_embeddings", True))
 
 
 def _unlike(c: dict, **want: Any) -> str | None:
@@ -302,6 +313,24 @@ FAMILIES = {
             defaults=(("tie_word_embeddings", True),),
         ),
         Family(
+            "phi3",
+            "Phi3ForCausalLM",
+            "phi3",
+            read=lambda file, raw, n: _phi3(file, raw),
+            write=lambda c: {
+                "sliding_window": c["sliding_window"],
+                "partial_rotary_factor": c["partial_rotary_factor"],
+            },
+            can=lambda c: _unlike(
+                c, attn_bias="none", qk_norm=False, layer_types=None, **_NOT_PARTIAL
+            ),
+            defaults=(("rms_norm_eps", 1e-5),),
+            fused=(
+                (("attn", "self_attn.qkv_proj"), ("q", "k", "v")),
+                (("mlp", "mlp.gate_up_proj"), ("gate", "up")),
+            ),
+        ),
+        Family(
             "gemma2",
             "Gemma2ForCausalLM",
             "gemma2",
@@ -310,7 +339,7 @@ FAMILIES = {
             can=lambda c: _unlike(
                 c, attn_bias=("none", "all"), qk_norm=False, rope_local_theta=None, **_GEMMA
             ),
-            defaults=_GEMMA_DEFAULTS,
+            defaults=(*_GEMMA_DEFAULTS, ("max_position_embeddings", 8192)),
         ),
         Family(
             "gemma3",
@@ -319,7 +348,7 @@ FAMILIES = {
             read=lambda file, raw, n: _gemma(file, raw, n, 3),
             write=lambda c: _gemma_json(c, 3),
             can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_GEMMA),
-            defaults=(*_GEMMA_DEFAULTS[:3], ("max_position_embeddings", 131_072)),
+            defaults=(*_GEMMA_DEFAULTS, ("max_position_embeddings", 131_072)),
         ),
     )
 }

@@ -205,6 +205,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "nope_layers": None,
         "mlp_act": "silu",
         "token_ids": _token_ids(raw),
+        "partial_rotary_factor": 1.0,
         **family.read(file, raw, layers),
     }
 

@@ -238,8 +238,10 @@ def layer_types(keys: dict) -> tuple[str, ...] | None:
 
 def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
     """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
+    # partial RoPE: the first int(head_dim * factor) dimensions of a head rotate, as transformers
+    rotary = int(keys["head_dim"] * keys["partial_rotary_factor"]) // 2 * 2
     frequencies = lambda theta, scaling: tuple(
-        float(f) for f in rope_frequencies(keys["head_dim"], theta, scaling)
+        float(f) for f in rope_frequencies(rotary, theta, scaling)
     )
     scalar = keys["query_pre_attn_scalar"]
     base = Shape(

@@ -190,7 +190,7 @@ class Llama(nn.Module):
 
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the switches of `blocks.Shape`, and the names its folder gives them.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
 SLIDING, FULL = blocks.SLIDING, blocks.FULL  # `layer_types`' values, transformers'
 
 
@@ -206,7 +206,7 @@ SLIDING, FULL = blocks.SLIDING, blocks.FULL  # `layer_types`' values, transforme
 # `final_softcap`: the logits' soft-cap. OLMo 2's `pre_norms` False and `qk_norm_width` (the
 # q and k norms over the whole projection); `nope_layers`: the layers without RoPE (SmolLM3's).
 # `token_ids`: a folder's (pad, bos, eos) ids, which the model never reads and an export writes
-# back to config.json.
+# back to config.json. `partial_rotary_factor`: the part of each head that RoPE rotates (Phi's).
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -240,6 +240,7 @@ CONFIG_KEYS = {
     "qk_norm_width": False,
     "nope_layers": None,
     "token_ids": None,
+    "partial_rotary_factor": 1.0,
 }
 
 
@@ -282,6 +283,14 @@ def settings(model_config: Any) -> dict[str, Any]:
     errors.check_choice("model.mlp_act", keys["mlp_act"], blocks.MLP_ACTS)
     if keys["sliding_window"] is not None:
         errors.check_integer("model.sliding_window", keys["sliding_window"], 1, errors.INT32_MAX)
+    factor = keys["partial_rotary_factor"]
+    factor = errors.check_number("model.partial_rotary_factor", factor, 0.0, 2.0, open_low=True)
+    if factor > 1 or int(keys["head_dim"] * factor) < 2:
+        raise ValueError(
+            f"model.partial_rotary_factor={factor}: the part of a head's {keys['head_dim']} "
+            "dimensions RoPE rotates, at most 1 and at least 2 dimensions"
+        )
+    keys["partial_rotary_factor"] = factor
     for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "final_softcap"):
         if keys[key] is not None:
             keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)

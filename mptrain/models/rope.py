@@ -38,12 +38,18 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
     packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
-    pairing; the result in ``x``'s dtype."""
+    pairing; the result in ``x``'s dtype. Fewer frequencies than ``Dh / 2`` rotate only the
+    first ``2 * len(inv_freq)`` dimensions of each head and pass the rest (partial RoPE,
+    Phi-3's ``partial_rotary_factor``), as transformers does."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, Dh/2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, R/2]
+    rotary = 2 * len(inv_freq)
     x32 = x.astype(jnp.float32)
-    a, b = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+    a, b = jnp.split(x32[..., :rotary], 2, axis=-1)
+    out = [a * cos - b * sin, b * cos + a * sin]
+    if rotary < x.shape[-1]:
+        out.append(x32[..., rotary:])
+    return jnp.concatenate(out, axis=-1).astype(x.dtype)
 
 
 def scaling(value: Any) -> tuple | None:

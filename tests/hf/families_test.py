@@ -1,11 +1,12 @@
-"""The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 and
-SmolLM3 folders that transformers made itself (`scripts/make_hf_fixture.py --families`, run in
-a venv of its own: Mistral's and Qwen2's sliding window of 16 keys over 48 positions, Qwen2's
-q, k, v biases, Qwen3's q and k norms and tied embeddings; Gemma 2's three layers, sliding and
-global in turn, with soft-caps that bite; Gemma 3's four layers of a pattern of three, with two
-RoPE bases; OLMo 2's norms after the attention and the MLP only, q and k normed over the whole
-projection; SmolLM3's middle layer of three without RoPE and with the window; Qwen2's, Gemma
-2's and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read by
+"""The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2,
+SmolLM3 and Phi-3 folders that transformers made itself (`scripts/make_hf_fixture.py
+--families`, run in a venv of its own: Mistral's and Qwen2's sliding window of 16 keys over 48
+positions, Qwen2's q, k, v biases, Qwen3's q and k norms and tied embeddings; Gemma 2's three
+layers, sliding and global in turn, with soft-caps that bite; Gemma 3's four layers of a
+pattern of three, with two RoPE bases; OLMo 2's norms after the attention and the MLP only, q
+and k normed over the whole projection; SmolLM3's middle layer of three without RoPE and with
+the window; Phi-3's fused q, k, v and gate, up, half of each head rotated; Qwen2's, Gemma 2's
+and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read by
 `mptrain.hf` into the one decoder: its fp32 logits and its greedy decoding against
 transformers' own, each switch shown to matter, the folder written back."""
 
@@ -25,7 +26,7 @@ from mptrain import errors, export, generate, hf
 from mptrain.models import decode, llama
 
 FAMILIES = Path(__file__).parent / "families"
-NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3")
+NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
 S, F = llama.SLIDING, llama.FULL
 # what each folder is read as: model.family, attn_bias, qk_norm, sliding_window, layer_types
 SWITCHES = {
@@ -36,6 +37,7 @@ SWITCHES = {
     "gemma3": ("gemma3", "none", True, 16, (S, S, F, S)),
     "olmo2": ("olmo2", "none", True, None, None),
     "smollm3": ("smollm3", "none", False, 16, (F, S, F)),
+    "phi3": ("phi3", "none", False, 16, None),
 }
 # The other switches as the fixtures set them, and (PLAIN) what each is without them
 GEMMA = {
@@ -43,6 +45,7 @@ GEMMA = {
     "gemma3": {"rope_local_theta": 10_000.0, "rope_scaling": ("linear", 2.0)},
     "olmo2": {"pre_norms": False, "post_norms": True, "qk_norm_width": True},
     "smollm3": {"nope_layers": (1,), "tie_embeddings": True},
+    "phi3": {"partial_rotary_factor": 0.5},
 }
 PLAIN = {
     "attn_softcap": None,
@@ -55,6 +58,7 @@ PLAIN = {
     "norm_plus_one": False,
     "layer_types": None,
     "nope_layers": None,
+    "partial_rotary_factor": 1.0,
 }
 # make test reads Gemma 2 (a window on alternate layers, scanned as a period and a layer over,
 # the soft-caps and Gemma's norms, config.json in 4.x's form); the others' fp32 logits and
@@ -266,3 +270,32 @@ def test_a_qwen_whose_layers_mix_windows_reads_and_writes_them_layer_by_layer(tm
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (written["max_window_layers"], written["layer_types"]) == (1, [F, S])
     assert hf.read_config(tmp_path / "out") == model_config
+
+
+def test_a_fused_projections_adapters_are_one_peft_adapter_of_their_ranks_together(tmp_path):
+    """Phi-3's qkv_proj: mptrain's q, k and v adapters become one PEFT adapter whose B @ A is
+    each part's update in its own rows, of rank 3 r with alpha 3 alpha (the same alpha / r),
+    written in C order (safetensors writes an array's bytes as they lie)."""
+    import safetensors.numpy
+
+    from mptrain.hf import peft
+
+    c = hf.read_settings(hf.read_config(FAMILIES / "phi3"))
+    rng, r, d = np.random.default_rng(0), 4, c["d_model"]
+    widths = {"q": 64, "k": 32, "v": 32}
+    attn = {
+        n: {"lora_a": rng.normal(size=(2, d, r)), "lora_b": rng.normal(size=(2, r, w))}
+        for n, w in widths.items()
+    }
+    attn = jax.tree.map(lambda x: x.astype(np.float32), attn)
+    lora = ml_collections.ConfigDict({"rank": r, "alpha": 8.0, "targets": "q|k|v"})
+    peft.save(tmp_path, {"stacked_layers": {"attn": attn}}, lora, None, c)
+    saved = safetensors.numpy.load_file(str(tmp_path / peft.WEIGHTS_FILE))
+    name = "base_model.model.model.layers.1.self_attn.qkv_proj.lora_{}.weight"
+    a, b = saved[name.format("A")], saved[name.format("B")]
+    assert a.shape == (3 * r, d) and b.shape == (128, 3 * r)
+    want = np.concatenate([(attn[n]["lora_a"][1] @ attn[n]["lora_b"][1]).T for n in "qkv"])
+    np.testing.assert_allclose(b @ a, want, rtol=1e-5, atol=1e-5)
+    config = json.loads((tmp_path / peft.CONFIG_FILE).read_text())
+    key = r"model\.layers\.1\.self_attn\.qkv_proj"
+    assert (config["rank_pattern"][key], config["alpha_pattern"][key]) == (3 * r, 24.0)

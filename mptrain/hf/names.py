@@ -1,0 +1,146 @@
+"""The names of the decoder's params in a HuggingFace folder, both ways (`mptrain.hf`'s table):
+each param of the llama tree (`mptrain.models.llama`'s layout) is one HF tensor a layer,
+transposed where it is a kernel, or a block of rows of one (a family's fused projections,
+Phi-3's `qkv_proj` [q | k | v] and `gate_up_proj` [gate | up]: `families.Family.fused`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from mptrain import errors
+from mptrain.hf import families
+from mptrain.recipe import sharding
+
+LAYER_PREFIX = "model.layers.{}."
+# A block's params (path under the layer) -> HF name under model.layers.i., transposed?
+LAYER_NAMES = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", False),
+    ("attn", "q", "kernel"): ("self_attn.q_proj.weight", True),
+    ("attn", "k", "kernel"): ("self_attn.k_proj.weight", True),
+    ("attn", "v", "kernel"): ("self_attn.v_proj.weight", True),
+    ("attn", "o", "kernel"): ("self_attn.o_proj.weight", True),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
+    ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
+    ("mlp", "down", "kernel"): ("mlp.down_proj.weight", True),
+    # the families' switches (`mptrain.hf.families`): biases, each head's q and k norms
+    ("attn", "q", "bias"): ("self_attn.q_proj.bias", False),
+    ("attn", "k", "bias"): ("self_attn.k_proj.bias", False),
+    ("attn", "v", "bias"): ("self_attn.v_proj.bias", False),
+    ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
+}
+# Gemma's four norms a block (`post_norms`): its post_attention_layernorm follows the attention
+POST_NORM_NAMES = {
+    **LAYER_NAMES,
+    ("attn_post_norm", "scale"): ("post_attention_layernorm.weight", False),
+    ("mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", False),
+    ("mlp_post_norm", "scale"): ("post_feedforward_layernorm.weight", False),
+}
+TOP_NAMES = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", False),
+    ("final_norm", "scale"): ("model.norm.weight", False),
+    ("head", "kernel"): ("lm_head.weight", True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One param and the HF tensors it is made of: one per layer when stacked; `rows`, the
+    block of a fused tensor's rows it is (`start`, `stop`, the tensor's rows), or None."""
+
+    path: str  # "stacked_layers/attn/q/kernel", for messages
+    names: tuple[str, ...]
+    transposed: bool
+    stacked: bool
+    shape: tuple[int, ...]  # one layer's, as the param has it
+    rows: tuple[int, int, int] | None = None
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:  # as the file has each of `names`
+        shape = tuple(reversed(self.shape)) if self.transposed else self.shape
+        return shape if self.rows is None else (self.rows[2], *shape[1:])
+
+
+def _fused(c: dict) -> dict:
+    """`{param path under a layer: (HF name, (start, stop, rows))}` of `c`'s family's fused
+    tensors: each part's block of rows, in the order the family lists them."""
+    out = {}
+    width = {"q": c["num_heads"] * c["head_dim"], "gate": c["d_ff"], "up": c["d_ff"]}
+    width |= dict.fromkeys("kv", c["num_kv_heads"] * c["head_dim"])
+    for (module, name), parts in families.FAMILIES[c["family"]].fused:
+        total, start = sum(width[p] for p in parts), 0
+        for part in parts:
+            out[(module, part, "kernel")] = (name, (start, start + width[part], total))
+            start += width[part]
+    return out
+
+
+def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -> Leaf:
+    """The `Leaf` of the param at `keys` (its path) of `shape`, for the checked settings `c`
+    (None: a Llama's names)."""
+    path = "/".join(keys)
+    top, rest = keys[0], keys[1:]
+    layer = re.fullmatch(r"layers_(\d+)", top)
+    table = POST_NORM_NAMES if c and c["post_norms"] else LAYER_NAMES
+    fused = _fused(c) if c else {}
+    rows = None
+    if rest in fused:
+        name, rows = fused[rest]
+        table = {rest: (name + ".weight", True)}
+    if top == sharding.STACKED and rest in table and shape:
+        name, transposed = table[rest]
+        names = tuple(LAYER_PREFIX.format(i) + name for i in range(shape[0]))
+        return Leaf(path, names, transposed, stacked=True, shape=shape[1:], rows=rows)
+    if layer and rest in table:
+        name, transposed = table[rest]
+        names = (LAYER_PREFIX.format(layer[1]) + name,)
+        return Leaf(path, names, transposed, stacked=False, shape=shape, rows=rows)
+    if keys in TOP_NAMES:
+        name, transposed = TOP_NAMES[keys]
+        return Leaf(path, (name,), transposed, stacked=False, shape=shape)
+    raise errors.ConfigError(f"params/{path}: no tensor of a HuggingFace folder maps onto it")
+
+
+def order(name: str) -> tuple:
+    """HF's order: the embedding, the layers in turn, the final norm, the head."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer:
+        known = [n for n, _ in POST_NORM_NAMES.values()]
+        rest = name[layer.end() :]
+        return (1, int(layer[1]), known.index(rest) if rest in known else len(known), rest)
+    return (0 if "embed" in name else 2 if "norm" in name else 3, 0, 0, "")
+
+
+def shapes(c: dict, scan_layers: bool = True) -> dict:
+    """The llama param tree's shapes (tuples) for the checked settings `c`, scanned or not."""
+    d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
+    q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
+    layer = {
+        "attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}},
+        "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
+    }
+    if c["pre_norms"]:
+        layer |= {"attn_norm": {"scale": (d,)}, "mlp_norm": {"scale": (d,)}}
+    layer["attn"]["o"] = {"kernel": (q, d)}
+    biased = {"none": (), "qkv": ("q", "k", "v"), "all": ("q", "k", "v", "o")}[c["attn_bias"]]
+    for name in biased:
+        layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
+    if c["qk_norm"]:  # over a head, or (qk_norm_width) the projection's whole width
+        wide = {"q": q, "k": kv} if c["qk_norm_width"] else dict.fromkeys("qk", c["head_dim"])
+        layer["attn"] |= {f"{n}_norm": {"scale": (wide[n],)} for n in ("q", "k")}
+    if c["post_norms"]:
+        layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
+    tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
+    if not c["tie_embeddings"]:
+        tree["head"] = {"kernel": (d, v)}
+    is_shape = lambda x: isinstance(x, tuple)
+    if scan_layers:
+        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), layer, is_leaf=is_shape)
+    else:
+        tree.update({f"layers_{i}": layer for i in range(n)})
+    return tree
