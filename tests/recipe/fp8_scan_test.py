@@ -112,6 +112,42 @@ def test_the_scanned_fp8_llama_trains_as_the_unrolled_one(scaling, tmp_path):
     assert (history[:, :steps_taken] > 0).all() and (history[:, steps_taken:] == 0).all()
 
 
+@pytest.mark.slow  # a second variant: the stack's spans with layers of two kinds
+def test_fp8_spans_over_layers_of_two_kinds_compute_as_the_unrolled_layers(tmp_path):
+    """Four layers, sliding and full in turn, the first and last in bf16: the scan's three
+    spans each take their own period of blocks (one, two, one), with the fp8 state of the
+    middle two; loss and gradients are the unrolled model's to fp32 rounding."""
+    kinds = {
+        "model.num_layers": 4,
+        "model.sliding_window": 3,
+        "model.layer_types": ("sliding_attention", "full_attention") * 2,
+        "fp8.bf16_layers": 1,
+    }
+    trainers, states = [], []
+    for scan in (True, False):
+        trainer = mptrain.Trainer(_config("current", scan, **kinds), tmp_path / str(scan))
+        state = trainer.init_state()
+        trainer.model = trainer.model.clone(dtype=jnp.float32)
+        policy = dataclasses.replace(state.policy, compute_dtype=jnp.float32, keep_fp32="")
+        trainers.append(trainer)
+        states.append(state.replace(policy=policy))
+    states[1] = states[1].replace(params=unstack(states[0].params))
+    batch, rng = trainers[0].build_datasets()[0].get_batch(0), jax.random.key(0)
+
+    def grads(trainer, state):
+        loss = lambda p: trainer.loss_fn(p, state.model_state, batch, rng)[0]
+        return jax.jit(jax.value_and_grad(loss))(state.params)
+
+    (loss_a, grads_a), (loss_b, grads_b) = map(grads, trainers, states)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    jax.tree.map(close, unstack(grads_a), grads_b)
+    assert sorted(unstack(jax.device_get(states[0].model_state[fp8.META]))) == [
+        "layers_1",
+        "layers_2",
+    ]
+
+
 FIELDS = ("params", "opt_state", "model_state")
 
 
