@@ -78,7 +78,7 @@ def of_run(config: Any) -> Codec:
     return of_tokenizer(config.data.get("tokenizer", tokenize.BYTES))
 
 
-def prepare(codec: Codec, prompts: list, max_len: int, max_new_tokens: int) -> tuple:
+def prepare(codec: Codec, prompts: list, max_len: int, max_new_tokens: int, switch=None) -> tuple:
     """`(texts, ids, lengths)` of the prompts, as the decoder takes them (`decode.pad_prompts`:
     right-padded); a `ValueError` names a prompt that cannot be read or leaves no room for
     `max_new_tokens` in `max_len`."""
@@ -93,7 +93,7 @@ def prepare(codec: Codec, prompts: list, max_len: int, max_new_tokens: int) -> t
     # a plain prompt as the tokenizer reads a text (its BOS, as transformers adds it); a
     # rendered conversation as it is (its template wrote the BOS)
     encoded = [codec.encode(t, isinstance(p, str)) for t, p in zip(texts, prompts, strict=True)]
-    return texts, *decode.pad_prompts(encoded, max_len, max_new_tokens)
+    return texts, *decode.pad_prompts(encoded, max_len, max_new_tokens, switch)
 
 
 def complete(
@@ -116,7 +116,8 @@ def complete(
 
     from mptrain.models import decode
 
-    texts, ids, lengths = prepare(codec, prompts, model.max_len, max_new_tokens)
+    switch = decode.longrope_switch(model)
+    texts, ids, lengths = prepare(codec, prompts, model.max_len, max_new_tokens, switch)
     run = run or decode.make_decoder(model, max_new_tokens, cache_dtype)
     sampling = (sampling or decode.Sampling()).values()
     out = run(params, ids, lengths, sampling, seed, decode.stops(codec.stop_ids))

@@ -55,7 +55,7 @@ import ml_collections
 import numpy as np
 
 from mptrain import errors
-from mptrain.hf import families, names
+from mptrain.hf import config_file, families, names
 from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
 from mptrain.recipe import precision, sharding
@@ -102,7 +102,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     naming the file and the key."""
     file = Path(path)
     file = file / hf_io.CONFIG_FILE if file.is_dir() else file
-    model = hf_io.read_model_config(file)
+    model = config_file.read_model_config(file)
     try:  # the model's own rules, here, where the file the values came from is known
         _settings(model)
     except errors.ConfigError as e:
@@ -112,7 +112,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     """config.json's content (transformers 4.x form) for a llama `config.model`."""
-    return hf_io.config_json(_settings(model_config), dtype)
+    return config_file.config_json(_settings(model_config), dtype)
 
 
 # --------------------------------------------------------------------------- the param tree

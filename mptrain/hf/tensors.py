@@ -1,7 +1,6 @@
-"""The files of a HuggingFace folder: config.json in either of transformers' forms (its family's
-own keys read by `mptrain.hf.families`), and safetensors tensors found by name, read by slices,
-written in shards with an index. `mptrain.hf` maps them onto mptrain's decoder and its param
-tree; this module knows the files.
+"""The files of a HuggingFace folder: safetensors tensors found by name, read by slices, written
+in shards with an index (config.json's keys are `mptrain.hf.config_file`'s). `mptrain.hf` maps
+them onto mptrain's decoder and its param tree; this module knows the files.
 
 A folder holds either one `model.safetensors`, or shards `model-0000i-of-0000n.safetensors`
 listed by `model.safetensors.index.json` (its `weight_map`: tensor name -> file); a folder with
@@ -25,9 +24,6 @@ import safetensors
 import safetensors.numpy
 
 from mptrain import errors
-from mptrain.hf import families
-
-FULL, SLIDING = families.FULL, families.SLIDING
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -35,7 +31,6 @@ SINGLE = "model.safetensors"
 # (float64 rounds, as torch's `.float()` does).
 FLOATS = ("F64", "F32", "BF16", "F16")
 CONFIG_FILE = "config.json"
-_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ShardTensor = tuple[str, tuple[int, ...], int, Callable[[], np.ndarray]]  # name, shape, bytes, get
 
 
@@ -151,172 +146,6 @@ def transpose_into(out: np.ndarray, part: np.ndarray) -> None:
     for i in range(0, rows, 128):
         for k in range(0, cols, 512):
             out[k : k + 512, i : i + 128] = part[i : i + 128, k : k + 512].T
-
-
-def read_model_config(file: Path) -> dict[str, Any]:
-    """`mptrain.hf.read_config`'s dict from the config.json `file` (the doc is there)."""
-    raw = read_json(file)
-    family = families.of_config(file, raw)
-    gemma = family.name.startswith("gemma")
-    # the MLP's activation: SiLU, or Gemma's GELU (tanh), which it names hidden_activation
-    act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
-    for key, fine in (act, ("mlp_bias", False)):
-        if raw.get(key, fine) not in (fine, None):
-            raise errors.ConfigError(
-                f"{file}: {key}={raw[key]!r}: mptrain's decoder has {key}={fine!r} only"
-            )
-    defaults = dict(family.defaults)
-
-    def get(key: str, default: Any = None, kind: type = int) -> Any:
-        """`raw[key]`, else `default` (transformers' own; None: the key is required)."""
-        default = defaults.get(key, default)
-        value = default if raw.get(key) is None else raw[key]
-        if value is None:
-            raise errors.ConfigError(
-                f"{file}: no {key!r}, which a {family.architecture}'s config.json must give"
-            )
-        return _checked(file, key, value, kind)
-
-    hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
-    theta, scaling, local = _rope(file, raw, gemma)
-    return {
-        "name": "llama",
-        "family": family.name,
-        "vocab_size": get("vocab_size"),
-        "d_model": hidden,
-        "num_layers": layers,
-        "num_heads": heads,
-        "num_kv_heads": get("num_key_value_heads", heads),
-        "head_dim": get("head_dim", hidden // heads),
-        "d_ff": get("intermediate_size"),
-        "max_len": get("max_position_embeddings", 2048),
-        "rope_theta": _checked(file, "rope_theta", theta, float),
-        "rope_scaling": scaling,
-        "norm_eps": get("rms_norm_eps", 1e-6, float),
-        "tie_embeddings": get("tie_word_embeddings", False, bool),
-        "attn_bias": "none",
-        "qk_norm": False,
-        "sliding_window": None,
-        "layer_types": None,
-        "rope_local_theta": local and _checked(file, "rope_local_base_freq", local, float),
-        **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
-        **dict.fromkeys(("norm_plus_one", "post_norms", "embed_scale", "qk_norm_width"), False),
-        "pre_norms": True,
-        "nope_layers": None,
-        "mlp_act": "silu",
-        "token_ids": _token_ids(raw),
-        "partial_rotary_factor": 1.0,
-        **family.read(file, raw, layers),
-    }
-
-
-def _token_ids(raw: dict) -> tuple | None:
-    """config.json's (pad, bos, eos) ids, an eos list as a tuple; None where none is given."""
-    ids = [raw.get(f"{k}_token_id") for k in ("pad", "bos", "eos")]
-    ids = [tuple(i) if isinstance(i, list) else i for i in ids]
-    return None if ids == [None] * 3 else tuple(ids)
-
-
-def _checked(file: Path, key: str, value: Any, kind: type) -> Any:
-    """`value` when it is a positive int, a positive number (as a float) or a bool, as `kind`
-    says; else a `ConfigError` naming the file and the key."""
-    try:
-        if kind is bool and not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r}: must be true or false")
-        if kind is int:
-            return errors.check_integer(key, value, 1)
-        return errors.check_number(key, value, 0.0, open_low=True) if kind is float else value
-    except ValueError as e:
-        raise errors.ConfigError(f"{file}: {e}") from None
-
-
-def _rope(file: Path, raw: dict, gemma: bool = False) -> tuple[float, tuple | None, Any]:
-    """`(rope_theta, rope_scaling, the sliding layers' base or None)` from either form of
-    config.json: Gemma 3 gives the sliding layers a base of their own (`rope_local_base_freq`,
-    or 5.x's `rope_parameters` per layer type), unscaled."""
-    rope, local = raw.get("rope_parameters"), raw.get("rope_local_base_freq")
-    if gemma and isinstance(rope, dict) and {FULL, SLIDING} & set(rope):
-        for kind in (FULL, SLIDING):
-            if not isinstance(rope.get(kind, {}), dict):
-                raise errors.ConfigError(f"{file}: rope_parameters.{kind}: an object expected")
-        local_rope = rope.get(SLIDING, {})
-        theta, scaling = _rope_of(file, f"rope_parameters.{SLIDING}", local_rope, raw)
-        if scaling is not None:
-            raise errors.ConfigError(
-                f"{file}: rope_parameters.{SLIDING}.rope_type={local_rope.get('rope_type')!r}: "
-                "mptrain's sliding layers take RoPE type 'default' only"
-            )
-        return (*_rope_of(file, f"rope_parameters.{FULL}", rope.get(FULL, {}), raw), theta)
-    if rope is not None:  # transformers 5.x: rope_theta inside
-        return (*_rope_of(file, "rope_parameters", rope, raw), local)
-    return (*_rope_of(file, "rope_scaling", raw.get("rope_scaling") or {}, raw, apart=True), local)
-
-
-def _rope_of(file: Path, key: str, rope: Any, raw: dict, apart: bool = False) -> tuple:
-    """`(rope_theta, rope_scaling)` of one RoPE object `rope` (config.json's `key`); `apart`:
-    4.x's form, rope_theta beside it."""
-    if not isinstance(rope, dict):
-        raise errors.ConfigError(f"{file}: {key}={rope!r}: an object expected")
-    theta = None if apart else rope.get("rope_theta")
-    theta = raw.get("rope_theta", 10_000.0) if theta is None else theta
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("default", None):
-        return theta, None
-    if kind == "linear":
-        return theta, ("linear", _checked(file, f"{key}.factor", rope.get("factor"), float))
-    if kind != "llama3":
-        raise errors.ConfigError(
-            f"{file}: {key}.rope_type={kind!r}: not implemented; mptrain's decoder has RoPE "
-            "types 'default', 'linear' and 'llama3'"
-        )
-    missing = [k for k in _ROPE_KEYS if rope.get(k) is None]
-    if missing:
-        raise errors.ConfigError(f"{file}: no {key}.{missing[0]}, which rope_type 'llama3' needs")
-    kinds = (float, float, float, int)
-    factor, low, high, original = (
-        _checked(file, f"{key}.{k}", rope[k], kind)
-        for k, kind in zip(_ROPE_KEYS, kinds, strict=True)
-    )
-    return theta, (factor, low, high, original)
-
-
-def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """config.json's content, transformers 4.x's form, for the decoder's checked settings `c`,
-    as its family (`model.family`) writes it."""
-    family = families.FAMILIES[c["family"]]
-    scaling = c["rope_scaling"]
-    rope = None
-    if scaling is not None and scaling[0] == "linear":
-        rope = {"rope_type": "linear", "factor": float(scaling[1])}
-    elif scaling is not None:
-        rope = {"rope_type": "llama3", **dict(zip(_ROPE_KEYS, scaling, strict=True))}
-    return {
-        "architectures": [family.architecture],
-        "model_type": family.model_type,
-        "vocab_size": c["vocab_size"],
-        "hidden_size": c["d_model"],
-        "intermediate_size": c["d_ff"],
-        "num_hidden_layers": c["num_layers"],
-        "num_attention_heads": c["num_heads"],
-        "num_key_value_heads": c["num_kv_heads"],
-        "head_dim": c["head_dim"],
-        "max_position_embeddings": c["max_len"],
-        "rms_norm_eps": float(c["norm_eps"]),
-        "rope_theta": float(c["rope_theta"]),
-        "rope_scaling": rope,
-        "tie_word_embeddings": c["tie_embeddings"],
-        **{
-            f"{k}_token_id": list(i) if isinstance(i, tuple) else i
-            for k, i in zip(("pad", "bos", "eos"), c["token_ids"] or (), strict=False)
-        },
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        **family.write(c),
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
 
 
 # --------------------------------------------------------------------------- safetensors

@@ -39,6 +39,7 @@ from mptrain.models import attention as attention_lib
 from mptrain.models import layers
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
+from mptrain.models import rope as rope_lib
 from mptrain.models.rope import apply_rope, rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
 
@@ -85,6 +86,7 @@ class Shape:
     d_ff: int
     norm_eps: float
     inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
+    longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
     attn_bias: str = "none"
     qk_norm: bool = False
     window: int | None = None
@@ -132,7 +134,8 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
         if s.inv_freq:  # none: a layer without positions (NoPE)
             inv_freq = np.asarray(s.inv_freq, np.float32)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            rope = lambda t: apply_rope(t, positions, inv_freq, s.longrope)
+            q, k = rope(q), rope(k)
         how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
         if cache is None:
             out = attention_lib.causal_attention(
@@ -238,6 +241,8 @@ def layer_types(keys: dict) -> tuple[str, ...] | None:
 
 def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
     """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
+    scaling = keys["rope_scaling"]
+    long = scaling is not None and scaling[0] == "longrope"
     # partial RoPE: the first int(head_dim * factor) dimensions of a head rotate, as transformers
     rotary = int(keys["head_dim"] * keys["partial_rotary_factor"]) // 2 * 2
     frequencies = lambda theta, scaling: tuple(
@@ -252,6 +257,7 @@ def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
         d_ff=keys["d_ff"],
         norm_eps=float(keys["norm_eps"]),
         inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
+        longrope=rope_lib.longrope(rotary, keys["rope_theta"], scaling) if long else None,
         attn_bias=keys["attn_bias"],
         qk_norm=keys["qk_norm"],
         window=keys["sliding_window"],
@@ -266,7 +272,8 @@ def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
     local, full = base, base
     if keys["layer_types"] is not None:
         if keys["rope_local_theta"] is not None:
-            local = dataclasses.replace(base, inv_freq=frequencies(keys["rope_local_theta"], None))
+            local_freq = frequencies(keys["rope_local_theta"], None)
+            local = dataclasses.replace(base, inv_freq=local_freq, longrope=None)
         full = dataclasses.replace(base, window=None)
     kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
     nope = set(keys["nope_layers"] or ())

@@ -175,9 +175,20 @@ def make_decoder(
     return jax.jit(decode)
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], max_len: int, max_new_tokens: int):
+def longrope_switch(model: Any) -> int | None:
+    """Where a model's longrope (Phi-3's) switches to its long frequencies, or None."""
+    shapes = model.layer_shapes or (model.shape,)
+    return next((s.longrope.switch for s in shapes if s.longrope is not None), None)
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], max_len: int, max_new_tokens: int, switch=None
+) -> tuple:
     """`(prompts [B, T], lengths [B])` of token lists, right-padded with 0; a `ValueError`
-    names a prompt that is empty or leaves no room for `max_new_tokens` in `max_len`."""
+    names a prompt that is empty or leaves no room for `max_new_tokens` in `max_len`. With a
+    longrope `switch`, every row must stay on one side of it for the whole decoding: past it,
+    transformers recomputes the whole context with the long frequencies, which this decoder's
+    cache does not do, and a batch's prompt pass takes one side for all its rows."""
     if not prompts:
         raise ValueError("no prompt: give --prompt or --prompts")
     lengths = np.asarray([len(p) for p in prompts], np.int32)
@@ -188,6 +199,14 @@ def pad_prompts(prompts: Sequence[Sequence[int]], max_len: int, max_new_tokens: 
             raise ValueError(
                 f"prompt {i} has {n} tokens: with --max_new_tokens={max_new_tokens} that is "
                 f"past the model's context of {max_len} (model.max_len)"
+            )
+    if switch is not None:
+        ends = lengths + max_new_tokens - 1  # each row's last length, its last token fed back
+        if not ((ends <= switch).all() or (lengths > switch).all()):
+            raise ValueError(
+                f"prompts of {lengths.min()} to {lengths.max()} tokens with --max_new_tokens="
+                f"{max_new_tokens} cross the longrope switch at {switch} tokens (config.json's "
+                "original_max_position_embeddings); keep every row on one side of it"
             )
     out = np.zeros((len(prompts), int(lengths.max())), np.int32)
     for i, p in enumerate(prompts):

@@ -196,7 +196,8 @@ SLIDING, FULL = blocks.SLIDING, blocks.FULL  # `layer_types`' values, transforme
 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
 # model. `head_dim` None: d_model / num_heads; `rope_scaling` None, or Llama 3's
-# (factor, low_freq_factor, high_freq_factor, original_max_len), or ("linear", factor);
+# (factor, low_freq_factor, high_freq_factor, original_max_len), ("linear", factor), or
+# ("longrope", short factors, long factors, original_max_len, attention_factor) (Phi-3's);
 # `family`: the folder it exports as; `attn_bias`, `qk_norm`, `sliding_window` and Gemma's
 # `norm_plus_one`, `post_norms`, `attn_softcap`, `mlp_act`: `blocks.Shape`'s switches;
 # `query_pre_attn_scalar` (None: head_dim) scales the scores by its -1/2 power.
@@ -291,6 +292,12 @@ def settings(model_config: Any) -> dict[str, Any]:
             "dimensions RoPE rotates, at most 1 and at least 2 dimensions"
         )
     keys["partial_rotary_factor"] = factor
+    scaling, rotary = keys["rope_scaling"], int(keys["head_dim"] * factor) // 2 * 2
+    if scaling is not None and scaling[0] == "longrope" and len(scaling[1]) != rotary // 2:
+        raise ValueError(
+            f"model.rope_scaling: {len(scaling[1])} longrope factors for the {rotary // 2} "
+            "frequencies of the rotated part of a head"
+        )
     for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "final_softcap"):
         if keys[key] is not None:
             keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)

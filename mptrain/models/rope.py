@@ -4,7 +4,7 @@ Llama 3's scaling, computed on the host; the rotation, an fp32 island (the Llama
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
     every frequency divided by ``factor`` (HF's ``"linear"``: Gemma 3's global layers).
     Computed in float64 on the host, a constant of the program."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is not None and scaling[0] == "linear":
+    if scaling is not None and scaling[0] == "longrope":  # its short factors (`LongRope`)
+        inv = inv / np.asarray(scaling[1], np.float64)
+    elif scaling is not None and scaling[0] == "linear":
         inv = inv / float(scaling[1])
     elif scaling is not None:
         factor, low, high, original = (float(v) for v in scaling)
@@ -35,14 +37,42 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+class LongRope(NamedTuple):
+    """Phi-3's ``longrope`` (transformers' rule): past ``switch`` positions (its
+    ``original_max_position_embeddings``) the frequencies divided by ``long`` factors, not the
+    short ones, and cos and sin times ``scale`` (its ``attention_factor``). A row takes the long
+    frequencies where its own largest position is past ``switch`` (transformers asks the
+    batch's largest: the same for a row alone, and a row's result then never depends on the
+    rows beside it)."""
+
+    long_inv_freq: tuple[float, ...]
+    switch: int
+    scale: float
+
+
+def longrope(head_dim: int, theta: float, scaling: tuple) -> LongRope:
+    """The `LongRope` of ``("longrope", short, long, original_max, attention_factor)``."""
+    _, _, long, switch, scale = scaling
+    inv = rope_frequencies(head_dim, theta, ("longrope", long))
+    return LongRope(tuple(float(f) for f in inv), int(switch), float(scale))
+
+
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, long: LongRope | None = None
+) -> jax.Array:
     """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
     packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
     pairing; the result in ``x``'s dtype. Fewer frequencies than ``Dh / 2`` rotate only the
     first ``2 * len(inv_freq)`` dimensions of each head and pass the rest (partial RoPE,
     Phi-3's ``partial_rotary_factor``), as transformers does."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    inv = jnp.asarray(inv_freq)
+    if long is not None:  # the row's largest position decides (`LongRope`)
+        past = jnp.max(positions, axis=-1, keepdims=True)[..., None] + 1 > long.switch
+        inv = jnp.where(past, jnp.asarray(long.long_inv_freq, jnp.float32), inv)
+    angles = positions.astype(jnp.float32)[..., None] * inv
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, R/2]
+    if long is not None and long.scale != 1.0:
+        cos, sin = cos * long.scale, sin * long.scale
     rotary = 2 * len(inv_freq)
     x32 = x.astype(jnp.float32)
     a, b = jnp.split(x32[..., :rotary], 2, axis=-1)
@@ -58,6 +88,14 @@ def scaling(value: Any) -> tuple | None:
         return None
     if isinstance(value, tuple | list) and len(value) == 2 and value[0] == "linear":
         return "linear", errors.check_number(f"{key}[1] (factor)", value[1], 1.0)
+    if isinstance(value, tuple | list) and len(value) == 5 and value[0] == "longrope":
+        short, long = (tuple(errors.check_number(key, f, 0.0, open_low=True) for f in v)
+                       for v in value[1:3])  # fmt: skip
+        if len(short) != len(long):
+            raise ValueError(f"{key}: {len(short)} short factors but {len(long)} long ones")
+        switch = errors.check_integer(f"{key}[3] (original_max_len)", value[3], 1, 2**31 - 1)
+        scale = errors.check_number(f"{key}[4] (attention_factor)", value[4], 0.0, open_low=True)
+        return "longrope", short, long, switch, scale
     if not isinstance(value, tuple | list) or len(value) != 4:
         raise ValueError(
             f"{key}={value!r}: None, Llama 3's (factor, low_freq_factor, high_freq_factor, "

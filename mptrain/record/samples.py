@@ -35,7 +35,9 @@ class Sampler:
         self.model, self.run, self.max_new_tokens = trainer.model, run, cfg.max_new_tokens
         self.codec = codec.of_run(trainer.config)
         try:  # a prompt that cannot be answered stops the run now, not at its first evaluation
-            codec.prepare(self.codec, self.prompts, trainer.model.max_len, cfg.max_new_tokens)
+            switch = decode.longrope_switch(trainer.model)
+            model, new = trainer.model, cfg.max_new_tokens
+            codec.prepare(self.codec, self.prompts, model.max_len, new, switch)
         except ValueError as e:
             raise errors.ConfigError(f"config.sample.prompts: {e}") from None
         self.decoder = decode.make_decoder(trainer.model, cfg.max_new_tokens)

@@ -5,7 +5,8 @@ positions, Qwen2's q, k, v biases, Qwen3's q and k norms and tied embeddings; Ge
 layers, sliding and global in turn, with soft-caps that bite; Gemma 3's four layers of a
 pattern of three, with two RoPE bases; OLMo 2's norms after the attention and the MLP only, q
 and k normed over the whole projection; SmolLM3's middle layer of three without RoPE and with
-the window; Phi-3's fused q, k, v and gate, up, half of each head rotated; Qwen2's, Gemma 2's
+the window; Phi-3's fused q, k, v and gate, up, half of each head rotated, and a Phi-3 with
+Phi-4-mini's longrope over an original context of 16; Qwen2's, Gemma 2's
 and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read by
 `mptrain.hf` into the one decoder: its fp32 logits and its greedy decoding against
 transformers' own, each switch shown to matter, the folder written back."""
@@ -27,6 +28,7 @@ from mptrain.models import decode, llama
 
 FAMILIES = Path(__file__).parent / "families"
 NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
+NAMES += ("phi3-longrope",)
 S, F = llama.SLIDING, llama.FULL
 # what each folder is read as: model.family, attn_bias, qk_norm, sliding_window, layer_types
 SWITCHES = {
@@ -38,6 +40,7 @@ SWITCHES = {
     "olmo2": ("olmo2", "none", True, None, None),
     "smollm3": ("smollm3", "none", False, 16, (F, S, F)),
     "phi3": ("phi3", "none", False, 16, None),
+    "phi3-longrope": ("phi3", "none", False, None, None),
 }
 # The other switches as the fixtures set them, and (PLAIN) what each is without them
 GEMMA = {
@@ -46,6 +49,7 @@ GEMMA = {
     "olmo2": {"pre_norms": False, "post_norms": True, "qk_norm_width": True},
     "smollm3": {"nope_layers": (1,), "tie_embeddings": True},
     "phi3": {"partial_rotary_factor": 0.5},
+    "phi3-longrope": {"partial_rotary_factor": 0.75},
 }
 PLAIN = {
     "attn_softcap": None,
@@ -121,7 +125,8 @@ def test_each_switch_moves_the_logits_and_bf16_mixed_stays_in_the_llamas_band(na
         plain = {**params, "stacked_layers": {**params["stacked_layers"], "attn": plain_attn}}
         assert _error(_logits(model_config, plain, ids, qk_norm=False), want) > 0.05
     for key, plain in PLAIN.items():  # Gemma's, one at a time
-        if model_config[key] != plain:
+        longrope = (model_config["rope_scaling"] or ("",))[0] == "longrope"
+        if model_config[key] != plain and not (longrope and key == "partial_rotary_factor"):
             assert _error(_logits(model_config, params, ids, **{key: plain}), want) > 0.05, key
     # bf16-mixed: in the Llama's band, or within transformers' own error in bf16 on the same
     # folder where that is wider (Gemma's: its norms scale by 1 + w, four to a block)
@@ -159,10 +164,16 @@ def test_greedy_decoding_is_transformers_generate_token_for_token(name, tmp_path
     folder = _with_tokenizer(FAMILIES / name, tmp_path / name)
     want = np.load(folder / "generate.npz")
     speaker = generate.load(hf_folder=str(folder), precision="fp32")
-    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
+    new = want["tokens"].shape[1]
+    switch = decode.longrope_switch(speaker.model)
+    if switch is not None:  # longrope: rows that cross its switch are refused ...
+        with pytest.raises(ValueError, match=r"cross the longrope switch at 16 tokens"):
+            decode.pad_prompts([[1] * 5, [1] * 12], speaker.model.max_len, new, switch)
+        new = switch + 1 - int(want["lengths"].max())  # ... those that do not are exact
+    run = decode.make_decoder(speaker.model, new)
     greedy, none = decode.Sampling().values(), decode.stops([])
     out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
-    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+    np.testing.assert_array_equal(np.asarray(out), want["tokens"][:, :new])
 
 
 def test_a_family_written_back_reads_as_it_was_read(tmp_path):
@@ -177,6 +188,8 @@ def test_a_family_written_back_reads_as_it_was_read(tmp_path):
         )
         again, read = hf.load(tmp_path / name)
         assert again == model_config
+        if (model_config["rope_scaling"] or ("",))[0] == "longrope":  # Phi-3 reads its own key
+            assert written["original_max_position_embeddings"] == 16
         assert jax.tree.all(jax.tree.map(np.array_equal, read, params))
 
 
@@ -215,6 +228,11 @@ def _edited(folder, tmp_path, edit):
         ),
         ("gemma2", lambda c: c.update(attn_logit_softcapping=-1), "attn_logit_softcapping=-1"),
         ("smollm3", lambda c: c.update(no_rope_layers=[1, 2, 1]), "no_rope_layers=[1, 2, 1]"),
+        (
+            "phi3-longrope",
+            lambda c: c["rope_parameters"].update(long_factor=[1.0, 2.0]),
+            "6 short factors but 2 long ones",
+        ),
         ("qwen3", lambda c: c.update(layer_types=["full"] * 2), "layer_types=['full', 'full']"),
         ("mistral", lambda c: c.update(sliding_window=0), "sliding_window=0"),
         ("qwen3", lambda c: c.update(attention_bias="yes"), "attention_bias='yes'"),
