@@ -313,6 +313,36 @@ def write_family(out: Path, name: str) -> None:
     print(f"{out}: {model_class}, logits max |value| {np.abs(logits).max():.3f}")
 
 
+def write_gemma3_multimodal(out: Path, text: Path) -> None:
+    """A Gemma3ForConditionalGeneration around the Gemma 3 fixture's text model (its weights,
+    a tiny random vision tower): `mptrain.hf` reads its text model, which must be that
+    fixture's. `reference.npz`: the multimodal model's logits of the fixture's ids, no image."""
+    from transformers import (
+        AutoConfig,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=8, patch_size=4)  # fmt: skip
+    config = Gemma3Config(
+        text_config=AutoConfig.from_pretrained(text).to_dict(), vision_config=vision.to_dict(),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298,
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    text_model = AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32)
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    if out.exists():
+        shutil.rmtree(out)
+    model.save_pretrained(out, safe_serialization=True)
+    ids = np.load(text / "reference.npz")["ids"]
+    logits = _logits(out, ids)
+    np.savez(out / "reference.npz", ids=ids, logits=logits.astype(np.float32))
+    print(f"{out}: Gemma3ForConditionalGeneration, logits max |value| {np.abs(logits).max():.3f}")
+
+
 def write_1b(out: Path) -> None:
     config = _config(LLAMA_3_2_1B, 500_000.0, {**LLAMA3_SCALING, "factor": 32.0})
     config.rope_parameters["original_max_position_embeddings"] = 8192
@@ -345,8 +375,10 @@ def main() -> None:
     args = parser.parse_args()
     fixture = args.out or ROOT / "tests" / "hf" / "fixture"
     if args.families:
+        families = args.out or ROOT / "tests" / "hf" / "families"
         for name in FAMILIES:
-            write_family((args.out or ROOT / "tests" / "hf" / "families") / name, name)
+            write_family(families / name, name)
+        write_gemma3_multimodal(families / "gemma3-multimodal", families / "gemma3")
         return
     if args.generate:
         for folder in (fixture, fixture / "tied"):

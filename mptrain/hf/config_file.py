@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mptrain import errors
-from mptrain.hf import families
+from mptrain.hf import families, multimodal
 from mptrain.hf.tensors import read_json
 
 FULL, SLIDING = families.FULL, families.SLIDING
@@ -19,7 +19,7 @@ _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 
 def read_model_config(file: Path) -> dict[str, Any]:
     """`mptrain.hf.read_config`'s dict from the config.json `file` (the doc is there)."""
-    raw = read_json(file)
+    raw = multimodal.text(file, read_json(file))  # a multimodal folder's: its text model's
     family = families.of_config(file, raw)
     gemma = family.name.startswith("gemma")
     # the MLP's activation: SiLU, or Gemma's GELU (tanh), which it names hidden_activation
@@ -30,6 +30,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
                 f"{file}: {key}={raw[key]!r}: mptrain's decoder has {key}={fine!r} only"
             )
     defaults = dict(family.defaults)
+    raw = {**defaults, **raw}  # keys it leaves out, as transformers' config class has them
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:
         """`raw[key]`, else `default` (transformers' own; None: the key is required)."""

@@ -14,14 +14,15 @@ keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
   * gemma3 (Gemma3ForCausalLM, model_type gemma3_text): Gemma 2 with `1 + w` norms on each
     head's q and k, no soft-caps by default, five sliding layers to a global one (`layer_types`,
     or the older `sliding_window_pattern`), the sliding layers' RoPE base their own
-    (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), unscaled;
+    (`rope_local_base_freq`, or `rope_parameters.sliding_attention`), unscaled; a multimodal
+    folder's text model too (`mptrain.hf.multimodal`);
   * olmo2 (Olmo2ForCausalLM): norms after the attention and after the MLP only, none before;
     q and k norms over the whole projection, before the split into heads;
   * smollm3 (SmolLM3ForCausalLM): no RoPE on the layers `no_rope_layers` marks 0 (every
     `no_rope_layer_interval`-th, 4th by default); tied embeddings by default;
   * phi3 (Phi3ForCausalLM): q, k, v fused in one `qkv_proj` and gate, up in `gate_up_proj`
     (split on load, fused again on export: `Family.fused`); `partial_rotary_factor`; a window
-    on every layer when `sliding_window` is set. Its `longrope` scaling is not read.
+    on every layer when `sliding_window` is set; `longrope` (Phi-4-mini's RoPE).
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -230,6 +231,13 @@ _NOT_PARTIAL = {k: v for k, v in _PLAIN.items() if k != _PARTIAL}  # Phi-3's par
 _GEMMA = {"norm_plus_one": True, "post_norms": True, "embed_scale": True, "mlp_act": "gelu_tanh"}
 # transformers' defaults of the Gemma configs where they are not the Llama's
 _GEMMA_DEFAULTS = (("head_dim", 256), ("rms_norm_eps", 1e-6), ("tie_word_embeddings", True))
+# Gemma3TextConfig's: a multimodal folder's text_config often gives only what differs from them
+_GEMMA3_DEFAULTS = (
+    *{"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216}.items(),
+    *{"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4}.items(),
+    *{"max_position_embeddings": 131_072, "rope_theta": 1e6}.items(),
+    ("rope_local_base_freq", 10_000.0),
+)
 
 
 def _unlike(c: dict, **want: Any) -> str | None:
@@ -348,31 +356,21 @@ FAMILIES = {
             read=lambda file, raw, n: _gemma(file, raw, n, 3),
             write=lambda c: _gemma_json(c, 3),
             can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_GEMMA),
-            defaults=(*_GEMMA_DEFAULTS, ("max_position_embeddings", 131_072)),
+            defaults=(*_GEMMA_DEFAULTS, *_GEMMA3_DEFAULTS),
         ),
     )
 }
 ARCHITECTURES = {f.architecture: f for f in FAMILIES.values()}
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
+
+
 # Folders that hold one of these families' decoders inside a larger model: named, not read
-NESTED = {
-    "Gemma3ForConditionalGeneration": "its text model (text_config, model.language_model.*) "
-    "beside a vision tower",
-}
-
-
 def of_config(file: Path, raw: dict) -> Family:
     """The family a config.json names (its `architectures`, else its `model_type`); a
     `ConfigError` naming the file and what it names otherwise."""
     architectures = raw.get("architectures")
     if architectures is not None:
         found = [ARCHITECTURES[a] for a in architectures or () if a in ARCHITECTURES]
-        nested = [a for a in architectures or () if a in NESTED]
-        if not found and nested:
-            raise errors.ConfigError(
-                f"{file}: architectures={architectures!r}: {NESTED[nested[0]]}; mptrain.hf "
-                "reads the text-only folders (Gemma3ForCausalLM)"
-            )
         if not found:
             raise errors.ConfigError(
                 f"{file}: architectures={architectures!r}: mptrain.hf reads "

@@ -24,6 +24,7 @@ import safetensors
 import safetensors.numpy
 
 from mptrain import errors
+from mptrain.hf import multimodal
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -53,7 +54,16 @@ class Reader:
         self.folder = Path(folder)
         self._stack = contextlib.ExitStack()
         self._handles: dict[Path, Any] = {}
-        self.files = self._locate()  # tensor name -> the file that holds it
+        # a multimodal folder's text model: its tensors by the text-only folder's names
+        config = self.folder / CONFIG_FILE
+        raw = read_json(config) if config.exists() else {}
+        self._names = {}  # the text model's name -> the file's name, where they differ
+        self.files = {}  # tensor name -> the file that holds it
+        for name, file in self._locate().items():
+            ours = multimodal.tensor_name(raw, name)
+            if ours is not None:
+                self.files[ours] = file
+                self._names[ours] = name
 
     def __enter__(self) -> Reader:
         return self
@@ -115,7 +125,7 @@ class Reader:
         """The tensor's shape; a `ConfigError` when it is missing or not a float tensor."""
         file = self.file(name)
         try:
-            view = self.handle(file).get_slice(name)
+            view = self.handle(file).get_slice(self._names.get(name, name))
             shape, dtype = tuple(view.get_shape()), view.get_dtype()
         except errors.ConfigError:
             raise
@@ -131,7 +141,7 @@ class Reader:
         """`tensor[index]`, in the file's dtype: only those bytes are copied from the file."""
         file = self.file(name)
         try:
-            part = self.handle(file).get_slice(name)[index]
+            part = self.handle(file).get_slice(self._names.get(name, name))[index]
         except Exception as e:  # the header promised bytes the file does not deliver
             raise errors.ConfigError(
                 f"{file}: tensor {name} could not be read: {errors.first_line(e)}"

@@ -224,7 +224,7 @@ def _edited(folder, tmp_path, edit):
         (
             "gemma3",
             lambda c: c.update(architectures=["Gemma3ForConditionalGeneration"]),
-            "its text model (text_config",
+            "Gemma3ForConditionalGeneration without a text_config object",
         ),
         ("gemma2", lambda c: c.update(attn_logit_softcapping=-1), "attn_logit_softcapping=-1"),
         ("smollm3", lambda c: c.update(no_rope_layers=[1, 2, 1]), "no_rope_layers=[1, 2, 1]"),
@@ -317,3 +317,15 @@ def test_a_fused_projections_adapters_are_one_peft_adapter_of_their_ranks_togeth
     config = json.loads((tmp_path / peft.CONFIG_FILE).read_text())
     key = r"model\.layers\.1\.self_attn\.qkv_proj"
     assert (config["rank_pattern"][key], config["alpha_pattern"][key]) == (3 * r, 24.0)
+
+
+def test_a_multimodal_gemma_3_folder_reads_as_its_text_model():
+    """Gemma3ForConditionalGeneration around the Gemma 3 fixture's text model (a tiny vision
+    tower beside it, tensors under transformers' language_model.model. prefix): its config and
+    params are the text-only folder's, and transformers' logits of it the same as of that."""
+    model_config, params = hf.load(FAMILIES / "gemma3-multimodal")
+    text_config, text_params = hf.load(FAMILIES / "gemma3")
+    assert model_config == text_config
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, text_params))
+    _, want = _reference(FAMILIES / "gemma3-multimodal")
+    np.testing.assert_array_equal(want, _reference(FAMILIES / "gemma3")[1])
