@@ -277,6 +277,37 @@ def test_the_tpu_kernels_sliding_window_is_the_same_window_in_interpret_mode():
     np.testing.assert_allclose(got, _windowed(q, k, v, window=100), rtol=1e-4, atol=1e-5)
 
 
+def test_layers_of_two_kinds_lower_to_cudnn_with_each_layers_own_window_and_scale(monkeypatch):
+    """A Gemma 3 shaped decoder (two sliding layers, then a global one, scanned as one period)
+    lowered for an H100: each sliding layer's cuDNN calls carry its window, the global one's
+    none, and every call the scale query_pre_attn_scalar ** -0.5 (that the compiled program
+    holds no [B, H, L, L] buffer is the plan's to say: Gemma-3-12B's in docs/fine-tuning.md)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    from mptrain.models import llama
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
+    pretend_gpu(monkeypatch)
+    kinds = ("sliding_attention", "sliding_attention", "full_attention")
+    section = {"d_model": 32, "num_layers": 3, "num_heads": 2, "num_kv_heads": 1, "d_ff": 64}
+    section |= {"max_len": 64, "sliding_window": 5, "layer_types": kinds}
+    section |= {"query_pre_attn_scalar": 24.0, "norm_plus_one": True, "post_norms": True}
+    model = llama.create_model(ml_collections.ConfigDict(section), jnp.bfloat16)
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+    def loss(p):
+        return model.apply({"params": p}, tokens).astype(jnp.float32).sum()
+
+    traced = jax.jit(jax.grad(loss)).trace(params)
+    program = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in program.splitlines() if "custom_call @__cudnn$fmha" in line]
+    windows = [re.search(r"sliding_window_length\\22: (\d+)", c) for c in calls]
+    assert sorted(int(w[1]) if w else 0 for w in windows) == [0, 0, 5, 5, 5, 5], calls
+    scales = {float(re.search(r"fmha_scale\\22: ([-+.e\d]+)", c)[1]) for c in calls}
+    np.testing.assert_allclose(sorted(scales), [24.0**-0.5], rtol=1e-6)
+
+
 @pytest.mark.slow  # Pallas's interpret mode: a second variant of the kernel's window
 def test_gemmas_scale_and_soft_cap_are_the_same_on_the_materialised_path_and_the_tpu_kernel():
     """Gemma 2's scores: scaled by query_pre_attn_scalar ** -0.5, soft-capped before the mask."""
