@@ -259,9 +259,9 @@ FAMILIES = {
         },
         False,
     ),
-    # Phi-4-mini's RoPE on the tiny shapes: longrope over an original context of 16 (the
-    # reference's 48 positions use the long factors, decoding crosses from short to long),
-    # three quarters of each head rotated
+    # Phi-4-mini's RoPE on the tiny shapes: longrope over an original context of 44 (the
+    # reference's 48 positions use the long factors; decoding 32 tokens after prompts of 12 at
+    # most stays within 44, on the short ones), three quarters of each head rotated
     "phi3-longrope": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -270,14 +270,14 @@ FAMILIES = {
             "pad_token_id": 0,
             "bos_token_id": 1,
             "eos_token_id": 2,
-            "original_max_position_embeddings": 16,
+            "original_max_position_embeddings": 44,
             "rope_parameters": {
                 "rope_type": "longrope",
                 "rope_theta": 10_000.0,
                 "partial_rotary_factor": 0.75,
                 "short_factor": [1.0 + 0.1 * i for i in range(6)],
                 "long_factor": [1.5 + 2.0 * i for i in range(6)],
-                "original_max_position_embeddings": 16,
+                "original_max_position_embeddings": 44,
             },
         },
         False,
