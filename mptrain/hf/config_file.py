@@ -40,7 +40,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
             raise errors.ConfigError(
                 f"{file}: no {key!r}, which a {family.architecture}'s config.json must give"
             )
-        return _checked(file, key, value, kind)
+        return families.checked(file, key, value, kind)
 
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     theta, scaling, local = _rope(file, raw, gemma)
@@ -55,7 +55,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "head_dim": get("head_dim", hidden // heads),
         "d_ff": get("intermediate_size"),
         "max_len": get("max_position_embeddings", 2048),
-        "rope_theta": _checked(file, "rope_theta", theta, float),
+        "rope_theta": families.checked(file, "rope_theta", theta, float),
         "rope_scaling": scaling,
         "norm_eps": get("rms_norm_eps", 1e-6, float),
         "tie_embeddings": get("tie_word_embeddings", False, bool),
@@ -63,7 +63,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "qk_norm": False,
         "sliding_window": None,
         "layer_types": None,
-        "rope_local_theta": local and _checked(file, "rope_local_base_freq", local, float),
+        "rope_local_theta": local and families.checked(file, "rope_local_base_freq", local, float),
         **dict.fromkeys(("query_pre_attn_scalar", "attn_softcap", "final_softcap")),
         **dict.fromkeys(("norm_plus_one", "post_norms", "embed_scale", "qk_norm_width"), False),
         "pre_norms": True,
@@ -80,19 +80,6 @@ def _token_ids(raw: dict) -> tuple | None:
     ids = [raw.get(f"{k}_token_id") for k in ("pad", "bos", "eos")]
     ids = [tuple(i) if isinstance(i, list) else i for i in ids]
     return None if ids == [None] * 3 else tuple(ids)
-
-
-def _checked(file: Path, key: str, value: Any, kind: type) -> Any:
-    """`value` when it is a positive int, a positive number (as a float) or a bool, as `kind`
-    says; else a `ConfigError` naming the file and the key."""
-    try:
-        if kind is bool and not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r}: must be true or false")
-        if kind is int:
-            return errors.check_integer(key, value, 1)
-        return errors.check_number(key, value, 0.0, open_low=True) if kind is float else value
-    except ValueError as e:
-        raise errors.ConfigError(f"{file}: {e}") from None
 
 
 def _rope(file: Path, raw: dict, gemma: bool = False) -> tuple[float, tuple | None, Any]:
@@ -128,7 +115,7 @@ def _rope_of(file: Path, key: str, rope: Any, raw: dict, apart: bool = False) ->
     if kind in ("default", None):
         return theta, None
     if kind == "linear":
-        return theta, ("linear", _checked(file, f"{key}.factor", rope.get("factor"), float))
+        return theta, ("linear", families.checked(file, f"{key}.factor", rope.get("factor"), float))
     if kind in ("longrope", "su"):  # Phi-3's ("su" its older name)
         return theta, _longrope(file, key, rope, raw)
     if kind != "llama3":
@@ -141,7 +128,7 @@ def _rope_of(file: Path, key: str, rope: Any, raw: dict, apart: bool = False) ->
         raise errors.ConfigError(f"{file}: no {key}.{missing[0]}, which rope_type 'llama3' needs")
     kinds = (float, float, float, int)
     factor, low, high, original = (
-        _checked(file, f"{key}.{k}", rope[k], kind)
+        families.checked(file, f"{key}.{k}", rope[k], kind)
         for k, kind in zip(_ROPE_KEYS, kinds, strict=True)
     )
     return theta, (factor, low, high, original)
@@ -156,7 +143,7 @@ def _longrope(file: Path, key: str, rope: dict, raw: dict) -> tuple:
         value = rope.get(name)
         if not isinstance(value, list) or not value:
             raise errors.ConfigError(f"{file}: {key}.{name}={value!r}: a list of numbers")
-        factors.append(tuple(_checked(file, f"{key}.{name}", f, float) for f in value))
+        factors.append(tuple(families.checked(file, f"{key}.{name}", f, float) for f in value))
     original = rope.get(
         "original_max_position_embeddings", raw.get("original_max_position_embeddings")
     )
@@ -164,12 +151,17 @@ def _longrope(file: Path, key: str, rope: dict, raw: dict) -> tuple:
         raise errors.ConfigError(
             f"{file}: no original_max_position_embeddings, which longrope needs"
         )
-    original = _checked(file, "original_max_position_embeddings", original, int)
+    original = families.checked(file, "original_max_position_embeddings", original, int)
     factor = rope.get("factor") or raw.get("max_position_embeddings", original) / original
     scale = rope.get("attention_factor")
     if scale is None:
         scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return "longrope", *factors, original, _checked(file, f"{key}.attention_factor", scale, float)
+    return (
+        "longrope",
+        *factors,
+        original,
+        families.checked(file, f"{key}.attention_factor", scale, float),
+    )
 
 
 def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:

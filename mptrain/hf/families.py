@@ -68,9 +68,15 @@ def _bias(file: Path, raw: dict, fixed: str | None = None) -> str:
     return "all" if value else "none"
 
 
-def _checked_window(file: Path, window: Any) -> int:
+def checked(file: Path, key: str, value: Any, kind: type) -> Any:
+    """`value` when it is a positive int, a positive number (as a float) or a bool, as `kind`
+    says; else a `ConfigError` naming the file and the key."""
     try:
-        return errors.check_integer("sliding_window", window, 1, errors.INT32_MAX)
+        if kind is bool and not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}: must be true or false")
+        if kind is int:
+            return errors.check_integer(key, value, 1)
+        return errors.check_number(key, value, 0.0, open_low=True) if kind is float else value
     except ValueError as e:
         raise errors.ConfigError(f"{file}: {e}") from None
 
@@ -90,7 +96,7 @@ def _layers(file: Path, raw: dict, layers: int, default: list[str], window: Any)
         raise errors.ConfigError(
             f"{file}: layer_types has {SLIDING!r} layers but no sliding_window"
         )
-    window = _checked_window(file, window)
+    window = checked(file, "sliding_window", window, int)
     return {"sliding_window": window, "layer_types": None if FULL not in kinds else tuple(kinds)}
 
 
@@ -103,7 +109,9 @@ def _qwen(file: Path, raw: dict, layers: int) -> dict:
 
 def _mistral(file: Path, raw: dict) -> dict:
     window = raw.get("sliding_window", 4096)
-    return {"sliding_window": None if window is None else _checked_window(file, window)}
+    return {
+        "sliding_window": None if window is None else checked(file, "sliding_window", window, int)
+    }
 
 
 def _kinds(c: dict) -> list[str]:
@@ -125,12 +133,7 @@ def _qwen_window_json(c: dict) -> dict:
 
 def _number(file: Path, raw: dict, key: str, default: Any) -> float | None:
     value = raw.get(key, default)
-    if value is None:
-        return None
-    try:
-        return errors.check_number(key, value, 0.0, open_low=True)
-    except ValueError as e:
-        raise errors.ConfigError(f"{file}: {e}") from None
+    return None if value is None else checked(file, key, value, float)
 
 
 def _gemma(file: Path, raw: dict, layers: int, version: int) -> dict:
@@ -179,10 +182,10 @@ def _phi3(file: Path, raw: dict) -> dict:
     """Phi-3's window (every layer, none by default) and the part of a head RoPE rotates (at
     the top in 4.x's form, inside `rope_parameters` in 5.x's)."""
     rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-    factor = {"partial_rotary_factor": rope.get("partial_rotary_factor", raw.get(_PARTIAL, 1.0))}
+    factor = checked(file, _PARTIAL, rope.get(_PARTIAL, raw.get(_PARTIAL, 1.0)), float)
     window = raw.get("sliding_window")
-    window = None if window is None else _checked_window(file, window)
-    return {"sliding_window": window, _PARTIAL: _number(file, factor, _PARTIAL, 1.0)}
+    window = None if window is None else checked(file, "sliding_window", window, int)
+    return {"sliding_window": window, _PARTIAL: factor}
 
 
 def _smollm3(file: Path, raw: dict, layers: int) -> dict:

@@ -1,12 +1,14 @@
 """The decoder of the Llama and of the families that differ from it by a few switches (Mistral,
-Qwen2, Qwen3, Gemma 2 and 3: `FAMILIES`), with its fp32 islands, its layers scanned (a period of
-layer kinds at a time where they differ: `stack`) and rematerialised by name.
+Qwen2, Qwen3, Gemma 2 and 3, OLMo 2, SmolLM3, Phi-3: `FAMILIES`), with its fp32 islands, its
+layers scanned (a period of layer kinds at a time where they differ: `stack`) and
+rematerialised by name.
 
 The blocks (`mptrain.models.blocks`): RMSNorm, grouped-query attention with rotary positions
 (RoPE, with Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and
 the families' switches: biases on the attention's projections, RMSNorm on each head's q and k,
-a sliding window (on the layers `layer_types` names, each with its own RoPE base), and
-Gemma's norms, scales, soft-caps and GELU (`blocks`). Every matmul takes compute-dtype
+a sliding window (on the layers `layer_types` names, each with its own RoPE base), Gemma's
+norms, scales, soft-caps and GELU, OLMo 2's norm placement, NoPE layers, partial RoPE and
+longrope (`blocks`). Every matmul takes compute-dtype
 (``dtype``) operands, as in ``transformer_lm``. The fp32 islands:
 
   * RMSNorm: the mean square, its rsqrt and the scaling in fp32 (the scale is a param the
