@@ -136,6 +136,9 @@ def base_config() -> ml_collections.ConfigDict:
     # device of every process trains data parallel
     c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
+    # devices that split each sequence (`mptrain.recipe.layout`): each holds 1/context of every
+    # sequence of its rows, balanced for causal attention; params are split over fsdp x context
+    c.mesh.context = 1
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
     # Unset (None), the next three take the model's defaults (`fp8.DEFAULTS`): the Llama's are
@@ -323,7 +326,7 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
     the model's choices by backend (attention) follow.
     """
     from mptrain import data, models, runtime
-    from mptrain.recipe import loss_scale, optim, sharding, train_state
+    from mptrain.recipe import layout, loss_scale, optim, train_state
 
     section = ""
     try:
@@ -339,12 +342,13 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         section = ""
         optim.make_optimizer(config)
         devices = None if devices is None else list(devices)
-        fsdp = sharding.mesh_shape(config, None if devices is None else len(devices))[1]
+        _, fsdp, context = layout.mesh_shape(config, None if devices is None else len(devices))
         lora = config.get("lora") or {}
-        if lora.get("rank") is not None and lora.get("base_dtype") == "q8" and fsdp > 1:
+        if lora.get("rank") is not None and lora.get("base_dtype") == "q8" and fsdp * context > 1:
             raise ValueError(
                 f"lora.base_dtype='q8': an 8-bit base is not split over devices yet (mesh.fsdp="
-                f"{fsdp}); use mesh.fsdp=1 (data parallel), or lora.base_dtype='compute'"
+                f"{fsdp}, mesh.context={context}); use mesh.fsdp=1 and mesh.context=1 (data "
+                "parallel), or lora.base_dtype='compute'"
             )
         example = data.check_config(config) if "data" in zoo else None
         if devices is None:  # a run here builds its batches here; a plan's host does not

@@ -71,7 +71,7 @@ def _plan(model: str, fsdp: str) -> dict:
     import numpy as np
 
     from mptrain.inspect import audit
-    from mptrain.recipe import sharding
+    from mptrain.recipe import layout
     from mptrain.train import trainer as trainer_lib
 
     devices = jax.device_count()
@@ -80,7 +80,7 @@ def _plan(model: str, fsdp: str) -> dict:
     sample = {k: np.zeros((1, config.data.seq_len), np.int32) for k in ("inputs", "targets")}
     init, args = trainer.make_init(sample)
     state = jax.eval_shape(init, *args)  # abstract: shapes, dtypes and shardings
-    batch_sharding = sharding.batch_sharding(trainer.mesh)
+    batch_sharding = layout.batch_sharding(trainer.mesh)
     batch = {
         k: jax.ShapeDtypeStruct((config.batch_size, config.data.seq_len), jnp.int32,
                                 sharding=batch_sharding)

@@ -10,7 +10,7 @@ from helpers import load_config, needs_devices
 
 from mptrain import config as config_lib
 from mptrain import runtime
-from mptrain.recipe import optim, sharding, train_state
+from mptrain.recipe import layout, optim, train_state
 
 KEYS = {
     "seed", "precision", "keep_fp32", "matmul_precision", "trainer", "num_train_steps",
@@ -25,7 +25,7 @@ KEYS = {
     "optimizer.momentum", "optimizer.nesterov", "optimizer.grad_clip_norm", "optimizer.mu_dtype",
     "optimizer.nu_dtype", "optimizer.q8_block_size", "optimizer.q8_min_size",
     "optimizer.moment_rounding", "optimizer.accumulation_steps",
-    "model.name", "data.name", "mesh.data", "mesh.fsdp",
+    "model.name", "data.name", "mesh.data", "mesh.fsdp", "mesh.context",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "fp8.bf16_layers", "fp8.min_size",
@@ -152,7 +152,7 @@ def _one_rule(build):
         pytest.param(
             {"mesh.data": 4, "batch_size": 6},
             "batch_size=6",
-            sharding.mesh_shape,
+            layout.mesh_shape,
             marks=needs_devices(4),
         ),
     ],

@@ -129,6 +129,9 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
     module = import_model(config.model.name)
     with _quiet():
         model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
+    context = config.mesh.get("context", 1)
+    if context != 1:
+        _check_context(config, model, context, example)
     if example is None:
         return
 
@@ -149,6 +152,38 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
         ) from None
     if devices is None:  # a run here (a plan for other devices reports their memory itself)
         _check_fits(config, variables)
+
+
+def _check_context(config, model, context: int, example: Any) -> None:
+    """What a sequence split over `mesh.context` devices needs (`recipe.layout`): the Llama
+    decoder (it takes positions and masks by them), the materialised attention (the fused
+    kernels mask by index: not yet on a split sequence), no longrope (a row's switch reads its
+    largest position, which one device's tokens do not know), and sequences that
+    `2 x context` equal chunks divide."""
+    where = f"mesh.context={context}"
+    if config.model.name != "llama":
+        raise ValueError(
+            f"{where}: model.name={config.model.name!r} does not take a split sequence; the "
+            "Llama decoder (model.name='llama') does"
+        )
+    if model.implementation != "materialized":
+        raise ValueError(
+            f"{where}: model.attention={config.model.get('attention', 'auto')!r} runs the "
+            f"{model.implementation} kernel here, which does not take a split sequence yet; "
+            "set model.attention='materialized'"
+        )
+    if any(s.longrope for s in (model.shape, *model.layer_shapes)):
+        raise ValueError(
+            f"{where}: model.rope_scaling is longrope, whose switch reads a row's largest "
+            "position, which a split sequence's devices do not each hold; use mesh.context=1"
+        )
+    length = None if example is None else example["inputs"].shape[1]
+    if length is not None and length % (2 * context):
+        raise ValueError(
+            f"{where}: data.seq_len={length} tokens, which {2 * context} equal chunks (two a "
+            f"device, balanced for causal attention) do not divide; use a multiple of "
+            f"{2 * context}"
+        )
 
 
 def _check_fits(config, variables) -> None:

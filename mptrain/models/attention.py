@@ -231,6 +231,8 @@ def causal_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    positions: tuple[jax.Array, jax.Array] | None = None,
+    key_segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -251,6 +253,14 @@ def causal_attention(
     ``scale``: the scores' (None: ``D ** -0.5``); ``softcap``: Gemma 2's ``cap * tanh(s /
     cap)`` on the fp32 scores before the mask, on the materialised path and the splash kernel
     (cuDNN has none: ``choose_attention`` does not pick it then).
+
+    ``positions``: ``(the queries', the keys')`` (``[L]`` or ``[B, L]`` each), which the
+    materialised mask reads instead of the tokens' indices: a key is seen where its position is
+    at most the query's (and within the window), in the same segment. Within a packed example
+    positions count up from 0 as the indices do, so the mask is the same; on a context axis the
+    keys are gathered from every device in `layout.balanced`'s order, with their positions and
+    segment ids (``key_segment_ids``), and the positions are what still says which comes first.
+    The fused kernels mask by index: a context axis does not take them yet (`models.check_config`).
     """
     _query_heads_per_kv_head(q, k, v)
     if softcap is not None and implementation == "cudnn":
@@ -276,12 +286,16 @@ def causal_attention(
     if implementation != "materialized":
         choices = "'cudnn' | 'flash' | 'materialized'"
         raise ValueError(f"attention implementation {implementation!r}: {choices}")
-    length = q.shape[1]
-    mask = jnp.tril(jnp.ones((length, length), dtype=bool))[None]  # query q sees keys k <= q
+    if positions is None:
+        positions = (jnp.arange(q.shape[1]), jnp.arange(k.shape[1]))
+    at, seen = (jnp.atleast_2d(p) for p in positions)  # [B or 1, Lq], [B or 1, Lk]
+    at, seen = at[:, :, None], seen[:, None, :]
+    mask = seen <= at  # [B or 1, Lq, Lk]: query q sees keys k <= q
     if window is not None:  # ... and k > q - window
-        mask = mask & ~jnp.tril(jnp.ones((length, length), dtype=bool), -window)[None]
-    if segment_ids is not None:  # [B, L, L], and only its own segment's keys
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = mask & (seen > at - window)
+    if segment_ids is not None:  # [B, Lq, Lk], and only its own segment's keys
+        key_ids = segment_ids if key_segment_ids is None else key_segment_ids
+        mask = mask & (segment_ids[:, :, None] == key_ids[:, None, :])
     return masked_attention(q, k, v, mask, dropout, scale=scale, softcap=softcap)
 
 

@@ -42,6 +42,7 @@ from mptrain.models import remat as remat_lib
 from mptrain.models import rope as rope_lib
 from mptrain.models.rope import apply_rope, rope_frequencies
 from mptrain.recipe import fp8 as fp8_lib
+from mptrain.recipe import sharding
 
 ATTN_BIASES = ("none", "qkv", "all")
 SLIDING, FULL = "sliding_attention", "full_attention"  # a layer's attention, transformers' names
@@ -138,9 +139,8 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             q, k = rope(q), rope(k)
         how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
         if cache is None:
-            out = attention_lib.causal_attention(
-                q, k, v, self.implementation, segment_ids=segments, **how
-            )
+            k, v, keys = _keys(k, v, positions, segments)
+            out = attention_lib.causal_attention(q, k, v, self.implementation, **keys, **how)
         else:  # decoding (`KVCache`): [B, L] positions, each row's own
             cache = cache.write(k, v, positions)
             if length > 1:  # the prompt, from position 0: attention over its own keys
@@ -151,6 +151,25 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         out = checkpoint_name(out, remat_lib.CONTEXT)
         out = checkpoint_name(run(s.d_model, "o", out), remat_lib.PROJECTIONS[3])
         return out if cache is None else (out, cache)
+
+
+def _keys(k, v, positions, segments) -> tuple:
+    """`(k, v, segment_ids=, positions=, key_segment_ids=)` for `causal_attention`: on a context
+    axis k, v, the keys' positions and segment ids gathered from every device of the group
+    (`sharding.sequence_axis`), which the mask reads as they lie (`layout.balanced`'s order)."""
+    split, ids = sharding.sequence_axis(), None if segments is None else segments.ids
+    if split is None:
+        return k, v, {"segment_ids": segments, "positions": (positions, positions)}
+    if jnp.ndim(positions) < 2:
+        raise ValueError("a sequence split over mesh.context needs its positions ([B, L])")
+    gather, ints = split
+    key_ids = None if ids is None else ints(ids)
+    how = {
+        "segment_ids": ids,
+        "positions": (positions, ints(positions)),
+        "key_segment_ids": key_ids,
+    }
+    return gather(k), gather(v), how
 
 
 class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with mlp_act="gelu_tanh"

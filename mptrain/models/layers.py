@@ -187,9 +187,19 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def masked_mean(values: jax.Array, valid: jax.Array) -> jax.Array:
     """The mean of ``values`` where ``valid``: their sum over the count, at least 1 (with none
-    valid: 0 and zero gradients, not the NaN of 0 / 0)."""
+    valid: 0 and zero gradients, not the NaN of 0 / 0).
+
+    While a per-device gradient is traced (``sharding.batch_axes``) the count is every
+    device's: each device returns its sum over the global count, times the devices (which the
+    gradient's reduction divides by), so the mean is the one device's mean of the whole batch
+    even where devices hold different numbers of valid tokens (packed rows, a split sequence).
+    """
     count = jnp.sum(valid, dtype=jnp.float32)
-    return jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(count, 1.0)
+    total = jnp.sum(jnp.where(valid, values, 0.0))
+    axes = sharding.batch_axes()
+    if axes is None:
+        return total / jnp.maximum(count, 1.0)
+    return total / jnp.maximum(jax.lax.psum(count, axes), 1.0) * jax.lax.psum(1, axes)
 
 
 def classification_metrics(logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:

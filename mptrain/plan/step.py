@@ -170,7 +170,7 @@ def _trace(trainer) -> tuple[Any, Any, dict, Any]:
     import numpy as np
 
     from mptrain import data
-    from mptrain.recipe import sharding
+    from mptrain.recipe import layout, sharding
 
     config, mesh = trainer.config, trainer.mesh
     example = (
@@ -184,10 +184,14 @@ def _trace(trainer) -> tuple[Any, Any, dict, Any]:
     state = jax.eval_shape(init, *args)
     k = config.steps_per_call
     spec = lambda x, shape, on: jax.ShapeDtypeStruct(shape, x.dtype, sharding=on)
-    lead, where = (k,) if k > 1 else (), sharding.batch_sharding(mesh, stacked=k > 1)
+    if mesh.shape["context"] > 1 and "positions" not in example:  # `layout.balanced` adds them
+        example = {**example, "positions": jax.ShapeDtypeStruct(example["inputs"].shape, np.int32)}
+    lead = (k,) if k > 1 else ()
     batches = jax.tree.map(
-        lambda x: spec(x, (*lead, config.batch_size, *x.shape[1:]), where), example
+        lambda x: spec(x, (*lead, config.batch_size, *x.shape[1:]), None), example
     )
+    where = layout.batch_shardings(mesh, batches, stacked=k > 1)
+    batches = jax.tree.map(lambda x, on: spec(x, x.shape, on), batches, where)
     jitted, make_totals, _ = trainer.make_run_step(state, sample)
     replicated = sharding.replicated(mesh)
     totals = jax.tree.map(lambda x: spec(x, x.shape, replicated), jax.eval_shape(make_totals))

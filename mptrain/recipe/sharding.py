@@ -1,23 +1,28 @@
-"""Device mesh and shardings: data parallel over `mesh.data`, params sharded over `mesh.fsdp`.
+"""Shardings of the state and the sharded gradient: params split over `fsdp` (and `context`).
 
-The mesh has two axes, `("data", "fsdp")`. Batches are split over both (every device sees a
-different slice of the global batch); params and optimizer state are split over `fsdp` along
-their largest dimension that divides evenly, and replicated where none does. The trainer always
-has a mesh: on one device it is 1x1, and nothing is split.
+The mesh and what its axes split are `mptrain.recipe.layout`'s (`RULES`): batches' rows over
+`data` x `fsdp` and, on a context axis, their sequences over `context`; params and optimizer
+state over `fsdp` x `context` (`RULES["shard"]`) along their largest dimension that divides
+evenly, and replicated where none does. The trainer always has a mesh: on one device it is
+1x1x1, and nothing is split.
 
 On a mesh of several devices the gradients are computed per device and reduced explicitly, the
 way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the
 compiled program cannot quietly do otherwise:
 - each param shard is cast to the compute dtype *before* it is all-gathered (half the bytes
   of gathering fp32 and casting after);
-- each gradient is cast to fp32 *before* it is reduce-scattered over `fsdp` and summed over
-  `data`. Left to XLA, the reduction happens in whatever dtype the gradient matmul returns;
-  under fp16 compute that is an fp16 sum of loss-scaled values across devices, where overflow
-  and rounding both bite;
+- each gradient is cast to fp32 *before* it is reduce-scattered over `fsdp` (x `context`)
+  and summed over `data`. Left to XLA, the reduction happens in whatever dtype the gradient
+  matmul returns; under fp16 compute that is an fp16 sum of loss-scaled values across
+  devices, where overflow and rounding both bite;
 - the finiteness of every gradient and updated param is one count and one all-reduce, not one
   reduction per leaf.
 Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
-statistics over those axes, so the model sees the same numbers as on one device.
+statistics over those axes, so the model sees the same numbers as on one device; a token mean
+(`layers.masked_mean`) divides by the count of tokens on every device, so packed rows whose
+devices hold different numbers of loss tokens weigh each token as one device would. On a
+context axis attention gathers each layer's keys and values over it (`sequence_axis`,
+`layout.sequence_gather`), the 16 bits forward and the gradient reduce-scattered in fp32.
 
 Stacked layers (the top-level param `STACKED`, its leading axis the layer, walked by a scan)
 are never split on that axis nor cast or gathered before the loss: the model hands each layer's
@@ -30,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,120 +44,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import precision, q8
+from mptrain.recipe import layout, precision, q8
 
-AXES = ("data", "fsdp")
+AXES = layout.AXES
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
-_BATCH_AXES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "mptrain_batch_axes", default=None
-)
+# while a per-device gradient is traced: (the axes the batch is split over, the context axes)
+_SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("mptrain_split", default=None)
 _LAYER_FN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "mptrain_layer_params", default=None
 )
-
-
-def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int]:
-    """`(data, fsdp)` with -1 resolved (the default `mesh.data=-1`: every device of every
-    process, data parallel); a `ValueError` naming the key when it does not fit the devices or
-    does not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    data, fsdp = config.mesh.data, config.mesh.fsdp
-    for key, value in (("mesh.data", data), ("mesh.fsdp", fsdp)):
-        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-            raise ValueError(f"{key}={value!r}: must be a positive integer or -1 (all the rest)")
-    if data == -1 and fsdp == -1:
-        raise ValueError("mesh.data=-1: mesh.data and mesh.fsdp cannot both be -1")
-    if -1 in (data, fsdp):  # the other axis is given: it must divide the devices
-        key, value, rest = (
-            ("mesh.fsdp", fsdp, "mesh.data") if data == -1 else ("mesh.data", data, "mesh.fsdp")
-        )
-        if num_devices % value:
-            fits = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
-            raise ValueError(
-                f"{key}={value}: does not divide the {num_devices} devices, so {rest}=-1 (all "
-                f"the devices {key} leaves) is no whole number; use one of "
-                f"{', '.join(map(str, fits))}"
-            )
-    data = num_devices // fsdp if data == -1 else data
-    fsdp = num_devices // data if fsdp == -1 else fsdp
-    devices = data * fsdp
-    if devices > num_devices:
-        raise ValueError(
-            f"mesh.data={config.mesh.data}, mesh.fsdp={config.mesh.fsdp}: a mesh of {devices} "
-            f"devices, more than the {num_devices} there are"
-        )
-    if config.batch_size % devices:
-        every = " (mesh.data=-1: every device)" if config.mesh.data == -1 else ""
-        raise ValueError(
-            f"batch_size={config.batch_size}: the global batch must divide evenly over the "
-            f"{data}x{fsdp} mesh of {devices} devices{every}; make it a multiple of {devices}, "
-            "or set mesh.data and mesh.fsdp to use fewer devices"
-        )
-    return data, fsdp
-
-
-def create_mesh(config, devices: Any = None) -> Mesh:
-    """The run's `(data, fsdp)` mesh over the first devices of `devices` (default: all of
-    JAX's; `mptrain.plan` passes the compile-only devices of an accelerator not here)."""
-    devices = jax.devices() if devices is None else list(devices)
-    data, fsdp = mesh_shape(config, len(devices))
-    return Mesh(np.asarray(devices[: data * fsdp]).reshape(data, fsdp), AXES)
-
-
-def platform(mesh: Mesh) -> str:
-    """ "cpu", "gpu" or "tpu": what the mesh's devices are, which every choice made by backend
-    follows (never the host that builds the step: a plan for an H100 is built on a CPU)."""
-    return mesh.devices.flat[0].platform
-
-
-def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
-    """The leading (batch) dimension split over every device of the mesh; `stacked`: the
-    second one, under a leading axis of batches for consecutive steps."""
-    return NamedSharding(mesh, PartitionSpec(None, AXES) if stacked else PartitionSpec(AXES))
-
-
-def process_rows(mesh: Mesh, global_rows: int) -> slice:
-    """The rows of a `global_rows` batch that this process's devices hold (one block: the mesh
-    takes devices in `jax.devices()` order, which groups them by process)."""
-    indices = batch_sharding(mesh).addressable_devices_indices_map((global_rows,)).values()
-    starts = [index[0].start or 0 for index in indices]
-    stops = [global_rows if index[0].stop is None else index[0].stop for index in indices]
-    rows = slice(min(starts), max(stops))
-    if sum(b - a for a, b in zip(starts, stops, strict=True)) != rows.stop - rows.start:
-        raise ValueError(f"this process's rows of the batch are not one block: {sorted(starts)}")
-    return rows
-
-
-def device_batch(
-    mesh: Mesh, source: Any, index: int, global_rows: int, count: int | None = None
-) -> Any:
-    """Batch `index` of `source` on the mesh, its rows split over all the devices; with
-    `count`, batches `index .. index + count - 1` stacked on a new leading axis.
-
-    With several processes each builds only its own rows, through `get_batch(index, rows=)`
-    when the source takes `rows` (the built-in ones do), else by cutting the whole batch.
-    """
-    where = batch_sharding(mesh, stacked=count is not None)
-    indices = [index] if count is None else range(index, index + count)
-    if jax.process_count() == 1:  # the common case, on the hot path: nothing else to work out
-        batches = [source.get_batch(i) for i in indices]
-        return jax.device_put(batches[0] if count is None else _stack(batches), where)
-    rows = process_rows(mesh, global_rows)
-    if "rows" in inspect.signature(source.get_batch).parameters:
-        batches = [source.get_batch(i, rows=rows) for i in indices]
-    else:
-        batches = [jax.tree.map(lambda x: x[rows], source.get_batch(i)) for i in indices]
-    batch, lead = (batches[0], ()) if count is None else (_stack(batches), (count,))
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(
-            where, x, (*lead, global_rows, *x.shape[len(lead) + 1 :])
-        ),
-        batch,
-    )
-
-
-def _stack(batches: list) -> Any:
-    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
@@ -171,12 +70,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _leaf_spec(shape: tuple[int, ...], fsdp: int, stacked: bool = False) -> PartitionSpec:
-    if fsdp > 1:
+def _leaf_spec(shape: tuple[int, ...], mesh: Mesh, stacked: bool = False) -> PartitionSpec:
+    ways = layout.size(mesh, "shard")
+    if ways > 1:
         for dim in sorted(range(int(stacked), len(shape)), key=lambda d: -shape[d]):
-            if shape[dim] % fsdp == 0:
+            if shape[dim] % ways == 0:
                 spec = [None] * len(shape)
-                spec[dim] = "fsdp"
+                spec[dim] = layout.entry(mesh, "shard")
                 return PartitionSpec(*spec)
     return PartitionSpec()
 
@@ -186,17 +86,18 @@ def is_stacked(path: tuple) -> bool:  # a params or optimizer-state leaf of stac
 
 
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Per leaf: split over `fsdp` on the largest evenly divisible dimension, else replicated;
-    never on the layer axis of stacked layers (`is_stacked`), which the loop walks one layer at a
-    time. An 8-bit moment (`q8.Q8`) is split as the tensor it stands for (`q8.scales_spec`)."""
-    fsdp = mesh.shape["fsdp"]
+    """Per leaf: split over `layout.RULES["shard"]` (`fsdp` x `context`) on the largest evenly
+    divisible dimension, else replicated; never on the layer axis of stacked layers
+    (`is_stacked`), which the loop walks one layer at a time. An 8-bit moment (`q8.Q8`) is split
+    as the tensor it stands for (`q8.scales_spec`)."""
+    ways = layout.size(mesh, "shard")
 
     def one(path, x):
         stacked = is_stacked(path)
         if not q8.is_q8(x):
-            return NamedSharding(mesh, _leaf_spec(np.shape(x), fsdp, stacked))
-        spec = _leaf_spec(x.shape, fsdp, stacked)
-        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, fsdp)
+            return NamedSharding(mesh, _leaf_spec(np.shape(x), mesh, stacked))
+        spec = _leaf_spec(x.shape, mesh, stacked)
+        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, ways)
         return x.replace(
             codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
         )
@@ -213,31 +114,47 @@ def batch_axes() -> tuple[str, ...] | None:
     """The mesh axes the batch is split over while a per-device gradient is traced, else None.
 
     A layer whose output depends on other examples of the batch (BatchNorm's statistics) passes
-    this as its `axis_name`, so its statistics are those of the whole global batch.
+    this as its `axis_name`, so its statistics are those of the whole global batch; a mean over
+    tokens sums its count over them (`layers.masked_mean`).
     """
-    return _BATCH_AXES.get()
+    split = _SPLIT.get()
+    return None if split is None else split[0]
+
+
+def sequence_axis() -> tuple[Callable, Callable] | None:
+    """While a per-device gradient is traced on a context axis: `(gather, gather_ints)`, which
+    gather a split sequence's `[B, l, ...]` keys and values (`layout.sequence_gather`) and its
+    positions and segment ids over the context devices; else None (the sequence is whole)."""
+    split = _SPLIT.get()
+    return None if split is None else split[1]
 
 
 @contextlib.contextmanager
-def _splitting_batch(axes: tuple[str, ...]):
-    token = _BATCH_AXES.set(axes)
+def _splitting(mesh: Mesh):
+    context = layout.entry(mesh, "length")
+    gathers = None
+    if context is not None:
+        ints = lambda x: jax.lax.all_gather(x, context, axis=1, tiled=True)
+        gathers = (layout.sequence_gather(context, layout.platform(mesh) == "cpu"), ints)
+    token = _SPLIT.set((AXES, gathers))
     try:
         yield
     finally:
-        _BATCH_AXES.reset(token)
+        _SPLIT.reset(token)
 
 
 def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callable:
     """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
 
-    Forward: cast the local shard, then all-gather it over `fsdp` (if it is split). Backward:
-    cast the gradient to fp32, reduce-scatter it over `fsdp` (or sum it there, for a param that
-    is not split) and sum it over `data`, then divide by the devices: each computed the gradient
-    of the mean loss over its own rows.
+    Forward: cast the local shard, then all-gather it over the axes that split it (`fsdp`,
+    `context`), if any. Backward: cast the gradient to fp32, reduce-scatter it over those axes
+    (or sum it there, for a param that is not split) and sum it over the rest, then divide by
+    the devices: each computed the gradient of its share of the loss (`layers.masked_mean`).
     """
-    dim = next((d for d, axis in enumerate(spec) if axis == "fsdp"), None)
+    dim = next((d for d, axis in enumerate(spec) if axis is not None), None)
+    split = () if dim is None else spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
     # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
-    as_bits = compute_dtype == jnp.bfloat16 and platform(mesh) == "cpu"
+    as_bits = compute_dtype == jnp.bfloat16 and layout.platform(mesh) == "cpu"
 
     @jax.custom_vjp
     def gather(shard):
@@ -246,14 +163,14 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
             return x
         if as_bits:
             x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-        x = jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+        x = jax.lax.all_gather(x, split, axis=dim, tiled=True)
         return jax.lax.bitcast_convert_type(x, compute_dtype) if as_bits else x
 
     def backward(_, grad):
         grad = grad.astype(jnp.float32)
         if dim is not None:
-            grad = jax.lax.psum_scatter(grad, "fsdp", scatter_dimension=dim, tiled=True)
-        summed = [a for a in (AXES if dim is None else ("data",)) if mesh.shape[a] > 1]
+            grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
+        summed = [a for a in AXES if a not in split and mesh.shape[a] > 1]
         return ((jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size,)
 
     gather.defvjp(lambda shard: (gather(shard), None), backward)
@@ -357,7 +274,7 @@ def grad_fn(
                 with _per_layer(functools.partial(gather_all, per_layer)):
                     return loss_fn({**whole, STACKED: stacked}, probes, batch, rng, *rest)
 
-            with _splitting_batch(AXES):
+            with _splitting(mesh):
                 grad = jax.grad(gathered_loss, (0, 1), has_aux=True)
                 (grads, probe_grads), aux = grad(params, probes)
             mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
@@ -367,7 +284,7 @@ def grad_fn(
 
         replicated = PartitionSpec()
         in_specs = (
-            *(param_specs, frozen_specs, replicated, PartitionSpec(AXES), replicated),
+            *(param_specs, frozen_specs, replicated, layout.batch_specs(mesh, batch), replicated),
             *(replicated for _ in rest),
         )
         local = jax.shard_map(

@@ -86,7 +86,7 @@ def make_train_step(
     `mesh`: an `mptrain.recipe.sharding` mesh of several devices (axes `("data", "fsdp")`) makes the
     gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
     in fp32, one finiteness count (see `mptrain.recipe.sharding`). Jit the step with the state in
-    `sharding.state_shardings(mesh, state)` and the batch in `sharding.batch_sharding(mesh)`.
+    `sharding.state_shardings(mesh, state)` and the batch in `layout.batch_sharding(mesh)`.
     `per_layer`: also record every module call's numerics (`mptrain.recipe.numerics`): the
     metrics get `numerics` (the table) and `numerics_origin` (where the first non-finite value
     appeared). Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with

@@ -263,8 +263,8 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
         f"param rounding {state.param_rounding}, loss scale "
         f"{type(state.loss_scale).__name__} (scale {scale:g}), "
         f"{sum(x.size for x in jax.tree.leaves(state.params))} params, {per_param:.1f} state "
-        f"bytes/param, mesh {used} devices: data {mesh.shape['data']} x fsdp "
-        f"{mesh.shape['fsdp']}"
+        f"bytes/param, mesh {used} devices: "
+        + " x ".join(f"{axis} {n}" for axis, n in mesh.shape.items())
     )
     logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
     if jax.tree.leaves(getattr(state, "frozen", {})):  # adapters over a frozen base

@@ -40,8 +40,8 @@ from mptrain import data, errors, files, models, runtime
 from mptrain.inspect import audit
 from mptrain.models import layers
 from mptrain.models import nnx as nnx_models
+from mptrain.recipe import layout, optim, schedules, sharding, step
 from mptrain.recipe import loss_scale as loss_scale_lib
-from mptrain.recipe import optim, schedules, sharding, step
 from mptrain.recipe import train_state as train_state_lib
 from mptrain.record import log_totals, loggers, profile, samples, throughput
 from mptrain.record import metrics as metrics_lib
@@ -55,7 +55,7 @@ class Trainer:
         self.config, self.workdir = config, Path(workdir)
         self.policy = config_lib.policy_of(config)
         loggers.check(config)  # a missing extra stops the run before anything compiles
-        self.mesh = sharding.create_mesh(config, devices)  # see the module doc; 1x1 on one
+        self.mesh = layout.create_mesh(config, devices)  # see the module doc; 1x1x1 on one
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
         self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
@@ -199,8 +199,8 @@ class Trainer:
 
     def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
         """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
-        `index` on, stacked (see `sharding.device_batch`)."""
-        return sharding.device_batch(self.mesh, source, index, self.config.batch_size, count)
+        `index` on, stacked (see `layout.device_batch`)."""
+        return layout.device_batch(self.mesh, source, index, self.config.batch_size, count)
 
     def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
         """Host-side. `eval_fn` averaged over `config.eval_steps` batches, keys prefixed `eval_`;
@@ -218,7 +218,7 @@ class Trainer:
         checkpoint's, else with `pretrained`'s params: `init_from.resume`), the compiled steps,
         the writer, checkpointer and hooks. Writes `config.json`; the `Run` is a context manager."""
         cfg, workdir, clock = self.config, self.workdir, throughput.Clock()  # set-up is timed
-        save_bg = checkpoint.use_async(cfg.checkpoint_async, sharding.platform(self.mesh))
+        save_bg = checkpoint.use_async(cfg.checkpoint_async, layout.platform(self.mesh))
         with loop.allow_transfers():
             checkpointer = checkpoint.Checkpointer(
                 workdir / "checkpoints", max_to_keep=cfg.max_checkpoints_to_keep, async_save=save_bg
@@ -286,7 +286,7 @@ class Trainer:
         cfg, totals, done, k = self.config, run.totals, run.start, self.config.steps_per_call
         calls = range(run.start, cfg.num_train_steps, k)
         fetch = lambda i: self.device_batch(run.train_source, i, k if k > 1 else None)
-        depth = loop.prefetch_depth(cfg.data.prefetch, sharding.platform(self.mesh))
+        depth = loop.prefetch_depth(cfg.data.prefetch, layout.platform(self.mesh))
         with loop.Prefetcher(fetch, calls, depth, run.clock) as batches:
             for first, batch in zip(calls, batches, strict=True):
                 if preemption.reached(done):

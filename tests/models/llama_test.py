@@ -22,7 +22,7 @@ from helpers import (
 from jax.sharding import PartitionSpec
 
 from mptrain.models import layers, llama, rope
-from mptrain.recipe import precision, sharding
+from mptrain.recipe import layout, precision, sharding
 
 SCALING = LLAMA_SCALING
 _config = llama_config
@@ -225,7 +225,7 @@ def _grads(model, policy, mesh, params, batch):
     fn = jax.jit(sharding.grad_fn(loss, policy, mesh))
     if mesh is not None:
         params = jax.device_put(params, sharding.state_shardings(mesh, params))
-        batch = jax.device_put(batch, sharding.batch_sharding(mesh))
+        batch = jax.device_put(batch, layout.batch_sharding(mesh))
     args = (params, None, batch, jax.random.key(0))
     return fn(*args)[0], fn.lower(*args).compile().as_text()
 
@@ -238,7 +238,7 @@ def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
     params = _init(model, tokens)
     config = ml_collections.ConfigDict({"mesh": {"data": 1, "fsdp": 4}, "batch_size": 4})
-    mesh = sharding.create_mesh(config, jax.devices()[:4])
+    mesh = layout.create_mesh(config, jax.devices()[:4])
     specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(mesh, params))
     assert specs[sharding.STACKED]["attn"]["q"]["kernel"] == PartitionSpec(None, "fsdp", None)
     # The same gradients as on one device (fp32, so the sums agree to rounding) ...

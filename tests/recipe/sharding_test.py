@@ -7,8 +7,8 @@ from helpers import needs_devices, tiny_config
 
 import mptrain
 from mptrain.inspect import audit
+from mptrain.recipe import layout, sharding
 from mptrain.recipe import precision as precision_lib
-from mptrain.recipe import sharding
 
 
 def _compiled_step(precision, data, fsdp, tmp_path):
@@ -21,7 +21,7 @@ def _compiled_step(precision, data, fsdp, tmp_path):
     shardings = sharding.state_shardings(trainer.mesh, state)
     step = jax.jit(
         mptrain.make_train_step(trainer.loss_fn, mesh=trainer.mesh),
-        in_shardings=(shardings, sharding.batch_sharding(trainer.mesh)),
+        in_shardings=(shardings, layout.batch_sharding(trainer.mesh)),
         out_shardings=(shardings, None),
     )
     kept = set(state.policy.kept_fp32_paths(state.params))

@@ -1,0 +1,161 @@
+"""A sequence split over a `context` mesh axis: the attention alone and whole runs, against the
+unsplit sequence on fake CPU devices; a layout that cannot work refused by name."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import LLAMA_SCALING, load_config, needs_devices, normal, pretend_gpu, tiny_config
+from jax.sharding import Mesh, PartitionSpec
+
+import mptrain
+from mptrain.models import attention, blocks, rope, segments
+from mptrain.recipe import layout, sharding
+from mptrain.train import trainer as trainer_lib
+
+
+def test_the_balanced_order_gives_each_device_a_head_and_a_tail_chunk():
+    order = layout.balanced_order(16, 4)  # chunks of 2: device i holds chunks i and 7 - i
+    assert order.reshape(4, 4).tolist() == [
+        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9],
+    ]  # fmt: skip
+    batch = layout.balanced({"inputs": np.arange(16)[None], "segment_lengths": np.ones((1, 3))}, 4)
+    assert batch["inputs"].tolist() == batch["positions"].tolist() == [order.tolist()]
+    assert batch["segment_lengths"].shape == (1, 3)  # not along the sequence: as it was
+    with pytest.raises(ValueError, match="a sequence of 12 tokens: mesh.context=4 .* 8 equal"):
+        layout.balanced_order(12, 4)
+
+
+def _packed(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two rows' segment ids and positions: three examples of 10, 13 and 7 tokens and padding,
+    crossing the chunks' boundaries; one example the whole row."""
+    lengths = [(10, 13, 7), (length,)]
+    ids = np.zeros((2, length), np.int32)
+    positions = np.zeros((2, length), np.int32)
+    for row, parts in enumerate(lengths):
+        start = 0
+        for n, size in enumerate(parts, 1):
+            ids[row, start : start + size] = n
+            positions[row, start : start + size] = np.arange(size)
+            start += size
+    return ids, positions
+
+
+@needs_devices(4)
+def test_attention_split_over_context_equals_the_whole_sequence_forward_and_backward():
+    """GQA (4 query heads over 2), packed rows, Llama 3's RoPE scaling, fp32: outputs and dQ, dK,
+    dV under a context axis of 4 equal the whole sequence's, in one compiled program."""
+    batch, length, heads, kv, depth = 2, 32, 4, 2, 16
+    q, k, v = (normal(i, (batch, length, n, depth)) for i, n in enumerate((heads, kv, kv)))
+    weights = normal(3, (batch, length, heads, depth))
+    ids, positions = _packed(length)
+    inv_freq = rope.rope_frequencies(depth, 10_000.0, LLAMA_SCALING)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 4), layout.AXES)
+
+    def attend(q, k, v, weights, positions, ids):
+        q, k = (rope.apply_rope(x, positions, inv_freq) for x in (q, k))
+        k, v, keys = blocks._keys(k, v, positions, segments.Segments(ids))
+        out = attention.causal_attention(q, k, v, "materialized", **keys)
+        return jnp.sum(out * weights), out
+
+    grads = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)
+
+    def split(*args):
+        with sharding._splitting(mesh):
+            (_, out), dqkv = grads(*args)
+        return out, dqkv
+
+    along = PartitionSpec(None, "context")
+    split = jax.shard_map(
+        split, mesh=mesh, in_specs=along, out_specs=along, check_vma=False
+    )  # fmt: skip
+    order = layout.balanced_order(length, 4)
+    both = jax.jit(lambda *a: (grads(*a), split(*(x[:, order] for x in a))))
+    ((_, want), want_grads), (got, got_grads) = both(q, k, v, weights, positions, ids)
+    np.testing.assert_allclose(got, want[:, order], rtol=1e-5, atol=1e-6)
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w[:, order], rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+
+
+def _run(arg: str, mesh: dict, tmp_path, **overrides):
+    """`configs/llama3.py:<arg>` for 3 steps on `mesh`: the per-step losses and the params.
+    SGD with momentum, whose update is proportional to its gradient: AdamW's first steps turn a
+    gradient of rounding size into a step of the learning rate, so they compare the roundings
+    of two summation orders, not the two layouts."""
+    keys = {
+        "precision": "fp32", "num_train_steps": 3, "log_every_steps": 1, "eval_every_steps": 3,
+        "eval_steps": 1, "checkpoint_every_steps": 3, "model.attention": "materialized",
+        "optimizer.schedule": "constant", "optimizer.name": "sgd", "optimizer.momentum": 0.9,
+        "optimizer.learning_rate": 0.3, "optimizer.weight_decay": 0.0, "data.seq_len": 64,
+    }  # fmt: skip
+    mesh = {f"mesh.{k}": v for k, v in mesh.items()}
+    config = load_config("llama3", arg, **{**keys, **mesh, **overrides})
+    state = trainer_lib.Trainer(config, tmp_path).train_and_evaluate()
+    rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], jax.device_get(state.params)
+
+
+def _assert_same_run(got, want, rtol: float):
+    np.testing.assert_allclose(got[0], want[0], rtol=rtol)
+    for x, y in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        assert np.max(np.abs(x - y)) <= rtol * np.max(np.abs(y)), np.max(np.abs(x - y))
+
+
+@pytest.mark.slow
+@needs_devices(8)
+@pytest.mark.parametrize("arg", ["tiny", "sft_tiny"])  # sft_tiny: packed rows
+def test_a_run_split_over_context_trains_as_fsdp(arg, tmp_path):
+    """fp32: fsdp 2 x context 4 and context 8 train as fsdp 8, step by step, to 1e-5 of the
+    largest param; packed rows whose examples cross the chunks' boundaries too."""
+    want = _run(arg, {"data": 1, "fsdp": 8}, tmp_path / "fsdp")
+    for name, mesh in (("2x4", {"data": 1, "fsdp": 2, "context": 4}), ("8", {"context": 8})):
+        _assert_same_run(_run(arg, {"data": 1, **mesh}, tmp_path / name), want, 1e-5)
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_bf16_mixed_split_over_context_stays_within_its_band(tmp_path):
+    """bf16-mixed: fsdp 2 x context 4 against fsdp 8, the same 3 steps: losses within 1e-3
+    (bf16 keys and values, sums in another order), params within 2e-3 of the largest."""
+    want = _run("tiny", {"data": 1, "fsdp": 8}, tmp_path / "fsdp", precision="bf16-mixed")
+    mesh = {"data": 1, "fsdp": 2, "context": 4}
+    _assert_same_run(_run("tiny", mesh, tmp_path / "cp", precision="bf16-mixed"), want, 2e-3)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"data.seq_len": 60},
+            "mesh.context=4: data.seq_len=60 tokens, which 8 equal chunks",
+        ),
+        (
+            {
+                "model.attention": "auto",
+                "model.rope_scaling": ("longrope", (1.0,) * 16, (2.0,) * 16, 32, 1.2),
+            },
+            "mesh.context=4: model.rope_scaling is longrope",
+        ),
+        ({"mesh.fsdp": 4}, "mesh.data=1, mesh.fsdp=4, mesh.context=4: a mesh of 16 devices"),
+    ],
+)
+@needs_devices(8)
+def test_a_layout_that_cannot_work_is_refused_by_name(overrides, message):
+    config = load_config(
+        "llama3", "tiny", **{"mesh.data": 1, "mesh.context": 4, "batch_size": 8, **overrides}
+    )
+    with pytest.raises(mptrain.config.ConfigError, match=message):
+        mptrain.config.validate(config)
+
+
+@needs_devices(2)
+def test_a_model_or_attention_that_cannot_take_a_split_sequence_is_refused(monkeypatch):
+    config = tiny_config(**{"mesh.data": 1, "mesh.context": 2})
+    with pytest.raises(mptrain.config.ConfigError, match="model.name='transformer_lm' does not"):
+        mptrain.config.validate(config)
+    pretend_gpu(monkeypatch)  # where "auto" picks cuDNN
+    config = load_config("llama3", "tiny", **{"mesh.data": 1, "mesh.context": 2})
+    with pytest.raises(mptrain.config.ConfigError, match="model.attention='auto' runs the cudnn"):
+        mptrain.config.validate(config)
