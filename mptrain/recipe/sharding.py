@@ -150,6 +150,10 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
     `context`), if any. Backward: cast the gradient to fp32, reduce-scatter it over those axes
     (or sum it there, for a param that is not split) and sum it over the rest, then divide by
     the devices: each computed the gradient of its share of the loss (`layers.masked_mean`).
+    The reduced gradient is stored in the shard's dtype where that is bf16 (`bf16-pure`: 2
+    bytes a parameter until the update, not 4, and what one device's `jax.grad` returns too);
+    fp32 elsewhere, fp16 params included: their gradients still carry the loss scale, which
+    the step unscales in fp32 (fp16's range cannot hold a scaled gradient unrounded).
     """
     dim = next((d for d, axis in enumerate(spec) if axis is not None), None)
     split = () if dim is None else spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
@@ -166,14 +170,15 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
         x = jax.lax.all_gather(x, split, axis=dim, tiled=True)
         return jax.lax.bitcast_convert_type(x, compute_dtype) if as_bits else x
 
-    def backward(_, grad):
+    def backward(like, grad):  # `like`: a scalar of the shard's dtype
         grad = grad.astype(jnp.float32)
         if dim is not None:
             grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
         summed = [a for a in AXES if a not in split and mesh.shape[a] > 1]
-        return ((jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size,)
+        grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size
+        return (grad.astype(like.dtype) if like.dtype == jnp.bfloat16 else grad,)
 
-    gather.defvjp(lambda shard: (gather(shard), None), backward)
+    gather.defvjp(lambda shard: (gather(shard), jnp.zeros((), shard.dtype)), backward)
     return gather
 
 

@@ -7,7 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LLAMA_SCALING, load_config, needs_devices, normal, pretend_gpu, tiny_config
+from helpers import (
+    LLAMA_SCALING,
+    ROOT,
+    load_config,
+    needs_devices,
+    normal,
+    plain_orbax_state,
+    pretend_gpu,
+    start_processes,
+    tiny_config,
+    wait_for_processes,
+)
 from jax.sharding import Mesh, PartitionSpec
 
 import mptrain
@@ -89,6 +100,7 @@ def _run(arg: str, mesh: dict, tmp_path, **overrides):
         "eval_steps": 1, "checkpoint_every_steps": 3, "model.attention": "materialized",
         "optimizer.schedule": "constant", "optimizer.name": "sgd", "optimizer.momentum": 0.9,
         "optimizer.learning_rate": 0.3, "optimizer.weight_decay": 0.0, "data.seq_len": 64,
+        "optimizer.warmup_steps": 0,
     }  # fmt: skip
     mesh = {f"mesh.{k}": v for k, v in mesh.items()}
     config = load_config("llama3", arg, **{**keys, **mesh, **overrides})
@@ -159,3 +171,44 @@ def test_a_model_or_attention_that_cannot_take_a_split_sequence_is_refused(monke
     config = load_config("llama3", "tiny", **{"mesh.data": 1, "mesh.context": 2})
     with pytest.raises(mptrain.config.ConfigError, match="model.attention='auto' runs the cudnn"):
         mptrain.config.validate(config)
+
+
+@pytest.mark.slow
+@needs_devices(8)
+def test_a_checkpoint_of_fsdp_8_resumes_split_over_context(tmp_path):
+    """3 steps under fsdp 8, then 3 more under fsdp 2 x context 4 from its checkpoint: the
+    6-step run of fsdp 8 alone, step by step, to 1e-5 of the largest param."""
+    straight = _run("tiny", {"data": 1, "fsdp": 8}, tmp_path / "straight", num_train_steps=6)
+    _run("tiny", {"data": 1, "fsdp": 8}, tmp_path / "resumed")
+    mesh = {"data": 1, "fsdp": 2, "context": 4}
+    resumed = _run("tiny", mesh, tmp_path / "resumed", num_train_steps=6)
+    assert len(resumed[0]) == 6
+    _assert_same_run(resumed, straight, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("multihost")  # its processes compete for the same 2 cores
+@needs_devices(4)
+def test_two_processes_split_each_sequence_over_context_as_one_process_does(tmp_path):
+    """Two processes of 2 devices each, mesh fsdp 2 x context 2 (a process holds whole
+    sequences, split over its own two devices): the run of one process on fsdp 4."""
+    keys = {
+        "precision": "fp32", "num_train_steps": 3, "checkpoint_every_steps": 3,
+        "eval_every_steps": 3, "eval_steps": 1, "model.attention": "materialized",
+        "optimizer.schedule": "constant", "optimizer.name": "sgd", "optimizer.momentum": 0.9,
+        "optimizer.learning_rate": 0.3, "optimizer.weight_decay": 0.0, "data.seq_len": 64,
+        "optimizer.warmup_steps": 0,
+        "mesh.data": 1,
+    }  # fmt: skip
+    flags = [f"--config.{k}={v}" for k, v in keys.items()]
+    llama = f"--config={ROOT / 'configs' / 'llama3.py'}:tiny"
+    procs = start_processes(
+        tmp_path / "two", *flags, "--config.mesh.fsdp=2", "--config.mesh.context=2", config=llama
+    )
+    results = wait_for_processes(procs)
+    assert [code for code, _ in results] == [0, 0], "\n".join(e[-3000:] for _, e in results)
+    _run("tiny", {"data": 1, "fsdp": 4}, tmp_path / "one")
+    got = plain_orbax_state(tmp_path / "two", 3)["params"]
+    one = plain_orbax_state(tmp_path / "one", 3)["params"]
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(one), strict=True):
+        assert np.max(np.abs(x - y)) <= 1e-5 * np.max(np.abs(y))

@@ -13,7 +13,10 @@ from mptrain.recipe import precision as precision_lib
 
 def _compiled_step(precision, data, fsdp, tmp_path):
     """`make_train_step` under a plain `jax.jit` with the mesh's shardings, as a user writes it."""
-    config = tiny_config(precision=precision, **{"mesh.data": data, "mesh.fsdp": fsdp})
+    # nearest: stochastic rounding (bf16-pure's default) would add its key's u32 all-reduce
+    config = tiny_config(
+        precision=precision, param_rounding="nearest", **{"mesh.data": data, "mesh.fsdp": fsdp}
+    )
     trainer = mptrain.Trainer(config, tmp_path)
     tokens = np.zeros((config.batch_size, config.data.seq_len + 1), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -42,6 +45,7 @@ def _leaves(tree):
         ("fp16-mixed", 8, 1),
         pytest.param("fp16-mixed", 4, 2, marks=pytest.mark.slow),
         pytest.param("bf16-mixed", 8, 1, marks=pytest.mark.slow),
+        pytest.param("bf16-pure", 4, 2, marks=pytest.mark.slow),  # stored in bf16 after
     ],
 )
 def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, fsdp, tmp_path):
@@ -60,6 +64,24 @@ def test_gradients_reduce_in_fp32_and_params_gather_in_16_bits(precision, data, 
         assert found["all-gather"] == {**wanted, "f32": 4 * n_kept}, found
     else:
         assert "all-gather" not in found
+
+
+@needs_devices(2)
+@pytest.mark.parametrize(
+    "precision, stored", [("bf16-pure", "bfloat16"), ("bf16-mixed", "float32")]
+)
+def test_gradients_are_stored_at_the_params_width_after_their_fp32_reduction(precision, stored):
+    """bf16 params' gradients leave the fp32 reduction as bf16 (2 bytes a parameter until the
+    update), as one device's are; fp32 params' stay fp32. Shapes only: nothing compiles."""
+    config = tiny_config(precision=precision, **{"mesh.data": 1, "mesh.fsdp": 2})
+    trainer = mptrain.Trainer(config, "/nonexistent", devices=jax.devices()[:2])
+    batch = trainer.build_datasets()[0].get_batch(0)
+    state = jax.eval_shape(lambda: trainer.init_state(batch))
+    loss = lambda p, probes, b, rng: (trainer.loss_fn(p, {}, b, rng)[0], None)
+    grads_of = sharding.grad_fn(loss, state.policy, trainer.mesh)
+    grads = jax.eval_shape(lambda p: grads_of(p, None, batch, jax.random.key(0))[0], state.params)
+    assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {stored}
+    assert {x.dtype.name for x in jax.tree.leaves(grads)} == {stored}
 
 
 def _state_bytes(tree):
