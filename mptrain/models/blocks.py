@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import layers
+from mptrain.models import context_attention, layers
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import rope as rope_lib
@@ -138,7 +138,14 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             rope = lambda t: apply_rope(t, positions, inv_freq, s.longrope)
             q, k = rope(q), rope(k)
         how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
-        if cache is None:
+        split = sharding.sequence_axis() if cache is None else None
+        if split is not None and self.implementation == "cudnn":  # `context_attention`
+            index = jax.lax.axis_index(split.axis)
+            kernel = context_attention.CUDNN
+            out = context_attention.split_attention(
+                q, k, v, index, split.size, split.gather, kernel, s.attn_scale
+            )
+        elif cache is None:
             k, v, keys = _keys(k, v, positions, segments)
             out = attention_lib.causal_attention(q, k, v, self.implementation, **keys, **how)
         else:  # decoding (`KVCache`): [B, L] positions, each row's own
@@ -162,7 +169,7 @@ def _keys(k, v, positions, segments) -> tuple:
         return k, v, {"segment_ids": segments, "positions": (positions, positions)}
     if jnp.ndim(positions) < 2:
         raise ValueError("a sequence split over mesh.context needs its positions ([B, L])")
-    gather, ints = split
+    gather, ints = split.gather, split.ints
     key_ids = None if ids is None else ints(ids)
     how = {
         "segment_ids": ids,

@@ -36,7 +36,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,10 +121,18 @@ def batch_axes() -> tuple[str, ...] | None:
     return None if split is None else split[0]
 
 
-def sequence_axis() -> tuple[Callable, Callable] | None:
-    """While a per-device gradient is traced on a context axis: `(gather, gather_ints)`, which
-    gather a split sequence's `[B, l, ...]` keys and values (`layout.sequence_gather`) and its
-    positions and segment ids over the context devices; else None (the sequence is whole)."""
+class SequenceSplit(NamedTuple):
+    """A sequence split over a context axis, as a model's attention sees it per device."""
+
+    gather: Callable  # [B, l, ...] keys or values -> [B, l x size, ...] (`layout.sequence_gather`)
+    ints: Callable  # the same for positions and segment ids (no gradient)
+    axis: str | tuple[str, ...]  # the mesh axes of the split (`jax.lax.axis_index` takes them)
+    size: int  # the devices a sequence is split over
+
+
+def sequence_axis() -> SequenceSplit | None:
+    """While a per-device gradient is traced on a context axis: how the sequence is split;
+    else None (the sequence is whole)."""
     split = _SPLIT.get()
     return None if split is None else split[1]
 
@@ -132,11 +140,12 @@ def sequence_axis() -> tuple[Callable, Callable] | None:
 @contextlib.contextmanager
 def _splitting(mesh: Mesh):
     context = layout.entry(mesh, "length")
-    gathers = None
+    split = None
     if context is not None:
         ints = lambda x: jax.lax.all_gather(x, context, axis=1, tiled=True)
-        gathers = (layout.sequence_gather(context, layout.platform(mesh) == "cpu"), ints)
-    token = _SPLIT.set((AXES, gathers))
+        gather = layout.sequence_gather(context, layout.platform(mesh) == "cpu")
+        split = SequenceSplit(gather, ints, context, layout.size(mesh, "length"))
+    token = _SPLIT.set((AXES, split))
     try:
         yield
     finally:

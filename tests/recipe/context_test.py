@@ -22,7 +22,7 @@ from helpers import (
 from jax.sharding import Mesh, PartitionSpec
 
 import mptrain
-from mptrain.models import attention, blocks, rope, segments
+from mptrain.models import attention, blocks, context_attention, rope, segments
 from mptrain.recipe import layout, sharding
 from mptrain.train import trainer as trainer_lib
 
@@ -57,7 +57,9 @@ def _packed(length: int) -> tuple[np.ndarray, np.ndarray]:
 @needs_devices(4)
 def test_attention_split_over_context_equals_the_whole_sequence_forward_and_backward():
     """GQA (4 query heads over 2), packed rows, Llama 3's RoPE scaling, fp32: outputs and dQ, dK,
-    dV under a context axis of 4 equal the whole sequence's, in one compiled program."""
+    dV under a context axis of 4 equal the whole sequence's; and those of the fused kernels'
+    split (`context_attention`: two calls a chunk merged by their log-sum-exps, FlashAttention-2's
+    backward), run with its jnp kernel, on whole rows. One compiled program."""
     batch, length, heads, kv, depth = 2, 32, 4, 2, 16
     q, k, v = (normal(i, (batch, length, n, depth)) for i, n in enumerate((heads, kv, kv)))
     weights = normal(3, (batch, length, heads, depth))
@@ -65,18 +67,27 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
     inv_freq = rope.rope_frequencies(depth, 10_000.0, LLAMA_SCALING)
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 4), layout.AXES)
 
-    def attend(q, k, v, weights, positions, ids):
+    def attend(q, k, v, weights, positions, ids, fused=False):
         q, k = (rope.apply_rope(x, positions, inv_freq) for x in (q, k))
-        k, v, keys = blocks._keys(k, v, positions, segments.Segments(ids))
-        out = attention.causal_attention(q, k, v, "materialized", **keys)
+        split = sharding.sequence_axis()
+        if fused and split is None:
+            out = attention.causal_attention(q, k, v, "materialized")
+        elif fused:
+            index = jax.lax.axis_index(split.axis)
+            kernel = context_attention.REFERENCE
+            out = context_attention.split_attention(q, k, v, index, 4, split.gather, kernel)
+        else:
+            k, v, keys = blocks._keys(k, v, positions, segments.Segments(ids))
+            out = attention.causal_attention(q, k, v, "materialized", **keys)
         return jnp.sum(out * weights), out
 
-    grads = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)
+    def grads(*args):
+        with_grads = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)
+        return [with_grads(*args, fused=fused) for fused in (False, True)]
 
     def split(*args):
         with sharding._splitting(mesh):
-            (_, out), dqkv = grads(*args)
-        return out, dqkv
+            return [(out, dqkv) for (_, out), dqkv in grads(*args)]
 
     along = PartitionSpec(None, "context")
     split = jax.shard_map(
@@ -84,10 +95,14 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
     )  # fmt: skip
     order = layout.balanced_order(length, 4)
     both = jax.jit(lambda *a: (grads(*a), split(*(x[:, order] for x in a))))
-    ((_, want), want_grads), (got, got_grads) = both(q, k, v, weights, positions, ids)
-    np.testing.assert_allclose(got, want[:, order], rtol=1e-5, atol=1e-6)
-    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w[:, order], rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+    wants, gots = both(q, k, v, weights, positions, ids)
+    for ((_, want), want_grads), (got, got_grads), path in zip(
+        wants, gots, ("mask", "fused"), strict=True
+    ):
+        np.testing.assert_allclose(got, want[:, order], rtol=1e-5, atol=1e-6, err_msg=path)
+        for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+            message = f"{path}: d{name}"
+            np.testing.assert_allclose(g, w[:, order], rtol=1e-5, atol=1e-6, err_msg=message)
 
 
 def _run(arg: str, mesh: dict, tmp_path, **overrides):
@@ -167,10 +182,13 @@ def test_a_model_or_attention_that_cannot_take_a_split_sequence_is_refused(monke
     config = tiny_config(**{"mesh.data": 1, "mesh.context": 2})
     with pytest.raises(mptrain.config.ConfigError, match="model.name='transformer_lm' does not"):
         mptrain.config.validate(config)
-    pretend_gpu(monkeypatch)  # where "auto" picks cuDNN
-    config = load_config("llama3", "tiny", **{"mesh.data": 1, "mesh.context": 2})
-    with pytest.raises(mptrain.config.ConfigError, match="model.attention='auto' runs the cudnn"):
-        mptrain.config.validate(config)
+    pretend_gpu(monkeypatch)  # where "auto" picks cuDNN: its split attention takes whole rows
+    mesh = {"mesh.data": 1, "mesh.context": 2}
+    mptrain.config.validate(load_config("llama3", "tiny", **mesh))
+    for arg, what, window in (("sft_tiny", "packed rows", None), ("tiny", "a sliding window", 16)):
+        config = load_config("llama3", arg, **mesh, **{"model.sliding_window": window})
+        with pytest.raises(mptrain.config.ConfigError, match=f"runs cuDNN here, .* take {what}"):
+            mptrain.config.validate(config)
 
 
 @pytest.mark.slow
