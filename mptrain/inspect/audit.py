@@ -208,6 +208,7 @@ class PrecisionReport:
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
     trains: str = ""  # which params train, in what dtype, and what is frozen (`frozen.describe`)
     fp8: str = ""  # under fp8-mixed, which matmuls run in fp8 (`fp8_names.describe`)
+    axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
     fp8_emulated: bool = False  # MXFP8 without a block-scaled GEMM: emulated (`recipe.mxfp8`)
     # {operand dtype: {precision: FLOPs}}: "default", "high", "highest" (jax's names)
     precisions: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
@@ -250,6 +251,9 @@ class PrecisionReport:
             lines.append(f"  {op:<15} " + ", ".join(f"{d} {b:,}" for d, b in by_dtype.items()))
         if not self.collectives:
             lines.append("  none")
+        if self.axis_bytes:
+            by_axis = ", ".join(f"{a} {b:,}" for a, b in sorted(self.axis_bytes.items()))
+            lines.append(f"  by mesh axis   {by_axis}")
         lines += ["", "GPU hazards (scatters; 16-bit sums across devices):"]
         for h in self.hazards:
             lines.append(f"  {h.kind:<16} {h.op:<22} {h.dtype:<9} x{h.count:<4} {h.where}")
@@ -276,6 +280,13 @@ def _state_parts(state: Any) -> dict[str, float]:
     compensation = jax.tree.leaves(state.param_compensation)
     parts["compensation"] = sum(_nbytes(x) for x in compensation) / count
     return dict(parts)
+
+
+def _axis_bytes(prog: program.Program, states: list) -> dict[str, int]:
+    """`hlo.by_axis` on the mesh the first state's params lie on (none: {})."""
+    leaves = jax.tree.leaves(states[0].params) if states else []
+    mesh = getattr(getattr(leaves[0], "sharding", None), "mesh", None) if leaves else None
+    return hlo.by_axis(prog, dict(mesh.shape)) if mesh is not None and mesh.shape else {}
 
 
 def precision_report(fn: Any, *args: Any, policy: Any = None, config: Any = None):
@@ -352,6 +363,7 @@ def make_report(
         matmul_flops=dict(flops),
         matmuls=dict(by_line),
         collectives=collectives(prog),
+        axis_bytes=_axis_bytes(prog, states),
         converts=dict(converts),
         islands={where: sorted(ops) for where, ops in sorted(islands.items())},
         state_bytes=_state_parts(states[0]) if states else {},

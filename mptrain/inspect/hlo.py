@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +134,37 @@ def traffic(prog: program.Program, link_fn, devices: int, per: int = 1) -> dict[
     an all-to-all, twice that in an all-reduce; a collective-permute sends its tensor once. The
     seconds assume nothing overlaps them with compute: the collectives' side of the floor."""
     found: dict[str, dict[str, float]] = {}
+    for op, group, size, moved, runs in _moves(prog, devices):
+        wire = moved * (_WIRE[op] * (size - 1) / size if op in _WIRE else 1.0) * runs / per
+        name, rate = link_fn(group)
+        entry = found.setdefault(name, {"bytes": 0.0, "seconds": 0.0, "rate": rate})
+        entry["bytes"] += wire
+        entry["seconds"] += wire / rate if rate else 0.0
+    return found
+
+
+def by_axis(prog: program.Program, mesh: dict[str, int], per: int = 1) -> dict[str, int]:
+    """`{"fsdp x context": bytes, ...}`: the bytes of the collectives' whole tensors a step (as
+    `collectives` counts them), by the mesh axes their replica groups span. `mesh`: the axes'
+    sizes in the mesh's order, whose devices the program numbers row-major. A group XLA gives
+    only the size of is named by the axes whose sizes multiply to it, else "N devices"."""
+    names, sizes = list(mesh), tuple(mesh.values())
+    found: collections.Counter = collections.Counter()
+    for _, group, size, moved, runs in _moves(prog, int(np.prod(sizes))):
+        if isinstance(group, list):
+            coords = np.unravel_index(np.asarray(group), sizes)
+            spanned = [a for a, row in zip(names, coords, strict=True) if len(set(row)) > 1]
+        else:
+            spanned = [a for a in names if mesh[a] > 1]
+            spanned = spanned if int(np.prod([mesh[a] for a in spanned])) == size else []
+        found[" x ".join(spanned) or f"{size} devices"] += moved * runs
+    return {axes: int(b // per) for axes, b in found.items()}
+
+
+def _moves(prog: program.Program, devices: int) -> Iterator[tuple[str, Any, int, int, float]]:
+    """`(op, group, size, bytes, runs)` of every collective that moves data: its first replica
+    group (device ids, or its size only: `_first_group`), the devices in it, its whole
+    tensor's bytes (a reduce-scatter's unscattered operand, an all-gather's result)."""
     for inst, runs in prog.instructions():
         op = inst.opcode.removesuffix("-start")
         if op not in COLLECTIVES:
@@ -140,7 +172,7 @@ def traffic(prog: program.Program, link_fn, devices: int, per: int = 1) -> dict[
         group = _first_group(inst.attributes)
         size = len(group) if isinstance(group, list) else group
         if size is None:
-            size = group = devices  # `{}`: one group of every device
+            size, group = devices, list(range(devices))  # `{}`: one group of every device
         if size <= 1 and op != "collective-permute":
             continue
         parts = program.top_level(inst.type)
@@ -150,12 +182,7 @@ def traffic(prog: program.Program, link_fn, devices: int, per: int = 1) -> dict[
         moved = sum(b for _, b in _array_bytes(" ".join(parts)))
         if op == "reduce-scatter" and inst.opcode == op:
             moved *= size  # the result is a shard: the whole tensor is g of them
-        wire = moved * (_WIRE[op] * (size - 1) / size if op in _WIRE else 1.0) * runs / per
-        name, rate = link_fn(group)
-        entry = found.setdefault(name, {"bytes": 0.0, "seconds": 0.0, "rate": rate})
-        entry["bytes"] += wire
-        entry["seconds"] += wire / rate if rate else 0.0
-    return found
+        yield op, group, size, moved, runs
 
 
 # a module path with an attention module in it (`block_0/attn/...`, not `ln_attn` or `attn_norm`)

@@ -136,11 +136,14 @@ CUDNN = Kernel(_cudnn_forward, _cudnn_backward)
 
 
 def natural(x: jax.Array, context: int) -> jax.Array:
-    """`[B, L, ...]` gathered in `layout.balanced_order` -> natural order (chunks moved whole)."""
-    chunks = np.asarray([c for i in range(context) for c in (i, 2 * context - 1 - i)])
+    """`[B, L, ...]` gathered in `layout.balanced_order` -> natural order: device `i`'s pair is
+    chunks `i` and `2C - 1 - i`, so the first of each pair are chunks `0 .. C - 1` in order and
+    the second, reversed, `C .. 2C - 1`. Slices and a reversal, whose transposes are too (an
+    indexed gather's would be a scatter-add)."""
     batch, length = x.shape[:2]
-    x = x.reshape(batch, 2 * context, length // (2 * context), *x.shape[2:])
-    return x[:, np.argsort(chunks)].reshape(batch, length, *x.shape[3:])
+    pairs = x.reshape(batch, context, 2, length // (2 * context), *x.shape[2:])
+    x = jnp.concatenate([pairs[:, :, 0], jnp.flip(pairs[:, :, 1], axis=1)], axis=1)
+    return x.reshape(batch, length, *x.shape[3:])
 
 
 def split_attention(q, k, v, index, context: int, gather: Callable, kernel: Kernel, scale=None):

@@ -98,6 +98,9 @@ def render(plan: Any) -> str:
             else []
         )
     lines += [] if plan.collectives else ["  none"]
+    if plan.axis_bytes:
+        by_axis = ", ".join(f"{axes} {b:,}" for axes, b in sorted(plan.axis_bytes.items()))
+        lines.append(f"  by mesh axis   {by_axis}")
     floor = plan.floor
     lines += [
         "",

@@ -116,7 +116,11 @@ def _attention_flops(prog: program.Program, inst: program.Instruction, target: s
     packed layout) are counted as one causal row: the kernel also skips the tiles between
     examples, so their share of it is an upper bound (rows of n equal examples do 1/n of it).
     A sliding window of W keys (`sliding_window_length`) does W(W+1)/2 + (L-W)W of the L^2
-    (query, key) pairs, the tiles outside it skipped."""
+    (query, key) pairs, the tiles outside it skipped. A padding mask over `Lk` keys for `Lq`
+    queries is a split sequence's prefix (`models.context_attention`, its only user): device
+    `i`'s two chunks see `i c` and `(2C - 1 - i) c` of the keys, `C = Lk / (2 Lq)`, so a call
+    does `(2C - 1) / (4C)` of its product on average, the kernel skipping the keys past the
+    length."""
     config = inst.backend_config().get("cudnn_fmha_backend_config", {})
     scores = [int(d) for d in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
     query = program.arrays(prog.operand_type(inst, 0))
@@ -127,6 +131,9 @@ def _attention_flops(prog: program.Program, inst: program.Instruction, target: s
     window, length = int(config.get("sliding_window_length") or 0), scores[-1]
     if causal < 1 and 0 < window < length:
         causal = (window * (window + 1) / 2 + (length - window) * window) / length**2
+    if config.get("mask_type") == "PADDING" and length > scores[-2]:
+        context = length / (2 * scores[-2])
+        causal = (2 * context - 1) / (4 * context)
     return 2.0 * matmuls * math.prod(scores) * query[0][1][-1] * causal
 
 

@@ -70,6 +70,8 @@ class Plan:
     # a LoRA run's frozen base (`lora`): its params and bytes a parameter (0, 0.0: none)
     frozen_params: int = 0
     frozen_bytes_per_param: float = 0.0
+    # the collectives' bytes a step by the mesh axes they span (`hlo.by_axis`)
+    axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -326,6 +328,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         hazards=[dataclasses.asdict(h) for h in hazards],
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
+        axis_bytes=hlo.by_axis(prog, dict(trainer.mesh.shape), k),
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
         floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),

@@ -243,7 +243,8 @@ class EventWriter(_interface.MetricWriter):
 def report_start(workdir, state, compiled_step, mesh, start: int, report) -> None:
     """Writes `<workdir>/precision_report.txt` (process 0) and logs how a run starts: precision,
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
-    mesh (`4 devices: data 4 x fsdp 1`), and the report's warnings (unsafe setups, matmuls
+    mesh (`4 devices: data 4 x fsdp 1 x context 1`) and the bytes its collectives move a step
+    by the axes they span (`hlo.by_axis`), and the report's warnings (unsafe setups, matmuls
     outside the compute dtype). Settings that cannot take effect are `loop.Run`'s to warn of."""
     from mptrain.inspect import audit
 
@@ -266,6 +267,9 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
         f"bytes/param, mesh {used} devices: "
         + " x ".join(f"{axis} {n}" for axis, n in mesh.shape.items())
     )
+    if report.axis_bytes:
+        moved = ", ".join(f"{axes} {b / 2**20:,.1f} MiB" for axes, b in report.axis_bytes.items())
+        logging.info(f"mptrain: collectives a step by mesh axis: {moved}")
     logging.info(f"mptrain: casting rule {state.policy.describe_rules(state.params)}")
     if jax.tree.leaves(getattr(state, "frozen", {})):  # adapters over a frozen base
         logging.info(f"mptrain: trained: {report.trains}")

@@ -22,6 +22,8 @@ from helpers import (
 from jax.sharding import Mesh, PartitionSpec
 
 import mptrain
+from mptrain.inspect import hlo
+from mptrain.inspect import program as prog_lib
 from mptrain.models import attention, blocks, context_attention, rope, segments
 from mptrain.recipe import layout, sharding
 from mptrain.train import trainer as trainer_lib
@@ -96,6 +98,9 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
     order = layout.balanced_order(length, 4)
     both = jax.jit(lambda *a: (grads(*a), split(*(x[:, order] for x in a))))
     wants, gots = both(q, k, v, weights, positions, ids)
+    program = both.lower(q, k, v, weights, positions, ids).compile().as_text()
+    by_axis = hlo.by_axis(prog_lib.Program(program), dict(mesh.shape))
+    assert set(by_axis) == {"context"} and by_axis["context"] > 0  # the keys' gathers
     for ((_, want), want_grads), (got, got_grads), path in zip(
         wants, gots, ("mask", "fused"), strict=True
     ):
