@@ -10,6 +10,8 @@ what they cost, each candidate by a deviceless compile of the real step (`plan_s
    towards `full`, and micro-batches (`batch_size` / k with `optimizer.accumulation_steps`
    x k, the step counts x k: the same global batch, the same updates). Gradient
    accumulation keeps an fp32 sum of the gradients, so memory falls with k only from k = 2.
+   A micro-batch of fewer sequences than devices splits each sequence over the rest
+   (`mesh.context`), as does a given batch of fewer rows than the devices (a Llama's).
 3. precision, only where nothing above fits: Adam's moments fp32 -> bf16 -> q8
    (`optimizer.mu_dtype`/`nu_dtype`), then bf16 params with stochastic rounding
    (`precision=bf16-pure`, `param_rounding=stochastic`).
@@ -226,7 +228,7 @@ def fit(
         knobs = dict(base) | level
         if remat != remats[0]:
             knobs["model.remat"] = remat
-        return knobs | _micro_knobs(config, k)
+        return knobs | _micro_knobs(config, k, count)
 
     def fits(level, remat, k) -> bool:
         return measure(at(level, remat, k)).fits
@@ -340,11 +342,29 @@ def _applies(config, level: dict) -> bool:
 
 
 def _mesh_knobs(config, count: int) -> dict[str, Any]:
-    """The mesh `count` devices need where the config's does not divide them: all FSDP."""
+    """The mesh `count` devices need where the config's does not divide them: all FSDP, and
+    where the batch has fewer rows than that, the rest splitting each sequence (`_split`)."""
     data, fsdp = _get(config, "mesh.data", -1), _get(config, "mesh.fsdp", 1)
-    if count % fsdp == 0 and (data == -1 or data * fsdp == count):
+    context = _get(config, "mesh.context", 1)
+    fits = count % (fsdp * context) == 0 and (data == -1 or data * fsdp * context == count)
+    if fits and config.batch_size % (count // context) == 0:
         return {}
-    return {"mesh.data": -1, "mesh.fsdp": count}
+    return _split(config, config.batch_size, count) or {"mesh.data": -1, "mesh.fsdp": count}
+
+
+def _split(config, rows: int, count: int) -> dict[str, Any] | None:
+    """A mesh of `count` devices for a batch of `rows` sequences fewer than the devices: FSDP
+    over the rows, each sequence split over the rest (`mesh.context`), params over all; {}
+    where the rows cover the devices; None where no split can take them (a context axis is
+    the Llama's on whole rows, of a length 2 x context chunks divide)."""
+    if rows % count == 0:
+        return {}
+    length = _get(config, "data.seq_len") or 0
+    context = count // rows if rows and count % rows == 0 else 0
+    llama = _get(config, "model.name") == "llama" and _get(config, "data.name") != "sft"
+    if not (llama and context and length % (2 * context) == 0):
+        return None
+    return {"mesh.data": 1, "mesh.fsdp": rows, "mesh.context": context}
 
 
 def _chunk_knob(config) -> dict[str, Any]:
@@ -372,18 +392,22 @@ def _remat_ladder(config) -> list[str | None]:
 
 
 def _micro_batches(config, count: int) -> list[int]:
-    """k = 1, 2, 4, ... while `batch_size` / k still splits over `count` devices."""
+    """k = 1, 2, 4, ... while `batch_size` / k still splits over `count` devices, its rows, or,
+    fewer than the devices, each sequence split over the rest (`_split`)."""
     batch, found = config.batch_size, [1]
-    while batch % (found[-1] * 2 * count) == 0:
+    while (
+        batch % (found[-1] * 2) == 0 and _split(config, batch // found[-1] // 2, count) is not None
+    ):
         found.append(found[-1] * 2)
     return found
 
 
-def _micro_knobs(config, k: int) -> dict[str, Any]:
-    """`k` micro-batches a global batch: the batch / k, k x the accumulation and step counts."""
+def _micro_knobs(config, k: int, count: int) -> dict[str, Any]:
+    """`k` micro-batches a global batch: the batch / k, k x the accumulation and step counts,
+    the mesh that splits its rows (`_split`)."""
     if k == 1:
         return {}
-    knobs = {"batch_size": config.batch_size // k}
+    knobs = {"batch_size": config.batch_size // k, **_split(config, config.batch_size // k, count)}
     knobs["optimizer.accumulation_steps"] = config.optimizer.accumulation_steps * k
     for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps"):
         knobs[key] = config[key] * k
