@@ -1,53 +1,160 @@
-"""The optimizer's update of a stack of layers one layer at a time, so that its fp32 temporaries
-are a layer's, not the stack's."""
+"""The optimizer's update applied to a stack of layers one layer at a time.
+
+A stack (`sharding.STACKED`, its leading axis the layer) is updated whole by default: the
+gradient upcast, the moments loaded to fp32 and stored again, the step, the new params before
+their rounding, each an fp32 array the size of the stack. For the 70B on 8 devices that is
+8.75 GiB a tensor of its MLP stack, and the step's peak was the update's, not the layers'.
+Where a stack's leaf has `LAYERWISE_MIN` elements or more, `update` runs the whole update
+(clipping, AdamW, the learning rate, the params' rounding) in a loop over the layers whose
+carry is the stacks: each layer's slices of the params, gradients, moments and compensation
+go through the same optimizer and are written back in place, so the temporaries are one
+layer's and the new state takes no second copy of the old (a `jax.lax.map` would write a new
+stack beside the old one, which its later layers still read). The rest of the tree is updated
+once, as it always was.
+
+What makes a slice's update the stack's: AdamW and SGD are elementwise; an 8-bit moment's
+blocks run along its trailing dims (`q8.split`: a leaf whose blocks would cross layers is not
+sliced); the gradient clipping reads the whole tree's norm (`clip_by_global_norm`, handed
+`global_norm`); the scalars (the optimizer's count) are shared. What differs is the random
+bits of stochastic rounding: each layer's are drawn with its index folded into the keys
+(`layer`), where the whole stack drew one stream. Each call sees the whole tree's structure,
+the leaves it does not update standing in as empty arrays, so every leaf keeps the key it
+always had.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from mptrain.recipe import q8
+from mptrain.recipe import precision, q8, sharding
 
-LAYERWISE_MIN = 2**28  # elements: a leaf this large of 3 or more dims is updated a layer at a time
+LAYERWISE_MIN = 2**28  # elements of one leaf of a stack: from here its update is a layer's
 
 
-def update(moments, updates, mu, nu, count, key, apply) -> tuple:
-    """`moments(updates, mu, nu, count, key, apply)` (trees in, `(steps, mu, nu)` out), with
-    every leaf of `LAYERWISE_MIN` elements or more and 3 or more dims (a stack of layers, its
-    leading axis the layer: `sharding.STACKED`) updated one slice of that axis at a time
-    (`jax.lax.map`), its key folded with the leaf's place and the slice's index. Adam is
-    elementwise and an 8-bit moment's blocks run along its trailing dims (`q8.split`), so a
-    slice's update is the stack's; what it saves is the update's fp32 temporaries (the moments
-    loaded, the new ones before their rounding), a slice's instead of the stack's: 8.75 GiB a
-    tensor for the 70B's MLP on 8 devices, 110 MiB a layer."""
-    leaves, treedef = jax.tree.flatten(updates)
-    olds = [jax.tree.leaves(t, is_leaf=q8.is_q8) for t in (mu, nu)]
-    stacked = [
-        np.ndim(g) >= 3
-        and np.size(g) >= LAYERWISE_MIN
-        and all(q8.split(x.shape, x.block_size) >= 1 for x in (m, n) if q8.is_q8(x))
-        for g, m, n in zip(leaves, *olds, strict=True)
-    ]
-    if not any(stacked):
-        return moments(updates, mu, nu, count, key, apply)
-    pick = lambda xs, want: [x for x, s in zip(xs, stacked, strict=True) if s == want]
-    rest = moments(pick(leaves, False), *(pick(o, False) for o in olds), count, key, apply)
-    layered = []
-    for place, (g, m, n) in enumerate(zip(*(pick(x, True) for x in (leaves, *olds)), strict=True)):
-        leaf_key = jax.random.fold_in(key, place)
+def norm(tree: Any) -> jax.Array:
+    """`optax.tree.norm` of `tree` summed in fp32 (a leaf upcast where XLA fuses it into the
+    sum: bf16 gradients stay bf16 in memory); of fp32 leaves, optax's to the bit."""
+    return optax.tree.norm(precision.to_f32(tree))
 
-        def one(slices, leaf_key=leaf_key):
-            g, m, n, i = slices
-            return moments([g], [m], [n], count, jax.random.fold_in(leaf_key, i), apply)
 
-        found = jax.lax.map(one, (g, m, n, jnp.arange(np.shape(g)[0])))
-        layered.append(tuple(part[0] for part in found))
-    rest, layered = [iter(part) for part in rest], iter(layered)
-    merged: tuple[list, list, list] = ([], [], [])
-    for s in stacked:  # back in the trees' order
-        parts = next(layered) if s else tuple(next(part) for part in rest)
-        for j, x in enumerate(parts):
-            merged[j].append(x)
-    rebuild = lambda tree, new: jax.tree.unflatten(jax.tree.structure(tree, is_leaf=q8.is_q8), new)
-    return jax.tree.unflatten(treedef, merged[0]), rebuild(mu, merged[1]), rebuild(nu, merged[2])
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (the same formula and empty state) that takes the norm from
+    `global_norm=` where its caller has it: a layer's slice of a tree has not its norm."""
+
+    def update_fn(updates, state, params=None, *, global_norm=None, **extra):
+        del params, extra
+        total = norm(updates) if global_norm is None else global_norm
+        trigger = jnp.squeeze(total < max_norm)
+        clip = lambda t: jax.lax.select(trigger, t, (t / total.astype(t.dtype)) * max_norm)
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def applies(params: Any, tx: Any) -> bool:
+    """Whether `update` takes this update: a stack with a leaf of `LAYERWISE_MIN` elements or
+    more, under an optimizer that takes `layer=` and `global_norm=` (`optim.Gated`; not
+    gradient accumulation's)."""
+    from mptrain.recipe import optim
+
+    stack = params.get(sharding.STACKED) if isinstance(params, Mapping) else None
+    big = stack is not None and any(np.size(x) >= LAYERWISE_MIN for x in jax.tree.leaves(stack))
+    return big and isinstance(tx, optim.Gated)
+
+
+def update(step: Callable, params, grads, opt_state, compensation) -> tuple:
+    """`step(params, grads, opt_state, compensation, **extra) -> (params, opt_state,
+    compensation)`, the update of whole trees, run on the stack a layer at a time and on the
+    rest once (module doc); the same three trees out."""
+    trees = (params, grads, opt_state, compensation)
+    (count,) = {np.shape(x)[0] for x in jax.tree.leaves(params[sharding.STACKED])}
+    total = norm(grads)
+    whole = _whole(opt_state)
+    paths = [_stack_paths(t, whole) for t in trees]
+    rest = step(*(_view(t, p, False) for t, p in zip(trees, paths, strict=True)), global_norm=total)
+    kept = (params, opt_state, compensation)  # what the loop rewrites, a layer at a time
+    outputs = [paths[0], *paths[2:]]
+
+    def one(i, carry):  # reads layer i of the stacks it carries and writes it back, in place
+        now = [_merge(t, c, p) for t, c, p in zip(kept, carry, outputs, strict=True)]
+        now.insert(1, grads)
+        views = (_view(t, p, True, i) for t, p in zip(now, paths, strict=True))
+        out = step(*views, global_norm=total, layer=i)
+        put = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, i, 0)
+        return [
+            [jax.tree.map(put, full, new) for full, new in zip(c, _pick(t, p), strict=True)]
+            for c, t, p in zip(carry, out, outputs, strict=True)
+        ]
+
+    carry = [_pick(t, p) for t, p in zip(kept, outputs, strict=True)]
+    stacked = jax.lax.fori_loop(0, count, one, carry)
+    return tuple(_merge(*parts) for parts in zip(rest, stacked, outputs, strict=True))
+
+
+def _flat(tree: Any) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=q8.is_q8)[0]
+
+
+def _param(path) -> str:
+    """The stack's param a leaf's path is of (from `sharding.STACKED` on: an optimizer state's
+    leaf mirrors a param's path under its own prefix)."""
+    keys = [getattr(k, "key", None) for k in path]
+    return jax.tree_util.keystr(tuple(path[keys.index(sharding.STACKED) :]))
+
+
+def _whole(opt_state: Any) -> set[str]:
+    """The stack's params whose 8-bit moments' blocks cross its layers (`q8.split` 0: a small
+    leaf of no multiple of the block size): updated whole, with the rest."""
+    return {
+        _param(path)
+        for path, x in _flat(opt_state)
+        if q8.is_q8(x) and sharding.is_stacked(path) and q8.split(x.shape, x.block_size) == 0
+    }
+
+
+def _stack_paths(tree: Any, whole: set[str]) -> set[str]:
+    """The paths of `tree`'s leaves updated a layer at a time: a stack's (`sharding.is_stacked`),
+    not scalars, not of the params `whole` names."""
+    return {
+        jax.tree_util.keystr(path)
+        for path, x in _flat(tree)
+        if sharding.is_stacked(path)
+        and np.ndim(x.codes if q8.is_q8(x) else x) > 0
+        and _param(path) not in whole
+    }
+
+
+def _view(tree: Any, paths: set[str], stacked: bool, index: Any = None) -> Any:
+    """`tree` with the leaves at `paths` (`stacked`: layer `index` of each) or the others, the
+    rest empty arrays; scalars (a count) as they are."""
+
+    def one(path, x):
+        if (jax.tree_util.keystr(path) in paths) != stacked:
+            if np.ndim(x.codes if q8.is_q8(x) else x) == 0:
+                return x
+            if q8.is_q8(x):
+                return q8.zeros((0,), x.kind, x.block_size)
+            return jnp.zeros((0,), x.dtype)
+        if index is None:
+            return x
+        return jax.tree.map(lambda a: a[index], x)  # a Q8's codes and scales alike
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=q8.is_q8)
+
+
+def _pick(tree: Any, paths: set[str]) -> list:
+    return [x for path, x in _flat(tree) if jax.tree_util.keystr(path) in paths]
+
+
+def _merge(rest: Any, stacked: list, paths: set[str]) -> Any:
+    """`rest`'s tree with the leaves at `paths` (empty there) replaced by `stacked`'s."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(rest, is_leaf=q8.is_q8)
+    layers = iter(stacked)
+    leaves = [next(layers) if jax.tree_util.keystr(p) in paths else x for p, x in flat]
+    return jax.tree.unflatten(treedef, leaves)

@@ -140,7 +140,10 @@ class NoOpLossScale(_Scaler):
         return _scale_tree(tree, None)
 
     def unscale(self, tree: Any) -> Any:
-        return _scale_tree(tree, None)
+        # Nothing to divide: bf16 gradients (bf16 params' under FSDP, `sharding._gather`) stay
+        # bf16, 2 bytes a parameter until the update upcasts them a leaf at a time; fp16 ones
+        # are upcast, as fp16's range cannot hold what the update makes of them.
+        return jax.tree.map(lambda x: x if x.dtype == jnp.bfloat16 else jnp.asarray(x, _F32), tree)
 
     def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
         del grads_finite

@@ -182,28 +182,29 @@ def scale_by_adam(
             nu=jax.tree.map(zeros(nu_dtype, "sqrt"), params),
         )
 
-    def moments(updates, mu_old, nu_old, count, key, apply):  # trees, or a layer's slices
+    def update_fn(updates, state, params=None, *, apply=None, layer=None, **extra):
+        del params, extra  # `layer`: one layer's slices of a stack (`layerwise`), its own bits
         grads = to_f32(updates)
-        mu = optax.tree.update_moment(grads, _load(mu_old), b1, 1)
-        nu = optax.tree.update_moment_per_elem_norm(grads, _load(nu_old), b2, 2)
-        mu_key, nu_key = jax.random.split(key)
-        new_mu = _keep(apply, _store(mu, mu_dtype, moment_rounding, mu_key, mu_old), mu_old)
-        new_nu = _keep(apply, _store(nu, nu_dtype, moment_rounding, nu_key, nu_old), nu_old)
-        # (`Gated`) fp32 moments: the step from the kept ones (the same numbers when applied);
-        # stored in fewer bits, from the fp32 values before their rounding, as always
-        mu = new_mu if mu_dtype == F32 else mu
-        nu = new_nu if nu_dtype == F32 else nu
-        mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(nu, b2, count)
-        steps = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
-        return steps, new_mu, new_nu
-
-    def update_fn(updates, state, params=None, *, apply=None, **extra):
-        del params, extra
+        mu = optax.tree.update_moment(grads, _load(state.mu), b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(grads, _load(state.nu), b2, 2)
         count = optax.safe_increment(state.count)
         key = jax.random.fold_in(jax.random.key(seed), count)
-        steps, mu, nu = layerwise.update(moments, updates, state.mu, state.nu, count, key, apply)
-        return steps, optax.ScaleByAdamState(_keep(apply, count, state.count), mu, nu)
+        key = key if layer is None else jax.random.fold_in(key, layer)
+        mu_key, nu_key = jax.random.split(key)
+        new_state = optax.ScaleByAdamState(
+            count=count,
+            mu=_store(mu, mu_dtype, moment_rounding, mu_key, state.mu),
+            nu=_store(nu, nu_dtype, moment_rounding, nu_key, state.nu),
+        )
+        new_state = _keep(apply, new_state, state)  # see `Gated`
+        # fp32 moments: the step is computed from the kept ones (the same numbers when applied);
+        # stored in fewer bits, from the fp32 values before their rounding, as always
+        mu = new_state.mu if mu_dtype == F32 else mu
+        nu = new_state.nu if nu_dtype == F32 else nu
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(nu, b2, count)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        return updates, new_state
 
     return Gated(init_fn, update_fn)
 
@@ -390,11 +391,10 @@ def make_optimizer(
             mask=weight_decay_mask,
         )
     if clip:  # stateless: the chain still gates
-        tx = Gated(*optax.chain(optax.clip_by_global_norm(clip), tx))
+        tx = Gated(*optax.chain(layerwise.clip_by_global_norm(clip), tx))
     accumulation = errors.setting(opt, "accumulation_steps", 1)
     if accumulation > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=accumulation, accumulator_dtype=jnp.float32)
-        inner = tx.gradient_transformation()
-        # MultiSteps sizes a few buffers from the params: fp32 copies keep them from bf16
+        inner = tx.gradient_transformation()  # its buffers from fp32 params, not bf16 ones
         tx = optax.GradientTransformation(lambda p: inner.init(to_f32(p)), inner.update)
     return tx, schedule

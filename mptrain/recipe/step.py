@@ -17,8 +17,8 @@ import optax
 from jax.sharding import Mesh, PartitionSpec
 
 from mptrain.recipe import fp8 as fp8_lib
+from mptrain.recipe import layerwise, numerics, precision, sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
-from mptrain.recipe import numerics, precision, sharding
 from mptrain.recipe import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
@@ -139,7 +139,7 @@ def make_train_step(
         # fp32's range (gradients above ~1e19), from which no update is safe either. One
         # reduction the step needs anyway, instead of a pass per leaf (DeepSpeed's fp16
         # optimizer detects overflow from the norm too).
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = layerwise.norm(grads)
         finite = jnp.isfinite(grad_norm)
         model_state = _like(model_state, state.model_state)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the

@@ -8,6 +8,7 @@ inside `opt_state` and advances only on applied updates, so schedules do not dri
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,8 +19,8 @@ from flax.training import train_state
 
 from mptrain import errors
 from mptrain.recipe import frozen as frozen_lib
+from mptrain.recipe import layerwise, optim, precision
 from mptrain.recipe import loss_scale as loss_scale_lib
-from mptrain.recipe import optim, precision
 
 ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
 _ROUNDING_SALT = 0x5EED
@@ -136,12 +137,31 @@ class TrainState(train_state.TrainState):
         compensation come back bit-identical. An `optim.Gated` optimizer keeps its own state
         (one read of each old leaf, see there); any other is selected after its update.
         """
-        params32 = precision.to_f32(self.params)
+        trees = (self.params, grads, self.opt_state, self.param_compensation)
+        update = functools.partial(self._update, apply=apply)
+        if layerwise.applies(self.params, self.tx):  # a big stack: a layer at a time
+            params, opt_state, compensation = layerwise.update(update, *trees)
+        else:  # a gated clip reads the norm summed in fp32 (`layerwise.norm`)
+            norm = (
+                {"global_norm": layerwise.norm(grads)} if isinstance(self.tx, optim.Gated) else {}
+            )
+            params, opt_state, compensation = update(*trees, **norm)
+        return self.replace(
+            params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
+        )
+
+    def _update(self, old, grads, opt_state, compensation, *, apply, layer=None, **extra):
+        """`apply_gradients`' update of these trees (or of a layer's slices of them, `layer`:
+        `layerwise`): `(params, opt_state, compensation)`."""
+        params32 = precision.to_f32(old)
         gated = apply is not None and isinstance(self.tx, optim.Gated)
-        extra = {"apply": apply} if gated else {}
-        updates, opt_state = self.tx.update(grads, self.opt_state, params32, **extra)
+        if gated:
+            extra = {**extra, "apply": apply, **({} if layer is None else {"layer": layer})}
+        else:
+            extra = {}
+        updates, new_state = self.tx.update(grads, opt_state, params32, **extra)
         updates = precision.to_f32(updates)
-        compensation = self.param_compensation
+        kept_compensation = compensation
         if self.param_rounding == "nearest":
             params = jax.tree.map(
                 lambda p, u: (p + u).astype(self.policy.param_dtype), params32, updates
@@ -149,6 +169,7 @@ class TrainState(train_state.TrainState):
         elif self.param_rounding == "stochastic":
             key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
             key = jax.random.fold_in(key, _ROUNDING_SALT)
+            key = key if layer is None else jax.random.fold_in(key, layer)
             params = precision.stochastic_round_tree(jax.tree.map(jnp.add, params32, updates), key)
         else:  # kahan: carry the part of each update that rounding dropped into the next one
             dtype = self.policy.param_dtype
@@ -163,9 +184,7 @@ class TrainState(train_state.TrainState):
             )
         if apply is not None:
             keep = lambda new, old: loss_scale_lib.select_tree(apply, new, old)
-            params = keep(params, self.params)
-            compensation = keep(compensation, self.param_compensation)
-            opt_state = opt_state if gated else keep(opt_state, self.opt_state)
-        return self.replace(
-            params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
-        )
+            params = keep(params, old)
+            compensation = keep(compensation, kept_compensation)
+            new_state = new_state if gated else keep(new_state, opt_state)
+        return params, new_state, compensation

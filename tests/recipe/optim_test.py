@@ -9,7 +9,7 @@ import pytest
 from helpers import normal
 
 import mptrain
-from mptrain.recipe import layerwise, optim, schedules
+from mptrain.recipe import optim, schedules
 
 
 def _params(seed=0):
@@ -319,25 +319,3 @@ def test_the_step_copies_no_optimizer_state(tmp_path):
     entry = program[program.index("\nENTRY") :]
     copies = [line for line in entry.splitlines() if " copy(%state" in line and "[]" not in line]
     assert not copies, copies  # of the donated state's arrays; scalars (counters) aside
-
-
-@pytest.mark.parametrize("dtype", ["q8", "float32"])
-def test_a_large_stack_is_updated_a_layer_at_a_time_as_it_is_whole(dtype, monkeypatch):
-    """Nearest rounding: the same 8-bit codes, and fp32 moments and steps to an ulp or two (XLA
-    fuses the two programs' arithmetic differently), one layer's slice at a time
-    (`layerwise.update`, here for every leaf of 3 dims) as the whole stack at once."""
-    grads = {"stack": normal(0, (3, 8, 512)), "bias": normal(1, (8,))}
-    params = jax.tree.map(jnp.zeros_like, grads)
-    tx = optim.scale_by_adam(mu_dtype=dtype, nu_dtype=dtype, moment_rounding="nearest")
-
-    def two_steps():
-        state = tx.init(params)
-        for _ in range(2):
-            steps, state = tx.update(grads, state)
-        return steps, state
-
-    whole = jax.jit(lambda: two_steps())()  # a new function each: traced anew
-    monkeypatch.setattr(layerwise, "LAYERWISE_MIN", 1)
-    sliced = jax.jit(lambda: two_steps())()
-    for x, y in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced), strict=True):
-        np.testing.assert_allclose(y, x, rtol=1e-6, atol=0)  # codes: 0 ulps
