@@ -40,13 +40,12 @@ import time
 from typing import Any
 
 from mptrain import target as target_lib
+from mptrain.plan import knobs
 from mptrain.plan import memory as plan_memory
 from mptrain.plan import step as plan_step
 
 GiB = 2**30
 MAX_FRACTION = 0.95  # the most of a GPU a run is told to take: cuDNN, NCCL and CUDA need the rest
-REMAT = ("none", "minimal_with_context", "minimal", "full")  # light to heavy
-CHUNK = 256  # loss.chunk_tokens the free knob sets
 # cumulative precision levels, cheapest first
 PRECISION = (
     {},
@@ -207,13 +206,13 @@ def fit(
             done[key] = found
         return done[key]
 
-    base = _mesh_knobs(config, count)
+    base = knobs.mesh(config, count)
     given = measure(base)
     if given.fits and not given.fraction:
         return _found(chip, count, capacity, done, given, started)
-    base = base | _chunk_knob(config)  # a new dict: `given` keeps its own knobs
-    remats = _remat_ladder(config)
-    micro = _micro_batches(config, count)
+    base = base | knobs.chunk(config)  # a new dict: `given` keeps its own knobs
+    remats = knobs.remat_ladder(config)
+    micro = knobs.micro_batches(config, count)
     # a level whose params and moments alone, at their least bytes a parameter, exceed the
     # memory is not compiled
     per_device = given.state / max(given.state_bytes_per_param, 1e-9)
@@ -228,7 +227,7 @@ def fit(
         knobs = dict(base) | level
         if remat != remats[0]:
             knobs["model.remat"] = remat
-        return knobs | _micro_knobs(config, k, count)
+        return knobs | knobs.micro(config, k, count)
 
     def fits(level, remat, k) -> bool:
         return measure(at(level, remat, k)).fits
@@ -339,76 +338,3 @@ def _applies(config, level: dict) -> bool:
     if "precision" in level and str(_get(config, "precision")) != "bf16-mixed":
         return False
     return any(str(_get(config, k)) != str(v) for k, v in level.items())
-
-
-def _mesh_knobs(config, count: int) -> dict[str, Any]:
-    """The mesh `count` devices need where the config's does not divide them: all FSDP, and
-    where the batch has fewer rows than that, the rest splitting each sequence (`_split`)."""
-    data, fsdp = _get(config, "mesh.data", -1), _get(config, "mesh.fsdp", 1)
-    context = _get(config, "mesh.context", 1)
-    fits = count % (fsdp * context) == 0 and (data == -1 or data * fsdp * context == count)
-    if fits and config.batch_size % (count // context) == 0:
-        return {}
-    return _split(config, config.batch_size, count) or {"mesh.data": -1, "mesh.fsdp": count}
-
-
-def _split(config, rows: int, count: int) -> dict[str, Any] | None:
-    """A mesh of `count` devices for a batch of `rows` sequences fewer than the devices: FSDP
-    over the rows, each sequence split over the rest (`mesh.context`), params over all; {}
-    where the rows cover the devices; None where no split can take them (a context axis is
-    the Llama's on whole rows, of a length 2 x context chunks divide)."""
-    if rows % count == 0:
-        return {}
-    length = _get(config, "data.seq_len") or 0
-    context = count // rows if rows and count % rows == 0 else 0
-    llama = _get(config, "model.name") == "llama" and _get(config, "data.name") != "sft"
-    if not (llama and context and length % (2 * context) == 0):
-        return None
-    return {"mesh.data": 1, "mesh.fsdp": rows, "mesh.context": context}
-
-
-def _chunk_knob(config) -> dict[str, Any]:
-    """`loss.chunk_tokens` where a language model's loss runs as one big chunk."""
-    from mptrain.models import lm_loss
-
-    length, vocab = _get(config, "data.seq_len"), _get(config, "model.vocab_size")
-    if not (length and vocab) or _get(config, "loss") is None:
-        return {}
-    width = _get(config, "model.d_model") or 0
-    chunk = _get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab, width)
-    return {"loss.chunk_tokens": CHUNK} if chunk >= length > CHUNK else {}
-
-
-def _remat_ladder(config) -> list[str | None]:
-    """The given remat policy (the model's default where the config has none), then the
-    heavier ones; [None] for a model without `remat`."""
-    import importlib
-
-    given = _get(config, "model.remat")
-    if given is None and _get(config, "model.name"):
-        module = importlib.import_module(f"mptrain.models.{config.model.name}")
-        given = getattr(module, "CONFIG_KEYS", {}).get("remat")
-    return list(REMAT[REMAT.index(given) :]) if given in REMAT else [given]
-
-
-def _micro_batches(config, count: int) -> list[int]:
-    """k = 1, 2, 4, ... while `batch_size` / k still splits over `count` devices, its rows, or,
-    fewer than the devices, each sequence split over the rest (`_split`)."""
-    batch, found = config.batch_size, [1]
-    while (
-        batch % (found[-1] * 2) == 0 and _split(config, batch // found[-1] // 2, count) is not None
-    ):
-        found.append(found[-1] * 2)
-    return found
-
-
-def _micro_knobs(config, k: int, count: int) -> dict[str, Any]:
-    """`k` micro-batches a global batch: the batch / k, k x the accumulation and step counts,
-    the mesh that splits its rows (`_split`)."""
-    if k == 1:
-        return {}
-    knobs = {"batch_size": config.batch_size // k, **_split(config, config.batch_size // k, count)}
-    knobs["optimizer.accumulation_steps"] = config.optimizer.accumulation_steps * k
-    for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps"):
-        knobs[key] = config[key] * k
-    return knobs

@@ -57,15 +57,13 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
-def applies(params: Any, tx: Any) -> bool:
+def applies(params: Any, gated: bool) -> bool:
     """Whether `update` takes this update: a stack with a leaf of `LAYERWISE_MIN` elements or
-    more, under an optimizer that takes `layer=` and `global_norm=` (`optim.Gated`; not
-    gradient accumulation's)."""
-    from mptrain.recipe import optim
-
+    more, under an optimizer that takes `layer=` and `global_norm=` (`gated`: an `optim.Gated`;
+    not gradient accumulation's)."""
     stack = params.get(sharding.STACKED) if isinstance(params, Mapping) else None
     big = stack is not None and any(np.size(x) >= LAYERWISE_MIN for x in jax.tree.leaves(stack))
-    return big and isinstance(tx, optim.Gated)
+    return big and gated
 
 
 def update(step: Callable, params, grads, opt_state, compensation) -> tuple:

@@ -139,12 +139,11 @@ class TrainState(train_state.TrainState):
         """
         trees = (self.params, grads, self.opt_state, self.param_compensation)
         update = functools.partial(self._update, apply=apply)
-        if layerwise.applies(self.params, self.tx):  # a big stack: a layer at a time
+        gated = isinstance(self.tx, optim.Gated)
+        if layerwise.applies(self.params, gated):  # a big stack: a layer at a time
             params, opt_state, compensation = layerwise.update(update, *trees)
         else:  # a gated clip reads the norm summed in fp32 (`layerwise.norm`)
-            norm = (
-                {"global_norm": layerwise.norm(grads)} if isinstance(self.tx, optim.Gated) else {}
-            )
+            norm = {"global_norm": layerwise.norm(grads)} if gated else {}
             params, opt_state, compensation = update(*trees, **norm)
         return self.replace(
             params=params, opt_state=opt_state, param_compensation=compensation, **kwargs

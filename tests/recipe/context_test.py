@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     LLAMA_SCALING,
     ROOT,
+    cudnn_as_xla,
     load_config,
     needs_devices,
     normal,
@@ -188,6 +189,7 @@ def test_a_model_or_attention_that_cannot_take_a_split_sequence_is_refused(monke
     with pytest.raises(mptrain.config.ConfigError, match="model.name='transformer_lm' does not"):
         mptrain.config.validate(config)
     pretend_gpu(monkeypatch)  # where "auto" picks cuDNN: its split attention takes whole rows
+    cudnn_as_xla(monkeypatch)  # the config's abstract init traces it; no cuDNN here
     mesh = {"mesh.data": 1, "mesh.context": 2}
     mptrain.config.validate(load_config("llama3", "tiny", **mesh))
     for arg, what, window in (("sft_tiny", "packed rows", None), ("tiny", "a sliding window", 16)):

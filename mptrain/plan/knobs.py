@@ -1,0 +1,93 @@
+"""The knobs `--fit` turns that change the run's shape (`mptrain.plan.search`): the mesh, the
+micro-batches (and the context split that takes a micro-batch of fewer rows than devices), the
+loss's chunks, the remat ladder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+REMAT = ("none", "minimal_with_context", "minimal", "full")  # light to heavy
+CHUNK = 256  # loss.chunk_tokens the free knob sets
+
+
+def get(config, key: str, default=None):
+    """`config`'s dotted `key`, or `default` where a section lacks it."""
+    section = config
+    for part in key.split("."):
+        if part not in section:
+            return default
+        section = section[part]
+    return section
+
+
+def mesh(config, count: int) -> dict[str, Any]:
+    """The mesh `count` devices need where the config's does not divide them: all FSDP, and
+    where the batch has fewer rows than that, the rest splitting each sequence (`split`)."""
+    data, fsdp = get(config, "mesh.data", -1), get(config, "mesh.fsdp", 1)
+    context = get(config, "mesh.context", 1)
+    fits = count % (fsdp * context) == 0 and (data == -1 or data * fsdp * context == count)
+    if fits and config.batch_size % (count // context) == 0:
+        return {}
+    return split(config, config.batch_size, count) or {"mesh.data": -1, "mesh.fsdp": count}
+
+
+def split(config, rows: int, count: int) -> dict[str, Any] | None:
+    """A mesh of `count` devices for a batch of `rows` sequences fewer than the devices: FSDP
+    over the rows, each sequence split over the rest (`mesh.context`), params over all; {}
+    where the rows cover the devices; None where no split can take them (a context axis is
+    the Llama's on whole rows, of a length 2 x context chunks divide)."""
+    if rows % count == 0:
+        return {}
+    length = get(config, "data.seq_len") or 0
+    context = count // rows if rows and count % rows == 0 else 0
+    llama = get(config, "model.name") == "llama" and get(config, "data.name") != "sft"
+    if not (llama and context and length % (2 * context) == 0):
+        return None
+    return {"mesh.data": 1, "mesh.fsdp": rows, "mesh.context": context}
+
+
+def chunk(config) -> dict[str, Any]:
+    """`loss.chunk_tokens` where a language model's loss runs as one big chunk."""
+    from mptrain.models import lm_loss
+
+    length, vocab = get(config, "data.seq_len"), get(config, "model.vocab_size")
+    if not (length and vocab) or get(config, "loss") is None:
+        return {}
+    width = get(config, "model.d_model") or 0
+    chunk = get(config, "loss.chunk_tokens") or lm_loss.auto_chunk(length, vocab, width)
+    return {"loss.chunk_tokens": CHUNK} if chunk >= length > CHUNK else {}
+
+
+def remat_ladder(config) -> list[str | None]:
+    """The given remat policy (the model's default where the config has none), then the
+    heavier ones; [None] for a model without `remat`."""
+    import importlib
+
+    given = get(config, "model.remat")
+    if given is None and get(config, "model.name"):
+        module = importlib.import_module(f"mptrain.models.{config.model.name}")
+        given = getattr(module, "CONFIG_KEYS", {}).get("remat")
+    return list(REMAT[REMAT.index(given) :]) if given in REMAT else [given]
+
+
+def micro_batches(config, count: int) -> list[int]:
+    """k = 1, 2, 4, ... while `batch_size` / k still splits over `count` devices, its rows, or,
+    fewer than the devices, each sequence split over the rest (`split`)."""
+    batch, found = config.batch_size, [1]
+    while (
+        batch % (found[-1] * 2) == 0 and split(config, batch // found[-1] // 2, count) is not None
+    ):
+        found.append(found[-1] * 2)
+    return found
+
+
+def micro(config, k: int, count: int) -> dict[str, Any]:
+    """`k` micro-batches a global batch: the batch / k, k x the accumulation and step counts,
+    the mesh that splits its rows (`split`)."""
+    if k == 1:
+        return {}
+    knobs = {"batch_size": config.batch_size // k, **split(config, config.batch_size // k, count)}
+    knobs["optimizer.accumulation_steps"] = config.optimizer.accumulation_steps * k
+    for key in ("num_train_steps", "eval_every_steps", "checkpoint_every_steps"):
+        knobs[key] = config[key] * k
+    return knobs
