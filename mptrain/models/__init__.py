@@ -156,8 +156,9 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
 
 def _check_context(config, model, context: int, example: Any) -> None:
     """What a sequence split over `mesh.context` devices needs (`recipe.layout`): the Llama
-    decoder (it takes positions and masks by them); the materialised attention, or cuDNN's
-    (`models.context_attention`) on rows of one sequence each without a sliding window; no
+    decoder (it takes positions and masks by them); the materialised attention, the TPU's
+    splash kernel (`splash.split_attention`), or cuDNN's (`models.context_attention`) on rows of
+    one sequence each without a sliding window; no
     longrope (a row's switch reads its largest position, which one device's tokens do not
     know); and sequences that `2 x context` equal chunks divide."""
     where = f"mesh.context={context}"
@@ -167,11 +168,6 @@ def _check_context(config, model, context: int, example: Any) -> None:
             "Llama decoder (model.name='llama') does"
         )
     attention = f"model.attention={config.model.get('attention', 'auto')!r}"
-    if model.implementation == "flash":
-        raise ValueError(
-            f"{where}: {attention} runs the TPU flash kernel here, which does not take a split "
-            "sequence yet; set model.attention='materialized'"
-        )
     windows = any(s.window for s in (model.shape, *model.layer_shapes))
     packed = example is not None and "segment_ids" in example
     if model.implementation == "cudnn" and (windows or packed):

@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import context_attention, layers
+from mptrain.models import context_attention, layers, splash
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import rope as rope_lib
@@ -145,6 +145,10 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             out = context_attention.split_attention(
                 q, k, v, index, split.size, split.gather, kernel, s.attn_scale
             )
+        elif split is not None and self.implementation == "flash":  # `splash.split_attention`
+            ids = None if segments is None else segments.ids
+            index = jax.lax.axis_index(split.axis)
+            out = splash.split_attention(q, k, v, index, split.size, split, ids, **how)
         elif cache is None:
             k, v, keys = _keys(k, v, positions, segments)
             out = attention_lib.causal_attention(q, k, v, self.implementation, **keys, **how)

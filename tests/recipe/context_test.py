@@ -25,7 +25,7 @@ from jax.sharding import Mesh, PartitionSpec
 import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
-from mptrain.models import attention, blocks, context_attention, rope, segments
+from mptrain.models import attention, blocks, context_attention, rope, segments, splash
 from mptrain.recipe import layout, sharding
 from mptrain.train import trainer as trainer_lib
 
@@ -43,9 +43,9 @@ def test_the_balanced_order_gives_each_device_a_head_and_a_tail_chunk():
 
 
 def _packed(length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two rows' segment ids and positions: three examples of 10, 13 and 7 tokens and padding,
-    crossing the chunks' boundaries; one example the whole row."""
-    lengths = [(10, 13, 7), (length,)]
+    """Two rows' segment ids and positions: three examples of 10, 13 and 7 32nds of the row and
+    padding, crossing the chunks' boundaries; one example the whole row."""
+    lengths = [tuple(length * n // 32 for n in (10, 13, 7)), (length,)]
     ids = np.zeros((2, length), np.int32)
     positions = np.zeros((2, length), np.int32)
     for row, parts in enumerate(lengths):
@@ -237,3 +237,44 @@ def test_two_processes_split_each_sequence_over_context_as_one_process_does(tmp_
     one = plain_orbax_state(tmp_path / "one", 3)["params"]
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(one), strict=True):
         assert np.max(np.abs(x - y)) <= 1e-5 * np.max(np.abs(y))
+
+
+@pytest.mark.slow  # Pallas's interpret mode
+@needs_devices(4)
+def test_the_tpu_kernel_on_a_split_sequence_equals_the_whole_sequence():
+    """The splash kernel (`splash.split_attention`, Pallas's interpret mode) on a context axis
+    of 4: packed rows crossing the chunks, GQA, a sliding window of 200; outputs and dQ, dK, dV
+    equal the whole sequence's materialised attention, to 1e-5 in fp32."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    batch, length, heads, kv, depth = 2, 1024, 4, 2, 16  # chunks of 128: the kernel's tile
+    q, k, v = (normal(i, (batch, length, n, depth)) for i, n in enumerate((heads, kv, kv)))
+    weights = normal(3, (batch, length, heads, depth))
+    ids, _ = _packed(length)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 4), layout.AXES)
+
+    def attend(q, k, v, weights, ids):
+        split = sharding.sequence_axis()
+        if split is None:
+            out = attention.causal_attention(q, k, v, "materialized", segment_ids=ids, window=200)
+        else:
+            index = jax.lax.axis_index(split.axis)
+            out = splash.split_attention(q, k, v, index, 4, split, ids, window=200)
+        return jnp.sum(out * weights), out
+
+    grads = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)
+
+    def split(*args):
+        with sharding._splitting(mesh):
+            (_, out), dqkv = grads(*args)
+        return out, dqkv
+
+    along = PartitionSpec(None, "context")
+    split = jax.shard_map(split, mesh=mesh, in_specs=along, out_specs=along, check_vma=False)
+    order = layout.balanced_order(length, 4)
+    with pltpu.force_tpu_interpret_mode():
+        (_, want), want_grads = jax.jit(grads)(q, k, v, weights, ids)
+        got, got_grads = jax.jit(split)(*(x[:, order] for x in (q, k, v, weights, ids)))
+    np.testing.assert_allclose(got, want[:, order], rtol=1e-5, atol=1e-5)
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w[:, order], rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
