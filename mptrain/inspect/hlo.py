@@ -189,10 +189,13 @@ def _moves(prog: program.Program, devices: int) -> Iterator[tuple[str, Any, int,
 _ATTENTION_NAME = re.compile(r"(^|/)(self_)?(attn|attention)(_\d+)?/|softmax", re.IGNORECASE)
 
 
-def attention(prog: program.Program, length: int | None, per: int = 1, rows: int = 1) -> dict:
+def attention(
+    prog: program.Program, length: int | None, per: int = 1, rows: int = 1, context: int = 1
+) -> dict:
     """`program.Program.attention` (which fused kernel runs, its calls), with the `[.., L, L]`
     buffers of a materialised attention counted only where they are attention scores: an
-    array whose last two dims are both `length`, whose leading dims hold a multiple of `rows`
+    array whose last two dims are `length` (`length / context` queries on a split sequence,
+    over the gathered `length` keys), whose leading dims hold a multiple of `rows`
     (a device's sequences x heads), written by an op of an attention module (its module path
     has an `attn` or `attention` module, or it is a softmax). A shape alone cannot tell: a
     LayerNorm's `[B, L, D]` or a scan's `[layers, B, L, D]` with D = L has it too (the tiny
@@ -205,7 +208,8 @@ def attention(prog: program.Program, length: int | None, per: int = 1, rows: int
             continue
         for dtype, dims in program.arrays(inst.type):
             lead = int(np.prod(dims[:-2]))
-            if len(dims) >= 3 and dims[-2:] == (length, length) and lead >= 2 and lead % rows == 0:
+            scores = dims[-2:] == (length // context, length)
+            if len(dims) >= 3 and scores and lead >= 2 and lead % rows == 0:
                 count, size = count + runs / per, size + program.nbytes(dtype, dims)
                 sites.add(prog.where(inst))
     name = found["implementation"]  # as it reads with no buffers

@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from mptrain import target as target_lib
-from mptrain.plan import knobs
+from mptrain.plan import knobs as shape_knobs
 from mptrain.plan import memory as plan_memory
 from mptrain.plan import step as plan_step
 
@@ -196,7 +196,7 @@ def fit(
                 state_bytes_per_param=result.state_bytes_per_param,
                 floor_s=result.floor.get("floor_s", 0.0)  # none where the compiler refused
                 * knobs.get("optimizer.accumulation_steps", 1)
-                / _get(config, "optimizer.accumulation_steps", 1),
+                / shape_knobs.get(config, "optimizer.accumulation_steps", 1),
                 bound=result.floor.get("bound", "refused"),
                 xla_remat_logged=bool(result.xla_remat),
                 fits=total <= stretch and not result.refused,
@@ -206,28 +206,30 @@ def fit(
             done[key] = found
         return done[key]
 
-    base = knobs.mesh(config, count)
+    base = shape_knobs.mesh(config, count)
     given = measure(base)
     if given.fits and not given.fraction:
         return _found(chip, count, capacity, done, given, started)
-    base = base | knobs.chunk(config)  # a new dict: `given` keeps its own knobs
-    remats = knobs.remat_ladder(config)
-    micro = knobs.micro_batches(config, count)
+    base = base | shape_knobs.chunk(config)  # a new dict: `given` keeps its own knobs
+    remats = shape_knobs.remat_ladder(config)
+    micro = shape_knobs.micro_batches(config, count)
     # a level whose params and moments alone, at their least bytes a parameter, exceed the
     # memory is not compiled
     per_device = given.state / max(given.state_bytes_per_param, 1e-9)
     levels = [p for p in PRECISION if _applies(config, p)]
     least = lambda p: _least_bytes(p, config) * per_device if p else given.state
     levels = [p for p in levels if least(p) <= stretch]
-    if peft and _get(config, "lora.rank") is None:  # adapters' state is small: always tried
-        fsdp = base.get("mesh.fsdp", _get(config, "mesh.fsdp", 1))
+    if (
+        peft and shape_knobs.get(config, "lora.rank") is None
+    ):  # adapters' state is small: always tried
+        fsdp = base.get("mesh.fsdp", shape_knobs.get(config, "mesh.fsdp", 1))
         levels += [p for p in PEFT if p.get("lora.base_dtype") != "q8" or fsdp == 1]
 
     def at(level: dict, remat: str, k: int) -> dict[str, Any]:
         knobs = dict(base) | level
         if remat != remats[0]:
             knobs["model.remat"] = remat
-        return knobs | knobs.micro(config, k, count)
+        return knobs | shape_knobs.micro(config, k, count)
 
     def fits(level, remat, k) -> bool:
         return measure(at(level, remat, k)).fits
@@ -316,25 +318,16 @@ def _least_bytes(level: dict, config) -> float:
     if "lora.rank" in level:  # the adapters are a fraction of a percent of the params
         return 0.0
     moment = {"bfloat16": 2, "q8": 1}.get(level.get("optimizer.mu_dtype"), 4)
-    pure = "bf16-pure" in (level.get("precision"), str(_get(config, "precision")))
+    pure = "bf16-pure" in (level.get("precision"), str(shape_knobs.get(config, "precision")))
     return (2 if pure else 4) + 2 * moment
-
-
-def _get(config, key: str, default=None):
-    section = config
-    for part in key.split("."):
-        if part not in section:
-            return default
-        section = section[part]
-    return section
 
 
 def _applies(config, level: dict) -> bool:
     """Whether a precision level changes anything of `config` (an Adam, bf16-mixed run)."""
     if not level:
         return True
-    if _get(config, "optimizer.name") != "adamw":
+    if shape_knobs.get(config, "optimizer.name") != "adamw":
         return False
-    if "precision" in level and str(_get(config, "precision")) != "bf16-mixed":
+    if "precision" in level and str(shape_knobs.get(config, "precision")) != "bf16-mixed":
         return False
-    return any(str(_get(config, k)) != str(v) for k, v in level.items())
+    return any(str(shape_knobs.get(config, k)) != str(v) for k, v in level.items())

@@ -141,7 +141,8 @@ def plan(
     with errors.config_errors():
         runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
     check_devices(target, named, devices)
-    count = devices or named or math.prod(max(n, 1) for n in (config.mesh.data, config.mesh.fsdp))
+    mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.get("context", 1))
+    count = devices or named or math.prod(max(n, 1) for n in mesh)
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)
     trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
@@ -324,7 +325,9 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         matmul_flops=flops,
         offenders=matmuls["offenders"],
         fp8_kernels=matmuls["fp8_kernels"],
-        attention=hlo.attention(prog, _length(sample), k, _rows(config, trainer.mesh.size)),
+        attention=hlo.attention(
+            prog, _length(sample), k, _rows(config, trainer.mesh), trainer.mesh.shape["context"]
+        ),
         hazards=[dataclasses.asdict(h) for h in hazards],
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
@@ -347,10 +350,11 @@ def _collective_sites(prog) -> dict[str, list[str]]:
     return {op: sorted(found) for op, found in sites.items()}
 
 
-def _rows(config, devices: int) -> int:
+def _rows(config, mesh) -> int:
     """A device's sequences x attention heads: the leading size of its attention scores."""
     heads = config.model.get("num_heads") if "model" in config else None
-    return max(1, config.batch_size // devices) * (heads or 1)
+    splits = mesh.shape["data"] * mesh.shape["fsdp"]  # a context group shares its rows
+    return max(1, config.batch_size // splits) * (heads or 1)
 
 
 def _length(sample: Any) -> int | None:

@@ -142,7 +142,7 @@ def test_fp8_matmuls_run_with_e4m3_and_e5m2_operands_on_the_h100():
 
 def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     result = planned("lm_gpt2s", devices=4, mesh__data=1, mesh__fsdp=4)
-    assert result.devices == 4 and result.mesh == {"data": 1, "fsdp": 4}
+    assert result.devices == 4 and result.mesh == {"data": 1, "fsdp": 4, "context": 1}
     collectives = result.collectives
     assert set(collectives["reduce-scatter"]) == {"f32"}
     assert set(collectives.get("all-reduce", {"f32": 0})) == {"f32"}
@@ -155,7 +155,10 @@ def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     assert gathered.get("f32", 0) == 4 * ln_floats
     assert not [h for h in result.hazards if h["kind"] == "16-bit"]
     sites = [where for found in result.collective_sites.values() for where in found]
-    assert all(where.startswith("mptrain/recipe/sharding.py:") for where in sites), sites
+    # the recipe's reductions; and the loss's count of tokens, summed over the devices (the
+    # mean is every device's: `layers.masked_mean`), a scalar
+    ours = ("mptrain/recipe/sharding.py:", "mptrain/models/layers.py:")
+    assert all(where.startswith(ours) for where in sites), sites
 
 
 def test_the_attention_choice_follows_the_compile_target_not_the_host():
@@ -386,7 +389,7 @@ def test_a_split_sequence_runs_the_tpu_kernel_with_its_offsets_on_a_v5e():
     chunk, `splash.split_attention`), no [B, H, L, L] buffer."""
     result = planned(
         "llama3", "tiny", tgt="v5e-4", mesh__data=1, mesh__context=4, model__attention="auto",
-        precision="bf16-mixed", data__seq_len=1024,
+        precision="bf16-mixed", data__seq_len=1024, model__max_len=1024,
     )  # fmt: skip
     att = result.attention
     assert att["implementation"].startswith("Pallas TPU flash attention"), att
