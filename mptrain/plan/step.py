@@ -70,8 +70,7 @@ class Plan:
     # a LoRA run's frozen base (`lora`): its params and bytes a parameter (0, 0.0: none)
     frozen_params: int = 0
     frozen_bytes_per_param: float = 0.0
-    # the collectives' bytes a step by the mesh axes they span (`hlo.by_axis`)
-    axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
 
     @property
     def fits(self) -> bool:

@@ -227,6 +227,63 @@ def cast_params(policy: Any, params: Any):
         yield {**policy.cast_params(rest), STACKED: stacked}
 
 
+def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callable:
+    """`run(fn, params)`: `fn` of `params` (this device's shards, in `param_specs`) gathered in
+    the compute dtype, a stack's layers one at a time inside the model's loop
+    (`layer_params`); gradients reduced in fp32 (`_gather`)."""
+    # a stacked leaf's gather takes one layer's slice: its spec without the layer axis; an
+    # 8-bit frozen kernel is never split (config.validate refuses it): it goes on as is
+    gathers = jax.tree_util.tree_map_with_path(
+        lambda path, s, dtype: (
+            (lambda q: q)
+            if dtype is None
+            else _gather(PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh)
+        ),
+        param_specs,
+        policy.compute_dtypes(params),
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or q8.is_q8(x),
+    )
+    gather_all = lambda gathers, tree: jax.tree.map(
+        lambda g, p: g(p), gathers, tree, is_leaf=q8.is_q8
+    )
+
+    def run(fn: Callable, params: Any) -> Any:
+        (whole, stacked), (outer, per_layer) = _unstacked(params), _unstacked(gathers)
+        whole = gather_all(outer, whole)
+        if stacked is None:
+            return fn(whole)
+        with _per_layer(functools.partial(gather_all, per_layer)):
+            return fn({**whole, STACKED: stacked})
+
+    return run
+
+
+def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh) -> Callable:
+    """`(params, model_state, batch) -> metrics`: `metric_fn(params, model_state, batch)` laid
+    out as `grad_fn` lays out the loss (each device its rows and its part of each sequence,
+    params gathered in the compute dtype, the keys and values over a context axis), floating
+    metrics averaged over the devices: the evaluation of a split sequence, whose memory is
+    then the training's, not the unsplit model's."""
+    mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def sharded(params, model_state, batch):
+        param_specs = specs(mesh, params)
+
+        def local(params, model_state, batch):
+            run = _gathering(policy, mesh, param_specs, params)
+            with _splitting(mesh):
+                metrics = run(lambda p: metric_fn(p, model_state, batch), params)
+            return jax.tree.map(mean, metrics)
+
+        in_specs = (param_specs, PartitionSpec(), layout.batch_specs(mesh, batch))
+        local = jax.shard_map(
+            local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
+        )
+        return local(params, model_state, batch)
+
+    return sharded
+
+
 def grad_fn(
     loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None
 ) -> Callable:
@@ -263,30 +320,12 @@ def grad_fn(
 
         def local(params, frozen, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
-            # a stacked leaf's gather takes one layer's slice: its spec without the layer axis;
-            # an 8-bit frozen kernel is never split (config.validate refuses it): it goes on as is
-            gathers = jax.tree_util.tree_map_with_path(
-                lambda path, s, dtype: (
-                    (lambda q: q)
-                    if dtype is None
-                    else _gather(PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh)
-                ),
-                frozen_lib.merge(param_specs, frozen_specs),
-                policy.compute_dtypes(frozen_lib.merge(params, frozen)),
-                is_leaf=lambda x: isinstance(x, PartitionSpec) or q8.is_q8(x),
-            )
-            gather_all = lambda gathers, tree: jax.tree.map(
-                lambda g, p: g(p), gathers, tree, is_leaf=q8.is_q8
-            )
+            specs_ = frozen_lib.merge(param_specs, frozen_specs)
+            run = _gathering(policy, mesh, specs_, frozen_lib.merge(params, frozen))
 
             def gathered_loss(params, probes):
                 params = frozen_lib.merge(params, frozen)
-                (whole, stacked), (outer, per_layer) = _unstacked(params), _unstacked(gathers)
-                whole = gather_all(outer, whole)
-                if stacked is None:
-                    return loss_fn(whole, probes, batch, rng, *rest)
-                with _per_layer(functools.partial(gather_all, per_layer)):
-                    return loss_fn({**whole, STACKED: stacked}, probes, batch, rng, *rest)
+                return run(lambda p: loss_fn(p, probes, batch, rng, *rest), params)
 
             with _splitting(mesh):
                 grad = jax.grad(gathered_loss, (0, 1), has_aux=True)

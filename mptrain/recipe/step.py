@@ -201,14 +201,22 @@ def make_train_step(
 
 
 def make_eval_step(
-    metric_fn: MetricFn,
+    metric_fn: MetricFn, mesh: Mesh | None = None
 ) -> Callable[[train_state_lib.TrainState, Any], dict[str, jax.Array]]:
-    """Returns `eval_step(state, batch) -> metrics`, the forward pass under the state's policy."""
+    """Returns `eval_step(state, batch) -> metrics`, the forward pass under the state's policy;
+    on a `mesh` with a context axis, laid out as the train step is (`sharding.forward_fn`: each
+    device its part of each sequence, in `layout.balanced`'s order)."""
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
+        batch = policy.cast_to_compute(batch)
+        if mesh is not None and mesh.shape["context"] > 1:
+            with policy.matmuls():
+                forward = sharding.forward_fn(metric_fn, policy, mesh)
+                metrics = forward(state.model_params, state.model_state, batch)
+            return precision.to_f32(metrics)
         with policy.matmuls(), sharding.cast_params(policy, state.model_params) as params:
-            metrics = metric_fn(params, state.model_state, policy.cast_to_compute(batch))
+            metrics = metric_fn(params, state.model_state, batch)
         return precision.to_f32(metrics)
 
     return eval_step

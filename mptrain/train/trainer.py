@@ -209,7 +209,7 @@ class Trainer:
         if source is None:
             with loop.allow_transfers():
                 source = self.build_datasets()[1]
-        eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn))
+        eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn, self.mesh))
         batches = (self.device_batch(source, i) for i in range(self.config.eval_steps))
         return loop.average(eval_step, state, batches, prefix="eval_")
 
@@ -241,7 +241,7 @@ class Trainer:
         traced = jitted.trace(state, batches, totals)
         train_step = traced.lower().compile()
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
-        eval_step = jax.jit(step.make_eval_step(self.eval_fn))
+        eval_step = jax.jit(step.make_eval_step(self.eval_fn, self.mesh))
         eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
         run = loop.Run(
             config=cfg,

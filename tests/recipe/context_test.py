@@ -112,7 +112,8 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
 
 
 def _run(arg: str, mesh: dict, tmp_path, **overrides):
-    """`configs/llama3.py:<arg>` for 3 steps on `mesh`: the per-step losses and the params.
+    """`configs/llama3.py:<arg>` for 3 steps on `mesh`: the per-step losses, the evaluation's
+    (split as the training is: `sharding.forward_fn`) and the params.
     SGD with momentum, whose update is proportional to its gradient: AdamW's first steps turn a
     gradient of rounding size into a step of the learning rate, so they compare the roundings
     of two summation orders, not the two layouts."""
@@ -127,7 +128,8 @@ def _run(arg: str, mesh: dict, tmp_path, **overrides):
     config = load_config("llama3", arg, **{**keys, **mesh, **overrides})
     state = trainer_lib.Trainer(config, tmp_path).train_and_evaluate()
     rows = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r], jax.device_get(state.params)
+    losses = [r[k] for r in rows for k in ("loss", "eval_loss") if k in r]  # the eval's too
+    return losses, jax.device_get(state.params)
 
 
 def _assert_same_run(got, want, rtol: float):
@@ -207,7 +209,7 @@ def test_a_checkpoint_of_fsdp_8_resumes_split_over_context(tmp_path):
     _run("tiny", {"data": 1, "fsdp": 8}, tmp_path / "resumed")
     mesh = {"data": 1, "fsdp": 2, "context": 4}
     resumed = _run("tiny", mesh, tmp_path / "resumed", num_train_steps=6)
-    assert len(resumed[0]) == 6
+    assert len(resumed[0]) == 6 + 2  # six steps and two evaluations
     _assert_same_run(resumed, straight, 1e-5)
 
 
