@@ -130,8 +130,9 @@ def test_batch_that_does_not_divide_over_the_mesh_is_a_config_error(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "precision, rounding", [("bf16-mixed", "nearest"), ("bf16-pure", "stochastic")]
-)
+    "precision, rounding",
+    [("bf16-mixed", "nearest"), pytest.param("bf16-pure", "stochastic", marks=pytest.mark.slow)],
+)  # the second variant (the other policy's init and eval programs) in make test-slow
 def test_init_state_and_evaluate_work_on_their_own(precision, rounding, tmp_path):
     trainer = trainer_lib.Trainer(tiny_config(precision=precision), tmp_path / "run")
     state = trainer.init_state()
