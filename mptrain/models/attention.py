@@ -260,7 +260,8 @@ def causal_attention(
     positions count up from 0 as the indices do, so the mask is the same; on a context axis the
     keys are gathered from every device in `layout.balanced`'s order, with their positions and
     segment ids (``key_segment_ids``), and the positions are what still says which comes first.
-    The fused kernels mask by index: a context axis does not take them yet (`models.check_config`).
+    The fused kernels mask by index: on a context axis the model calls their split forms instead
+    (`context_attention.split_attention`, `splash.split_attention`).
     """
     _query_heads_per_kv_head(q, k, v)
     if softcap is not None and implementation == "cudnn":

@@ -66,13 +66,13 @@ def applies(params: Any, gated: bool) -> bool:
     return big and gated
 
 
-def update(step: Callable, params, grads, opt_state, compensation) -> tuple:
+def update(step: Callable, params, grads, opt_state, compensation, total) -> tuple:
     """`step(params, grads, opt_state, compensation, **extra) -> (params, opt_state,
     compensation)`, the update of whole trees, run on the stack a layer at a time and on the
-    rest once (module doc); the same three trees out."""
+    rest once (module doc), every call's clip reading `total`, the whole tree's norm; the same
+    three trees out."""
     trees = (params, grads, opt_state, compensation)
     (count,) = {np.shape(x)[0] for x in jax.tree.leaves(params[sharding.STACKED])}
-    total = norm(grads)
     whole = _whole(opt_state)
     paths = [_stack_paths(t, whole) for t in trees]
     rest = step(*(_view(t, p, False) for t, p in zip(trees, paths, strict=True)), global_norm=total)

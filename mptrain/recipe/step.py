@@ -146,7 +146,7 @@ def make_train_step(
         # schedule does not drift) and model_state bit-identical; only the counters move.
         if policy.param_dtype != precision.F16:
             applied = finite  # known before the update: the update keeps what it skips
-            updated = state.apply_gradients(grads=grads, apply=applied)
+            updated = state.apply_gradients(grads=grads, apply=applied, global_norm=grad_norm)
             model_state = _fp8_update(model_state, amaxes, state, updated)
             model_state = loss_scale_lib.select_tree(applied, model_state, state.model_state)
             updated = updated.replace(model_state=model_state)
@@ -156,7 +156,9 @@ def make_train_step(
             # not back off. (bf16 and fp32 params share fp32's range: an update from gradients
             # that passed the check above cannot reach it.) Checking the new params costs a
             # pass over them before the select, so only fp16 params pay for it.
-            updated = state.apply_gradients(grads=grads, model_state=model_state)
+            updated = state.apply_gradients(
+                grads=grads, model_state=model_state, global_norm=grad_norm
+            )
             fp8_state = _fp8_update(updated.model_state, amaxes, state, updated)
             updated = updated.replace(model_state=fp8_state)
             (bad_params,) = count_nonfinite((updated.params,), mesh)

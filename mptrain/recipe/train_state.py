@@ -128,7 +128,7 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    def apply_gradients(self, *, grads, apply=None, **kwargs) -> TrainState:
+    def apply_gradients(self, *, grads, apply=None, global_norm=None, **kwargs) -> TrainState:
         """Applies one optax update from fp32 `grads`; does not advance `step` (the caller does).
 
         The update is computed and added in fp32, then rounded once to the param dtype by the
@@ -136,14 +136,18 @@ class TrainState(train_state.TrainState):
         `apply` (a bool scalar; None: always): where False, params, optimizer state and
         compensation come back bit-identical. An `optim.Gated` optimizer keeps its own state
         (one read of each old leaf, see there); any other is selected after its update.
+        `global_norm`: the gradients' norm where the caller has it (the train step does), which
+        a gated clip reads (else `layerwise.norm` sums it here, in fp32).
         """
         trees = (self.params, grads, self.opt_state, self.param_compensation)
         update = functools.partial(self._update, apply=apply)
         gated = isinstance(self.tx, optim.Gated)
+        if gated and global_norm is None:
+            global_norm = layerwise.norm(grads)
         if layerwise.applies(self.params, gated):  # a big stack: a layer at a time
-            params, opt_state, compensation = layerwise.update(update, *trees)
-        else:  # a gated clip reads the norm summed in fp32 (`layerwise.norm`)
-            norm = {"global_norm": layerwise.norm(grads)} if gated else {}
+            params, opt_state, compensation = layerwise.update(update, *trees, global_norm)
+        else:
+            norm = {"global_norm": global_norm} if gated else {}
             params, opt_state, compensation = update(*trees, **norm)
         return self.replace(
             params=params, opt_state=opt_state, param_compensation=compensation, **kwargs
