@@ -5,9 +5,12 @@ Qwen2, Qwen3: `mptrain.hf.families`), with the recipe of `configs/llama3.py:hf=D
         --config.data.files='notes/**/*.md'
     python -m mptrain.main --config=configs/hf.py:sft=/models/Qwen3-0.6B --workdir=runs/sft \
         --config.data.files=chats.jsonl
+    python -m mptrain.main --config=configs/hf.py:dpo=/models/Qwen3-0.6B --workdir=runs/dpo \
+        --config.data.files=pairs.jsonl --config.lora.rank=16
 
-Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer), or
-`sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md). The
+Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer),
+`sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md), or
+`dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md). The
 model section is the folder's own (`mptrain.hf.read_config`: its family and that family's
 switches); everything else is `configs/llama3.py`'s and may be overridden.
 """
@@ -18,6 +21,8 @@ import runpy
 
 def get_config(arg: str | None = None):
     if not arg:
-        raise ValueError("configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR)")
+        raise ValueError(
+            "configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR, dpo=DIR)"
+        )
     llama3 = runpy.run_path(os.path.join(os.path.dirname(__file__), "llama3.py"))
-    return llama3["get_config"](arg if arg.startswith("sft=") else f"hf={arg}")
+    return llama3["get_config"](arg if arg.startswith(("sft=", "dpo=")) else f"hf={arg}")

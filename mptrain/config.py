@@ -117,6 +117,12 @@ def base_config() -> ml_collections.ConfigDict:
     # the projections that get adapters: a regex searched in their kernels' param paths
     c.lora.targets = r"(attn/(q|k|v|o|qkv|out)|mlp/(gate|up|down|fc_in|fc_out))/kernel$"
     c.lora.base_dtype = "compute"  # the frozen base: "compute" (its dtype) or "q8" (8 bits)
+    c.dpo = ml_collections.ConfigDict()  # DPO on preference pairs (data.name="dpo"): docs/dpo.md
+    c.dpo.beta = 0.1  # rewards are beta x the log-ratios to the reference (TRL's default)
+    c.dpo.loss = "sigmoid"  # "sigmoid" | "robust" | "hinge" | "ipo" (`models.dpo_loss`)
+    c.dpo.label_smoothing = 0.0  # sigmoid, robust: the share of pairs taken to be flipped
+    c.dpo.sft_weight = 0.0  # times the chosen completions' mean NLL, added to the loss
+    c.dpo.reference = "auto"  # "adapters" | "copy" | "precomputed" | "auto" (docs/dpo.md)
     c.model = ml_collections.ConfigDict()
     # module under mptrain.models; its own keys sit beside it (the module's CONFIG_KEYS; a
     # Trainer whose build_model is its own reads what it likes here)
@@ -276,12 +282,8 @@ def _zoo(config: ml_collections.ConfigDict) -> dict[str, Any]:
                     own.discard(section)
         except Exception:
             return {}
-    found = {}
-    if "model" in own:
-        found["model"] = models.import_model(config.model.name)
-    if "data" in own:
-        found["data"] = data.import_source(config.data.name)
-    return found
+    found = {"model": models.import_model(config.model.name)} if "model" in own else {}
+    return found | ({"data": data.import_source(config.data.name)} if "data" in own else {})
 
 
 def _check_keys(config: ml_collections.ConfigDict, zoo: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ KEYS = {
     "profile.start_step", "profile.num_steps", "log_to", "memory_fraction",
     "sample.prompts", "sample.chat", "sample.max_new_tokens",
     "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.base_dtype",
+    "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.sft_weight", "dpo.reference",
 }  # fmt: skip
 
 
@@ -64,6 +65,11 @@ MODULE_KEYS = {
         "completion_field", "eos_token", "cache_dir", "template_max_chars",
         "template_max_seconds",
     },
+    "data.dpo": {
+        "files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "too_long",
+        "prompt_field", "chosen_field", "rejected_field", "eos_token", "cache_dir",
+        "template_max_chars", "template_max_seconds",
+    },
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
     "data.synthetic_images": {"image_shape", "num_classes", "signal"},
 }  # fmt: skip
@@ -89,7 +95,7 @@ def test_the_model_and_data_modules_keys_are_pinned():
     assert found == MODULE_KEYS
 
 
-@pytest.mark.parametrize("arg", ["sft_tiny", "8b_sft"])
+@pytest.mark.parametrize("arg", ["sft_tiny", "8b_sft", "dpo_tiny"])
 def test_a_zoo_config_of_a_data_module_takes_every_key_the_module_reads(arg):
     from mptrain import data
 

@@ -8,6 +8,7 @@ bad value with a `ConfigError` naming the key, before any parameter exists.
 
 import contextlib
 import logging as std_logging
+import math
 import re
 from typing import Any
 
@@ -140,7 +141,10 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
         return model.init({"params": rng, "dropout": rng}, inputs, train=False)
 
     try:
-        variables = jax.eval_shape(init, example["inputs"])
+        rows = example["inputs"]  # token ids [B, k, L]: groups of k sequences (DPO's pairs)
+        if len(rows.shape) == 3 and rows.dtype.kind == "i":
+            rows = jax.ShapeDtypeStruct((math.prod(rows.shape[:-1]), rows.shape[-1]), rows.dtype)
+        variables = jax.eval_shape(init, rows)
     except (ValueError, TypeError) as e:
         message = errors.first_line(e)
         if re.match(r"^[a-z_]+=", message) and message.split("=")[0] in module.CONFIG_KEYS:

@@ -178,6 +178,8 @@ def token_loss(
     z-loss of MaxText and Levanter, which pulls log Z to 0); ``loss``, ``cross_entropy +
     z_loss * z_loss-mean``, the one to differentiate; ``accuracy``, the fraction whose argmax
     is the target; and ``tokens``, the number of valid tokens. The last two have no gradient.
+    ``logps``: fp32 ``[B, L]``, each target's log-probability (0 where masked), which DPO sums
+    per sequence (``dpo_loss``); XLA drops it where nothing reads it.
     ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
     """
     batch, length, _ = hidden.shape
@@ -206,6 +208,7 @@ def token_loss(
         "z_loss": z,
         "accuracy": mean(jax.lax.stop_gradient(correct)),
         "tokens": tokens,
+        "logps": jnp.where(valid, picked - lse, 0.0),
     }
 
 

@@ -190,6 +190,8 @@ class Dense(nn.Module):
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
         if not self.lora.adapts(self.path):
             return y
+        if not self.is_initializing() and not self.has_variable("params", ADAPTERS[0]):
+            return y  # the adapters off: params without them (DPO's reference) are the base's
         s = self.lora
         a = self.param(ADAPTERS[0], _init_a, (x.shape[-1], s.rank))
         b = self.param(ADAPTERS[1], nn.initializers.zeros, (s.rank, self.features))

@@ -258,13 +258,16 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callab
     return run
 
 
-def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh) -> Callable:
+def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh, per_row: bool = False) -> Callable:
     """`(params, model_state, batch) -> metrics`: `metric_fn(params, model_state, batch)` laid
     out as `grad_fn` lays out the loss (each device its rows and its part of each sequence,
     params gathered in the compute dtype, the keys and values over a context axis), floating
     metrics averaged over the devices: the evaluation of a split sequence, whose memory is
-    then the training's, not the unsplit model's."""
+    then the training's, not the unsplit model's. `per_row`: the metrics are per row
+    (`[B, ...]`), each device's for its own rows, laid out as the batch's rows are (DPO's
+    reference log-probabilities; no context axis)."""
     mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    out_specs = layout.batch_spec(mesh) if per_row else PartitionSpec()
 
     def sharded(params, model_state, batch):
         param_specs = specs(mesh, params)
@@ -273,11 +276,11 @@ def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh) -> Callable:
             run = _gathering(policy, mesh, param_specs, params)
             with _splitting(mesh):
                 metrics = run(lambda p: metric_fn(p, model_state, batch), params)
-            return jax.tree.map(mean, metrics)
+            return metrics if per_row else jax.tree.map(mean, metrics)
 
         in_specs = (param_specs, PartitionSpec(), layout.batch_specs(mesh, batch))
         local = jax.shard_map(
-            local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), check_vma=False
+            local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
         return local(params, model_state, batch)
 

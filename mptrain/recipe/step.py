@@ -27,6 +27,19 @@ LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict[s
 MetricFn = Callable[[Any, Any, Any], dict[str, jax.Array]]
 
 
+# batch keys whose floats stay fp32 under 16-bit compute: sums of log-probabilities (DPO's
+# reference, `data.dpo`), whose differences of a few nats a bf16 rounding (0.5 at -200) would swamp
+FP32_BATCH_KEYS = ("reference_logps",)
+
+
+def cast_batch(policy: Any, batch: Any) -> Any:
+    """The batch's floats in the compute dtype (images, say), but `FP32_BATCH_KEYS`'."""
+    if not isinstance(batch, dict):
+        return policy.cast_to_compute(batch)
+    keep = {k: v for k, v in batch.items() if k in FP32_BATCH_KEYS}
+    return {**policy.cast_to_compute({k: v for k, v in batch.items() if k not in keep}), **keep}
+
+
 def _like(new: Any, old: Any) -> Any:
     """Casts `new` leafwise to the dtypes of `old` (the loss_fn may return compute-dtype state)."""
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.asarray(o).dtype), new, old)
@@ -127,7 +140,7 @@ def make_train_step(
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
         grads_of = sharding.grad_fn(scaled_loss, policy, mesh, _combine)
         rest, amax_probes = _split_probes(state.model_state)
-        inputs = (policy.cast_to_compute(batch), rng, rest)
+        inputs = (cast_batch(policy, batch), rng, rest)
         lazy = per_layer and measure_when is not None
         grads, (table, amaxes), (loss, model_state, aux) = grads_of(
             state.params, (None if lazy else taps, amax_probes), *inputs, frozen=state.frozen
@@ -211,7 +224,7 @@ def make_eval_step(
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
-        batch = policy.cast_to_compute(batch)
+        batch = cast_batch(policy, batch)
         if mesh is not None and mesh.shape["context"] > 1:
             with policy.matmuls():
                 forward = sharding.forward_fn(metric_fn, policy, mesh)

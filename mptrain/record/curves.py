@@ -30,13 +30,17 @@ KEYS = (
     *("step_time_s", "steps_per_sec", "tokens_per_s", "tokens_per_s_per_device"),
     *("examples_per_s", "examples_per_s_per_device", "tflops_per_device", "mfu", "goodput"),
 )
+# ... and every value under these names' groups: DPO's record, as TRL names it (`dpo_loss`)
+GROUPS = ("rewards/", "logps/", "eval_rewards/", "eval_logps/")
 
 
 def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> None:
-    """Adds one line to the history: `step` and those of `KEYS` that `values` holds."""
+    """Adds one line to the history: `step` and those of `KEYS` (and `GROUPS`) that `values`
+    holds."""
     if jax.process_index() != 0:
         return
     row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
+    row |= {k: float(v) for k, v in values.items() if k.startswith(GROUPS)}
     append_row(Path(workdir) / HISTORY, row)
 
 

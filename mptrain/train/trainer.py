@@ -146,8 +146,7 @@ class Trainer:
             return init(*args)
 
     def make_init(self, sample_batch: Any) -> tuple[Callable, tuple]:
-        """Host-side. `(init, args)`: `init(*args)` is the step-0 state, made directly in its
-        shardings (`sharding.sharded_init`): no device ever holds the whole state."""
+        """Host-side. `(init, args)`: `init(*args)` is the step-0 state, made in its shardings."""
         cfg = self.config
         sample = jax.tree.map(lambda x: x[:1], sample_batch)
         init_rng, state_rng = jax.random.split(jax.random.key(cfg.seed))
@@ -155,15 +154,11 @@ class Trainer:
         def create(init_rng, state_rng, sample):
             variables = dict(self.init_variables(init_rng, sample))
             return train_state_lib.TrainState.create(  # params and frozen (`adapters`)
-                apply_fn=self.model.apply,
+                apply_fn=self.model.apply, tx=self.tx, policy=self.policy, rng=state_rng,
                 **adapters.split(self.model, self.policy, cfg, variables.pop("params")),
-                tx=self.tx,
-                policy=self.policy,
                 loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),
-                rng=state_rng,
-                model_state=variables,
-                param_rounding=cfg.param_rounding,
-            )
+                model_state=variables, param_rounding=cfg.param_rounding,
+            )  # fmt: skip
 
         return sharding.sharded_init(create, self.mesh, init_rng, state_rng, sample)
 
@@ -173,9 +168,7 @@ class Trainer:
         cfg, schedule = self.config, self.schedule
 
         def train_step(state, batch, totals: log_totals.LogTotals):
-            # the tables read are those of log steps and skipped steps
-            log_step = totals.is_log_step
-            when = None if cfg.numerics.every_step else lambda s: log_step(s.step)
+            when = None if cfg.numerics.every_step else lambda s: totals.is_log_step(s.step)
             recipe = step.make_train_step(
                 self.loss_fn, mesh=self.mesh, per_layer=cfg.numerics.per_layer, measure_when=when
             )
@@ -189,17 +182,24 @@ class Trainer:
 
         return train_step
 
+    def make_eval_step(self) -> Callable:
+        """The jittable `eval_step(state, batch) -> metrics`: `eval_fn` on the mesh."""
+        return step.make_eval_step(self.eval_fn, self.mesh)
+
+    def starting(self, state, saved_step: int | None, train_source, eval_source):
+        """Host-side. The state a run starts from (`saved_step` None: step 0's), to which a
+        subclass adds what step 0 fixes for the whole run (DPO: its reference)."""
+        return state
+
     def make_run_step(self, state, batch) -> tuple[Callable, Callable, Any]:
-        """Host-side. What a run compiles for `state` and one `batch` (arrays, or `mptrain.plan`'s
-        abstract ones): the train step, jitted (`loop.steps`, state donated), and `make_totals`'s
-        (`log_totals`)."""
+        """Host-side. What a run compiles for `state` and one `batch` (arrays, or abstract): the
+        train step, jitted (`loop.steps`, state donated), and `log_totals.make_totals`'s."""
         cfg, replicated = self.config, sharding.replicated(self.mesh)
         jitted = jax.jit(loop.steps(self.make_train_step(), cfg.steps_per_call), donate_argnums=0)
         return jitted, *log_totals.make_totals(cfg, replicated, self.loss_fn, state, batch)
 
     def device_batch(self, source: Any, index: int, count: int | None = None) -> Any:
-        """Host-side. Batch `index` of `source` on the mesh; with `count`, that many from
-        `index` on, stacked (see `layout.device_batch`)."""
+        """Host-side. Batch `index` of `source` on the mesh (`count`: stacked, `layout`'s)."""
         return layout.device_batch(self.mesh, source, index, self.config.batch_size, count)
 
     def evaluate(self, state, source: Any = None, eval_step: Callable | None = None) -> dict:
@@ -209,7 +209,7 @@ class Trainer:
         if source is None:
             with loop.allow_transfers():
                 source = self.build_datasets()[1]
-        eval_step = eval_step or jax.jit(step.make_eval_step(self.eval_fn, self.mesh))
+        eval_step = eval_step or jax.jit(self.make_eval_step())
         batches = (self.device_batch(source, i) for i in range(self.config.eval_steps))
         return loop.average(eval_step, state, batches, prefix="eval_")
 
@@ -229,6 +229,7 @@ class Trainer:
             state, saved_step, meta = init_from.resume(
                 checkpointer, state, self.policy, cfg, pretrained
             )
+            state = self.starting(state, saved_step, train_source, eval_source)
             start, k = loop.call_boundary(int(state.step), cfg.steps_per_call), cfg.steps_per_call
             if jax.process_index() == 0:  # the workdir's one writer: what a kill left goes
                 files.remove_temporaries(workdir, workdir / "numerics")
@@ -241,7 +242,7 @@ class Trainer:
         traced = jitted.trace(state, batches, totals)
         train_step = traced.lower().compile()
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
-        eval_step = jax.jit(step.make_eval_step(self.eval_fn, self.mesh))
+        eval_step = jax.jit(self.make_eval_step())
         eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
         run = loop.Run(
             config=cfg,

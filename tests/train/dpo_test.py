@@ -1,0 +1,194 @@
+"""DPO (`data.name="dpo"`, `mptrain.train.dpo`) against TRL's `DPOTrainer` 1.16 on the same pairs.
+
+The figures of `tests/train/dpo_fixture/reference.npz` are TRL's own, made by
+`scripts/make_dpo_fixture.py` in a venv of its own, on `tests/hf/fixture`'s tiny Llama in fp32:
+the pairs' tokens, the step-0 model's sequence log-probabilities, each loss and its gradient,
+and two steps of SGD. Here the same model and pairs go through mptrain.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import FIXTURE, ROOT, event_series, history_without_timings, load_config, run_cli
+
+from mptrain import errors
+from mptrain.data import dpo as dpo_data
+from mptrain.data import sft
+from mptrain.models import dpo_loss
+from mptrain.train import dpo
+
+PAIRS = ROOT / "tests" / "train" / "dpo_fixture"
+REF = np.load(PAIRS / "reference.npz")
+SEQ_LEN = 32  # the longest sequence of the fixture's pairs is 32 tokens
+LOSSES = {  # the fixture's name: (dpo.loss, label_smoothing, sft_weight)
+    "sigmoid": ("sigmoid", 0.0, 0.0),
+    "robust": ("robust", 0.1, 0.0),
+    "hinge": ("hinge", 0.0, 0.0),
+    "ipo": ("ipo", 0.0, 0.0),
+    "sigmoid_sft": ("sigmoid", 0.0, 0.5),
+}
+
+
+def pairs_config(tmp_path: Path, name: str = "pairs", **overrides):
+    """`configs/llama3.py:dpo=<the fixture>` on the fixture's 4 pairs, fp32, TRL's run: plain
+    SGD at 0.5, no clip, all 4 pairs a step. The file holds them twice: the second copy is the
+    held-out half."""
+    files = tmp_path / f"{name}.jsonl"
+    files.write_text((PAIRS / f"{name}.jsonl").read_text() * 2)
+    keys = {
+        "data.files": str(files), "data.tokenizer": str(PAIRS), "data.seq_len": SEQ_LEN,
+        "data.eval_fraction": 0.5, "data.cache_dir": str(tmp_path / "cache"),
+        "precision": "fp32", "batch_size": 4, "mesh.data": 1, "num_train_steps": 2,
+        "log_every_steps": 1, "eval_every_steps": 2, "eval_steps": 1,
+        "checkpoint_every_steps": 2, "optimizer.name": "sgd", "optimizer.momentum": 0.0,
+        "optimizer.learning_rate": 0.5, "optimizer.schedule": "constant",
+        "optimizer.warmup_steps": 0, "optimizer.grad_clip_norm": 0.0,
+    }  # fmt: skip
+    return load_config("llama3", f"dpo={FIXTURE}", **{**keys, **overrides})
+
+
+@pytest.mark.parametrize("name", ["pairs", "chats"])
+def test_the_pairs_tokenize_and_mask_as_trls(tmp_path, name):
+    """Plain text (the end-of-text token's text appended) and conversations (the chat template,
+    the prompt with its generation prompt): TRL's ids, and the completion from the same token."""
+    s = dpo_data.settings(pairs_config(tmp_path, name))
+    tokenizer = sft.tokenizer_of(s.base.tokenizer)
+    lines = (PAIRS / f"{name}.jsonl").read_text().splitlines()
+    for i, line in enumerate(lines):
+        chosen, rejected, start = dpo_data.encode(json.loads(line), s, tokenizer)
+        want = REF[f"{name}_ids"][i]
+        np.testing.assert_array_equal(chosen, want[0][want[0] >= 0])
+        np.testing.assert_array_equal(rejected, want[1][want[1] >= 0])
+        assert start == REF[f"{name}_start"][i]
+    rows, _ = dpo_data.build(s)  # targets: -1 on the prompt and the padding
+    assert rows.shape == (8, 2, 2, SEQ_LEN)
+    row = rows[0, :, 0]
+    start, ids = REF[f"{name}_start"][0], REF[f"{name}_ids"][0, 0]
+    n = int((ids >= 0).sum())
+    np.testing.assert_array_equal(row[1, : start - 1], -1)
+    np.testing.assert_array_equal(row[1, start - 1 : n - 1], ids[start:n])
+    np.testing.assert_array_equal(row[1, n - 1 :], -1)
+
+
+def test_an_implicit_prompt_is_the_turns_both_conversations_begin_with(tmp_path):
+    s = dpo_data.settings(pairs_config(tmp_path, "chats"))
+    tokenizer = sft.tokenizer_of(s.base.tokenizer)
+    explicit = json.loads((PAIRS / "chats.jsonl").read_text().splitlines()[2])
+    implicit = {k: explicit["prompt"] + explicit[k] for k in ("chosen", "rejected")}
+    got = dpo_data.encode(implicit, s, tokenizer)
+    for a, b in zip(dpo_data.encode(explicit, s, tokenizer), got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_each_loss_and_its_gradient_in_the_log_probs_equal_trls():
+    """On TRL's step-0 sums and a drawn reference: each loss's value and its gradient with
+    respect to the policy's chosen and rejected sums, to 1e-6 (fp32); with the sft term, TRL's
+    value (the chosen tokens' mean NLL is the chosen sums over their tokens)."""
+    for name in ("pairs", "chats"):
+        logps, ref = REF[f"{name}_logps"], REF[f"{name}_ref"]
+        ids, start = REF[f"{name}_ids"], REF[f"{name}_start"]
+        tokens = (ids >= 0).sum(-1) - start[:, None]
+
+        @jax.jit
+        def losses(logps, ref, tokens):
+            out = {}
+            for key, (loss, smoothing, _) in LOSSES.items():
+                s = dpo_loss.settings({"loss": loss, "label_smoothing": smoothing}, False)
+                mean = lambda x, s=s: jnp.mean(dpo_loss.pair_losses(x, ref, tokens, s))
+                out[key] = jax.value_and_grad(mean)(logps)
+            return out
+
+        for key, (value, grad) in losses(logps, ref, tokens).items():
+            want = REF[f"{name}_loss_{key}"]
+            if key == "sigmoid_sft":  # TRL's adds 0.5 x the chosen tokens' mean NLL, whose
+                # gradient the fixture's (taken through the reference's sums) does not hold
+                value = value + 0.5 * -logps[:, 0].sum() / tokens[:, 0].sum()
+            np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(grad, REF[f"{name}_grad_{key}"], rtol=1e-6, atol=1e-8)
+
+
+def test_fp32_matches_trl_step_0_and_two_sgd_steps_with_precomputed_reference(tmp_path):
+    """TRL's step-0 sums to 1e-5 (here the precomputed reference, in fp32 by the step-0 model,
+    in the workdir and the data cache); step 1's loss is ln 2 to 1e-7 with every reward and
+    the accuracy 0; the two steps' loss, margins and gradient norm are TRL's."""
+    config = pairs_config(tmp_path, **{"dpo.reference": "precomputed"})
+    dpo.DPOTrainer(config, tmp_path / "run").train_and_evaluate()
+    saved = json.loads((tmp_path / "run" / dpo.WORKDIR_FILE).read_text())
+    logps = np.asarray(saved["logps"], np.float32)
+    np.testing.assert_allclose(logps[:4], REF["pairs_logps"], rtol=1e-5)
+    np.testing.assert_array_equal(logps[4:], logps[:4])  # the held-out copy
+    rows = {r["step"]: r for r in history_without_timings(tmp_path / "run") if "loss" in r}
+    assert abs(rows[1]["loss"] - math.log(2)) < 1e-7, rows[1]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert rows[1][key] == 0.0, (key, rows[1])
+    norms = {step: float(x) for step, x in event_series(tmp_path / "run", "grad_norm").items()}
+    for step, (loss, margins, accuracy, norm) in enumerate(REF["pairs_history"], 1):
+        got = rows[step]
+        np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
+        np.testing.assert_allclose(got["rewards/margins"], margins, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got["rewards/accuracies"], accuracy)
+        np.testing.assert_allclose(norms[step], norm, rtol=1e-5)
+    cached = sorted((tmp_path / "cache").glob("dpo-*-ref-*.npy"))
+    assert len(cached) == 1 and np.array_equal(np.load(cached[0]).reshape(-1, 2), logps)
+
+
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ({"prompt": "a", "chosen": "b"}, "no 'rejected'"),
+        ({"prompt": "a", "chosen": "b", "rejected": "b"}, "'chosen' equals 'rejected'"),
+        ({"prompt": "a", "chosen": " ", "rejected": "c"}, "an empty completion"),
+        ({"prompt": "x" * 40, "chosen": "b", "rejected": "c"}, "fill data.seq_len=32"),
+    ],
+)
+def test_a_bad_pair_is_one_line_naming_file_and_line(tmp_path, capsys, line, says):
+    files = tmp_path / "bad.jsonl"
+    good = (PAIRS / "pairs.jsonl").read_text()
+    files.write_text(good + json.dumps(line) + "\n" + good)
+    config = pairs_config(tmp_path, **{"data.files": str(files)})
+    with pytest.raises(errors.ConfigError) as e:
+        dpo_data.build(dpo_data.settings(config))
+    message = str(e.value)
+    assert message.startswith(f"config.data.files: {files} line 5: ") and says in message
+    assert "\n" not in message
+
+
+def test_a_bad_pair_from_the_command_line_is_exit_2_and_one_line(tmp_path, capsys):
+    files = tmp_path / "bad.jsonl"
+    files.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    flags = [f"--config.data.{k}={v}" for k, v in (("files", files), ("tokenizer", PAIRS))]
+    flags.append(f"--config.data.cache_dir={tmp_path / 'cache'}")
+    code, err = run_cli(
+        tmp_path / "run",
+        *flags,
+        capsys=capsys,
+        config=f"--config={ROOT / 'configs' / 'llama3.py'}:dpo={FIXTURE}",
+    )
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("mptrain: error")]
+    says = "no 'rejected': a pair needs 'prompt', 'chosen' and 'rejected'"
+    assert lines == [f"mptrain: error: config.data.files: {files} line 1: {says}"], err[-2000:]
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("dpo.loss", "kto", "dpo.loss='kto'"),
+        ("dpo.beta", 0.0, "dpo.beta=0.0"),
+        ("dpo.reference", "adapters", "lora.rank is None"),
+        ("mesh.context", 2, "mesh.context=2: a DPO run does not split"),
+        ("trainer", "mptrain.train.trainer:Trainer", "data.name='dpo' trains with"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_the_key(tmp_path, key, value, says):
+    from mptrain import config as config_lib
+
+    config = pairs_config(tmp_path, **{key: value})
+    with pytest.raises(errors.ConfigError) as e:
+        config_lib.validate(config)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
