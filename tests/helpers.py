@@ -8,9 +8,11 @@ import json
 import os
 import re
 import runpy
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -455,3 +457,23 @@ def packed_and_alone(model, params, tokens, weights):
         return [(f(p)[0], jax.grad(lambda q, f=f: f(q)[1])(p)) for f in (packed, alone)]
 
     return jax.jit(both)(params)
+
+
+def kill_9_and_resume(command, straight: Path, crashed: Path, at_step: int) -> bytes:
+    """Runs `command(straight)` (a CLI command line for that workdir) to its end on one fake
+    CPU device; starts `command(crashed)`, kills it with SIGKILL once its checkpoint `at_step`
+    is down, and runs it again to its end, which must resume. Returns that run's stderr."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (crashed / "checkpoints" / str(at_step)).exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again = subprocess.run(command(crashed), cwd=ROOT, env=env, capture_output=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert b"resuming from step" in again.stderr
+    return again.stderr

@@ -2,17 +2,14 @@
 and a run killed with kill -9 part-way through an epoch resumes onto the uninterrupted run's
 bytes. Slow: each trains for minutes on this CPU (`make test-slow`)."""
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 from helpers import (
     ROOT,
     assert_trees_bytes_equal,
     history_without_timings,
+    kill_9_and_resume,
     load_config,
     plain_orbax_state,
 )
@@ -60,20 +57,8 @@ def _command(workdir, cache):
 def test_kill_9_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path):
     """40 steps of 131 an epoch: killed once its first checkpoints are down, then run again,
     the run ends with the uninterrupted run's history (timings aside) and every array."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = subprocess.run(_command(straight, cache), cwd=ROOT, env=env, capture_output=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    proc = subprocess.Popen(_command(crashed, cache), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (crashed / "checkpoints" / "15").exists():  # mid-epoch, mid-run
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    again = subprocess.run(_command(crashed, cache), cwd=ROOT, env=env, capture_output=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert b"resuming from step" in again.stderr
+    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 15)
     assert history_without_timings(crashed) == history_without_timings(straight)
     assert_trees_bytes_equal(plain_orbax_state(straight, 40), plain_orbax_state(crashed, 40))

@@ -2,17 +2,20 @@
 scan (and the remat of each block), equal layer by layer to the unrolled model's."""
 
 import dataclasses
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, assert_trees_bytes_equal, load_config, needs_devices, plain_orbax_state
+from helpers import (
+    ROOT,
+    assert_trees_bytes_equal,
+    kill_9_and_resume,
+    load_config,
+    needs_devices,
+    plain_orbax_state,
+)
 
 import mptrain
 from mptrain.recipe import fp8, fp8_names, sharding
@@ -214,22 +217,10 @@ def _command(workdir):
 def test_kill_9_then_resume_equals_the_uninterrupted_scanned_fp8_run(tmp_path):
     """The tiny Llama as shipped (scanned, remat on) in fp8 with both blocks fp8: killed once
     its checkpoint 10 is down, run again, it ends with the uninterrupted run's bytes."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     config = load_config("llama3", "tiny")
     assert config.model.scan_layers and config.model.remat != "none"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = subprocess.run(_command(straight), cwd=ROOT, env=env, capture_output=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    proc = subprocess.Popen(_command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (crashed / "checkpoints" / "10").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    again = subprocess.run(_command(crashed), cwd=ROOT, env=env, capture_output=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert b"resuming from step" in again.stderr
+    kill_9_and_resume(_command, straight, crashed, 10)
     want, got = plain_orbax_state(straight, 30), plain_orbax_state(crashed, 30)
     assert jax.tree.leaves(got["model_state"][fp8.META])[0].shape[0] == 2
     assert_trees_bytes_equal(want, got)

@@ -3,11 +3,7 @@ answers, in bf16 within a stated band of fp32; a run killed with kill -9 resumes
 uninterrupted run's bytes; the references are what they claim (the LoRA base bit for bit, the
 precomputed sums the on-the-fly ones); 8 devices train as one."""
 
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -17,6 +13,7 @@ from helpers import (
     ROOT,
     assert_trees_bytes_equal,
     history_without_timings,
+    kill_9_and_resume,
     load_config,
     plain_orbax_state,
 )
@@ -32,9 +29,10 @@ def evals(workdir) -> dict[int, dict]:
 
 
 def test_dpo_tiny_prefers_the_chosen_answers_and_bf16_stays_within_its_band_of_fp32(tmp_path):
-    """100 steps of `dpo_tiny` (its schedule over 300), bf16-mixed as shipped and fp32: on the
-    held-out pairs the reward accuracy goes from 0 to above 0.9 and the margin from 0 to above
-    1 nat in both; bf16's eval loss is within 0.05 of fp32's and its margin within 15%."""
+    """`dpo_tiny` cut to 100 steps, bf16-mixed as shipped and fp32: on the held-out pairs the
+    reward accuracy goes from 0 to above 0.9 and the margin from 0 to above 1 in both (at
+    2026-11-28: 0.969 and 3.95 in fp32, 0.953 and 4.00 in bf16); bf16's eval loss is within
+    0.02 of fp32's (0.0932 against 0.0884) and its margin within 10% (1.3%)."""
     found = {}
     for precision in ("fp32", "bf16-mixed"):
         keys = {"precision": precision, "num_train_steps": 100, "eval_every_steps": 100}
@@ -49,9 +47,9 @@ def test_dpo_tiny_prefers_the_chosen_answers_and_bf16_stays_within_its_band_of_f
         assert abs(first["eval_loss"] - np.log(2)) < 1e-6
         assert last["eval_rewards/accuracies"] > 0.9 and last["eval_rewards/margins"] > 1.0
     fp32, bf16 = found["fp32"], found["bf16-mixed"]
-    assert abs(bf16["eval_loss"] - fp32["eval_loss"]) < 0.05, (fp32, bf16)
+    assert abs(bf16["eval_loss"] - fp32["eval_loss"]) < 0.02, (fp32, bf16)
     margins = bf16["eval_rewards/margins"] / fp32["eval_rewards/margins"]
-    assert abs(margins - 1) < 0.15, (fp32, bf16)
+    assert abs(margins - 1) < 0.10, (fp32, bf16)
 
 
 def _command(workdir, cache) -> list[str]:
@@ -72,21 +70,9 @@ def test_kill_9_mid_run_then_resume_equals_the_uninterrupted_run(tmp_path):
     """The reference (the "copy" of step 0's params) is checkpointed: killed after step 20's
     checkpoint and run again, the run ends with the uninterrupted run's history (timings
     aside) and every array, the reference's among them."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = subprocess.run(_command(straight, cache), cwd=ROOT, env=env, capture_output=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    proc = subprocess.Popen(_command(crashed, cache), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not (crashed / "checkpoints" / "20").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    again = subprocess.run(_command(crashed, cache), cwd=ROOT, env=env, capture_output=True)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert b"resuming from step" in again.stderr
+    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 20)
     assert history_without_timings(crashed) == history_without_timings(straight)
     final = plain_orbax_state(straight, 40)
     assert dpo.REFERENCE in str(jax.tree_util.tree_structure(final))
@@ -146,3 +132,19 @@ def test_data_2_x_fsdp_4_trains_as_one_device(tmp_path, lora):
     for a, b in zip(rows["one"], rows["eight"], strict=True):
         for key in a:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_resume_keeps_the_precomputed_reference(tmp_path):
+    """fp32 on the fixture's pairs: 2 steps, then the same run resumed to 4, has the 4-step
+    run's history; the resume reads the workdir's sums (the cache's copy gone), not the
+    model it resumes with."""
+    keys = {"dpo.reference": "precomputed", "checkpoint_every_steps": 2, "eval_every_steps": 2}
+    straight = pairs_config(tmp_path, **keys, num_train_steps=4)
+    dpo.DPOTrainer(straight, tmp_path / "straight").train_and_evaluate()
+    dpo.DPOTrainer(pairs_config(tmp_path, **keys), tmp_path / "resumed").train_and_evaluate()
+    for cached in (tmp_path / "cache").glob("dpo-*-ref-*"):
+        cached.unlink()
+    resumed = pairs_config(tmp_path, **keys, num_train_steps=4)
+    dpo.DPOTrainer(resumed, tmp_path / "resumed").train_and_evaluate()
+    want = history_without_timings(tmp_path / "straight")
+    assert history_without_timings(tmp_path / "resumed") == want
