@@ -112,21 +112,30 @@ def test_each_loss_and_its_gradient_in_the_log_probs_equal_trls():
             np.testing.assert_allclose(grad, REF[f"{name}_grad_{key}"], rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("name", ["pairs", "chats"])
-def test_fp32_matches_trl_step_0_and_two_sgd_steps_with_precomputed_reference(tmp_path, name):
-    """TRL's step-0 sums to 1e-5 (here the precomputed reference, in fp32 by the step-0 model,
-    in the workdir and the data cache); step 1's loss is ln 2 to 1e-7 with every reward and
-    the accuracy 0; the two steps' loss, margins and gradient norm are TRL's."""
-    config = pairs_config(tmp_path, name, **{"dpo.reference": "precomputed"})
+@pytest.mark.parametrize(
+    "name, reference",
+    [
+        ("pairs", "copy"),
+        ("chats", "copy"),
+        # the reference computed ahead, each pair's sums to TRL's: make test-slow
+        pytest.param("pairs", "precomputed", marks=pytest.mark.slow),
+    ],
+)
+def test_fp32_matches_trl_step_0_and_two_sgd_steps(tmp_path, name, reference):
+    """On 8 devices (data parallel, each pair twice in a batch of 8: the means of the 4) or
+    one (precomputed): step 1's loss is ln 2 to 1e-7 with every reward and the accuracy 0,
+    its mean sums TRL's step-0 sums' to 1e-5; the two steps' loss, margins and gradient norm
+    are TRL's. Precomputed, each pair's sums are TRL's to 1e-5, in the workdir and the cache."""
+    mesh = {"mesh.data": -1, "batch_size": 8} if reference == "copy" else {}
+    config = pairs_config(tmp_path, name, **{"dpo.reference": reference}, **mesh)
     dpo.DPOTrainer(config, tmp_path / "run").train_and_evaluate()
-    saved = json.loads((tmp_path / "run" / dpo.WORKDIR_FILE).read_text())
-    logps = np.asarray(saved["logps"], np.float32)
-    np.testing.assert_allclose(logps[:4], REF[f"{name}_logps"], rtol=1e-5)
-    np.testing.assert_array_equal(logps[4:], logps[:4])  # the held-out copy
     rows = {r["step"]: r for r in history_without_timings(tmp_path / "run") if "loss" in r}
     assert abs(rows[1]["loss"] - math.log(2)) < 1e-7, rows[1]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert rows[1][key] == 0.0, (key, rows[1])
+    want = REF[f"{name}_logps"]
+    np.testing.assert_allclose(rows[1]["logps/chosen"], want[:, 0].mean(), rtol=1e-5)
+    np.testing.assert_allclose(rows[1]["logps/rejected"], want[:, 1].mean(), rtol=1e-5)
     norms = {step: float(x) for step, x in event_series(tmp_path / "run", "grad_norm").items()}
     for step, (loss, margins, accuracy, norm) in enumerate(REF[f"{name}_history"], 1):
         got = rows[step]
@@ -134,8 +143,13 @@ def test_fp32_matches_trl_step_0_and_two_sgd_steps_with_precomputed_reference(tm
         np.testing.assert_allclose(got["rewards/margins"], margins, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(got["rewards/accuracies"], accuracy)
         np.testing.assert_allclose(norms[step], norm, rtol=1e-5)
-    cached = sorted((tmp_path / "cache").glob("dpo-*-ref-*.npy"))
-    assert len(cached) == 1 and np.array_equal(np.load(cached[0]).reshape(-1, 2), logps)
+    if reference == "precomputed":
+        saved = json.loads((tmp_path / "run" / dpo.WORKDIR_FILE).read_text())
+        logps = np.asarray(saved["logps"], np.float32)
+        np.testing.assert_allclose(logps[:4], want, rtol=1e-5)
+        np.testing.assert_array_equal(logps[4:], logps[:4])  # the held-out copy
+        cached = sorted((tmp_path / "cache").glob("dpo-*-ref-*.npy"))
+        assert len(cached) == 1 and np.array_equal(np.load(cached[0]).reshape(-1, 2), logps)
 
 
 @pytest.mark.parametrize(
