@@ -104,6 +104,12 @@ def test_masked_targets_are_left_out_of_the_mean():
         assert not np.any(np.asarray(f_hidden)[np.asarray(targets) < 0])
     out = jax.jit(lm_loss.token_loss)(hidden, kernel, targets)
     assert float(out["tokens"]) == len(kept[0])
+    # each target's log-probability (DPO's), 0 where masked: the float64 log-softmax's
+    logits = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    picked = np.take_along_axis(logits, np.maximum(np.asarray(targets), 0)[..., None], -1)
+    want = np.where(np.asarray(targets) >= 0, picked[..., 0] - lse, 0.0)
+    np.testing.assert_allclose(out["logps"], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

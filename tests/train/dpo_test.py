@@ -122,11 +122,14 @@ def test_each_loss_and_its_gradient_in_the_log_probs_equal_trls():
     ],
 )
 def test_fp32_matches_trl_step_0_and_two_sgd_steps(tmp_path, name, reference):
-    """On 8 devices (data parallel, each pair twice in a batch of 8: the means of the 4) or
-    one (precomputed): step 1's loss is ln 2 to 1e-7 with every reward and the accuracy 0,
-    its mean sums TRL's step-0 sums' to 1e-5; the two steps' loss, margins and gradient norm
-    are TRL's. Precomputed, each pair's sums are TRL's to 1e-5, in the workdir and the cache."""
-    mesh = {"mesh.data": -1, "batch_size": 8} if reference == "copy" else {}
+    """Step 1's loss is ln 2 to 1e-7 with every reward and the accuracy 0, its mean sums
+    TRL's step-0 sums' to 1e-5; the two steps' loss, margins and gradient norm are TRL's.
+    Copied reference: on 8 devices, data parallel (each pair twice in a batch of 8: the 4's
+    means), each token's log-probability from the head chunked 8 positions at a time
+    (`lm_loss.token_loss`, as at a real vocabulary). Precomputed: on one device, from the
+    whole logits; each pair's sums are TRL's to 1e-5, in the workdir and the cache."""
+    copy = {"mesh.data": -1, "batch_size": 8, "loss.chunk_tokens": 8}
+    mesh = copy if reference == "copy" else {}
     config = pairs_config(tmp_path, name, **{"dpo.reference": reference}, **mesh)
     dpo.DPOTrainer(config, tmp_path / "run").train_and_evaluate()
     rows = {r["step"]: r for r in history_without_timings(tmp_path / "run") if "loss" in r}
