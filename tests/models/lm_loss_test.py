@@ -102,14 +102,6 @@ def test_masked_targets_are_left_out_of_the_mean():
         np.testing.assert_allclose(f_hidden, d_hidden, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(f_kernel, d_kernel, rtol=1e-5, atol=1e-7)
         assert not np.any(np.asarray(f_hidden)[np.asarray(targets) < 0])
-    out = jax.jit(lm_loss.token_loss)(hidden, kernel, targets)
-    assert float(out["tokens"]) == len(kept[0])
-    # each target's log-probability (DPO's), 0 where masked: the float64 log-softmax's
-    logits = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
-    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    picked = np.take_along_axis(logits, np.maximum(np.asarray(targets), 0)[..., None], -1)
-    want = np.where(np.asarray(targets) >= 0, picked[..., 0] - lse, 0.0)
-    np.testing.assert_allclose(out["logps"], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -148,7 +140,7 @@ def test_z_loss_is_the_mean_squared_log_normaliser():
         np.testing.assert_allclose(f, e, rtol=1e-5, atol=1e-7)
 
 
-def test_accuracy_and_tokens_count_the_valid_targets():
+def test_accuracy_tokens_and_log_probabilities_count_the_valid_targets():
     hidden, kernel, targets = _inputs(jnp.float32)
     best = np.argmax(np.einsum("bld,dv->blv", hidden, kernel), -1)
     right = np.arange(B * L).reshape(B, L) % 4 == 0  # a quarter predicted right
@@ -158,6 +150,11 @@ def test_accuracy_and_tokens_count_the_valid_targets():
     valid = targets >= 0
     assert float(out["tokens"]) == valid.sum()
     np.testing.assert_allclose(out["accuracy"], right[valid].mean(), rtol=1e-6)
+    # each target's log-probability (DPO's sums), 0 where masked: the float64 log-softmax's
+    logits = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    picked = np.take_along_axis(logits, np.maximum(targets, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out["logps"], np.where(valid, picked - lse, 0), atol=1e-5)
 
 
 def _sizes(program: str) -> set[int]:
