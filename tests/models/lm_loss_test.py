@@ -112,7 +112,7 @@ def test_a_batch_without_a_valid_target_has_loss_0_and_zero_gradients(dtype):
     for g in grad(hidden, kernel, targets):
         assert np.all(np.asarray(g, np.float32) == 0)
     out = jax.jit(lambda *a: lm_loss.token_loss(*a, chunk=4, z_loss=1e-4))(hidden, kernel, targets)
-    assert {key: float(v) for key, v in out.items()} == dict.fromkeys(out, 0.0)
+    assert {key: float(np.abs(v).max()) for key, v in out.items()} == dict.fromkeys(out, 0.0)
 
 
 def test_z_loss_is_the_mean_squared_log_normaliser():
