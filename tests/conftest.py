@@ -219,6 +219,9 @@ MOVED_TO_SLOW = {
     "optim_test.py::test_a_gated_optimizer_keeps_its_state_where_a_step_is_not_applied[adamw-bf16]": "variant",
     "golden_test.py::test_one_step_golden_values[fp32]": "variant",
     "step_test.py::test_non_finite_step_is_skipped_without_touching_the_state[nan_batch]": "variant",
+    # for the MoE layer's program (issue 59): make test keeps stochastic rounding through the
+    # compiled step that drops f32 -> bf16 -> f32 round trips, the stricter of the two
+    "param_rounding_test.py::test_stochastic_and_kahan_keep_small_updates[stochastic-bf16-jit]": "variant",
 }
 
 

@@ -1,0 +1,71 @@
+"""The mixture-of-experts MLP (`mptrain.models.moe`) against transformers' own blocks and loss
+(`tests/models/moe_fixture.npz`, made by `scripts/make_moe_fixture.py`), and why its router is
+fp32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from helpers import ROOT, normal
+
+from mptrain.models import moe
+
+REF = np.load(ROOT / "tests" / "models" / "moe_fixture.npz")
+
+
+def _params(name: str) -> dict:
+    """The fixture's torch `[out, in]` weights as the layer's `[in, out]` params."""
+    t = lambda key: np.swapaxes(REF[f"{name}_{key}"], -1, -2)
+    return {"router": REF[f"{name}_router"].T, "gate": t("gate"), "up": t("up"), "down": t("down")}
+
+
+def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
+    """Qwen3-MoE's block (8 experts, top 2, renormalised) and Mixtral's (4, top 2): fp32
+    outputs within 1e-5 of transformers'; the load-balancing loss of two layers' router logits
+    equal to `load_balancing_loss_func`'s to 1e-6."""
+
+    @jax.jit
+    def run(qwen, mixtral, x_qwen, x_mixtral, aux_logits):
+        out = []
+        for params, x, experts in ((qwen, x_qwen, 8), (mixtral, x_mixtral, 4)):
+            layer = moe.MoE(experts, 2, 8, True, jnp.float32)
+            with jax.default_matmul_precision("highest"):
+                out.append(layer.apply({"params": params}, x)[0])
+        return (*out, moe.load_balancing_loss(aux_logits, 2))
+
+    y_qwen, y_mixtral, aux = run(
+        _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],
+        REF["aux_logits"],
+    )  # fmt: skip
+    for name, y in (("qwen3_moe", y_qwen), ("mixtral", y_mixtral)):
+        want = REF[f"{name}_y"]
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(aux, REF["aux_loss"], rtol=1e-6)
+
+
+def test_a_bf16_router_sends_near_tied_tokens_to_other_experts():
+    """256 tokens, 16 experts, top 2: expert 0 first for every token (5 logits ahead), experts
+    1 and 2 tied for second but for about 1e-2 of a logit, either way (a bf16 logit near 5 is
+    a multiple of 1/32). The fp32 router picks every token's float64 top 2; the bf16 router
+    (its matmul in bf16, as a bf16 model's `F.linear` runs it) sends some to another pair
+    (20 of the 256 at 2026-11-29; the test wants 10 or more)."""
+    tokens, width, experts = 256, 64, 16
+    x = np.array(normal(0, (tokens, width)))
+    x[:, 0] = 1.0  # a constant feature: the experts' offsets
+    kernel = 0.5 * np.array(normal(1, (width, experts)), np.float64) / np.sqrt(width)
+    kernel[:, 2] = kernel[:, 1] + 1e-2 * np.asarray(normal(2, (width,))) / np.sqrt(width)
+    kernel[0, :3] = 10.0, 5.0, 5.0
+    kernel = kernel.astype(np.float32)
+    exact = x.astype(np.float64) @ kernel.astype(np.float64)
+    want = np.sort(np.argsort(-exact, axis=-1, kind="stable")[:, :2], axis=-1)
+    assert np.all(want[:, 0] == 0) and np.all(want[:, 1] > 0)
+    pick = jax.jit(moe.route, static_argnums=(2, 3, 4))
+    picked = {}
+    for fp32 in (True, False):
+        _, _, chosen = pick(
+            jnp.asarray(x, jnp.float32 if fp32 else jnp.bfloat16), kernel, 2, True, fp32
+        )
+        picked[fp32] = np.sort(np.asarray(chosen), axis=-1)
+    np.testing.assert_array_equal(picked[True], want)
+    flipped = int(np.sum(np.any(picked[False] != want, axis=-1)))
+    print(f"bf16 router: {flipped} of {tokens} tokens sent to another pair of experts")
+    assert flipped >= 10, flipped
