@@ -18,28 +18,55 @@ def _params(name: str) -> dict:
     return {"router": REF[f"{name}_router"].T, "gate": t("gate"), "up": t("up"), "down": t("down")}
 
 
+def _dense(params, x, top_k):
+    """The block computed another way: every expert on every token, each token's output the
+    sum over the experts of its routing weight (0 off its top k) times the expert's."""
+    tokens = x.reshape(-1, x.shape[-1])
+    _, weights, picked = moe.route(tokens, params["router"], top_k, True)
+    full = (
+        jnp.zeros((tokens.shape[0], params["gate"].shape[0]))
+        .at[jnp.arange(tokens.shape[0])[:, None], picked]
+        .set(weights)
+    )
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", tokens, params["gate"]))
+    h = h * jnp.einsum("td,edf->tef", tokens, params["up"])
+    y = jnp.einsum("tef,efd,te->td", h, params["down"], full)
+    return y.reshape(x.shape)
+
+
 def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
     """Qwen3-MoE's block (8 experts, top 2, renormalised) and Mixtral's (4, top 2): fp32
     outputs within 1e-5 of transformers'; the load-balancing loss of two layers' router logits
-    equal to `load_balancing_loss_func`'s to 1e-6."""
+    equal to `load_balancing_loss_func`'s to 1e-6. The gradients of the grouped matmuls (the
+    sort, `ragged_dot`'s transposes, the unsort) are those of every expert on every token
+    masked by the routing weights, to 1e-5, for the input, the router and each expert."""
 
     @jax.jit
     def run(qwen, mixtral, x_qwen, x_mixtral, aux_logits):
         out = []
-        for params, x, experts in ((qwen, x_qwen, 8), (mixtral, x_mixtral, 4)):
-            layer = moe.MoE(experts, 2, 8, True, jnp.float32)
-            with jax.default_matmul_precision("highest"):
+        with jax.default_matmul_precision("highest"):
+            for params, x, experts in ((qwen, x_qwen, 8), (mixtral, x_mixtral, 4)):
+                layer = moe.MoE(experts, 2, 8, True, jnp.float32)
                 out.append(layer.apply({"params": params}, x)[0])
-        return (*out, moe.load_balancing_loss(aux_logits, 2))
+            probe = normal(3, REF["qwen3_moe_x"].shape)  # the gradients of <y, probe>
+            grouped = lambda p, x: jnp.sum(moe.MoE(8, 2, 8, True, jnp.float32).apply(
+                {"params": p}, x)[0] * probe)  # fmt: skip
+            dense = lambda p, x: jnp.sum(_dense(p, x, 2) * probe)
+            grads = [jax.grad(f, argnums=(0, 1))(qwen, x_qwen) for f in (grouped, dense)]
+        return (*out, moe.load_balancing_loss(aux_logits, 2), grads)
 
-    y_qwen, y_mixtral, aux = run(
+    y_qwen, y_mixtral, aux, (found, want) = run(
         _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],
         REF["aux_logits"],
     )  # fmt: skip
     for name, y in (("qwen3_moe", y_qwen), ("mixtral", y_mixtral)):
-        want = REF[f"{name}_y"]
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        want_y = REF[f"{name}_y"]
+        np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(aux, REF["aux_loss"], rtol=1e-6)
+    for got, expected in zip(jax.tree.leaves(found), jax.tree.leaves(want), strict=True):
+        scale = np.abs(expected).max()
+        assert scale > 0
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_a_bf16_router_sends_near_tied_tokens_to_other_experts():
