@@ -34,8 +34,9 @@ the row, a token the model's vocabulary lacks) is a `ConfigError` naming the fil
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import random
-import threading
 import types
 from typing import Any
 
@@ -80,8 +81,8 @@ class Settings:
     fields: tuple[str, str, str]  # prompt, chosen, rejected
 
     def path(self) -> str:
-        key = sft.hashlib.sha256(f"{self.base.key()}{self.fields}{FORMAT_VERSION}".encode())
-        return f"{self.base.cache_dir}/dpo-{key.hexdigest()[:32]}.npy"
+        key = hashlib.sha256(f"{self.base.key()}{self.fields}{FORMAT_VERSION}".encode())
+        return os.path.join(self.base.cache_dir, f"dpo-{key.hexdigest()[:32]}.npy")
 
 
 def settings(config: Any) -> Settings:
@@ -261,9 +262,7 @@ class PairSource(packing.PackedSource):
     batch (None: none)."""
 
     def __init__(self, rows: np.ndarray, batch_size: int, seed: int = 0, *, random=True):
-        self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
-        self.real = self._real()
-        self._orders, self._lock = {}, threading.Lock()
+        super().__init__(rows, batch_size, seed, random=random)
         self.reference: np.ndarray | None = None
 
     def _real(self) -> np.ndarray:

@@ -133,9 +133,13 @@ class PackedSource:
     ):
         self.rows, self.batch_size, self.seed, self.random = rows, batch_size, seed, random
         self.max_segments = max_segments
-        self.real = (rows[:, 2] > 0).sum(axis=1)  # real tokens a row
+        self.real = self._real()
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
+
+    def _real(self) -> np.ndarray:
+        """The real tokens of each row (what tokens/s counts): those of a segment."""
+        return (self.rows[:, 2] > 0).sum(axis=1)
 
     @property
     def num_batches(self) -> int:

@@ -76,10 +76,7 @@ def token_logps(out: Any, targets: jax.Array) -> jax.Array:
     model's output: `lm_loss.token_loss`'s dict (its `logps`) or fp32 logits `[N, L, V]`."""
     if isinstance(out, dict):
         return out["logps"]
-    logits = out.astype(jnp.float32)
-    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
-    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.where(targets >= 0, picked - jax.nn.logsumexp(logits, axis=-1), 0.0)
+    return jnp.where(targets >= 0, -layers.token_nll(out.astype(jnp.float32), targets), 0.0)
 
 
 def sequence_logps(per_token: jax.Array, targets: jax.Array) -> jax.Array:

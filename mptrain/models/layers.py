@@ -159,6 +159,14 @@ def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head")
     return run_in(dtype, nn.Dense(num_classes, dtype=None, name=name), x, jnp.float32)
 
 
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Each token's ``logsumexp(logits) - logits[target]`` (``cross_entropy``'s, unmasked), the
+    target's logit picked by a select over the vocabulary."""
+    vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean cross-entropy in nats over integer ``targets``, computed from fp32 logits.
 
@@ -174,14 +182,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     second pass costs one more read of the logits, small beside the head's matmul that made them.
     """
 
-    def losses(logits, targets):
-        vocab = jnp.arange(logits.shape[-1], dtype=targets.dtype)
-        picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-        return jax.nn.logsumexp(logits, axis=-1) - picked
-
     logits = logits.astype(jnp.float32)
-    whole = jax.lax.optimization_barrier(jnp.mean(losses(logits, targets)))
-    masked = masked_mean(losses(*jax.lax.optimization_barrier((logits, targets))), targets >= 0)
+    whole = jax.lax.optimization_barrier(jnp.mean(token_nll(logits, targets)))
+    masked = masked_mean(token_nll(*jax.lax.optimization_barrier((logits, targets))), targets >= 0)
     return jnp.where(jnp.all(targets >= 0), whole, masked)
 
 

@@ -185,8 +185,9 @@ class DPOTrainer(trainer.Trainer):
             )
         params = self.reference_params(state)
         model = f"{fingerprints.fingerprint(params)}|{self.policy}|{self.config.model.to_json()}"
-        pairs = dpo_data.settings(self.config).path()
-        path = pairs.replace(".npy", f"-ref-{hashlib.sha256(model.encode()).hexdigest()[:16]}.npy")
+        pairs = dpo_data.settings(self.config)  # loads the tokenizer: once
+        tag = hashlib.sha256(model.encode()).hexdigest()[:16]
+        path = pairs.path().replace(".npy", f"-ref-{tag}.npy")
         forward = jax.jit(self.reference_logps)
 
         def write(path: str) -> str:
@@ -200,10 +201,8 @@ class DPOTrainer(trainer.Trainer):
             token_cache.write_array(np.concatenate(out), path, {"model": model})
             return f"computed the reference's log-probabilities of {sum(map(len, out)):,} pairs"
 
-        logps, _ = token_cache.load(
-            path, np.dtype(np.float32), dpo_data.settings(self.config).base.cache_dir, write,
-            "DPO reference log-probabilities",
-        )  # fmt: skip
+        what = "DPO reference log-probabilities"
+        logps, _ = token_cache.load(path, np.dtype(np.float32), pairs.base.cache_dir, write, what)
         logps = np.asarray(logps).reshape(-1, 2)
         files.write_json(kept, {"model": model, "logps": logps.tolist()})
         logging.info("mptrain: dpo: the reference's log-probabilities: %s (and %s)", path, kept)
