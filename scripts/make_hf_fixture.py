@@ -99,7 +99,7 @@ def _randomise(model: Any, generator: torch.Generator) -> None:
         elif p.ndim == 1:  # a bias: large enough to move every score
             p.copy_(0.5 * torch.randn(p.shape, generator=generator))
         else:  # a torch Linear's [out, in]; the embedding's rows of norm ~1 (a tied head too)
-            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[1] ** 0.5)
+            p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
 
 
 def _logits(folder: Path, ids: np.ndarray, dtype: Any = torch.float32) -> np.ndarray:
@@ -259,6 +259,35 @@ FAMILIES = {
         },
         False,
     ),
+    # Mixtures of experts: Qwen3-MoE's three layers, the middle one dense (mlp_only_layers), 8
+    # experts of 16, top 2 renormalised; Mixtral's 4 experts of 32, top 2, a window of 16, its
+    # config.json in 4.x's form. Each with a load-balancing weight that shows in the loss.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "router_aux_loss_coef": 0.01,
+        },
+        False,
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": 16,
+            "router_aux_loss_coef": 0.01,
+        },
+        True,
+    ),
     # Phi-4-mini's RoPE on the tiny shapes: longrope over an original context of 44 (the
     # reference's 48 positions use the long factors; decoding 32 tokens after prompts of 12 at
     # most stays within 44, on the short ones), three quarters of each head rotated
@@ -308,7 +337,14 @@ def write_family(out: Path, name: str) -> None:
     # transformers' own error in bf16 (weights and activations), of the largest |logit|: the
     # band mptrain's bf16-mixed is held to where it is wider than the Llama's
     bf16 = np.abs(_logits(out, ids, torch.bfloat16) - logits).max() / np.abs(logits).max()
-    np.savez(out / "reference.npz", ids=ids, logits=logits.astype(np.float32), bf16_error=bf16)
+    extra = {}
+    if name in ("qwen3_moe", "mixtral"):  # the load-balancing loss, as transformers has it
+        with torch.no_grad():
+            routed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            aux = routed(torch.from_numpy(ids).long(), output_router_logits=True).aux_loss
+        extra["aux_loss"] = np.float32(aux.item())
+    np.savez(out / "reference.npz", ids=ids, logits=logits.astype(np.float32), bf16_error=bf16,
+             **extra)  # fmt: skip
     write_generated(out)
     print(f"{out}: {model_class}, logits max |value| {np.abs(logits).max():.3f}")
 
@@ -372,13 +408,15 @@ def main() -> None:
     parser.add_argument(
         "--families", action="store_true", help="only write tests/hf/families/<family>/"
     )
+    parser.add_argument("--only", default="", help="with --families: these, comma-separated")
     args = parser.parse_args()
     fixture = args.out or ROOT / "tests" / "hf" / "fixture"
     if args.families:
         families = args.out or ROOT / "tests" / "hf" / "families"
-        for name in FAMILIES:
+        for name in args.only.split(",") if args.only else FAMILIES:
             write_family(families / name, name)
-        write_gemma3_multimodal(families / "gemma3-multimodal", families / "gemma3")
+        if not args.only:
+            write_gemma3_multimodal(families / "gemma3-multimodal", families / "gemma3")
         return
     if args.generate:
         for folder in (fixture, fixture / "tied"):

@@ -130,10 +130,12 @@ def _keys(path: tuple) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- in
 
 
-def load(path: str | os.PathLike, *, scan_layers: bool = True) -> tuple[dict, dict]:
+def load(path: str | os.PathLike, *, scan_layers: bool | None = None) -> tuple[dict, dict]:
     """`(model_config, params)`: config.json's `config.model` section and the params as
-    float32 numpy arrays in the llama's tree (`stacked_layers` or `layers_i`)."""
+    float32 numpy arrays in the llama's tree (`stacked_layers` or `layers_i`; None: stacked
+    unless the config says otherwise, as one whose dense and expert layers differ does)."""
     config = read_config(path)
+    scan_layers = config.get("scan_layers", True) if scan_layers is None else scan_layers
     shapes = param_shapes(config, scan_layers)
     is_shape = lambda x: isinstance(x, tuple)
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, np.float32), shapes, is_leaf=is_shape)
@@ -208,22 +210,23 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
 def _read(reader: hf_io.Reader, leaf: names.Leaf, index: tuple, dtype: Any) -> np.ndarray:
     """The param's `index` slice in `dtype` (bf16 and fp16 widen exactly; fp32 to bf16 rounds
     to nearest even), read a layer at a time into the one array it returns."""
-    tensors = leaf.names
-    if leaf.stacked:
-        tensors = [tensors[i] for i in range(*index[0].indices(len(tensors)))]
-        index = index[1:]
+    lead = len(leaf.lead)  # the axes over tensors (layers, experts): their rows of the slice
+    picks = [range(*s.indices(n)) for s, n in zip(index[:lead], leaf.lead, strict=True)]
+    index = index[lead:]
     shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, leaf.shape, strict=True))
-    out = np.empty((len(tensors), *shape), dtype)
+    out = np.empty((*map(len, picks), *shape), dtype)
     hf_index = index[::-1] if leaf.transposed else index
     if leaf.rows is not None:  # a block of a fused tensor's rows
         first, stop, _ = hf_index[0].indices(leaf.rows[1] - leaf.rows[0])
         hf_index = (slice(leaf.rows[0] + first, leaf.rows[0] + stop), *hf_index[1:])
-    for layer, name in enumerate(tensors):
+    for at in np.ndindex(*map(len, picks)):
+        which = tuple(p[i] for p, i in zip(picks, at, strict=True))
+        name = leaf.names[int(np.ravel_multi_index(which, leaf.lead)) if lead else 0]
         if leaf.transposed:  # the kernel's [in, out] slice is the weight's [out, in] one
-            hf_io.transpose_into(out[layer], reader.read(name, hf_index))
+            hf_io.transpose_into(out[at], reader.read(name, hf_index))
         else:
-            out[layer] = reader.read(name, index)
-    return out if leaf.stacked else out[0]
+            out[at] = reader.read(name, index)
+    return out
 
 
 def _check_unused(reader: hf_io.Reader, leaves: list[names.Leaf], config: dict) -> None:
@@ -282,7 +285,8 @@ def save(
         want.pop(keys)
         nbytes = int(np.prod(leaf.hf_shape)) * out_dtype.itemsize
         for i, hf_name in enumerate(leaf.names):
-            get = lambda x=x, i=i, leaf=leaf: _export(x[i] if leaf.stacked else x, leaf, out_dtype)
+            at = np.unravel_index(i, leaf.lead) if leaf.lead else ()  # its layer (and expert)
+            get = lambda x=x, at=at, leaf=leaf: _export(x[at], leaf, out_dtype)
             if leaf.rows is not None:  # a part of a fused tensor: the parts, by first row
                 parts = fused.setdefault(hf_name, (leaf.hf_shape, nbytes, {}))[2]
                 parts[leaf.rows[0]] = get

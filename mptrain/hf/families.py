@@ -22,7 +22,9 @@ keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
     `no_rope_layer_interval`-th, 4th by default); tied embeddings by default;
   * phi3 (Phi3ForCausalLM): q, k, v fused in one `qkv_proj` and gate, up in `gate_up_proj`
     (split on load, fused again on export: `Family.fused`); `partial_rotary_factor`; a window
-    on every layer when `sliding_window` is set; `longrope` (Phi-4-mini's RoPE).
+    on every layer when `sliding_window` is set; `longrope` (Phi-4-mini's RoPE);
+  * qwen3_moe (Qwen3MoeForCausalLM) and mixtral (MixtralForCausalLM): Qwen3's and Mistral's
+    attention with a mixture of experts' MLP (`mptrain.hf.experts`).
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -34,51 +36,15 @@ than run as another model. The tensor names are `mptrain.hf`'s table.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mptrain import errors
+from mptrain.hf import experts
+from mptrain.hf.family import Family, bias, checked, unlike
 from mptrain.models.llama import FULL, SLIDING
 
 _PARTIAL = "partial_rotary_factor"  # Phi-3's part of a head that RoPE rotates
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str  # config.model.family
-    architecture: str
-    model_type: str
-    read: Callable[[Path, dict, int], dict]  # (file, config.json, layers) -> switches
-    write: Callable[[dict], dict]  # the decoder's settings -> config.json's own keys
-    can: Callable[[dict], str | None]  # why the settings' switches are not this family's
-    defaults: tuple = ()  # config.json's keys that default otherwise than the Llama's
-    # fused tensors: ((module, HF name under the layer), the parts in the order of their rows)
-    fused: tuple = ()
-
-
-def _bias(file: Path, raw: dict, fixed: str | None = None) -> str:
-    """`attn_bias` from `attention_bias` (a bool: the four projections), or the family's."""
-    if fixed is not None:
-        return fixed
-    value = raw.get("attention_bias", False)
-    if not isinstance(value, bool):
-        raise errors.ConfigError(f"{file}: attention_bias={value!r}: must be true or false")
-    return "all" if value else "none"
-
-
-def checked(file: Path, key: str, value: Any, kind: type) -> Any:
-    """`value` when it is a positive int, a positive number (as a float) or a bool, as `kind`
-    says; else a `ConfigError` naming the file and the key."""
-    try:
-        if kind is bool and not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r}: must be true or false")
-        if kind is int:
-            return errors.check_integer(key, value, 1)
-        return errors.check_number(key, value, 0.0, open_low=True) if kind is float else value
-    except ValueError as e:
-        raise errors.ConfigError(f"{file}: {e}") from None
 
 
 def _layers(file: Path, raw: dict, layers: int, default: list[str], window: Any) -> dict:
@@ -148,7 +114,7 @@ def _gemma(file: Path, raw: dict, layers: int, version: int) -> dict:
     default = [SLIDING if (i + 1) % every else FULL for i in range(layers)]
     caps = (50.0, 30.0) if version == 2 else (None, None)
     return {
-        "attn_bias": _bias(file, raw),
+        "attn_bias": bias(file, raw),
         "qk_norm": version == 3,
         "norm_plus_one": True,
         "post_norms": True,
@@ -202,7 +168,7 @@ def _smollm3(file: Path, raw: dict, layers: int) -> dict:
         default = [SLIDING if not rope else FULL for rope in marks]
         window = _layers(file, raw, layers, default, raw.get("sliding_window"))
     nope = tuple(i for i, rope in enumerate(marks) if not rope)
-    return {"attn_bias": _bias(file, raw), "nope_layers": nope or None, **window}
+    return {"attn_bias": bias(file, raw), "nope_layers": nope or None, **window}
 
 
 def _smollm3_json(c: dict) -> dict:
@@ -243,15 +209,6 @@ _GEMMA3_DEFAULTS = (
 )
 
 
-def _unlike(c: dict, **want: Any) -> str | None:
-    """The first switch of `c` that differs from `want` (a value, or a tuple of allowed ones)."""
-    for key, allowed in want.items():
-        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
-        if c[key] not in allowed:
-            return f"model.{key}={c[key]!r}"
-    return None
-
-
 FAMILIES = {
     f.name: f
     for f in (
@@ -259,9 +216,9 @@ FAMILIES = {
             "llama",
             "LlamaForCausalLM",
             "llama",
-            read=lambda file, raw, n: {"attn_bias": _bias(file, raw)},
+            read=lambda file, raw, n: {"attn_bias": bias(file, raw)},
             write=lambda c: {"attention_bias": c["attn_bias"] == "all", "mlp_bias": False},
-            can=lambda c: _unlike(
+            can=lambda c: unlike(
                 c, attn_bias=("none", "all"), qk_norm=False, sliding_window=None, **_PLAIN
             ),
         ),
@@ -271,7 +228,7 @@ FAMILIES = {
             "mistral",
             read=lambda file, raw, n: _mistral(file, raw),
             write=lambda c: {"sliding_window": c["sliding_window"]},
-            can=lambda c: _unlike(c, attn_bias="none", qk_norm=False, layer_types=None, **_PLAIN),
+            can=lambda c: unlike(c, attn_bias="none", qk_norm=False, layer_types=None, **_PLAIN),
         ),
         Family(
             "qwen2",
@@ -279,34 +236,64 @@ FAMILIES = {
             "qwen2",
             read=lambda file, raw, n: {"attn_bias": "qkv", **_qwen(file, raw, n)},
             write=_qwen_window_json,
-            can=lambda c: _unlike(c, attn_bias="qkv", qk_norm=False, **_PLAIN),
+            can=lambda c: unlike(c, attn_bias="qkv", qk_norm=False, **_PLAIN),
         ),
         Family(
             "qwen3",
             "Qwen3ForCausalLM",
             "qwen3",
             read=lambda file, raw, n: {
-                "attn_bias": _bias(file, raw),
+                "attn_bias": bias(file, raw),
                 "qk_norm": True,
                 **_qwen(file, raw, n),
             },
             write=lambda c: {"attention_bias": c["attn_bias"] == "all", **_qwen_window_json(c)},
-            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
+            can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
             defaults=(("head_dim", 128),),
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            read=lambda file, raw, n: {
+                "attn_bias": bias(file, raw),
+                "qk_norm": True,
+                **_qwen(file, raw, n),
+                **experts.read(file, raw, n, "qwen3_moe"),
+            },
+            write=lambda c: {
+                "attention_bias": c["attn_bias"] == "all",
+                **_qwen_window_json(c),
+                **experts.write(c, "qwen3_moe"),
+            },
+            can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
+            experts=True,
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "mixtral",
+            read=lambda file, raw, n: {  # no window unless given, as MixtralConfig has it
+                **_mistral(file, {"sliding_window": None, **raw}),
+                **experts.read(file, raw, n, "mixtral"),
+            },
+            write=lambda c: {"sliding_window": c["sliding_window"], **experts.write(c, "mixtral")},
+            can=lambda c: unlike(c, attn_bias="none", qk_norm=False, layer_types=None, **_PLAIN),
+            experts=True,
         ),
         Family(
             "olmo2",
             "Olmo2ForCausalLM",
             "olmo2",
             read=lambda file, raw, n: {
-                "attn_bias": _bias(file, raw),
+                "attn_bias": bias(file, raw),
                 "qk_norm": True,
                 "qk_norm_width": True,
                 "pre_norms": False,
                 "post_norms": True,
             },
             write=lambda c: {"attention_bias": c["attn_bias"] == "all"},
-            can=lambda c: _unlike(
+            can=lambda c: unlike(
                 c,
                 attn_bias=("none", "all"),
                 sliding_window=None,
@@ -320,7 +307,7 @@ FAMILIES = {
             "smollm3",
             read=lambda file, raw, n: _smollm3(file, raw, n),
             write=_smollm3_json,
-            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=False, **_NOT_NOPE),
+            can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=False, **_NOT_NOPE),
             defaults=(("tie_word_embeddings", True),),
         ),
         Family(
@@ -332,7 +319,7 @@ FAMILIES = {
                 "sliding_window": c["sliding_window"],
                 "partial_rotary_factor": c["partial_rotary_factor"],
             },
-            can=lambda c: _unlike(
+            can=lambda c: unlike(
                 c, attn_bias="none", qk_norm=False, layer_types=None, **_NOT_PARTIAL
             ),
             defaults=(("rms_norm_eps", 1e-5),),
@@ -347,7 +334,7 @@ FAMILIES = {
             "gemma2",
             read=lambda file, raw, n: _gemma(file, raw, n, 2),
             write=lambda c: _gemma_json(c, 2),
-            can=lambda c: _unlike(
+            can=lambda c: unlike(
                 c, attn_bias=("none", "all"), qk_norm=False, rope_local_theta=None, **_GEMMA
             ),
             defaults=(*_GEMMA_DEFAULTS, ("max_position_embeddings", 8192)),
@@ -358,7 +345,7 @@ FAMILIES = {
             "gemma3_text",
             read=lambda file, raw, n: _gemma(file, raw, n, 3),
             write=lambda c: _gemma_json(c, 3),
-            can=lambda c: _unlike(c, attn_bias=("none", "all"), qk_norm=True, **_GEMMA),
+            can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=True, **_GEMMA),
             defaults=(*_GEMMA_DEFAULTS, *_GEMMA3_DEFAULTS),
         ),
     )
@@ -390,8 +377,8 @@ def of_config(file: Path, raw: dict) -> Family:
 
 def check(c: dict) -> None:
     """A `ConfigError` where the decoder's settings `c` are not what `model.family` writes."""
-    if why := FAMILIES[c["family"]].can(c):
+    family = FAMILIES[c["family"]]
+    if why := family.can(c) or experts.unlike(c, family.name if family.experts else None):
         raise errors.ConfigError(
-            f"{why}: a {FAMILIES[c['family']].architecture} has no such setting "
-            f"(model.family={c['family']!r})"
+            f"{why}: a {family.architecture} has no such setting (model.family={c['family']!r})"
         )

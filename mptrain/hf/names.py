@@ -11,7 +11,7 @@ import re
 import jax
 
 from mptrain import errors
-from mptrain.hf import families
+from mptrain.hf import experts, families
 from mptrain.recipe import sharding
 
 LAYER_PREFIX = "model.layers.{}."
@@ -56,9 +56,13 @@ class Leaf:
     path: str  # "stacked_layers/attn/q/kernel", for messages
     names: tuple[str, ...]
     transposed: bool
-    stacked: bool
-    shape: tuple[int, ...]  # one layer's, as the param has it
+    lead: tuple[int, ...]  # the param's leading axes over `names` (layers, experts), row-major
+    shape: tuple[int, ...]  # one tensor's, as the param has it
     rows: tuple[int, int, int] | None = None
+
+    @property
+    def stacked(self) -> bool:  # a tensor a row of the param
+        return bool(self.lead)
 
     @property
     def hf_shape(self) -> tuple[int, ...]:  # as the file has each of `names`
@@ -92,17 +96,23 @@ def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -
     if rest in fused:
         name, rows = fused[rest]
         table = {rest: (name + ".weight", True)}
-    if top == sharding.STACKED and rest in table and shape:
+    if c and c["num_experts"] and rest[0] == "moe":
+        table = experts.layer_names(c["family"])
+    each = int(c is not None and rest in table and "{}" in table[rest][0])  # an expert a tensor
+    if (top == sharding.STACKED or layer) and rest in table and len(shape) > each:
         name, transposed = table[rest]
-        names = tuple(LAYER_PREFIX.format(i) + name for i in range(shape[0]))
-        return Leaf(path, names, transposed, stacked=True, shape=shape[1:], rows=rows)
-    if layer and rest in table:
-        name, transposed = table[rest]
-        names = (LAYER_PREFIX.format(layer[1]) + name,)
-        return Leaf(path, names, transposed, stacked=False, shape=shape, rows=rows)
+        lead = shape[: each + (not layer)]
+        layers = [layer[1]] if layer else range(shape[0])
+        expert = (lambda n, j: n.format(j)) if each else lambda n, j: n
+        names = tuple(
+            LAYER_PREFIX.format(i) + expert(name, j)
+            for i in layers
+            for j in range(shape[len(lead) - 1] if each else 1)
+        )
+        return Leaf(path, names, transposed, lead, shape=shape[len(lead) :], rows=rows)
     if keys in TOP_NAMES:
         name, transposed = TOP_NAMES[keys]
-        return Leaf(path, (name,), transposed, stacked=False, shape=shape)
+        return Leaf(path, (name,), transposed, lead=(), shape=shape)
     raise errors.ConfigError(f"params/{path}: no tensor of a HuggingFace folder maps onto it")
 
 
@@ -120,10 +130,7 @@ def shapes(c: dict, scan_layers: bool = True) -> dict:
     """The llama param tree's shapes (tuples) for the checked settings `c`, scanned or not."""
     d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
     q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
-    layer = {
-        "attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}},
-        "mlp": {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}},
-    }
+    layer = {"attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}}}
     if c["pre_norms"]:
         layer |= {"attn_norm": {"scale": (d,)}, "mlp_norm": {"scale": (d,)}}
     layer["attn"]["o"] = {"kernel": (q, d)}
@@ -135,12 +142,19 @@ def shapes(c: dict, scan_layers: bool = True) -> dict:
         layer["attn"] |= {f"{n}_norm": {"scale": (wide[n],)} for n in ("q", "k")}
     if c["post_norms"]:
         layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
+    mlp = {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}}
+    dense, routed = {**layer, "mlp": mlp}, None
+    if c["num_experts"]:  # the router [D, E]; gate, up [E, D, F], down [E, F, D]
+        e, fe = c["num_experts"], c["expert_d_ff"]
+        experts = {"router": (d, e), "gate": (e, d, fe), "up": (e, d, fe), "down": (e, fe, d)}
+        routed = {**layer, "moe": experts}
+    kind = lambda i: dense if routed is None or i in (c["dense_layers"] or ()) else routed
     tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
     if not c["tie_embeddings"]:
         tree["head"] = {"kernel": (d, v)}
     is_shape = lambda x: isinstance(x, tuple)
-    if scan_layers:
-        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), layer, is_leaf=is_shape)
+    if scan_layers:  # one kind of layer (`moe.check`)
+        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), kind(n), is_leaf=is_shape)
     else:
-        tree.update({f"layers_{i}": layer for i in range(n)})
+        tree.update({f"layers_{i}": kind(i) for i in range(n)})
     return tree

@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import context_attention, layers, splash
+from mptrain.models import context_attention, layers, moe, splash
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import rope as rope_lib
@@ -98,6 +98,11 @@ class Shape:
     attn_scale: float | None = None
     attn_softcap: float | None = None
     mlp_act: str = "silu"
+    experts: int = 0  # a mixture of experts' MLP (`moe.MoE`) where not 0
+    top_k: int = 0
+    expert_d_ff: int = 0
+    norm_topk: bool = True
+    router_fp32: bool = True
 
     def norm(self, dtype: layers.Dtype, name: str) -> RMSNorm:
         return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
@@ -216,7 +221,10 @@ class Block(nn.Module):
     lora: Any = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
+    def __call__(self, x: Any, positions: jax.Array, segments=None, cache=None) -> Any:
+        stats = None
+        if isinstance(x, tuple):  # (x, the router statistics of the layers before)
+            x, stats = x
         s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
         pre = lambda name, h: s.norm(self.dtype, name)(h) if s.pre_norms else h
         h = pre("attn_norm", x)
@@ -227,10 +235,19 @@ class Block(nn.Module):
         if s.post_norms:
             h = s.norm(self.dtype, "attn_post_norm")(h)
         x = x + h
-        h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(pre("mlp_norm", x))
+        h = pre("mlp_norm", x)
+        if s.experts:
+            mask = None if segments is None else segments.ids > 0  # no padding in the stats
+            experts = moe.MoE(s.experts, s.top_k, s.expert_d_ff, s.norm_topk, self.dtype,
+                              s.router_fp32, name="moe")  # fmt: skip
+            h, layer_stats = experts(h, mask)
+            stats = None if stats is None else stats + layer_stats
+        else:
+            h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
         if s.post_norms:
             h = s.norm(self.dtype, "mlp_post_norm")(h)
         x = x + h
+        x = x if stats is None else (x, stats)
         return x if cache is None else (x, cache)
 
 
@@ -306,8 +323,15 @@ def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
             local = dataclasses.replace(base, inv_freq=local_freq, longrope=None)
         full = dataclasses.replace(base, window=None)
     kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
-    nope = set(keys["nope_layers"] or ())
+    nope, dense = set(keys["nope_layers"] or ()), set(keys["dense_layers"] or ())
+    experts = {}
+    if keys["num_experts"]:
+        experts = {"experts": keys["num_experts"], "top_k": keys["experts_per_token"]}
+        experts |= {"expert_d_ff": keys["expert_d_ff"], "norm_topk": keys["norm_topk_prob"]}
+        experts["router_fp32"] = keys["router_fp32"]
     return tuple(
-        dataclasses.replace(shape, inv_freq=()) if i in nope else shape
+        dataclasses.replace(
+            shape, **({"inv_freq": ()} if i in nope else {}), **({} if i in dense else experts)
+        )
         for i, shape in enumerate(local if kind == SLIDING else full for kind in kinds)
     )

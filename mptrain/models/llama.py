@@ -65,7 +65,7 @@ from absl import logging
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import blocks, layers, lm_loss, rope, stack
+from mptrain.models import blocks, layers, lm_loss, moe, rope, stack
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.blocks import Block, Shape
@@ -102,6 +102,7 @@ class Llama(nn.Module):
     layer_shapes: tuple[Shape, ...] = ()  # each layer's, where they differ; else `shape`'s
     embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
     final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
+    aux_loss_coef: float = 0.0  # the load-balancing loss's weight (a mixture of experts)
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -119,19 +120,28 @@ class Llama(nn.Module):
             x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)
+        experts = [self._shape(i).experts for i in range(self.num_layers)]
+        routed = max(experts) and cache is None  # the routers' statistics ride with x
+        x = (x, jnp.zeros((2, max(experts)), jnp.float32)) if routed else x
         x = self._blocks(x, positions, segments, cache)
         if cache is not None:
             x, cache = x
+        x, stats = x if routed else (x, None)
         x = self.shape.norm(self.dtype, "final_norm")(x)
         if logits_at is not None:  # [B, 1, D]: one position a row
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        head = lm_loss.Head(
-            self.vocab_size, init, self.loss_chunk, self.z_loss, self.final_softcap, name="head"
-        )
+        head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
+                            self.final_softcap, dict_out=bool(routed), name="head")  # fmt: skip
         kernel = None
         if self.tie_embeddings:
             kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
         out = head(x, targets, kernel)
+        if routed and targets is not None:  # the load-balancing loss, over the real tokens
+            real = tokens.size if segments is None else jnp.sum(segments.ids > 0)
+            aux = moe.aux_loss(stats, real * sum(e > 0 for e in experts))
+            share = stats[0] / jnp.sum(stats[0])
+            out = {**out, "loss": out["loss"] + self.aux_loss_coef * aux}
+            out |= {"moe/aux_loss": aux, "moe/expert_share": share}
         return out if cache is None else (out, cache)
 
     def _shape(self, layer: int) -> Shape:
@@ -193,6 +203,7 @@ class Llama(nn.Module):
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the switches of `blocks.Shape`, and the names its folder gives them.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
+FAMILIES += ("qwen3_moe", "mixtral")  # with a mixture of experts (`moe`)
 SLIDING, FULL = blocks.SLIDING, blocks.FULL  # `layer_types`' values, transformers'
 
 
@@ -244,6 +255,7 @@ CONFIG_KEYS = {
     "nope_layers": None,
     "token_ids": None,
     "partial_rotary_factor": 1.0,
+    **moe.CONFIG_KEYS,
 }
 
 
@@ -305,6 +317,7 @@ def settings(model_config: Any) -> dict[str, Any]:
             keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)
     keys["layer_types"] = blocks.layer_types(keys)
     keys["nope_layers"] = blocks.nope_layers(keys["nope_layers"], keys["num_layers"])
+    moe.check(keys)
     return keys
 
 
@@ -345,6 +358,7 @@ def create_model(
         layer_shapes=shapes if len(set(shapes)) > 1 else (),
         embed_scale=keys["embed_scale"],
         final_softcap=keys["final_softcap"],
+        aux_loss_coef=keys["router_aux_loss_coef"] if keys["num_experts"] else 0.0,
         max_len=keys["max_len"],
         dtype=compute_dtype,
         tie_embeddings=keys["tie_embeddings"],

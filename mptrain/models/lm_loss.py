@@ -228,6 +228,7 @@ class Head(nn.Module):
     chunk: int | None = None
     z_loss: float = 0.0
     softcap: float | None = None  # the logits' soft-cap (`capped`), Gemma 2's
+    dict_out: bool = False  # with targets, always `token_loss`'s dict (a model that adds to it)
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
@@ -236,7 +237,7 @@ class Head(nn.Module):
         x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
         length = x.shape[1]
         whole = (self.chunk or auto_chunk(length, self.vocab_size, x.shape[-1])) >= length
-        if targets is None or (whole and not self.z_loss):
+        if targets is None or (whole and not self.z_loss and not self.dict_out):
             logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
             return logits if self.softcap is None else capped(logits, self.softcap)
         return token_loss(

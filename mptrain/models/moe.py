@@ -21,8 +21,9 @@ a dense matmul of every token copy against every expert's kernel (`[65,536, 262,
 `[262,144, 768]`: 128 times the routed FLOPs, 32.2 GiB of temporaries). On a GPU the experts
 need another path before this layer is fit to train there.
 
-The layer returns its output and the router's fp32 logits `[tokens, num_experts]`, which the
-load-balancing loss reads (`load_balancing_loss`, transformers' `load_balancing_loss_func`:
+The layer returns its output and its router's statistics (`router_stats`: each expert's count of
+top-k picks and sum of router probabilities, fp32 `[2, E]`), which the decoder sums over its
+layers into the load-balancing loss (`aux_loss`, transformers' `load_balancing_loss_func`:
 `num_experts * sum_e f_e P_e` over every layer's tokens, `f_e` the share of top-k picks that go
 to expert `e`, `P_e` its mean router probability), in fp32.
 
@@ -36,7 +37,53 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mptrain import errors
 from mptrain.models import layers
+
+# `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
+# `num_experts` None is a dense MLP in every layer; `expert_d_ff` (None: `d_ff`) each expert's
+# hidden width; `dense_layers` the layers (from 0) that keep the dense MLP of `d_ff` (Qwen3-MoE's
+# `mlp_only_layers`); `router_aux_loss_coef` the load-balancing loss's weight in the loss;
+# `router_fp32` False runs the router's matmul in the compute dtype (to show what it costs).
+CONFIG_KEYS = {
+    "num_experts": None,
+    "experts_per_token": 2,
+    "expert_d_ff": None,
+    "norm_topk_prob": True,
+    "dense_layers": None,
+    "router_aux_loss_coef": 0.001,
+    "router_fp32": True,
+}
+
+
+def check(keys: dict) -> None:
+    """`CONFIG_KEYS`' values in the decoder's settings `keys` checked (a `ValueError` naming
+    the key), in place: `expert_d_ff` filled in, `dense_layers` a sorted tuple or None."""
+    if keys["num_experts"] is None:
+        return
+    experts = errors.check_integer("model.num_experts", keys["num_experts"], 2, 2**16)
+    errors.check_integer("model.experts_per_token", keys["experts_per_token"], 1, experts)
+    keys["expert_d_ff"] = keys["expert_d_ff"] or keys["d_ff"]
+    errors.check_integer("model.expert_d_ff", keys["expert_d_ff"], 1, errors.INT32_MAX)
+    for key in ("norm_topk_prob", "router_fp32"):
+        if not isinstance(keys[key], bool):
+            raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
+    coef = keys["router_aux_loss_coef"]
+    keys["router_aux_loss_coef"] = errors.check_number("model.router_aux_loss_coef", coef, 0.0)
+    dense, n = keys["dense_layers"], keys["num_layers"]
+    if dense in (None, (), []):
+        keys["dense_layers"] = None
+        return
+    if isinstance(dense, str) or not isinstance(dense, tuple | list):
+        raise ValueError(f"model.dense_layers={dense!r}: None, or a tuple of layer numbers")
+    for layer in dense:
+        errors.check_integer("model.dense_layers[...]", layer, 0, n - 1)
+    keys["dense_layers"] = tuple(sorted(set(dense)))
+    if keys["scan_layers"]:
+        raise ValueError(
+            f"model.dense_layers={keys['dense_layers']}: dense and expert layers have params "
+            "of other shapes, which one scanned stack cannot hold; set model.scan_layers=False"
+        )
 
 
 def route(
@@ -61,18 +108,6 @@ def route(
     return logits, weights, experts.astype(jnp.int32)
 
 
-def load_balancing_loss(logits: jax.Array, top_k: int) -> jax.Array:
-    """transformers' auxiliary loss on every MoE layer's router logits (`[..., T, E]`, all
-    layers' tokens together): `E * sum_e f_e P_e`, in fp32."""
-    logits = logits.reshape(-1, logits.shape[-1]).astype(jnp.float32)
-    experts = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    _, picked = jax.lax.top_k(probs, top_k)
-    counts = jnp.sum(jax.nn.one_hot(picked, experts, dtype=jnp.float32), axis=(0, 1))
-    rows = logits.shape[0]
-    return experts * jnp.sum((counts / rows) * (jnp.sum(probs, axis=0) / rows))
-
-
 def experts_mlp(
     tokens: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down
 ) -> jax.Array:
@@ -93,9 +128,29 @@ def experts_mlp(
     return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32))
 
 
+def router_stats(logits: jax.Array, picked: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """fp32 `[2, E]`: how many of the top-k picks each expert got (no gradient) and the sum of
+    its router probabilities, over the tokens `mask` (`[T]`, None: all) keeps: what
+    `aux_loss` reads, summed over the layers (transformers' loss is over all layers' tokens
+    together, the padding left out where an attention mask is given)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    hits = jax.nn.one_hot(picked, logits.shape[-1], dtype=jnp.float32).sum(axis=1)
+    if mask is not None:
+        keep = mask.astype(jnp.float32)[:, None]
+        hits, probs = hits * keep, probs * keep
+    return jnp.stack([jax.lax.stop_gradient(hits.sum(axis=0)), probs.sum(axis=0)])
+
+
+def aux_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The load-balancing loss from every layer's `router_stats` summed (`[2, E]`) and the
+    tokens they count (each token once a layer): transformers' `load_balancing_loss_func`."""
+    counts, probs = stats
+    return counts.shape[-1] * jnp.sum(counts * probs) / jnp.square(tokens)
+
+
 class MoE(nn.Module):
-    """The mixture-of-experts MLP (the module doc): `x [B, L, D] -> (y [B, L, D], fp32 router
-    logits [B * L, num_experts])`."""
+    """The mixture-of-experts MLP (the module doc): `x [B, L, D] -> (y [B, L, D], router_stats
+    [2, num_experts])`; `mask` (`[B, L]`, None: every token) the tokens the stats count."""
 
     num_experts: int
     top_k: int
@@ -105,10 +160,10 @@ class MoE(nn.Module):
     router_fp32: bool = True
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         batch, length, width = x.shape
-        init = nn.initializers.lecun_normal()
-        experts_init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        init = nn.initializers.normal(stddev=0.02)
+        experts_init = nn.initializers.normal(stddev=0.02)
         router = self.param("router", init, (width, self.num_experts))
         shapes = {
             "gate": (self.num_experts, width, self.d_ff),
@@ -121,4 +176,5 @@ class MoE(nn.Module):
             tokens, router, self.top_k, self.normalise, self.router_fp32
         )
         y = experts_mlp(tokens, picked, weights, kernels["gate"], kernels["up"], kernels["down"])
-        return y.astype(self.dtype).reshape(batch, length, width), logits
+        stats = router_stats(logits, picked, None if mask is None else mask.reshape(-1))
+        return y.astype(self.dtype).reshape(batch, length, width), stats

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from mptrain import files
 
@@ -31,7 +32,7 @@ KEYS = (
     *("examples_per_s", "examples_per_s_per_device", "tflops_per_device", "mfu", "goodput"),
 )
 # ... and every value under these names' groups: DPO's record, as TRL names it (`dpo_loss`)
-GROUPS = ("rewards/", "logps/", "eval_rewards/", "eval_logps/")
+GROUPS = ("rewards/", "logps/", "eval_rewards/", "eval_logps/", "moe/")
 
 
 def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> None:
@@ -40,7 +41,8 @@ def append(workdir: str | os.PathLike, step: int, values: dict[str, Any]) -> Non
     if jax.process_index() != 0:
         return
     row = {"step": int(step), **{k: float(values[k]) for k in KEYS if k in values}}
-    row |= {k: float(v) for k, v in values.items() if k.startswith(GROUPS)}
+    as_json = lambda v: [round(float(x), 6) for x in np.ravel(v)] if np.ndim(v) else float(v)
+    row |= {k: as_json(v) for k, v in values.items() if k.startswith(GROUPS)}
     append_row(Path(workdir) / HISTORY, row)
 
 

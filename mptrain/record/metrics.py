@@ -312,6 +312,12 @@ def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
 
 
+def vectors(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The fetched metrics of one axis (a mixture of experts' share of tokens an expert), for
+    the history: a log line of 128 values would be unreadable."""
+    return {k: np.asarray(v) for k, v in metrics.items() if np.ndim(v) == 1}
+
+
 def _fmt_secs(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -53,8 +53,7 @@ def nonfinite_diagnostic(step: int, values: Mapping[str, float], scaler, max_ski
     device) only after two non-finite steps in a row. The advice fits the case: a dynamic scale
     stuck at its minimum or a static one is a loss-scale overflow, and a run none of whose
     steps was finite from step 0 on never applied an update, so its learning rate is not the
-    cause.
-    """
+    cause."""
     skips = int(values["consecutive_skips"])
     if skips == 0:
         return None
@@ -186,7 +185,7 @@ class Run:
                 names = fp8_names.counter_names(self.state.model_state)
                 values |= fp8_names.log_values(metrics, names)
                 self.warn_saturation(step_no, names, metrics["fp8_saturated"])
-            self.record(step_no, values)
+            self.record(step_no, values, history=metrics_lib.vectors(metrics))
             where = None
             if self.calls is not None:
                 table = metrics["numerics"]
@@ -237,17 +236,18 @@ class Run:
             pending, self.pending = self.pending, None
             self.report(*pending, done)
 
-    def record(self, step_no: int, values: dict[str, float], draw: bool = False) -> None:
+    def record(self, step_no: int, values: dict, draw: bool = False, history=None) -> None:
         """Host-side. A step's scalars to TensorBoard, the progress line and the curves' data
         (`draw`: redraw `curves.png` too, at most once in `curves.REDRAW_S`: a redraw costs the
         loop 0.3-0.9 s of host time, which an evaluation every few seconds would pay again and
         again; the run's end always redraws). A record that cannot be written (a full disk, a
         history made read-only) stops the run with exit 1, after a checkpoint of the steps
-        done where the disk still takes one: no training is lost to a record."""
+        done where the disk still takes one: no training is lost to a record. `history`: the
+        curves' data only."""
         self.writer.write_scalars(step_no, values)
         self.progress.update(step_no, values)
         try:
-            curves.append(self.workdir, step_no, values)
+            curves.append(self.workdir, step_no, values | (history or {}))
             now = time.monotonic()
             if draw and now - (self.drawn or self.started) >= curves.REDRAW_S:
                 curves.draw(self.workdir, self.title)

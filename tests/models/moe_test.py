@@ -37,9 +37,10 @@ def _dense(params, x, top_k):
 def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
     """Qwen3-MoE's block (8 experts, top 2, renormalised) and Mixtral's (4, top 2): fp32
     outputs within 1e-5 of transformers'; the load-balancing loss of two layers' router logits
-    equal to `load_balancing_loss_func`'s to 1e-6. The gradients of the grouped matmuls (the
-    sort, `ragged_dot`'s transposes, the unsort) are those of every expert on every token
-    masked by the routing weights, to 1e-5, for the input, the router and each expert."""
+    (each layer's `router_stats` summed) equal to `load_balancing_loss_func`'s to 1e-6. The
+    gradients of the grouped matmuls (the sort, `ragged_dot`'s transposes, the unsort) are
+    those of every expert on every token masked by the routing weights, to 1e-5, for the
+    input, the router and each expert."""
 
     @jax.jit
     def run(qwen, mixtral, x_qwen, x_mixtral, aux_logits):
@@ -53,7 +54,9 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
                 {"params": p}, x)[0] * probe)  # fmt: skip
             dense = lambda p, x: jnp.sum(_dense(p, x, 2) * probe)
             grads = [jax.grad(f, argnums=(0, 1))(qwen, x_qwen) for f in (grouped, dense)]
-        return (*out, moe.load_balancing_loss(aux_logits, 2), grads)
+        picked = [jax.lax.top_k(logits, 2)[1] for logits in aux_logits]  # softmax keeps order
+        stats = sum(moe.router_stats(lg, p, None) for lg, p in zip(aux_logits, picked, strict=True))
+        return (*out, moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1]), grads)
 
     y_qwen, y_mixtral, aux, (found, want) = run(
         _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],

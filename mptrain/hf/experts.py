@@ -1,0 +1,131 @@
+"""The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
+qwen3_moe and mixtral), both ways, read from transformers' `configuration_*.py` and
+`modeling_*.py` (5.24):
+
+  * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
+    `num_local_experts`) experts of `moe_intermediate_size`, `num_experts_per_tok` a token,
+    their weights renormalised where `norm_topk_prob` (transformers' default: false; Qwen3's
+    published checkpoints: true); the layers in `mlp_only_layers`, and those off every
+    `decoder_sparse_step`-th, keep a dense MLP of `intermediate_size`. Tensors under
+    `mlp.`: the router `gate.weight` `[E, D]`, each expert's `experts.j.{gate,up,down}_proj`;
+  * Mixtral (MixtralForCausalLM): Mistral's attention; `num_local_experts` experts of
+    `intermediate_size`, `num_experts_per_tok` a token, always renormalised; tensors under
+    `block_sparse_moe.`: `gate.weight`, each expert's `experts.j.w1` (gate), `w3` (up), `w2`
+    (down).
+
+Both weight the load-balancing loss by `router_aux_loss_coef` (0.001). transformers adds it to
+the loss only with `output_router_logits`; mptrain always does (0 turns it off), as a run
+that trains the router needs it. Keys of routings mptrain does not build are refused by name
+(`UNBUILT`), as is Mixtral's `router_jitter_noise`: one line each, not a model that runs and
+routes otherwise than its checkpoint was trained to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mptrain import errors
+
+# family -> (the MoE module's name under the layer, the experts' gate, up and down tensors)
+TENSORS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+           "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
+# Keys of other routings (shared experts, group-limited top-k: DeepSeek's, Qwen2-MoE's, ...)
+UNBUILT = {
+    "shared_expert_intermediate_size": "shared experts",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "n_group": "group-limited routing",
+    "topk_group": "group-limited routing",
+}
+
+
+def layer_names(family: str) -> dict[tuple[str, ...], tuple[str, bool]]:
+    """`{param path under a layer: (HF name under the layer, transposed?)}` of an expert layer;
+    an expert's name holds `{}` where the expert's number goes."""
+    module, *parts = TENSORS[family]
+    names = {("moe", "router"): (f"{module}.gate.weight", True)}
+    for param, part in zip(("gate", "up", "down"), parts, strict=True):
+        names[("moe", param)] = (f"{module}.experts.{{}}.{part}.weight", True)
+    return names
+
+
+def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
+    """The decoder's expert keys (`mptrain.models.moe.CONFIG_KEYS`) from config.json `raw`."""
+    for key, what in UNBUILT.items():
+        harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
+        if raw.get(key) not in harmless:
+            raise errors.ConfigError(
+                f"{file}: {key}={raw[key]!r}: {what} is not built in mptrain's mixture of experts"
+            )
+    if raw.get("router_jitter_noise") not in (None, 0, 0.0):
+        raise errors.ConfigError(
+            f"{file}: router_jitter_noise={raw['router_jitter_noise']!r}: noise on the router's "
+            "input in training is not built; set it to 0"
+        )
+    get = lambda key, default=None: raw.get(key) if raw.get(key) is not None else default
+    experts = get("num_local_experts", get("num_experts"))
+    mixtral = family == "mixtral"
+    d_ff = get("intermediate_size") if mixtral else get("moe_intermediate_size")
+    for key, value in (("num_experts", experts), ("expert d_ff", d_ff)):
+        if value is None:
+            raise errors.ConfigError(f"{file}: no {key}, which a {family} config.json must give")
+    out = {
+        "num_experts": _int(file, "num_experts", experts),
+        "experts_per_token": _int(file, "num_experts_per_tok", get("num_experts_per_tok", 2)),
+        "expert_d_ff": _int(file, "moe_intermediate_size", d_ff),
+        "norm_topk_prob": True if mixtral else bool(get("norm_topk_prob", False)),
+        "router_aux_loss_coef": float(get("router_aux_loss_coef", 0.001)),
+        "dense_layers": None,
+    }
+    if not mixtral:  # transformers' rule: a layer is sparse where neither key keeps it dense
+        only, step = get("mlp_only_layers", []), _int(file, "decoder_sparse_step", get(
+            "decoder_sparse_step", 1))  # fmt: skip
+        if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+            raise errors.ConfigError(f"{file}: mlp_only_layers={only!r}: a list of layer numbers")
+        dense = [i for i in range(layers) if i in only or (i + 1) % step]
+        out["dense_layers"] = tuple(dense) or None
+    if out["dense_layers"]:  # dense and expert layers' params differ in shape: not one stack
+        out["scan_layers"] = False
+    return out
+
+
+def _int(file: Path, key: str, value: Any) -> int:
+    try:
+        return errors.check_integer(key, value, 1)
+    except ValueError as e:
+        raise errors.ConfigError(f"{file}: {e}") from None
+
+
+def write(c: dict, family: str) -> dict[str, Any]:
+    """config.json's expert keys for the decoder's checked settings `c`."""
+    out = {
+        "num_experts_per_tok": c["experts_per_token"],
+        "router_aux_loss_coef": c["router_aux_loss_coef"],
+        "output_router_logits": False,
+    }
+    if family == "mixtral":
+        return {**out, "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
+    return {
+        **out,
+        "num_experts": c["num_experts"],
+        "moe_intermediate_size": c["expert_d_ff"],
+        "norm_topk_prob": c["norm_topk_prob"],
+        "mlp_only_layers": list(c["dense_layers"] or ()),
+        "decoder_sparse_step": 1,
+    }
+
+
+def unlike(c: dict, family: str | None) -> str | None:
+    """Why the settings' experts are not `family`'s (None: a family without experts)."""
+    if (c["num_experts"] is None) != (family is None):
+        return f"model.num_experts={c['num_experts']!r}"
+    if family != "mixtral":
+        return None
+    if not c["norm_topk_prob"]:
+        return "model.norm_topk_prob=False"
+    if c["dense_layers"]:
+        return f"model.dense_layers={c['dense_layers']!r}"
+    if c["expert_d_ff"] != c["d_ff"]:
+        return f"model.expert_d_ff={c['expert_d_ff']!r} (Mixtral's experts are model.d_ff wide)"
+    return None

@@ -1,0 +1,133 @@
+"""Mixtures of experts (issue 59) from folders transformers made itself (`scripts/make_hf_fixture.py
+--families --only=qwen3_moe,mixtral`): Qwen3-MoE's three layers, the middle one dense
+(`mlp_only_layers`), 8 experts of 16 a layer, top 2 renormalised; Mixtral's two layers of 4
+experts, top 2, a window of 16. Read by `mptrain.hf` into the one decoder: fp32 logits within
+1e-5 of transformers', the load-balancing loss equal to its `output_router_logits=True`
+aux_loss, greedy decoding token for token, the folders written back, and the keys of routings
+mptrain does not build refused by name."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from hf.hf_test import _error, _reference
+
+from mptrain import errors, generate, hf
+from mptrain.models import decode, llama
+
+FAMILIES = Path(__file__).parent / "families"
+NAMES = ("qwen3_moe", "mixtral")
+SLOW = pytest.mark.slow
+# what each folder is read as: experts, top k, expert width, renormalised, dense layers
+EXPERTS = {"qwen3_moe": (8, 2, 16, True, (1,)), "mixtral": (4, 2, 32, True, None)}
+KEYS = ("num_experts", "experts_per_token", "expert_d_ff", "norm_topk_prob", "dense_layers")
+
+
+def _run(name: str, scan: bool):
+    """`(logits, the loss's dict)` of the folder's reference ids, fp32, in one program."""
+    model_config, params = hf.load(FAMILIES / name, scan_layers=scan)
+    assert tuple(model_config[k] for k in KEYS) == EXPERTS[name]
+    section = {**model_config, "attention": "materialized", "scan_layers": scan}
+    model = llama.create_model(ml_collections.ConfigDict(section), jnp.float32)
+    ids, want = _reference(FAMILIES / name)
+
+    @jax.jit
+    def run(params, ids):
+        variables = {"params": params}
+        return model.apply(variables, ids), model.apply(variables, ids, targets=ids)
+
+    logits, out = run(params, ids)
+    return np.asarray(logits), out, want
+
+
+@pytest.mark.parametrize(
+    "name, scan", [("mixtral", True), pytest.param("qwen3_moe", False, marks=SLOW)]
+)
+def test_an_expert_folders_fp32_logits_and_aux_loss_are_transformers(name, scan):
+    """Mixtral's layers scanned; Qwen3-MoE's one by one (its dense middle layer's params are
+    not the expert layers' shapes). The aux loss: transformers' `load_balancing_loss_func`
+    over every expert layer's router logits, in the loss with `router_aux_loss_coef`."""
+    logits, out, want = _run(name, scan)
+    assert _error(logits, want) < 1e-5
+    aux = float(np.load(FAMILIES / name / "reference.npz")["aux_loss"])
+    np.testing.assert_allclose(float(out["moe/aux_loss"]), aux, rtol=1e-6)
+    np.testing.assert_allclose(
+        float(out["loss"]), float(out["cross_entropy"]) + 0.01 * aux, rtol=1e-6
+    )
+    share = np.asarray(out["moe/expert_share"])
+    assert share.shape == (EXPERTS[name][0],) and abs(share.sum() - 1) < 1e-6
+
+
+@SLOW
+@pytest.mark.parametrize("name", NAMES)
+def test_an_expert_folders_greedy_decoding_is_transformers_generate(name, tmp_path):
+    """`python -m mptrain.generate --hf=DIR`'s decoder, fp32, three prompts batched, 32 new
+    tokens each, token for token with transformers' `generate`."""
+    from generate_test import _with_tokenizer
+
+    folder = _with_tokenizer(FAMILIES / name, tmp_path / name)
+    want = np.load(folder / "generate.npz")
+    speaker = generate.load(hf_folder=str(folder), precision="fp32")
+    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
+    greedy, none = decode.Sampling().values(), decode.stops([])
+    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
+    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+
+
+def test_an_expert_folder_written_back_reads_as_it_was_read(tmp_path):
+    """Each expert's tensors by transformers' names (`mlp.experts.j.gate_proj`,
+    `block_sparse_moe.experts.j.w1`), the router's, and config.json's expert keys."""
+    for name, scan in (("qwen3_moe", False), ("mixtral", True)):
+        model_config, params = hf.load(FAMILIES / name, scan_layers=scan)
+        hf.save(tmp_path / name, model_config, params, "float32")
+        written = json.loads((tmp_path / name / "config.json").read_text())
+        source = json.loads((FAMILIES / name / "config.json").read_text())
+        for key in ("architectures", "num_experts_per_tok", "router_aux_loss_coef"):
+            assert written[key] == source[key], key
+        again, read = hf.load(tmp_path / name, scan_layers=scan)
+        assert again == model_config
+        assert jax.tree.all(jax.tree.map(np.array_equal, read, params))
+
+
+def _edited(name, tmp_path, edit):
+    out = Path(shutil.copytree(FAMILIES / name, tmp_path / name))
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, edit, says",
+    [
+        ("qwen3_moe", lambda c: c.update(shared_expert_intermediate_size=64), "shared experts"),
+        ("qwen3_moe", lambda c: c.update(n_shared_experts=1), "n_shared_experts=1: shared"),
+        ("qwen3_moe", lambda c: c.update(n_group=8, topk_group=4), "group-limited routing"),
+        ("mixtral", lambda c: c.update(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        ("mixtral", lambda c: c.update(num_experts_per_tok=0), "num_experts_per_tok=0"),
+        ("qwen3_moe", lambda c: c.update(mlp_only_layers="1"), "mlp_only_layers='1'"),
+    ],
+)
+def test_routings_mptrain_does_not_build_are_one_line_naming_the_key(tmp_path, name, edit, says):
+    folder = _edited(name, tmp_path, edit)
+    with pytest.raises(errors.ConfigError) as e:
+        hf.read_config(folder)
+    assert str(e.value).startswith(f"{folder / 'config.json'}: ") and says in str(e.value)
+
+
+def test_expert_settings_a_family_cannot_hold_are_refused(tmp_path):
+    model_config, params = hf.load(FAMILIES / "mixtral")
+    with pytest.raises(errors.ConfigError, match=r"model.norm_topk_prob=False: a MixtralFor"):
+        hf.save(tmp_path, {**model_config, "norm_topk_prob": False}, params)
+    with pytest.raises(errors.ConfigError, match=r"model.num_experts=4: a MistralForCausalLM"):
+        hf.save(tmp_path, {**model_config, "family": "mistral"}, params)
+    with pytest.raises(
+        errors.ConfigError, match=r"model.dense_layers=\(1,\): .*model.scan_layers=False"
+    ):
+        hf.read_settings({**model_config, "dense_layers": (1,)})
+    assert not list(tmp_path.iterdir())
