@@ -63,6 +63,9 @@ Arguments:
   DIR itself with the adapters off under `--config.lora.rank=16`.
 - `dpo_tiny`: `sft_tiny`'s Llama, from its own init, on the embedded pairs (a docstring chosen
   over the same words shuffled) in rows of 256; 300 steps on a 2-core CPU.
+- `moe_tiny`: `tiny` with a mixture of experts in each layer (8 experts of 128, 2 a token,
+  renormalised, Mixtral's routing; the load-balancing loss at 0.01): `--config.mesh.expert=4`
+  splits the experts over 4 devices (docs/mixture-of-experts.md).
 - `8b_sft`: `8b` on packed SFT rows of 8,192 tokens, for `mptrain.plan` (the attention of a
   packed row keeps to its examples).
 - `8b_lora`, `8b_qlora`: `8b` with rank-16 adapters on every projection (alpha 32) over a frozen
@@ -239,7 +242,7 @@ def get_config(arg: str | None = None):
         c.batch_size = 8
         c.data.seq_len = 8192
         c.memory_fraction = 0.92  # of one 80 GB H100: the plan's 69.5 GiB is above JAX's 75%
-    elif arg == "tiny":
+    elif arg in ("tiny", "moe_tiny"):
         _tiny(c, vocab=256, max_len=256)
         c.num_train_steps = 800
         c.log_every_steps = 100
@@ -248,6 +251,9 @@ def get_config(arg: str | None = None):
         c.checkpoint_every_steps = 400
         c.optimizer.warmup_steps = 50
         c.data.seq_len = 256
+        if arg == "moe_tiny":
+            c.model.num_experts, c.model.experts_per_token, c.model.expert_d_ff = 8, 2, 128
+            c.model.router_aux_loss_coef = 0.01
     elif arg == "sft_tiny":
         _tiny(c, vocab=264, max_len=512)  # the byte tokenizer's 261 tokens, rounded up
         c.num_train_steps = 400
@@ -280,7 +286,7 @@ def get_config(arg: str | None = None):
     else:
         raise ValueError(
             f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '8b_lora', '8b_qlora', "
-            "'70b', '70b_node', '1b', 'tiny', 'sft_tiny', 'dpo_tiny', 'hf=DIR', 'sft=DIR', "
-            "'dpo=DIR'"
+            "'70b', '70b_node', '1b', 'tiny', 'moe_tiny', 'sft_tiny', 'dpo_tiny', 'hf=DIR', "
+            "'sft=DIR', 'dpo=DIR'"
         )
     return c

@@ -138,12 +138,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.prefetch = config_dict.placeholder(int)
 
     c.mesh = ml_collections.ConfigDict()
-    # devices along the data-parallel axis; -1: all that fsdp leaves, so by default every
-    # device of every process trains data parallel
+    # devices along the data-parallel axis; -1: all the others leave (by default, every one)
     c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
-    # devices that split each sequence (`mptrain.recipe.layout`): each holds 1/context of every
-    # sequence of its rows, balanced for causal attention; params are split over fsdp x context
+    c.mesh.expert = 1  # devices that split a mixture's experts (and hold rows, as data does)
+    # devices that split each sequence (`mptrain.recipe.layout`): 1/context of every sequence
+    # of its rows each, balanced for causal attention; params split over fsdp x ... x context
     c.mesh.context = 1
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
@@ -344,13 +344,13 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         section = ""
         optim.make_optimizer(config)
         devices = None if devices is None else list(devices)
-        _, fsdp, context = layout.mesh_shape(config, None if devices is None else len(devices))
+        _, fsdp, expert, context = layout.mesh_shape(config, devices and len(devices))
         lora = config.get("lora") or {}
-        if lora.get("rank") is not None and lora.get("base_dtype") == "q8" and fsdp * context > 1:
+        if lora.get("base_dtype") == "q8" and lora.get("rank") and fsdp * expert * context > 1:
             raise ValueError(
                 f"lora.base_dtype='q8': an 8-bit base is not split over devices yet (mesh.fsdp="
-                f"{fsdp}, mesh.context={context}); use mesh.fsdp=1 and mesh.context=1 (data "
-                "parallel), or lora.base_dtype='compute'"
+                f"{fsdp}, mesh.expert={expert}, mesh.context={context}); use mesh.data alone "
+                "(data parallel), or lora.base_dtype='compute'"
             )
         example = data.check_config(config) if "data" in zoo else None
         if devices is None:  # a run here builds its batches here; a plan's host does not

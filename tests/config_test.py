@@ -25,7 +25,7 @@ KEYS = {
     "optimizer.momentum", "optimizer.nesterov", "optimizer.grad_clip_norm", "optimizer.mu_dtype",
     "optimizer.nu_dtype", "optimizer.q8_block_size", "optimizer.q8_min_size",
     "optimizer.moment_rounding", "optimizer.accumulation_steps",
-    "model.name", "data.name", "mesh.data", "mesh.fsdp", "mesh.context",
+    "model.name", "data.name", "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.context",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "fp8.bf16_layers", "fp8.min_size",

@@ -128,7 +128,7 @@ def _run_on_two_hosts(words: list[str], scratch: Path) -> None:
     errs = [p.communicate(timeout=300)[1] for p in procs]
     for p, err in zip(procs, errs, strict=True):
         assert p.returncode == 0, f"{shlex.join(words)}\n{err[-3000:]}"
-    assert "mesh 4 devices: data 4 x fsdp 1 x context 1" in errs[0], errs[0][-3000:]
+    assert "mesh 4 devices: data 4 x fsdp 1 x expert 1 x context 1" in errs[0], errs[0][-3000:]
 
 
 def _run_interrupted(words: list[str], scratch: Path, env: dict[str, str]) -> None:

@@ -459,11 +459,14 @@ def packed_and_alone(model, params, tokens, weights):
     return jax.jit(both)(params)
 
 
-def kill_9_and_resume(command, straight: Path, crashed: Path, at_step: int) -> bytes:
-    """Runs `command(straight)` (a CLI command line for that workdir) to its end on one fake
-    CPU device; starts `command(crashed)`, kills it with SIGKILL once its checkpoint `at_step`
-    is down, and runs it again to its end, which must resume. Returns that run's stderr."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+def kill_9_and_resume(
+    command, straight: Path, crashed: Path, at_step: int, devices: int = 1
+) -> bytes:
+    """Runs `command(straight)` (a CLI command line for that workdir) to its end on `devices`
+    fake CPU devices; starts `command(crashed)`, kills it with SIGKILL once its checkpoint
+    `at_step` is down, and runs it again to its end, which must resume. Returns that run's
+    stderr."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)

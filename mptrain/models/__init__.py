@@ -130,9 +130,21 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
     module = import_model(config.model.name)
     with _quiet():
         model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
-    context = config.mesh.get("context", 1)
+    context, expert = config.mesh.get("context", 1), config.mesh.get("expert", 1)
     if context != 1:
         _check_context(config, model, context, example)
+    if expert != 1:  # each device holds an equal part of every expert layer's experts
+        experts = {getattr(s, "experts", 0) for s in (model.shape, *model.layer_shapes)} - {0}
+        if config.model.name != "llama" or not experts:
+            raise ValueError(
+                f"mesh.expert={expert}: model.num_experts="
+                f"{config.model.get('num_experts')}: no experts to split over devices"
+            )
+        if max(experts) % expert:
+            raise ValueError(
+                f"mesh.expert={expert}: does not divide model.num_experts={max(experts)}; "
+                "each device holds an equal part of every layer's experts"
+            )
     if example is None:
         return
 

@@ -138,8 +138,7 @@ class Llama(nn.Module):
         out = head(x, targets, kernel)
         if routed and targets is not None:  # the load-balancing loss, over the real tokens
             real = tokens.size if segments is None else jnp.sum(segments.ids > 0)
-            aux = moe.aux_loss(stats, real * sum(e > 0 for e in experts))
-            share = stats[0] / jnp.sum(stats[0])
+            aux, share = moe.aux_loss(stats, real * sum(e > 0 for e in experts))
             out = {**out, "loss": out["loss"] + self.aux_loss_coef * aux}
             out |= {"moe/aux_loss": aux, "moe/expert_share": share}
         return out if cache is None else (out, cache)

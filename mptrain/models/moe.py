@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import layers
+from mptrain.recipe import sharding
 
 # `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
 # `num_experts` None is a dense MLP in every layer; `expert_d_ff` (None: `d_ff`) each expert's
@@ -111,21 +112,26 @@ def route(
 def experts_mlp(
     tokens: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down
 ) -> jax.Array:
-    """`[T, D]`: each token's `top_k` SwiGLU experts (`gate`, `up` `[E, D, F]`, `down`
+    """fp32 `[T, D]`: each token's `top_k` SwiGLU experts (`gate`, `up` `[E, D, F]`, `down`
     `[E, F, D]`, in `tokens`' dtype) summed with its fp32 `weights`. The `T x top_k` copies
-    of the tokens are sorted by expert, so each expert's are one group of a grouped matmul."""
+    of the tokens are sorted by expert, so each expert's are one group of a grouped matmul;
+    a copy whose expert is not one of these `E` (another device's, `experts` outside
+    `[0, E)`) is sorted last, outside every group, and adds nothing."""
     count, top_k = experts.shape
-    flat = experts.reshape(-1)
+    local = gate.shape[0]
+    mine = (experts >= 0) & (experts < local)
+    flat = jnp.where(mine, experts, local).reshape(-1)
     order = jnp.argsort(flat, stable=True)  # copy j of the sorted list: token order[j] // k
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)
     copies = jnp.take(tokens, order // top_k, axis=0)
     matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     h = nn.silu(matmul(copies, gate).astype(tokens.dtype))
     h = h * matmul(copies, up).astype(tokens.dtype)
-    out = matmul(h, down)  # fp32 [T * k, D], sorted
+    out = matmul(h, down)  # fp32 [T * k, D], sorted; rows past the groups undefined
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     out = jnp.take(out, back, axis=0).reshape(count, top_k, -1)
-    return jnp.einsum("tkd,tk->td", out, weights.astype(jnp.float32))
+    out = jnp.where(mine[..., None], out, 0.0)
+    return jnp.einsum("tkd,tk->td", out, jnp.where(mine, weights.astype(jnp.float32), 0.0))
 
 
 def router_stats(logits: jax.Array, picked: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -141,11 +147,33 @@ def router_stats(logits: jax.Array, picked: jax.Array, mask: jax.Array | None) -
     return jnp.stack([jax.lax.stop_gradient(hits.sum(axis=0)), probs.sum(axis=0)])
 
 
-def aux_loss(stats: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The load-balancing loss from every layer's `router_stats` summed (`[2, E]`) and the
-    tokens they count (each token once a layer): transformers' `load_balancing_loss_func`."""
-    counts, probs = stats
-    return counts.shape[-1] * jnp.sum(counts * probs) / jnp.square(tokens)
+def aux_loss(stats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(the load-balancing loss, each expert's share of the top-k picks)` from every layer's
+    `router_stats` summed (`[2, E]`) and the tokens they count (each token once a layer):
+    transformers' `load_balancing_loss_func`. While a per-device gradient is traced the counts
+    are the whole batch's, and each device returns its share of the loss times the devices,
+    as `layers.masked_mean` does: the loss is linear in each device's probabilities."""
+    (counts, probs), tokens = stats, jnp.asarray(tokens, jnp.float32)  # squared: no int32
+    axes, devices = sharding.batch_axes(), 1
+    if axes is not None:
+        counts, tokens = jax.lax.psum((counts, tokens), axes)
+        devices = jax.lax.psum(1, axes)
+    loss = devices * counts.shape[-1] * jnp.sum(counts * probs) / jnp.square(tokens)
+    return loss, counts / jnp.sum(counts)
+
+
+def exchange(split: sharding.ExpertSplit, mlp, local: int, tokens, picked, weights) -> jax.Array:
+    """fp32 `[T, D]`: `mlp(tokens, picked, weights)` (`experts_mlp` on this device's `local`
+    experts) with the experts split over `split.axis`: the tokens of the whole expert group gathered
+    (in their 16 bits; their gradient reduce-scattered in fp32), each device's experts run on
+    the copies routed to them, and the fp32 partial sums reduce-scattered back to the tokens'
+    devices. Every device moves the group's tokens whatever their routing (an all-gather, not
+    the all-to-all of only the routed copies that Megatron-LM and torchtitan send): simpler,
+    exact, and `size` times the bytes an all-to-all moves at even routing."""
+    first = jax.lax.axis_index(split.axis) * local  # this device's experts: first, first + 1..
+    group = lambda x: jax.lax.all_gather(x, split.axis, axis=0, tiled=True)
+    y = mlp(split.gather(tokens[None])[0], group(picked) - first, group(weights))
+    return jax.lax.psum_scatter(y, split.axis, scatter_dimension=0, tiled=True)
 
 
 class MoE(nn.Module):
@@ -170,11 +198,18 @@ class MoE(nn.Module):
             "up": (self.num_experts, width, self.d_ff),
             "down": (self.num_experts, self.d_ff, width),
         }
+        split = sharding.expert_axis()  # this device's experts only (`exchange`)
+        local = self.num_experts // (1 if split is None else split.size)
+        shapes = {k: (local, *s[1:]) for k, s in shapes.items()}
         kernels = {k: self.param(k, experts_init, s).astype(self.dtype) for k, s in shapes.items()}
         tokens = x.reshape(-1, width).astype(self.dtype)
         logits, weights, picked = route(
             tokens, router, self.top_k, self.normalise, self.router_fp32
         )
-        y = experts_mlp(tokens, picked, weights, kernels["gate"], kernels["up"], kernels["down"])
+        mlp = lambda *a: experts_mlp(*a, kernels["gate"], kernels["up"], kernels["down"])
+        if split is None:
+            y = mlp(tokens, picked, weights)
+        else:
+            y = exchange(split, mlp, local, tokens, picked, weights)
         stats = router_stats(logits, picked, None if mask is None else mask.reshape(-1))
         return y.astype(self.dtype).reshape(batch, length, width), stats

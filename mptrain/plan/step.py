@@ -140,7 +140,7 @@ def plan(
     with errors.config_errors():
         runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
     check_devices(target, named, devices)
-    mesh = (config.mesh.data, config.mesh.fsdp, config.mesh.get("context", 1))
+    mesh = [config.mesh.get(axis, 1) for axis in ("data", "fsdp", "expert", "context")]
     count = devices or named or math.prod(max(n, 1) for n in mesh)
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)
@@ -352,7 +352,7 @@ def _collective_sites(prog) -> dict[str, list[str]]:
 def _rows(config, mesh) -> int:
     """A device's sequences x attention heads: the leading size of its attention scores."""
     heads = config.model.get("num_heads") if "model" in config else None
-    splits = mesh.shape["data"] * mesh.shape["fsdp"]  # a context group shares its rows
+    splits = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))  # not context's
     return max(1, config.batch_size // splits) * (heads or 1)
 
 

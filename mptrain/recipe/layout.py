@@ -1,18 +1,24 @@
 """The mesh, what each of its axes splits, and the batch laid out on it.
 
-The mesh has three axes, `AXES = ("data", "fsdp", "context")`, `context` the innermost, so a
-context group is devices that neighbour (a node's links carry its keys and values). One table,
-`RULES`, maps the logical names of what is split to mesh axes; it is the only place that says
-which axis splits what:
+The mesh has four axes, `AXES = ("data", "fsdp", "expert", "context")`, `context` the
+innermost, so a context group is devices that neighbour (a node's links carry its keys and
+values), `expert` next to it (its token exchange is the other chatty one). One table, `RULES`,
+maps the logical names of what is split to mesh axes; it is the only place that says which
+axis splits what:
 
-    rows     the batch's examples              data x fsdp
-    length   a sequence's tokens               context
-    shard    the one dimension of a param (and of its optimizer state) split to store it
-                                               fsdp x context
+    rows          the batch's examples                          data x fsdp x expert
+    length        a sequence's tokens                           context
+    shard         the one dimension of a param (and of its optimizer state) split to store it
+                                                                fsdp x expert x context
+    experts       a mixture of experts' expert dimension         expert
+    expert_shard  the one other dimension of an expert's kernel split to store it
+                                                                fsdp x context
 
 So a context group still shards weights (as MaxText puts `embed` on `[fsdp, context]`): the
 70B's state is split over all eight devices of a node whichever way the node splits its
-batch. The tensor and expert axes of later work land here as rows of the table.
+batch. An expert group holds rows of its own as data parallelism does, shards the weights the
+experts share as FSDP does, and keeps its experts apart (`mptrain.models.moe`: each device
+runs its experts on the tokens of the whole group). A tensor axis would land here as a row.
 
 A sequence split over `context` devices is balanced first (`balanced_order`): cut into
 `2 x context` chunks, device `i` holds chunks `i` and `2 x context - 1 - i`, so every device
@@ -33,17 +39,23 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "context")
-RULES = {"rows": ("data", "fsdp"), "length": ("context",), "shard": ("fsdp", "context")}
+AXES = ("data", "fsdp", "expert", "context")
+RULES = {
+    "rows": ("data", "fsdp", "expert"),
+    "length": ("context",),
+    "shard": ("fsdp", "expert", "context"),
+    "experts": ("expert",),
+    "expert_shard": ("fsdp", "context"),
+}
 # the batch keys laid out along a sequence: split over `length`, reordered by `balanced_order`
 SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 KEYS = tuple(f"mesh.{axis}" for axis in AXES)
 
 
-def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int]:
-    """`(data, fsdp, context)` with -1 resolved (the default `mesh.data=-1`: every device the
-    other axes leave, data parallel); a `ValueError` naming the keys when they do not fit the
-    devices or do not divide `batch_size`. `num_devices` defaults to all of JAX's devices."""
+def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int, int]:
+    """`(data, fsdp, expert, context)` with -1 resolved (the default `mesh.data=-1`: every
+    device the other axes leave, data parallel); a `ValueError` naming the keys when they do
+    not fit the devices or do not divide `batch_size`. `num_devices`: default all of JAX's."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     mesh = config.mesh
     sizes = [mesh.get(axis, 1) for axis in AXES]
@@ -67,20 +79,21 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int]:
                 f"{', '.join(map(str, fits))}"
             )
         sizes[sizes.index(-1)] = num_devices // given
-    data, fsdp, context = sizes
-    devices = data * fsdp * context
+    data, fsdp, expert, context = sizes
+    devices = data * fsdp * expert * context
     if devices > num_devices:
         raise ValueError(
             f"{_named(mesh)}: a mesh of {devices} devices, more than the {num_devices} there are"
         )
-    if config.batch_size % (data * fsdp):
+    if config.batch_size % (data * fsdp * expert):
         every = " (mesh.data=-1: every device)" if mesh.data == -1 else ""
         raise ValueError(
             f"batch_size={config.batch_size}: the global batch's rows must divide evenly over "
-            f"the data x fsdp = {data}x{fsdp} devices that split it{every}; make it a multiple "
-            f"of {data * fsdp}, or set mesh.data and mesh.fsdp to use fewer devices"
+            f"the data x fsdp x expert = {data}x{fsdp}x{expert} devices that split it{every}; "
+            f"make it a multiple of {data * fsdp * expert}, or set mesh.data, mesh.fsdp and "
+            "mesh.expert to use fewer devices"
         )
-    return data, fsdp, context
+    return data, fsdp, expert, context
 
 
 def _named(mesh) -> str:
@@ -88,8 +101,9 @@ def _named(mesh) -> str:
 
 
 def create_mesh(config, devices: Any = None) -> Mesh:
-    """The run's `(data, fsdp, context)` mesh over the first devices of `devices` (default: all
-    of JAX's; `mptrain.plan` passes the compile-only devices of an accelerator not here)."""
+    """The run's `(data, fsdp, expert, context)` mesh over the first devices of `devices`
+    (default: all of JAX's; `mptrain.plan` passes the compile-only devices of an accelerator
+    not here)."""
     devices = jax.devices() if devices is None else list(devices)
     shape = mesh_shape(config, len(devices))
     return Mesh(np.asarray(devices[: math.prod(shape)]).reshape(shape), AXES)

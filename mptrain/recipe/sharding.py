@@ -47,6 +47,7 @@ from mptrain.recipe import frozen as frozen_lib
 from mptrain.recipe import layout, precision, q8
 
 AXES = layout.AXES
+EXPERT_KERNELS = ("gate", "up", "down")  # `mptrain.models.moe.MoE`'s params under "moe"
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
 # while a per-device gradient is traced: (the axes the batch is split over, the context axes)
 _SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("mptrain_split", default=None)
@@ -70,33 +71,45 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _leaf_spec(shape: tuple[int, ...], mesh: Mesh, stacked: bool = False) -> PartitionSpec:
-    ways = layout.size(mesh, "shard")
-    if ways > 1:
-        for dim in sorted(range(int(stacked), len(shape)), key=lambda d: -shape[d]):
-            if shape[dim] % ways == 0:
-                spec = [None] * len(shape)
-                spec[dim] = layout.entry(mesh, "shard")
-                return PartitionSpec(*spec)
-    return PartitionSpec()
+def _leaf_spec(
+    shape: tuple[int, ...], mesh: Mesh, stacked: bool = False, expert: bool = False
+) -> PartitionSpec:
+    """Split over `shard` on the largest dimension it divides; an expert's kernel
+    (`is_expert`) on its expert dimension over `experts` and on another over `expert_shard`."""
+    spec, first, rule = [None] * len(shape), int(stacked), "shard"
+    if expert:
+        spec[first] = layout.entry(mesh, "experts")
+        first, rule = first + 1, "expert_shard"
+    ways = layout.size(mesh, rule)
+    for dim in sorted(range(first, len(shape)), key=lambda d: -shape[d]):
+        if ways > 1 and shape[dim] % ways == 0:
+            spec[dim] = layout.entry(mesh, rule)
+            break
+    return PartitionSpec(*spec) if any(a is not None for a in spec) else PartitionSpec()
 
 
 def is_stacked(path: tuple) -> bool:  # a params or optimizer-state leaf of stacked layers
     return any(getattr(key, "key", None) == STACKED for key in path)
 
 
+def is_expert(path: tuple) -> bool:  # a mixture of experts' kernel, `[experts, ...]` a layer
+    keys = [getattr(key, "key", None) for key in path]
+    return "moe" in keys[:-1] and keys[-1] in EXPERT_KERNELS
+
+
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Per leaf: split over `layout.RULES["shard"]` (`fsdp` x `context`) on the largest evenly
-    divisible dimension, else replicated; never on the layer axis of stacked layers
-    (`is_stacked`), which the loop walks one layer at a time. An 8-bit moment (`q8.Q8`) is split
-    as the tensor it stands for (`q8.scales_spec`)."""
+    """Per leaf: split over `layout.RULES["shard"]` (`fsdp` x `expert` x `context`) on the
+    largest evenly divisible dimension, else replicated; never on the layer axis of stacked
+    layers (`is_stacked`), which the loop walks one layer at a time; an expert's kernel on its
+    expert dimension over `expert` (`_leaf_spec`). An 8-bit moment (`q8.Q8`) is split as the
+    tensor it stands for (`q8.scales_spec`)."""
     ways = layout.size(mesh, "shard")
 
     def one(path, x):
-        stacked = is_stacked(path)
+        stacked, expert = is_stacked(path), is_expert(path)
         if not q8.is_q8(x):
-            return NamedSharding(mesh, _leaf_spec(np.shape(x), mesh, stacked))
-        spec = _leaf_spec(x.shape, mesh, stacked)
+            return NamedSharding(mesh, _leaf_spec(np.shape(x), mesh, stacked, expert))
+        spec = _leaf_spec(x.shape, mesh, stacked, expert)
         scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, ways)
         return x.replace(
             codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
@@ -119,6 +132,21 @@ def batch_axes() -> tuple[str, ...] | None:
     """
     split = _SPLIT.get()
     return None if split is None else split[0]
+
+
+class ExpertSplit(NamedTuple):
+    """Experts split over an expert axis, as a mixture of experts sees it per device."""
+
+    gather: Callable  # [1, T, D] tokens -> [1, T x size, D] (`layout.sequence_gather`)
+    axis: str  # the mesh axis (`jax.lax.axis_index`, `all_gather`, `psum_scatter` take it)
+    size: int  # the devices the experts are split over
+
+
+def expert_axis() -> ExpertSplit | None:
+    """While a per-device gradient is traced on an expert axis: how the experts are split;
+    else None (every device holds every expert)."""
+    split = _SPLIT.get()
+    return None if split is None else split[2]
 
 
 class SequenceSplit(NamedTuple):
@@ -145,14 +173,20 @@ def _splitting(mesh: Mesh):
         ints = lambda x: jax.lax.all_gather(x, context, axis=1, tiled=True)
         gather = layout.sequence_gather(context, layout.platform(mesh) == "cpu")
         split = SequenceSplit(gather, ints, context, layout.size(mesh, "length"))
-    token = _SPLIT.set((AXES, split))
+    experts = None
+    if (axis := layout.entry(mesh, "experts")) is not None:
+        gather = layout.sequence_gather(axis, layout.platform(mesh) == "cpu")
+        experts = ExpertSplit(gather, axis, layout.size(mesh, "experts"))
+    token = _SPLIT.set((AXES, split, experts))
     try:
         yield
     finally:
         _SPLIT.reset(token)
 
 
-def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callable:
+def _gather(
+    spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh, expert: bool = False
+) -> Callable:
     """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
 
     Forward: cast the local shard, then all-gather it over the axes that split it (`fsdp`,
@@ -164,8 +198,11 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
     fp32 elsewhere, fp16 params included: their gradients still carry the loss scale, which
     the step unscales in fp32 (fp16's range cannot hold a scaled gradient unrounded).
     """
-    dim = next((d for d, axis in enumerate(spec) if axis is not None), None)
-    split = () if dim is None else spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+    names = lambda axis: axis if isinstance(axis, tuple) else (axis,)
+    kept = layout.RULES["experts"] if expert else ()  # an expert's own: never gathered, summed
+    stored = lambda axis: axis is not None and not set(names(axis)) & set(kept)
+    dim = next((d for d, axis in enumerate(spec) if stored(axis)), None)
+    split = () if dim is None else names(spec[dim])
     # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
     as_bits = compute_dtype == jnp.bfloat16 and layout.platform(mesh) == "cpu"
 
@@ -183,7 +220,7 @@ def _gather(spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh) -> Callabl
         grad = grad.astype(jnp.float32)
         if dim is not None:
             grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
-        summed = [a for a in AXES if a not in split and mesh.shape[a] > 1]
+        summed = [a for a in AXES if a not in (*split, *kept) and mesh.shape[a] > 1]
         grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size
         return (grad.astype(like.dtype) if like.dtype == jnp.bfloat16 else grad,)
 
@@ -237,7 +274,9 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callab
         lambda path, s, dtype: (
             (lambda q: q)
             if dtype is None
-            else _gather(PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh)
+            else _gather(
+                PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh, is_expert(path)
+            )
         ),
         param_specs,
         policy.compute_dtypes(params),

@@ -56,7 +56,7 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
             grads = [jax.grad(f, argnums=(0, 1))(qwen, x_qwen) for f in (grouped, dense)]
         picked = [jax.lax.top_k(logits, 2)[1] for logits in aux_logits]  # softmax keeps order
         stats = sum(moe.router_stats(lg, p, None) for lg, p in zip(aux_logits, picked, strict=True))
-        return (*out, moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1]), grads)
+        return (*out, moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1])[0], grads)
 
     y_qwen, y_mixtral, aux, (found, want) = run(
         _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],

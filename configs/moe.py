@@ -1,0 +1,59 @@
+"""Mixtures of experts at their published shapes, for `mptrain.plan` (a real run of one reads its
+folder: `configs/hf.py:DIR`), with the recipe of `configs/llama3.py:8b` (bf16-mixed, AdamW,
+sequences of 8,192, the layers scanned, remat `minimal`):
+
+    python -m mptrain.plan --config=configs/moe.py:qwen3_30b_a3b --target=h100 --devices=8
+    python -m mptrain.plan --config=configs/moe.py:qwen3_30b_a3b_lora --target=h100 --devices=8
+    python -m mptrain.plan --config=configs/moe.py:mixtral_8x7b_lora --target=h100 --devices=8
+
+Arguments:
+- `qwen3_30b_a3b`: Qwen3-30B-A3B's full fine-tune (30.5B params, 3.3B active: width 2,048,
+  48 layers of 32 heads over 4 kv heads of 128 with q and k norms, each layer 128 experts of
+  768 with 8 a token renormalised, vocabulary 151,936, RoPE theta 1,000,000), on 8 H100s:
+  fsdp 2 x expert 4 (each device 32 of a layer's experts), a global batch of 8 x 8,192.
+- `qwen3_30b_a3b_lora`: the same with rank-16 adapters (alpha 32) on the attention's
+  projections over a frozen bf16 base.
+- `mixtral_8x7b_lora`: Mixtral 8x7B (46.7B params, 12.9B active: width 4,096, 32 layers of 32
+  heads over 8 kv heads, each layer 8 experts of 14,336 with 2 a token, vocabulary 32,000) with
+  rank-16 adapters on the attention's projections over a frozen bf16 base, on 8 H100s: fsdp 8.
+The plans' figures are in docs/mixture-of-experts.md.
+"""
+
+import os
+import runpy
+
+ARGS = ("qwen3_30b_a3b", "qwen3_30b_a3b_lora", "mixtral_8x7b_lora")
+
+
+def _model(c, **keys) -> None:
+    c.model.rope_scaling = None
+    c.model.rope_theta = 1_000_000.0
+    c.model.router_aux_loss_coef = 0.001
+    for key, value in keys.items():
+        setattr(c.model, key, value)
+
+
+def get_config(arg: str | None = None):
+    if arg not in ARGS:
+        raise ValueError(f"unknown config argument {arg!r}; valid: {', '.join(ARGS)}")
+    llama3 = runpy.run_path(os.path.join(os.path.dirname(__file__), "llama3.py"))
+    c = llama3["get_config"]("8b")
+    if arg.startswith("qwen3_30b_a3b"):
+        _model(
+            c, family="qwen3_moe", vocab_size=151_936, d_model=2048, num_layers=48,
+            num_heads=32, num_kv_heads=4, head_dim=128, d_ff=6144, qk_norm=True,
+            norm_eps=1e-6, max_len=40_960, num_experts=128, experts_per_token=8,
+            expert_d_ff=768, norm_topk_prob=True,
+        )  # fmt: skip
+        c.batch_size = 8
+        c.mesh.data, c.mesh.fsdp, c.mesh.expert = 1, 2, 4
+    else:
+        _model(
+            c, family="mixtral", vocab_size=32_000, d_model=4096, num_layers=32, num_heads=32,
+            num_kv_heads=8, d_ff=14_336, max_len=32_768, num_experts=8, experts_per_token=2,
+            expert_d_ff=14_336, norm_topk_prob=True,
+        )  # fmt: skip
+        c.batch_size = 8
+    if arg.endswith("_lora"):
+        c.lora.rank, c.lora.alpha, c.lora.base_dtype = 16, 32.0, "compute"
+    return c
