@@ -245,7 +245,8 @@ def report_start(workdir, state, compiled_step, mesh, start: int, report) -> Non
     loss scale, params, state bytes per param and per device, the compiled step's memory, the
     mesh (`4 devices: data 4 x fsdp 1 x expert 1 x context 1`) and the bytes its collectives
     move a step by the axes they span (`hlo.by_axis`), and the report's warnings (unsafe
-    setups, matmuls outside the compute dtype). Settings that cannot take effect are `loop.Run`'s to warn of."""
+    setups, matmuls outside the compute dtype). Settings that cannot take effect are
+    `loop.Run`'s to warn of."""
     from mptrain.inspect import audit
 
     if jax.process_index() == 0:
