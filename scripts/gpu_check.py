@@ -21,6 +21,9 @@ run cut short still returns what it measured; a table of them ends the run, and
          hand in flax + optax, alternated
   a2     part a's bf16-mixed step with `config.deterministic=False` (XLA's fastest kernels)
   d      fp8-mixed against bf16-mixed on the 1B, unscanned (fp8 needs the unscanned Llama)
+  m      a mixture of experts' grouped matmul (one Qwen3-30B-A3B expert layer's gate, 16,384
+         token copies over 128 experts) by JAX's Mosaic GPU kernels against XLA's ragged_dot:
+         the forward and both gradients' differences, and the ms of each, alternated
 
     python scripts/gpu_check.py --dry-run               # here: every part at tiny sizes
     bash .gpu/run.sh python3 scripts/gpu_check.py --out=$OUT --budget=420   # on the GPU
@@ -46,11 +49,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("a", "torch", "b", "e", "c", "f", "a2", "d")
+ORDER = ("a", "m", "torch", "b", "e", "c", "f", "a2", "d")
 # Seconds each part may take on the GPU, and here with --dry-run.
 # On an H200 (2026-11-27) the parts took a 106 s, torch 64, b 39, e 1, c 54, f 41, a2 39; d ran
 # past 121 s (two compiles of the unscanned 1B).
 LIMITS = {"a": 160, "torch": 100, "b": 90, "e": 40, "c": 150, "f": 80, "a2": 60, "d": 200}
+LIMITS["m"] = 60
 DRY_LIMITS = dict.fromkeys(ORDER, 120)
 # The 8B's overrides that `python -m mptrain.plan --config=configs/llama3.py:8b --target=h100
 # --devices=1 --fit --config.batch_size=8 --config.data.seq_len=4096` prints.
@@ -373,8 +377,59 @@ def part_d(args, out: Path) -> None:
     )
 
 
+def part_m(args, out: Path) -> None:
+    """The Mosaic kernels' custom VJP (`mptrain.models.grouped`) against `jax.lax.ragged_dot`
+    on the same bf16 operands; with --dry-run, at test sizes, with the kernels' XLA stand-ins."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mptrain.models import grouped
+
+    rows, width, hidden, experts = (256, 128, 128, 8) if args.dry_run else (16384, 2048, 768, 128)
+    kernel = "reference" if args.dry_run else "mosaic_gpu"
+    sms = getattr(jax.devices()[0], "core_count", 0) or 0
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(rows, np.ones(experts) / experts), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(rows, width)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(experts, width, hidden)) / width**0.5, jnp.bfloat16)
+    probe = jnp.asarray(rng.normal(size=(rows, hidden)), jnp.float32)
+
+    def step(name):
+        loss = lambda x, w: jnp.sum(
+            grouped.matmul(x, w, sizes, name, sms).astype(jnp.float32) * probe
+        )
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+    runs = {name: step(name) for name in (kernel, "xla")}
+    results = {name: jax.block_until_ready(run(x, w)) for name, run in runs.items()}
+    times = {name: [] for name in runs}
+    for _ in range(3 if args.dry_run else 10):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            jax.block_until_ready(run(x, w))
+            times[name].append(1e3 * (time.perf_counter() - started))
+    got, want = (jax.tree.leaves(results[name]) for name in (kernel, "xla"))
+    error = lambda a, b: float(
+        np.max(np.abs(np.float32(a) - np.float32(b))) / np.max(np.abs(np.float32(b)))
+    )
+    _emit(
+        out,
+        {
+            "part": "m",
+            "case": f"grouped matmul {rows} x {width} by {experts} x [{width}, {hidden}]: "
+            f"{kernel} vs xla ragged_dot, forward and gradients",
+            **_device(),
+            "errors": dict(zip(("loss", "dx", "dw"), map(error, got, want), strict=True)),
+            "kernel_ms": statistics.median(times[kernel]),
+            "xla_ms": statistics.median(times["xla"]),
+        },
+    )
+
+
 PARTS = {
     "a": part_a,
+    "m": part_m,
     "torch": part_torch,
     "b": part_b,
     "e": part_e,
@@ -418,6 +473,9 @@ def _table(records: list[dict]) -> str:
                 f", bare/hand {fmt(r['bare_over_hand'], '.3f')}, loop/hand "
                 f"{fmt(r['loop_over_hand'], '.3f')}"
             )
+        elif part == "m":
+            errors = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
+            what = f"{errors}; {fmt(r['kernel_ms'], '.2f')} ms vs xla {fmt(r['xla_ms'], '.2f')}"
         elif part == "d":
             what = (
                 f"fp8 {fmt(r['fp8_ms'], '.1f')} ms, bf16 {fmt(r['bf16_ms'], '.1f')} ms, "

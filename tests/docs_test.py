@@ -325,6 +325,7 @@ SLOW_PAGES = (
     "fine-tuning.md",
     "sft.md",
     "dpo.md",
+    "mixture-of-experts.md",
     "fp8.md",
     "export.md",
 )

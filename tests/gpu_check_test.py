@@ -11,7 +11,7 @@ from helpers import ROOT
 
 pytestmark = pytest.mark.plan
 
-PARTS = ("a", "torch", "b", "e", "c", "f", "a2", "d")
+PARTS = ("a", "m", "torch", "b", "e", "c", "f", "a2", "d")
 
 
 def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
@@ -32,6 +32,7 @@ def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
     assert "jit_train_step" in by["e"]["table"] and "top kernels" in by["e"]["table"]
     assert by["f"]["loop_over_bare"] > 0 and by["f"]["bare_over_hand"] > 0
     assert by["d"]["fp8_ms"] > 0
+    assert max(by["m"]["errors"].values()) < 1e-2 and by["m"]["kernel_ms"] > 0  # stand-ins
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["dry_run"] and len(summary["results"]) == len(records)
     assert "part" in proc.stdout and "results in" in proc.stdout  # the table at the end

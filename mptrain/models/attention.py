@@ -61,6 +61,7 @@ class Backend:
     platform: str  # jax.default_backend(): "cpu", "gpu" or "tpu"
     compute_capability: tuple[int, int] | None = None  # a CUDA GPU's, e.g. (9, 0): an H100
     cudnn: bool = False  # jax finds cuDNN and traces its fused attention here
+    sms: int = 0  # a GPU's multiprocessors (`core_count`), which a persistent kernel's grid takes
 
 
 @functools.cache
@@ -82,7 +83,8 @@ def _backend(device: jax.Device) -> Backend:
         capability = tuple(int(n) for n in device.compute_capability.split(".")[:2])
     except (AttributeError, ValueError):
         capability = None
-    return Backend(device.platform, capability, cudnn=_cudnn_traces())
+    sms = getattr(device, "core_count", 0) or 0
+    return Backend(device.platform, capability, cudnn=_cudnn_traces(), sms=sms)
 
 
 @functools.cache

@@ -103,6 +103,7 @@ class Shape:
     expert_d_ff: int = 0
     norm_topk: bool = True
     router_fp32: bool = True
+    expert_kernel: tuple[str, int] = ("xla", 0)  # `grouped.matmul`'s kernel, the GPU's SMs
 
     def norm(self, dtype: layers.Dtype, name: str) -> RMSNorm:
         return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
@@ -239,7 +240,7 @@ class Block(nn.Module):
         if s.experts:
             mask = None if segments is None else segments.ids > 0  # no padding in the stats
             experts = moe.MoE(s.experts, s.top_k, s.expert_d_ff, s.norm_topk, self.dtype,
-                              s.router_fp32, name="moe")  # fmt: skip
+                              s.router_fp32, s.expert_kernel, name="moe")  # fmt: skip
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:
@@ -329,6 +330,7 @@ def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
         experts = {"experts": keys["num_experts"], "top_k": keys["experts_per_token"]}
         experts |= {"expert_d_ff": keys["expert_d_ff"], "norm_topk": keys["norm_topk_prob"]}
         experts["router_fp32"] = keys["router_fp32"]
+        experts["expert_kernel"] = keys["expert_kernel"]
     return tuple(
         dataclasses.replace(
             shape, **({"inv_freq": ()} if i in nope else {}), **({} if i in dense else experts)

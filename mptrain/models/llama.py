@@ -65,7 +65,7 @@ from absl import logging
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import blocks, layers, lm_loss, moe, rope, stack
+from mptrain.models import blocks, grouped, layers, lm_loss, moe, rope, stack
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.blocks import Block, Shape
@@ -349,6 +349,11 @@ def create_model(
         keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
         chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
     logging.info("mptrain: attention: %s", choice)
+    machine = backend or attention_lib.local_backend()  # the experts' matmuls: by the chip
+    keys["expert_kernel"] = (
+        grouped.kernel_for(keys["expert_matmul"], machine, compute_dtype),
+        machine.sms,
+    )
     shapes = blocks.layer_shapes(keys)
     return Llama(
         vocab_size=keys["vocab_size"],

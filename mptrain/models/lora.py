@@ -94,8 +94,15 @@ def spec(lora: Any, build: Any) -> Spec:
     at least one of them (a `ValueError` lists some if it matches none)."""
     keys = settings(lora)
     everywhere = Spec(keys["rank"], keys["alpha"] / keys["rank"], keys["dropout"])
-    kernels = adaptable(_shapes(build(everywhere)))
+    shapes = _shapes(build(everywhere))
+    kernels = adaptable(shapes)
     chosen = {path for path in kernels if re.search(keys["targets"], path)}
+    experts = [p for p in _experts(shapes) if re.search(keys["targets"], p)]
+    if experts:  # a mixture's experts: `[E, in, out]` params, no projection module each
+        raise ValueError(
+            f"lora.targets={keys['targets']!r}: matches the experts' kernels ({experts[0]}), "
+            "which take no adapters yet: target the attention's projections (and a dense MLP's)"
+        )
     if not chosen:
         shown = ", ".join(sorted(kernels)[:4]) + (", ..." if len(kernels) > 4 else "")
         raise ValueError(
@@ -118,6 +125,14 @@ def spec(lora: Any, build: Any) -> Spec:
 def _shapes(model: nn.Module) -> Any:
     tokens = jnp.zeros((1, 1), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+
+
+def _experts(params: Any) -> list[str]:
+    """The "/"-joined paths of a mixture's expert kernels in `params` (`moe/gate`, ...)."""
+    paths = [
+        "/".join(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+    return [p for p in paths if re.search(r"(^|/)moe/(gate|up|down)$", p)]
 
 
 def adaptable(params: Any) -> dict[str, tuple[int, ...]]:

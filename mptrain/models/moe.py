@@ -9,17 +9,16 @@ Where the precision goes (MaxText's `float32_weight_sum`, Megatron-LM's `--moe-r
     or swap, and the token goes to another expert (serving engines report it at near-ties:
     tests/models/moe_test.py counts such tokens). `router_fp32=False` runs the router's matmul
     in the compute dtype (what a 16-bit `F.linear` gives), to show the difference;
-  * the experts: grouped matmuls (`jax.lax.ragged_dot`) over the token copies sorted by
-    expert, in the compute dtype with fp32 accumulation, no token dropped (no capacity);
+  * the experts: grouped matmuls (`mptrain.models.grouped`: XLA's `ragged_dot`, or on a
+    Hopper GPU JAX's Mosaic kernels) over the token copies sorted by expert, in the compute
+    dtype with fp32 accumulation, no token dropped (no capacity); the sort and its inverse are
+    gathers forward and backward (`_spread`, `_permute`), never scatters;
   * the weighted sum of a token's `top_k` expert outputs in fp32, cast to the compute dtype
     once (transformers rounds the weights to the model's dtype and sums in it).
 
-What XLA makes of `ragged_dot` (jax 0.10.2, `scripts/moe_compiled.py`, one Qwen3-30B-A3B layer's
-forward at 8,192 tokens, compiled here for chips that are not): a TPU v5e runs each of the
-three as one grouped-matmul kernel (Mosaic's `ragged-dot`), 1.94 GiB of temporaries; an H100 as
-a dense matmul of every token copy against every expert's kernel (`[65,536, 262,144]` by
-`[262,144, 768]`: 128 times the routed FLOPs, 32.2 GiB of temporaries). On a GPU the experts
-need another path before this layer is fit to train there.
+Under `mesh.expert` each device holds `num_experts / expert` of a layer's experts and runs them
+on the tokens of its expert group (`exchange`). What each chip compiles the grouped matmuls to:
+`mptrain.models.grouped`'s doc and docs/mixture-of-experts.md.
 
 The layer returns its output and its router's statistics (`router_stats`: each expert's count of
 top-k picks and sum of router probabilities, fp32 `[2, E]`), which the decoder sums over its
@@ -33,19 +32,22 @@ are transposed and stacked): `router` `[D, E]`, `gate` and `up` `[E, D, F]`, `do
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from mptrain import errors
-from mptrain.models import layers
+from mptrain.models import grouped, layers
 from mptrain.recipe import sharding
 
 # `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
 # `num_experts` None is a dense MLP in every layer; `expert_d_ff` (None: `d_ff`) each expert's
 # hidden width; `dense_layers` the layers (from 0) that keep the dense MLP of `d_ff` (Qwen3-MoE's
 # `mlp_only_layers`); `router_aux_loss_coef` the load-balancing loss's weight in the loss;
-# `router_fp32` False runs the router's matmul in the compute dtype (to show what it costs).
+# `router_fp32` False runs the router's matmul in the compute dtype (to show what it costs);
+# `expert_matmul` the experts' grouped matmuls (`grouped.KERNELS`; "auto": by the chip).
 CONFIG_KEYS = {
     "num_experts": None,
     "experts_per_token": 2,
@@ -54,6 +56,7 @@ CONFIG_KEYS = {
     "dense_layers": None,
     "router_aux_loss_coef": 0.001,
     "router_fp32": True,
+    "expert_matmul": "auto",
 }
 
 
@@ -66,6 +69,7 @@ def check(keys: dict) -> None:
     errors.check_integer("model.experts_per_token", keys["experts_per_token"], 1, experts)
     keys["expert_d_ff"] = keys["expert_d_ff"] or keys["d_ff"]
     errors.check_integer("model.expert_d_ff", keys["expert_d_ff"], 1, errors.INT32_MAX)
+    errors.check_choice("model.expert_matmul", keys["expert_matmul"], grouped.KERNELS)
     for key in ("norm_topk_prob", "router_fp32"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
@@ -109,28 +113,65 @@ def route(
     return logits, weights, experts.astype(jnp.int32)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _spread(tokens: jax.Array, order: jax.Array, back: jax.Array, top_k: int) -> jax.Array:
+    """`[T * k, D]`: the token of each copy in `order` (copy `j` is token `j // k`'s). Its
+    gradient gathers the copies back into token order (`back`, the inverse of `order`) and
+    sums each token's `k` in fp32: gathers, where autodiff of the gather would scatter-add
+    (which a GPU's deterministic mode runs as a sort of every element)."""
+    return jnp.take(tokens, order // top_k, axis=0, mode="clip")
+
+
+def _spread_forward(tokens, order, back, top_k):
+    return _spread(tokens, order, back, top_k), (back, jnp.zeros((), tokens.dtype))
+
+
+def _spread_backward(top_k, saved, grad):
+    back, like = saved
+    grad = _unsort(grad, back).astype(jnp.float32)
+    summed = grad.reshape(-1, top_k, grad.shape[-1]).sum(axis=1)
+    return summed.astype(like.dtype), None, None
+
+
+_spread.defvjp(_spread_forward, _spread_backward)
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, order: jax.Array, back: jax.Array) -> jax.Array:
+    """`x[order]`, `back` its inverse: the gradient is a gather too (`_spread`'s doc)."""
+    return jnp.take(x, order, axis=0, mode="clip")
+
+
+_permute.defvjp(
+    lambda x, order, back: (_permute(x, order, back), (order, back)),
+    lambda saved, grad: (_permute(grad, saved[1], saved[0]), None, None),
+)
+_unsort = lambda x, back: jnp.take(x, back, axis=0, mode="clip")
+
+
 def experts_mlp(
-    tokens: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down
+    tokens: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down, kernel=("xla", 0)
 ) -> jax.Array:
     """fp32 `[T, D]`: each token's `top_k` SwiGLU experts (`gate`, `up` `[E, D, F]`, `down`
     `[E, F, D]`, in `tokens`' dtype) summed with its fp32 `weights`. The `T x top_k` copies
     of the tokens are sorted by expert, so each expert's are one group of a grouped matmul;
     a copy whose expert is not one of these `E` (another device's, `experts` outside
-    `[0, E)`) is sorted last, outside every group, and adds nothing."""
+    `[0, E)`) is sorted last, outside every group, and adds nothing. `kernel`: the grouped
+    matmuls' (`grouped.matmul`'s kernel and the GPU's multiprocessors)."""
     count, top_k = experts.shape
     local = gate.shape[0]
     mine = (experts >= 0) & (experts < local)
     flat = jnp.where(mine, experts, local).reshape(-1)
     order = jnp.argsort(flat, stable=True)  # copy j of the sorted list: token order[j] // k
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)
-    copies = jnp.take(tokens, order // top_k, axis=0)
-    matmul = lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    copies = _spread(tokens, order, back, top_k)
+    matmul = lambda x, w: grouped.matmul(x, w, sizes, *kernel)
     h = nn.silu(matmul(copies, gate).astype(tokens.dtype))
     h = h * matmul(copies, up).astype(tokens.dtype)
-    out = matmul(h, down)  # fp32 [T * k, D], sorted; rows past the groups undefined
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = jnp.take(out, back, axis=0).reshape(count, top_k, -1)
-    out = jnp.where(mine[..., None], out, 0.0)
+    out = matmul(h, down)  # [T * k, D], sorted; rows past the groups: junk
+    out = _permute(out, back, order).reshape(count, top_k, -1)
+    out = jnp.where(mine[..., None], out.astype(jnp.float32), 0.0)
     return jnp.einsum("tkd,tk->td", out, jnp.where(mine, weights.astype(jnp.float32), 0.0))
 
 
@@ -186,6 +227,7 @@ class MoE(nn.Module):
     normalise: bool  # `norm_topk_prob` (Mixtral: always)
     dtype: layers.Dtype
     router_fp32: bool = True
+    kernel: tuple[str, int] = ("xla", 0)  # the grouped matmuls' (`grouped.matmul`)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -206,7 +248,9 @@ class MoE(nn.Module):
         logits, weights, picked = route(
             tokens, router, self.top_k, self.normalise, self.router_fp32
         )
-        mlp = lambda *a: experts_mlp(*a, kernels["gate"], kernels["up"], kernels["down"])
+        # init (the decoder's runs a layer under vmap, which the Mosaic kernels do not take)
+        kernel = ("xla", 0) if self.is_initializing() else self.kernel
+        mlp = lambda *a: experts_mlp(*a, kernels["gate"], kernels["up"], kernels["down"], kernel)
         if split is None:
             y = mlp(tokens, picked, weights)
         else:

@@ -24,11 +24,14 @@ def mesh(config, count: int) -> dict[str, Any]:
     """The mesh `count` devices need where the config's does not divide them: all FSDP, and
     where the batch has fewer rows than that, the rest splitting each sequence (`split`)."""
     data, fsdp = get(config, "mesh.data", -1), get(config, "mesh.fsdp", 1)
-    context = get(config, "mesh.context", 1)
-    fits = count % (fsdp * context) == 0 and (data == -1 or data * fsdp * context == count)
+    context, expert = get(config, "mesh.context", 1), get(config, "mesh.expert", 1)
+    fixed = fsdp * expert * context  # the axes other than data
+    fits = count % fixed == 0 and (data == -1 or data * fixed == count)
     if fits and config.batch_size % (count // context) == 0:
         return {}
-    return split(config, config.batch_size, count) or {"mesh.data": -1, "mesh.fsdp": count}
+    kept = count % expert == 0 and expert > 1  # an expert axis stays: the rest FSDP
+    every = {"mesh.data": -1, "mesh.fsdp": count // expert} if kept else {}
+    return split(config, config.batch_size, count) or every or {"mesh.data": -1, "mesh.fsdp": count}
 
 
 def split(config, rows: int, count: int) -> dict[str, Any] | None:
@@ -41,6 +44,7 @@ def split(config, rows: int, count: int) -> dict[str, Any] | None:
     length = get(config, "data.seq_len") or 0
     context = count // rows if rows and count % rows == 0 else 0
     llama = get(config, "model.name") == "llama" and get(config, "data.name") != "sft"
+    llama = llama and get(config, "mesh.expert", 1) == 1  # not searched beside an expert axis
     if not (llama and context and length % (2 * context) == 0):
         return None
     return {"mesh.data": 1, "mesh.fsdp": rows, "mesh.context": context}

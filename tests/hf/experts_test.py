@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from helpers import ROOT, load_config, run_cli
 from hf.hf_test import _error, _reference
 
+import mptrain
 from mptrain import errors, generate, hf
 from mptrain.models import decode, llama
 
@@ -131,3 +133,41 @@ def test_expert_settings_a_family_cannot_hold_are_refused(tmp_path):
     ):
         hf.read_settings({**model_config, "dense_layers": (1,)})
     assert not list(tmp_path.iterdir())
+
+
+def test_adapters_on_the_experts_are_refused_by_name():
+    config = load_config("llama3", "moe_tiny", **{"lora.rank": 4, "lora.targets": "moe/(gate|up)"})
+    with pytest.raises(mptrain.config.ConfigError, match=r"matches the experts' kernels \(stac"):
+        mptrain.config.validate(config)
+
+
+@SLOW
+def test_an_expert_folder_fine_tunes_with_adapters_on_chats_and_exports_both(tmp_path, capsys):
+    """`configs/hf.py:sft=DIR` on the Qwen3-MoE folder (its dense middle layer: layers one by
+    one) with rank-4 adapters on the attention's projections: a few steps on the embedded
+    chats, then the merged export is a Qwen3-MoE folder again and the adapters a PEFT one."""
+    from generate_test import _with_tokenizer
+
+    from mptrain import export
+    from mptrain.hf import peft
+
+    folder = _with_tokenizer(FAMILIES / "qwen3_moe", tmp_path / "qwen3_moe")
+    flags = ["--config.num_train_steps=4", "--config.data.seq_len=64", "--config.batch_size=2"]
+    flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
+    flags += ["--config.eval_steps=1", "--config.lora.rank=4", "--config.precision=fp32"]
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:sft={folder}"
+    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
+    assert code == 0, err[-2000:]
+    history = (tmp_path / "run" / "history.jsonl").read_text()
+    assert '"moe/aux_loss"' in history and '"moe/expert_share"' in history
+    export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert written["mlp_only_layers"] == [1] and written["num_experts"] == 8
+    _, params = hf.load(tmp_path / "out")
+    _, base = hf.load(folder)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, base)
+    assert any(jax.tree.leaves(moved["layers_0"]["attn"]))  # the adapters, merged
+    assert not any(jax.tree.leaves(moved["layers_0"]["moe"]))  # the experts froze
+    export.export(tmp_path / "run", tmp_path / "adapter", "float32", format="peft")
+    assert (tmp_path / "adapter" / peft.WEIGHTS_FILE).exists()

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from helpers import ROOT, normal
 
-from mptrain.models import moe
+from mptrain.models import grouped, moe
 
 REF = np.load(ROOT / "tests" / "models" / "moe_fixture.npz")
 
@@ -40,7 +40,9 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
     (each layer's `router_stats` summed) equal to `load_balancing_loss_func`'s to 1e-6. The
     gradients of the grouped matmuls (the sort, `ragged_dot`'s transposes, the unsort) are
     those of every expert on every token masked by the routing weights, to 1e-5, for the
-    input, the router and each expert."""
+    input, the router and each expert. The custom VJP that binds the Mosaic GPU kernels, with
+    XLA's ops of the same signatures standing in, gives autodiff's gradients (a group of no
+    rows among them)."""
 
     @jax.jit
     def run(qwen, mixtral, x_qwen, x_mixtral, aux_logits):
@@ -50,15 +52,29 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
                 layer = moe.MoE(experts, 2, 8, True, jnp.float32)
                 out.append(layer.apply({"params": params}, x)[0])
             probe = normal(3, REF["qwen3_moe_x"].shape)  # the gradients of <y, probe>
-            grouped = lambda p, x: jnp.sum(moe.MoE(8, 2, 8, True, jnp.float32).apply(
+            routed = lambda p, x: jnp.sum(moe.MoE(8, 2, 8, True, jnp.float32).apply(
                 {"params": p}, x)[0] * probe)  # fmt: skip
             dense = lambda p, x: jnp.sum(_dense(p, x, 2) * probe)
-            grads = [jax.grad(f, argnums=(0, 1))(qwen, x_qwen) for f in (grouped, dense)]
+            grads = [jax.grad(f, argnums=(0, 1))(qwen, x_qwen) for f in (routed, dense)]
+        # the Mosaic kernels' custom VJP, wired to XLA's ops of the same signatures
+        x, w = normal(4, (40, 16)), normal(5, (3, 16, 8))
+        sizes, probe = jnp.asarray([7, 0, 33], jnp.int32), normal(6, (40, 8))
+        vjps = [
+            jax.value_and_grad(
+                lambda x, w, k=k: jnp.sum(grouped.matmul(x, w, sizes, k) * probe), (0, 1)
+            )(x, w)
+            for k in ("reference", "xla")
+        ]
         picked = [jax.lax.top_k(logits, 2)[1] for logits in aux_logits]  # softmax keeps order
         stats = sum(moe.router_stats(lg, p, None) for lg, p in zip(aux_logits, picked, strict=True))
-        return (*out, moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1])[0], grads)
+        return (
+            *out,
+            moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1])[0],
+            grads,
+            vjps,
+        )
 
-    y_qwen, y_mixtral, aux, (found, want) = run(
+    y_qwen, y_mixtral, aux, (found, want), (custom, autodiff) = run(
         _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],
         REF["aux_logits"],
     )  # fmt: skip
@@ -66,6 +82,8 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
         want_y = REF[f"{name}_y"]
         np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(aux, REF["aux_loss"], rtol=1e-6)
+    for got, expected in zip(jax.tree.leaves(custom), jax.tree.leaves(autodiff), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     for got, expected in zip(jax.tree.leaves(found), jax.tree.leaves(want), strict=True):
         scale = np.abs(expected).max()
         assert scale > 0
