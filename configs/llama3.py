@@ -131,8 +131,10 @@ def _fine_tune(c, folder: str) -> None:
     """The `hf=DIR` variant (module doc): DIR's model, weights and tokenizer."""
     from mptrain import hf
 
-    c.model.update(hf.read_config(folder))  # name "llama" and every key the weights fix
-    c.model.attention, c.model.scan_layers, c.model.remat = "auto", True, "minimal"
+    read = hf.read_config(folder)  # name "llama" and every key the weights fix
+    c.model.update(read)
+    c.model.attention, c.model.remat = "auto", "minimal"
+    c.model.scan_layers = read.get("scan_layers", True)  # not with dense and expert layers
     c.init_from = folder
     c.batch_size = 8
     c.data.seq_len = min(1024, c.model.max_len)

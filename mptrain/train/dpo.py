@@ -69,7 +69,8 @@ class DPOTrainer(trainer.Trainer):
         return variables
 
     def token_logps(self, params, model_state, batch, train: bool = True):
-        """`(logps [B, 2, L] fp32, new model_state)`: each target's log-probability."""
+        """`(logps [B, 2, L] fp32, new model_state, the model's own metrics)`: each target's
+        log-probability; a mixture of experts' load-balancing loss among the metrics."""
         inputs, targets = batch["inputs"], batch["targets"]
         rows = lambda x: x.reshape(-1, x.shape[-1])  # [B, 2, L] -> [2B, L]: pairs side by side
         variables, mutable = {"params": params, **model_state}, list(model_state) or False
@@ -77,18 +78,20 @@ class DPOTrainer(trainer.Trainer):
         out = self.model.apply(variables, rows(inputs), train=train, mutable=mutable, **kwargs)
         out, new_state = out if mutable else (out, model_state)
         per_token = dpo_loss.token_logps(out, rows(targets))
-        return per_token.reshape(targets.shape), new_state
+        return per_token.reshape(targets.shape), new_state, trainer.model_metrics(out)
 
     def loss_fn(self, params, model_state, batch, rng):
         """Traced. The DPO loss of a batch of pairs and TRL's metrics (`dpo_loss`); a batch
         without the reference's sums (a trace of the loss alone) takes the policy's own."""
         model_state = {k: v for k, v in model_state.items() if k != REFERENCE}
-        per_token, new_state = self.token_logps(params, model_state, batch)
+        per_token, new_state, extra = self.token_logps(params, model_state, batch)
         reference = batch.get(dpo_data.REFERENCE)
         if reference is None:
             reference = dpo_loss.sequence_logps(per_token, batch["targets"])
         loss, metrics = dpo_loss.loss_and_metrics(per_token, batch["targets"], reference, self.dpo)
-        return loss, (new_state, metrics)
+        if "moe/aux_loss" in extra:  # as TRL adds it where the model outputs router logits
+            loss = loss + self.model.aux_loss_coef * extra["moe/aux_loss"]
+        return loss, (new_state, {**metrics, **extra})
 
     # ---- the reference ----------------------------------------------------------------------
 
@@ -107,7 +110,7 @@ class DPOTrainer(trainer.Trainer):
         model_state = {k: v for k, v in model_state.items() if k != REFERENCE}
 
         def forward(p, model_state, batch):
-            per_token, _ = self.token_logps(p, model_state, batch, train=False)
+            per_token = self.token_logps(p, model_state, batch, train=False)[0]
             return dpo_loss.sequence_logps(per_token, batch["targets"])
 
         policy = self.policy

@@ -37,8 +37,8 @@ def allow_transfers():
 
 def average(eval_step: Callable, state: Any, batches: Any, prefix: str = "") -> dict:
     """Host floats: `eval_step(state, batch)`'s metrics averaged over `batches` (an iterable:
-    each batch can go once its step has run), keys prefixed."""
-    metrics = [eval_step(state, batch) for batch in batches]
+    each batch can go once its step has run), keys prefixed; scalars only."""
+    metrics = [{k: v for k, v in eval_step(state, b).items() if jnp.ndim(v) == 0} for b in batches]
     sums = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), metrics)
     with allow_transfers():
         return {f"{prefix}{k}": float(v) / len(metrics) for k, v in jax.device_get(sums).items()}

@@ -117,7 +117,7 @@ class Trainer:
         variables, mutable = {"params": params, **model_state}, list(model_state) or False
         out = _apply(self.model, variables, batch, True, rngs={"dropout": rng}, mutable=mutable)
         out, new_state = out if mutable else (out, model_state)
-        return _loss(self.policy, out, batch["targets"]), (new_state, _model_metrics(out))
+        return _loss(self.policy, out, batch["targets"]), (new_state, model_metrics(out))
 
     def eval_fn(self, params, model_state, batch) -> dict[str, jax.Array]:
         """Traced. Scalar metrics of one eval batch (averaged over `config.eval_steps`).
@@ -313,7 +313,7 @@ def _apply(model: Any, variables: dict, batch: Any, train: bool, **kwargs: Any) 
     return model.apply(variables, batch["inputs"], train=train, **kwargs)
 
 
-def _model_metrics(out: Any) -> dict[str, Any]:
+def model_metrics(out: Any) -> dict[str, Any]:
     """What a model's own loss dict reports beside the loss: a mixture of experts' `moe/`
     values (its load-balancing loss, each expert's share of the routed tokens)."""
     return {k: v for k, v in out.items() if k.startswith("moe/")} if isinstance(out, dict) else {}

@@ -236,6 +236,13 @@ def _edited(folder, tmp_path, edit):
         ("mistral", lambda c: c.update(sliding_window=0), "sliding_window=0"),
         ("qwen3", lambda c: c.update(attention_bias="yes"), "attention_bias='yes'"),
         ("mistral", lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
+        # the routings a mixture of experts may have that mptrain does not build
+        ("qwen3_moe", lambda c: c.update(shared_expert_intermediate_size=64), "shared experts"),
+        ("qwen3_moe", lambda c: c.update(n_shared_experts=1), "n_shared_experts=1: shared"),
+        ("qwen3_moe", lambda c: c.update(n_group=8, topk_group=4), "group-limited routing"),
+        ("mixtral", lambda c: c.update(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        ("mixtral", lambda c: c.update(num_experts_per_tok=0), "num_experts_per_tok=0"),
+        ("qwen3_moe", lambda c: c.update(mlp_only_layers="1"), "mlp_only_layers='1'"),
     ],
 )
 def test_what_the_decoder_cannot_run_is_one_line_naming_the_file_and_key(
@@ -254,6 +261,13 @@ def test_a_family_refuses_switches_its_folder_cannot_hold(tmp_path):
     with pytest.raises(errors.ConfigError, match=r"model.sliding_window=16: a LlamaForCausalLM"):
         hf.save(tmp_path, {**model_config, "family": "llama", "qk_norm": False,
                            "sliding_window": 16}, params)  # fmt: skip
+    model_config, params = hf.load(FAMILIES / "mixtral")  # a mixture's expert settings
+    with pytest.raises(errors.ConfigError, match=r"model.norm_topk_prob=False: a MixtralFor"):
+        hf.save(tmp_path, {**model_config, "norm_topk_prob": False}, params)
+    with pytest.raises(errors.ConfigError, match=r"model.num_experts=4: a MistralForCausalLM"):
+        hf.save(tmp_path, {**model_config, "family": "mistral"}, params)
+    with pytest.raises(errors.ConfigError, match=r"dense_layers=\(1,\): .*scan_layers=False"):
+        hf.read_settings({**model_config, "dense_layers": (1,)})
     assert not list(tmp_path.iterdir())
 
 

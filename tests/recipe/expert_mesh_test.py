@@ -44,9 +44,9 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients():
     model = llama.create_model(ml_collections.ConfigDict(TINY), jnp.float32)
     tokens = integers(0, (8, 32), 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
-    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 2, 4, 1), layout.AXES)
-    specs = sharding.specs(mesh, params)
+    specs = sharding.specs(mesh, shapes)
     assert specs["stacked_layers"]["moe"]["gate"] == PartitionSpec(None, "expert", "fsdp", None)
     assert specs["stacked_layers"]["moe"]["router"] == PartitionSpec(None, ("fsdp", "expert"), None)
     policy = precision.get_policy("fp32")
@@ -56,13 +56,14 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients():
         return out["loss"], {"aux": out["moe/aux_loss"]}
 
     split, whole = sharding.grad_fn(loss, policy, mesh), sharding.grad_fn(loss, policy, None)
-    both = jax.jit(lambda *a: (split(*a), whole(*a)))
-    args = (
-        jax.device_put(params, sharding.state_shardings(mesh, params)),
-        None,
-        jax.device_put(batch, layout.batch_sharding(mesh)),
-        jax.random.key(0),
-    )
+
+    @jax.jit
+    def both(key, batch):  # the init too: one program
+        params = model.init(key, batch["inputs"])["params"]
+        params = jax.lax.with_sharding_constraint(params, sharding.state_shardings(mesh, shapes))
+        return split(params, None, batch, key), whole(params, None, batch, key)
+
+    args = (jax.random.key(0), jax.device_put(batch, layout.batch_sharding(mesh)))
     (got, _, got_aux), (want, _, want_aux) = both(*args)
     np.testing.assert_allclose(got_aux["aux"], want_aux["aux"], rtol=1e-6)
     for path, g, w in zip(
