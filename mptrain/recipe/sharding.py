@@ -1,10 +1,12 @@
-"""Shardings of the state and the sharded gradient: params split over `fsdp` (and `context`).
+"""Shardings of the state and the sharded gradient: params split over `fsdp` (and `expert`,
+`context`), a mixture's experts over `expert`.
 
 The mesh and what its axes split are `mptrain.recipe.layout`'s (`RULES`): batches' rows over
-`data` x `fsdp` and, on a context axis, their sequences over `context`; params and optimizer
-state over `fsdp` x `context` (`RULES["shard"]`) along their largest dimension that divides
-evenly, and replicated where none does. The trainer always has a mesh: on one device it is
-1x1x1, and nothing is split.
+`data` x `fsdp` x `expert` and, on a context axis, their sequences over `context`; params and
+optimizer state over `fsdp` x `expert` x `context` (`RULES["shard"]`) along their largest
+dimension that divides evenly, and replicated where none does; an expert's kernel on its expert
+dimension over `expert` (its own, never gathered: `mptrain.models.moe.exchange` moves tokens).
+The trainer always has a mesh: on one device it is 1x1x1x1, and nothing is split.
 
 On a mesh of several devices the gradients are computed per device and reduced explicitly, the
 way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the

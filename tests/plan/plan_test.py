@@ -142,7 +142,8 @@ def test_fp8_matmuls_run_with_e4m3_and_e5m2_operands_on_the_h100():
 
 def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     result = planned("lm_gpt2s", devices=4, mesh__data=1, mesh__fsdp=4)
-    assert result.devices == 4 and result.mesh == {"data": 1, "fsdp": 4, "context": 1}
+    assert result.devices == 4
+    assert result.mesh == {"data": 1, "fsdp": 4, "expert": 1, "context": 1}
     collectives = result.collectives
     assert set(collectives["reduce-scatter"]) == {"f32"}
     assert set(collectives.get("all-reduce", {"f32": 0})) == {"f32"}
@@ -373,7 +374,7 @@ def test_the_70b_full_fine_tune_fits_one_node_of_8_h100s_as_shipped():
     in cuDNN's calls (two a chunk: `context_attention`), no [B, H, L, L] buffer, the keys and
     values gathered over the context axis and the weights over fsdp x context."""
     result = planned("llama3", "70b_node")
-    assert result.mesh == {"data": 1, "fsdp": 2, "context": 4}
+    assert result.mesh == {"data": 1, "fsdp": 2, "expert": 1, "context": 4}
     assert result.fits and result.memory["total"] <= 73 * GiB, result.verdict()
     assert result.state_bytes_per_param < 4.1
     att = result.attention
