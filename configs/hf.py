@@ -1,5 +1,6 @@
 """Fine-tuning a HuggingFace folder of any family mptrain's decoder reads (Llama, Mistral,
-Qwen2, Qwen3: `mptrain.hf.families`), with the recipe of `configs/llama3.py:hf=DIR`.
+Qwen2, Qwen3, Qwen3-MoE, Mixtral, ...: `mptrain.hf.families`), with the recipe of
+`configs/llama3.py:hf=DIR`.
 
     python -m mptrain.main --config=configs/hf.py:/models/Qwen3-0.6B --workdir=runs/ft \
         --config.data.files='notes/**/*.md'

@@ -1,11 +1,12 @@
 """HuggingFace folders in and out: `read_config`, `load`, `load_params`, `save`.
 
 A folder is what transformers' `save_pretrained` writes for a causal LM of a family
-`mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3): config.json and
-the safetensors. Its tensors map onto the param tree of mptrain's decoder (`mptrain.models.llama`)
-by name, each torch `[out, in]` weight transposed to a flax `[in, out]` kernel (the table is in
-llama.py's module doc; biases and norms as they are); layers are stacked on a leading axis
-(`scan_layers`) or kept as `layers_i`.
+`mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, ..., the mixtures
+of experts Qwen3-MoE and Mixtral): config.json and the safetensors. Its tensors map onto the
+param tree of mptrain's decoder (`mptrain.models.llama`) by name, each torch `[out, in]` weight
+transposed to a flax `[in, out]` kernel (the table is in llama.py's module doc; biases and
+norms as they are); layers are stacked on a leading axis (`scan_layers`) or kept as
+`layers_i`, a layer's experts on the axis after it.
 
 The package: this module (the mapping of names), `families` (each family's config.json keys)
 and `tensors` (the files, sharded or not). It may import `models`, `recipe` and the base
