@@ -115,6 +115,8 @@ def kernel_for(setting: str, backend: Any, dtype: Any) -> str:
 def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str, sms: int = 0):
     """`x @ w[group]` by `kernel` ("xla": fp32 results; "mosaic_gpu": `x`'s dtype, accumulated
     in fp32; "reference": the Mosaic kernels' stand-ins); `sms`: the GPU's multiprocessors."""
+    if isinstance(kernel, Kernels):  # three of one's own (a test's)
+        return custom_vjp(kernel)(x, w, sizes)
     if kernel == "xla":
         return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     kernels = REFERENCE if kernel == "reference" else _mosaic(sms)

@@ -113,24 +113,28 @@ def route(
     return logits, weights, experts.astype(jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _spread(tokens: jax.Array, order: jax.Array, back: jax.Array, top_k: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _spread(tokens, order: jax.Array, back: jax.Array, grouped, top_k: int) -> jax.Array:
     """`[T * k, D]`: the token of each copy in `order` (copy `j` is token `j // k`'s). Its
     gradient gathers the copies back into token order (`back`, the inverse of `order`) and
     sums each token's `k` in fp32: gathers, where autodiff of the gather would scatter-add
-    (which a GPU's deterministic mode runs as a sort of every element)."""
+    (which a GPU's deterministic mode runs as a sort of every element). Only the first
+    `grouped` copies (those in a group) pass a gradient: a kernel may leave the rows past
+    its groups undefined (another device's copies, under an expert axis)."""
     return jnp.take(tokens, order // top_k, axis=0, mode="clip")
 
 
-def _spread_forward(tokens, order, back, top_k):
-    return _spread(tokens, order, back, top_k), (back, jnp.zeros((), tokens.dtype))
+def _spread_forward(tokens, order, back, grouped, top_k):
+    saved = (back, grouped, jnp.zeros((), tokens.dtype))
+    return _spread(tokens, order, back, grouped, top_k), saved
 
 
 def _spread_backward(top_k, saved, grad):
-    back, like = saved
-    grad = _unsort(grad, back).astype(jnp.float32)
+    back, grouped, like = saved
+    rows = jnp.arange(grad.shape[0])[:, None]
+    grad = _unsort(jnp.where(rows < grouped, grad, 0), back).astype(jnp.float32)
     summed = grad.reshape(-1, top_k, grad.shape[-1]).sum(axis=1)
-    return summed.astype(like.dtype), None, None
+    return summed.astype(like.dtype), None, None, None
 
 
 _spread.defvjp(_spread_forward, _spread_backward)
@@ -165,7 +169,7 @@ def experts_mlp(
     order = jnp.argsort(flat, stable=True)  # copy j of the sorted list: token order[j] // k
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)
-    copies = _spread(tokens, order, back, top_k)
+    copies = _spread(tokens, order, back, jnp.sum(sizes), top_k)
     matmul = lambda x, w: grouped.matmul(x, w, sizes, *kernel)
     h = nn.silu(matmul(copies, gate).astype(tokens.dtype))
     h = h * matmul(copies, up).astype(tokens.dtype)

@@ -42,7 +42,8 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
     those of every expert on every token masked by the routing weights, to 1e-5, for the
     input, the router and each expert. The custom VJP that binds the Mosaic GPU kernels, with
     XLA's ops of the same signatures standing in, gives autodiff's gradients (a group of no
-    rows among them)."""
+    rows among them); with half the experts another device's and kernels that leave the rows
+    past their groups NaN, the gradients are those of XLA's ragged_dot, every one finite."""
 
     @jax.jit
     def run(qwen, mixtral, x_qwen, x_mixtral, aux_logits):
@@ -65,6 +66,23 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
             )(x, w)
             for k in ("reference", "xla")
         ]
+        # 4 of 8 experts here, another device's the rest, under kernels that leave the rows
+        # past their groups NaN: no NaN reaches the output or any gradient
+        nan_past = lambda f: (
+            lambda a, b, s: jnp.where(
+                (jnp.arange(a.shape[0]) < jnp.sum(s))[:, None], f(a, b, s), jnp.nan
+            )
+        )
+        ref = grouped.REFERENCE
+        nan_rows = grouped.Kernels(nan_past(ref.forward), nan_past(ref.input_grad), ref.weight_grad)
+        half = {k: v[:4] for k, v in qwen.items() if k != "router"}
+        tokens, probe = x_qwen[0], normal(7, (12, 16))
+        _, weights, experts = moe.route(tokens, qwen["router"], 2, True)
+        mlp = lambda t, p, k: moe.experts_mlp(t, experts, weights, p["gate"], p["up"], p["down"], k)
+        split = [
+            jax.grad(lambda t, p, k=k: jnp.sum(mlp(t, p, (k, 0)) * probe), (0, 1))(tokens, half)
+            for k in (nan_rows, "xla")
+        ]
         picked = [jax.lax.top_k(logits, 2)[1] for logits in aux_logits]  # softmax keeps order
         stats = sum(moe.router_stats(lg, p, None) for lg, p in zip(aux_logits, picked, strict=True))
         return (
@@ -72,9 +90,10 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
             moe.aux_loss(stats, aux_logits.shape[0] * aux_logits.shape[1])[0],
             grads,
             vjps,
+            split,
         )
 
-    y_qwen, y_mixtral, aux, (found, want), (custom, autodiff) = run(
+    y_qwen, y_mixtral, aux, (found, want), (custom, autodiff), (poisoned, clean) = run(
         _params("qwen3_moe"), _params("mixtral"), REF["qwen3_moe_x"], REF["mixtral_x"],
         REF["aux_logits"],
     )  # fmt: skip
@@ -84,6 +103,9 @@ def test_the_block_is_transformers_in_fp32_and_its_aux_loss_too():
     np.testing.assert_allclose(aux, REF["aux_loss"], rtol=1e-6)
     for got, expected in zip(jax.tree.leaves(custom), jax.tree.leaves(autodiff), strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(jax.tree.leaves(poisoned), jax.tree.leaves(clean), strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     for got, expected in zip(jax.tree.leaves(found), jax.tree.leaves(want), strict=True):
         scale = np.abs(expected).max()
         assert scale > 0
