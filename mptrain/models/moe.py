@@ -236,18 +236,14 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         batch, length, width = x.shape
-        init = nn.initializers.normal(stddev=0.02)
-        experts_init = nn.initializers.normal(stddev=0.02)
+        init = nn.initializers.normal(stddev=0.02)  # the decoder's projections'
         router = self.param("router", init, (width, self.num_experts))
-        shapes = {
-            "gate": (self.num_experts, width, self.d_ff),
-            "up": (self.num_experts, width, self.d_ff),
-            "down": (self.num_experts, self.d_ff, width),
-        }
         split = sharding.expert_axis()  # this device's experts only (`exchange`)
         local = self.num_experts // (1 if split is None else split.size)
-        shapes = {k: (local, *s[1:]) for k, s in shapes.items()}
-        kernels = {k: self.param(k, experts_init, s).astype(self.dtype) for k, s in shapes.items()}
+        shapes = {"gate": (width, self.d_ff), "up": (width, self.d_ff), "down": (self.d_ff, width)}
+        kernels = {
+            k: self.param(k, init, (local, *s)).astype(self.dtype) for k, s in shapes.items()
+        }
         tokens = x.reshape(-1, width).astype(self.dtype)
         logits, weights, picked = route(
             tokens, router, self.top_k, self.normalise, self.router_fp32
