@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mptrain import errors
+from mptrain.hf.family import checked
 
 # family -> (the MoE module's name under the layer, the experts' gate, up and down tensors)
 TENSORS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
@@ -71,16 +72,19 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
         if value is None:
             raise errors.ConfigError(f"{file}: no {key}, which a {family} config.json must give")
     out = {
-        "num_experts": _int(file, "num_experts", experts),
-        "experts_per_token": _int(file, "num_experts_per_tok", get("num_experts_per_tok", 2)),
-        "expert_d_ff": _int(file, "moe_intermediate_size", d_ff),
-        "norm_topk_prob": True if mixtral else bool(get("norm_topk_prob", False)),
-        "router_aux_loss_coef": float(get("router_aux_loss_coef", 0.001)),
+        "num_experts": checked(file, "num_experts", experts, int),
+        "experts_per_token": checked(
+            file, "num_experts_per_tok", get("num_experts_per_tok", 2), int
+        ),
+        "expert_d_ff": checked(file, "moe_intermediate_size", d_ff, int),
+        # as they are: the decoder's own rules check them (`moe.check`), naming this file
+        "norm_topk_prob": True if mixtral else get("norm_topk_prob", False),
+        "router_aux_loss_coef": get("router_aux_loss_coef", 0.001),
         "dense_layers": None,
     }
     if not mixtral:  # transformers' rule: a layer is sparse where neither key keeps it dense
-        only, step = get("mlp_only_layers", []), _int(file, "decoder_sparse_step", get(
-            "decoder_sparse_step", 1))  # fmt: skip
+        only = get("mlp_only_layers", [])
+        step = checked(file, "decoder_sparse_step", get("decoder_sparse_step", 1), int)
         if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
             raise errors.ConfigError(f"{file}: mlp_only_layers={only!r}: a list of layer numbers")
         dense = [i for i in range(layers) if i in only or (i + 1) % step]
@@ -88,13 +92,6 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
     if out["dense_layers"]:  # dense and expert layers' params differ in shape: not one stack
         out["scan_layers"] = False
     return out
-
-
-def _int(file: Path, key: str, value: Any) -> int:
-    try:
-        return errors.check_integer(key, value, 1)
-    except ValueError as e:
-        raise errors.ConfigError(f"{file}: {e}") from None
 
 
 def write(c: dict, family: str) -> dict[str, Any]:

@@ -243,6 +243,8 @@ def _edited(folder, tmp_path, edit):
         ("mixtral", lambda c: c.update(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
         ("mixtral", lambda c: c.update(num_experts_per_tok=0), "num_experts_per_tok=0"),
         ("qwen3_moe", lambda c: c.update(mlp_only_layers="1"), "mlp_only_layers='1'"),
+        ("qwen3_moe", lambda c: c.update(norm_topk_prob="yes"), "norm_topk_prob='yes': must"),
+        ("mixtral", lambda c: c.update(router_aux_loss_coef=-1), "router_aux_loss_coef=-1"),
     ],
 )
 def test_what_the_decoder_cannot_run_is_one_line_naming_the_file_and_key(
