@@ -10,6 +10,7 @@ or, beside `model.name` and `data.name`, one the named module declares in its `C
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,9 +143,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
     c.mesh.expert = 1  # devices that split a mixture's experts (and hold rows, as data does)
-    # devices that split each sequence (`mptrain.recipe.layout`): 1/context of every sequence
-    # of its rows each, balanced for causal attention; params split over fsdp x ... x context
-    c.mesh.context = 1
+    c.mesh.context = 1  # devices that split each sequence, balanced (`recipe.layout`)
+    c.mesh.tensor = 1  # devices that split each layer's heads, MLP and vocab (`recipe.tensor`)
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
     # Unset (None), the next three take the model's defaults (`fp8.DEFAULTS`): the Llama's are
@@ -344,13 +344,13 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         section = ""
         optim.make_optimizer(config)
         devices = None if devices is None else list(devices)
-        _, fsdp, expert, context = layout.mesh_shape(config, devices and len(devices))
+        _, *split = layout.mesh_shape(config, devices and len(devices))
         lora = config.get("lora") or {}
-        if lora.get("base_dtype") == "q8" and lora.get("rank") and fsdp * expert * context > 1:
+        if lora.get("base_dtype") == "q8" and lora.get("rank") and math.prod(split) > 1:
+            named = ", ".join(f"{k}={v}" for k, v in zip(layout.KEYS[1:], split, strict=True))
             raise ValueError(
-                f"lora.base_dtype='q8': an 8-bit base is not split over devices yet (mesh.fsdp="
-                f"{fsdp}, mesh.expert={expert}, mesh.context={context}); use mesh.data alone "
-                "(data parallel), or lora.base_dtype='compute'"
+                f"lora.base_dtype='q8': an 8-bit base is not split over devices yet ({named}); "
+                "use mesh.data alone (data parallel), or lora.base_dtype='compute'"
             )
         example = data.check_config(config) if "data" in zoo else None
         if devices is None:  # a run here builds its batches here; a plan's host does not

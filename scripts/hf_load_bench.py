@@ -60,7 +60,9 @@ def main() -> None:
     start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = hf.read_config(args.folder)
     devices = jax.devices()
-    mesh = Mesh(np.asarray(devices).reshape(1, len(devices), 1), sharding.AXES)  # FSDP over all
+    mesh = Mesh(
+        np.asarray(devices).reshape(1, len(devices), 1, 1, 1), sharding.AXES
+    )  # FSDP over all
     sampler = PeakAnon()
     sampler.start()
     start = time.perf_counter()

@@ -26,6 +26,7 @@ KEYS = {
     "optimizer.nu_dtype", "optimizer.q8_block_size", "optimizer.q8_min_size",
     "optimizer.moment_rounding", "optimizer.accumulation_steps",
     "model.name", "data.name", "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.context",
+    "mesh.tensor",
     "distributed.coordinator_address", "distributed.num_processes", "distributed.process_id",
     "numerics.per_layer", "numerics.every_step", "fp8.scaling", "fp8.history", "fp8.margin",
     "fp8.bf16_layers", "fp8.min_size",

@@ -266,7 +266,7 @@ def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):
 @pytest.mark.default_mesh
 def test_the_default_mesh_trains_on_every_device(tmp_path):
     assert config_lib.base_config().mesh.data == -1 and config_lib.base_config().mesh.fsdp == 1
-    assert layout.mesh_shape(tiny_config(), num_devices=4) == (4, 1, 1, 1)
+    assert layout.mesh_shape(tiny_config(), num_devices=4) == (4, 1, 1, 1, 1)
     result = run_cli_process(TINY, f"--workdir={tmp_path}", devices=4)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mesh 4 devices: data 4 x fsdp 1 x expert 1 x context 1" in result.stderr

@@ -299,6 +299,11 @@ def check_run(config: Any) -> dict[str, Any]:
             f"mesh.context={config.mesh.context}: a DPO run does not split its sequences yet; "
             "use mesh.context=1 (data and fsdp split the pairs)"
         )
+    if config.mesh.get("tensor", 1) != 1:
+        raise ValueError(
+            f"mesh.tensor={config.mesh.tensor}: a DPO run does not split its layers yet; use "
+            "mesh.tensor=1 (data and fsdp split the pairs)"
+        )
     return s
 
 

@@ -133,6 +133,8 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
     context, expert = config.mesh.get("context", 1), config.mesh.get("expert", 1)
     if context != 1:
         _check_context(config, model, context, example)
+    if (tensor := config.mesh.get("tensor", 1)) != 1:
+        _check_tensor(config, model, tensor, context, example)
     if expert != 1:  # each device holds an equal part of every expert layer's experts
         experts = {getattr(s, "experts", 0) for s in (model.shape, *model.layer_shapes)} - {0}
         if config.model.name != "llama" or not experts:
@@ -203,6 +205,49 @@ def _check_context(config, model, context: int, example: Any) -> None:
             f"{where}: data.seq_len={length} tokens, which {2 * context} equal chunks (two a "
             f"device, balanced for causal attention) do not divide; use a multiple of "
             f"{2 * context}"
+        )
+
+
+def _check_tensor(config, model, tensor: int, context: int, example: Any) -> None:
+    """What a tensor group of `tensor` devices needs (`mptrain.recipe.tensor`): the Llama
+    decoder without experts, whose heads, key-value heads, MLP units and vocabulary it divides,
+    and a part of every sequence (per context device) it divides by tokens."""
+    where = f"mesh.tensor={tensor}"
+    if config.model.name != "llama":
+        raise ValueError(
+            f"{where}: model.name={config.model.name!r} does not split its layers over a tensor "
+            "axis; the Llama decoder (model.name='llama') does"
+        )
+    s, keys = model.shape, config.model
+    if any(shape.experts for shape in (s, *model.layer_shapes)):
+        raise ValueError(f"{where}: model.num_experts={keys.num_experts}: a mixture of experts "
+                         "is split by mesh.expert, not by a tensor axis yet")  # fmt: skip
+    kv = s.num_kv_heads
+    if kv % tensor and tensor % kv == 0:
+        raise ValueError(
+            f"{where}: model.num_kv_heads={kv}: each device needs whole key-value heads; "
+            f"copying a head to {tensor // kv} devices is not built yet; use a mesh.tensor "
+            f"that divides {kv}"
+        )
+    sizes = {"num_heads": s.num_heads, "num_kv_heads": kv, "d_ff": s.d_ff}
+    for key, value in {**sizes, "vocab_size": model.vocab_size}.items():
+        if value % tensor:
+            raise ValueError(
+                f"{where}: does not divide model.{key}={value}; each device of the group holds "
+                f"an equal part of it"
+            )
+    if s.attn_bias == "all" or s.qk_norm_width:
+        key = "attn_bias='all'" if s.attn_bias == "all" else "qk_norm_width=True"
+        raise ValueError(
+            f"{where}: model.{key} is not split over a tensor axis yet (the out projection's "
+            "bias, a norm across every head); use mesh.fsdp"
+        )
+    length = None if example is None else example["inputs"].shape[-1]
+    if length is not None and (length // context) % tensor:
+        raise ValueError(
+            f"{where}: data.seq_len={length}: each device's part of a sequence "
+            f"({length // context} tokens) does not divide into {tensor} equal parts between "
+            f"the blocks; use a multiple of {context * tensor}"
         )
 
 

@@ -108,6 +108,12 @@ class Shape:
     def norm(self, dtype: layers.Dtype, name: str) -> RMSNorm:
         return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
 
+    def part(self, ways: int) -> Shape:
+        """One device's part of a tensor group of `ways` (`mptrain.recipe.tensor`): its heads,
+        its key-value heads and its MLP units."""
+        heads, kv, units = self.num_heads // ways, self.num_kv_heads // ways, self.d_ff // ways
+        return dataclasses.replace(self, num_heads=heads, num_kv_heads=kv, d_ff=units)
+
 
 class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     shape: Shape
@@ -228,11 +234,17 @@ class Block(nn.Module):
             x, stats = x
         s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
         pre = lambda name, h: s.norm(self.dtype, name)(h) if s.pre_norms else h
-        h = pre("attn_norm", x)
-        attn = Attention(s, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
+        # a tensor group's part of the heads and units, between its gather and its scatter
+        split = sharding.tensor_axis() if cache is None else None
+        part, into, out = s, (lambda h: h), (lambda h: h)
+        if split is not None:
+            part, into, out = s.part(split.size), split.gather, split.scatter
+        h = into(pre("attn_norm", x))
+        attn = Attention(part, self.dtype, self.implementation, self.fp8, self.lora, name="attn")
         h = attn(h, positions, segments, cache)
         if cache is not None:
             h, cache = h
+        h = out(h)
         if s.post_norms:
             h = s.norm(self.dtype, "attn_post_norm")(h)
         x = x + h
@@ -244,7 +256,7 @@ class Block(nn.Module):
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:
-            h = MLP(s, self.dtype, self.fp8, self.lora, name="mlp")(h)
+            h = out(MLP(part, self.dtype, self.fp8, self.lora, name="mlp")(into(h)))
         if s.post_norms:
             h = s.norm(self.dtype, "mlp_post_norm")(h)
         x = x + h

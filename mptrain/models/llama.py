@@ -114,8 +114,15 @@ class Llama(nn.Module):
         segments = segments_lib.segments(segment_ids, segment_lengths)
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
-        embed = layers.Embed(self.vocab_size, self.shape.d_model, self.dtype, init, name="embed")
-        x = embed(tokens)
+        split = sharding.tensor_axis() if cache is None else None  # `mptrain.recipe.tensor`
+        vocab = self.vocab_size // (split.size if split else 1)
+        embed = layers.Embed(vocab, self.shape.d_model, self.dtype, init, name="embed")
+        if split is None:
+            x = embed(tokens)
+        else:  # this device's part of the vocabulary, summed over the group by tokens
+            ids = tokens - split.index() * vocab
+            mine = (ids >= 0) & (ids < vocab)
+            x = split.scatter(jnp.where(mine[..., None], embed(jnp.where(mine, ids, 0)), 0))
         if self.embed_scale:  # Gemma's: the scalar in the activations' dtype, as in transformers
             x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
         if positions is None:
@@ -128,6 +135,7 @@ class Llama(nn.Module):
             x, cache = x
         x, stats = x if routed else (x, None)
         x = self.shape.norm(self.dtype, "final_norm")(x)
+        x = x if split is None else split.gather(x)  # every token, the head's part of the vocab
         if logits_at is not None:  # [B, 1, D]: one position a row
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,

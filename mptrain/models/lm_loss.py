@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.models import layers
+from mptrain.recipe import sharding
 
 # Under ``chunk=None``: one chunk while a sequence's logits are at most AUTO_CHUNK_ELEMENTS
 # (64 MiB of fp32); else chunks of a power of two within that, but of AUTO_MIN_POSITIONS or
@@ -108,32 +109,52 @@ def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_head(hidden, kernel, targets, softcap):
+def _statistics(logits, targets, axis):
+    """Per token: the logsumexp of ``logits``, the target's logit and whether the argmax is the
+    target; with ``axis`` (a tensor group's), of the group's parts of the vocabulary together:
+    the max over the group, the sum of exponentials under it summed over the group, the target
+    logit from the device whose part holds it, the first index of the largest logit, in fp32."""
+    vocab = logits.shape[-1]
+    if axis is None:
+        picked = jnp.sum(jnp.where(_is_target(targets, vocab), logits, 0.0), axis=-1)
+        correct = jnp.argmax(logits, axis=-1) == targets
+        return jax.nn.logsumexp(logits, axis=-1), picked, correct.astype(jnp.float32)
+    offset = jax.lax.axis_index(axis) * vocab
+    picked = jnp.sum(jnp.where(_is_target(targets - offset, vocab), logits, 0.0), axis=-1)
+    top = jnp.max(logits, axis=-1)
+    most = jax.lax.pmax(top, axis)
+    total = jax.lax.psum(jnp.sum(jnp.exp(logits - most[..., None]), axis=-1), axis)
+    first = jnp.where(top == most, jnp.argmax(logits, axis=-1) + offset, jnp.iinfo(jnp.int32).max)
+    correct = (jax.lax.pmin(first, axis) == targets).astype(jnp.float32)
+    return most + jnp.log(total), jax.lax.psum(picked, axis), correct
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_head(hidden, kernel, targets, softcap, axis):
     """Per token of ``hidden [N, B, c, D]`` (N chunks), fp32 ``[N, B, c]`` each: the logsumexp
     of its logits (soft-capped by ``softcap`` where given), its target's logit (0 for a target
-    < 0) and whether the argmax is the target."""
-    return _chunked_head_fwd(hidden, kernel, targets, softcap)[0]
+    < 0) and whether the argmax is the target (`_statistics`; ``axis``: a tensor group's, whose
+    devices each hold a part of the vocabulary, ``kernel``'s columns)."""
+    return _chunked_head_fwd(hidden, kernel, targets, softcap, axis)[0]
 
 
-def _chunked_head_fwd(hidden, kernel, targets, softcap):
+def _chunked_head_fwd(hidden, kernel, targets, softcap, axis):
     compute_kernel = kernel.astype(hidden.dtype)
 
     def body(_, chunk):
         h, t = chunk
-        logits = _logits(h, compute_kernel, softcap)
-        picked = jnp.sum(jnp.where(_is_target(t, logits.shape[-1]), logits, 0.0), axis=-1)
-        correct = (jnp.argmax(logits, axis=-1) == t).astype(jnp.float32)
-        return None, (jax.nn.logsumexp(logits, axis=-1), picked, correct)
+        return None, _statistics(_logits(h, compute_kernel, softcap), t, axis)
 
     _, (lse, picked, correct) = jax.lax.scan(body, None, (hidden, targets))
     return (lse, picked, correct), (hidden, kernel, targets, lse)
 
 
-def _chunked_head_bwd(softcap, residuals, cotangents):
+def _chunked_head_bwd(softcap, axis, residuals, cotangents):
     hidden, kernel, targets, lse = residuals
     g_lse, g_picked, _ = cotangents  # ``correct`` is a count: no gradient
     compute_kernel = kernel.astype(hidden.dtype)
+    if axis is not None:  # this device's part of the vocabulary: no collective backward
+        targets = targets - jax.lax.axis_index(axis) * kernel.shape[-1]
 
     def body(d_kernel, chunk):
         h, t, lse_c, g_lse_c, g_picked_c = chunk
@@ -164,6 +185,7 @@ def token_loss(
     chunk: int | None = None,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    split: Any = None,
 ) -> dict[str, jax.Array]:
     """The next-token loss of ``hidden [B, L, D] @ kernel [D, V]`` against ``targets [B, L]``.
 
@@ -181,6 +203,9 @@ def token_loss(
     ``logps``: fp32 ``[B, L]``, each target's log-probability (0 where masked), which DPO sums
     per sequence (``dpo_loss``); XLA drops it where nothing reads it.
     ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
+    ``split``: a tensor group's (`mptrain.recipe.tensor.Split`): ``kernel`` is this device's
+    part of the vocabulary, ``hidden`` and ``targets`` every token of the group; the per-token
+    values are the whole vocabulary's, and each device keeps its own part of the tokens.
     """
     batch, length, _ = hidden.shape
     _check_chunk(chunk, "chunk")
@@ -195,10 +220,14 @@ def token_loss(
     def to_chunks(x):  # [B, N * c, ...] -> [N, B, c, ...]: the batch axis stays whole
         return jnp.moveaxis(x.reshape(batch, padded // chunk, chunk, *x.shape[2:]), 1, 0)
 
-    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets), softcap)
+    axis = None if split is None else split.axis
+    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets), softcap, axis)
     lse, picked, correct = (
         jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
     )
+    if split is not None:  # each token's loss counted once: on the device that holds it
+        lse, picked, correct, valid = (split.part(lse), split.part(picked),
+                                       split.own(correct), split.own(valid))  # fmt: skip
     tokens = jnp.sum(valid, dtype=jnp.float32)
     mean = lambda x: layers.masked_mean(x, valid)  # layers.cross_entropy's
     cross_entropy, z = mean(lse - picked), mean(jnp.square(lse))
@@ -232,11 +261,18 @@ class Head(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
+        split = sharding.tensor_axis()  # a tensor group's part of the vocabulary
+        vocab = self.vocab_size // (1 if split is None else split.size)
         if kernel is None:
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.vocab_size))
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], vocab))
         x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
         length = x.shape[1]
         whole = (self.chunk or auto_chunk(length, self.vocab_size, x.shape[-1])) >= length
+        if split is not None and targets is None:
+            raise ValueError("on a tensor axis the head takes targets: each device its part")
+        if split is not None:
+            return token_loss(x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss,
+                              softcap=self.softcap, split=split)  # fmt: skip
         if targets is None or (whole and not self.z_loss and not self.dict_out):
             logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
             return logits if self.softcap is None else capped(logits, self.softcap)

@@ -25,9 +25,10 @@ def mesh(config, count: int) -> dict[str, Any]:
     where the batch has fewer rows than that, the rest splitting each sequence (`split`)."""
     data, fsdp = get(config, "mesh.data", -1), get(config, "mesh.fsdp", 1)
     context, expert = get(config, "mesh.context", 1), get(config, "mesh.expert", 1)
-    fixed = fsdp * expert * context  # the axes other than data
+    tensor = get(config, "mesh.tensor", 1)
+    fixed = fsdp * expert * context * tensor  # the axes other than data
     fits = count % fixed == 0 and (data == -1 or data * fixed == count)
-    if fits and config.batch_size % (count // context) == 0:
+    if fits and config.batch_size % (count // (context * tensor)) == 0:
         return {}
     kept = count % expert == 0 and expert > 1  # an expert axis stays: the rest FSDP
     every = {"mesh.data": -1, "mesh.fsdp": count // expert} if kept else {}

@@ -140,7 +140,7 @@ def plan(
     with errors.config_errors():
         runtime.set_determinism(config)  # the GPU compiler reads XLA's flags: set them first
     check_devices(target, named, devices)
-    mesh = [config.mesh.get(axis, 1) for axis in ("data", "fsdp", "expert", "context")]
+    mesh = [config.mesh.get(axis, 1) for axis in ("data", "fsdp", "expert", "context", "tensor")]
     count = devices or named or math.prod(max(n, 1) for n in mesh)
     target_devices = chip.devices(count)
     config_lib.validate(config, devices=target_devices)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mptrain import errors
-from mptrain.recipe import mxfp8
+from mptrain.recipe import mxfp8, tensor
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range
@@ -235,7 +235,11 @@ def saturated(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 def _amax(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(x.astype(jnp.float32)))
+    """`max |x|`; in a tensor group, of the logical matrix whose part `x` is (the max over the
+    group: one scale for the matrix, as one device holding it whole would take)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    split = tensor.current()
+    return amax if split is None else jax.lax.pmax(amax, split.axis)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -1,10 +1,10 @@
 """The mesh, what each of its axes splits, and the batch laid out on it.
 
-The mesh has four axes, `AXES = ("data", "fsdp", "expert", "context")`, `context` the
-innermost, so a context group is devices that neighbour (a node's links carry its keys and
-values), `expert` next to it (its token exchange is the other chatty one). One table, `RULES`,
-maps the logical names of what is split to mesh axes; it is the only place that says which
-axis splits what:
+The mesh has five axes, `AXES = ("data", "fsdp", "expert", "context", "tensor")`, `tensor`
+the innermost, so a tensor group is devices that neighbour (four collectives a layer each way
+ride a node's links), `context` next (its keys and values), then `expert` (its token exchange).
+One table, `RULES`, maps the logical names of what is split to mesh axes; it is the only place
+that says which axis splits what:
 
     rows          the batch's examples                          data x fsdp x expert
     length        a sequence's tokens                           context
@@ -13,12 +13,17 @@ axis splits what:
     experts       a mixture of experts' expert dimension         expert
     expert_shard  the one other dimension of an expert's kernel split to store it
                                                                 fsdp x context
+    tensor        attention's heads, the MLP's hidden units, the vocabulary; between the
+                  blocks, the tokens of each device's part of a sequence       tensor
 
 So a context group still shards weights (as MaxText puts `embed` on `[fsdp, context]`): the
 70B's state is split over all eight devices of a node whichever way the node splits its
 batch. An expert group holds rows of its own as data parallelism does, shards the weights the
 experts share as FSDP does, and keeps its experts apart (`mptrain.models.moe`: each device
-runs its experts on the tokens of the whole group). A tensor axis would land here as a row.
+runs its experts on the tokens of the whole group). A tensor group holds the same rows and
+sequences (the batch is replicated over it) and splits the work of every layer
+(`mptrain.recipe.tensor`): each device its heads, its part of the MLP, its part of the
+vocabulary, and between the blocks its part of the tokens (Megatron's sequence parallelism).
 
 A sequence split over `context` devices is balanced first (`balanced_order`): cut into
 `2 x context` chunks, device `i` holds chunks `i` and `2 x context - 1 - i`, so every device
@@ -33,27 +38,28 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "expert", "context")
+AXES = ("data", "fsdp", "expert", "context", "tensor")
 RULES = {
     "rows": ("data", "fsdp", "expert"),
     "length": ("context",),
     "shard": ("fsdp", "expert", "context"),
     "experts": ("expert",),
     "expert_shard": ("fsdp", "context"),
+    "tensor": ("tensor",),
 }
 # the batch keys laid out along a sequence: split over `length`, reordered by `balanced_order`
 SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 KEYS = tuple(f"mesh.{axis}" for axis in AXES)
 
 
-def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int, int]:
-    """`(data, fsdp, expert, context)` with -1 resolved (the default `mesh.data=-1`: every
+def mesh_shape(config, num_devices: int | None = None) -> tuple[int, ...]:
+    """`(data, fsdp, expert, context, tensor)` with -1 resolved (the default `mesh.data=-1`: every
     device the other axes leave, data parallel); a `ValueError` naming the keys when they do
     not fit the devices or do not divide `batch_size`. `num_devices`: default all of JAX's."""
     num_devices = jax.device_count() if num_devices is None else num_devices
@@ -79,8 +85,8 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int, i
                 f"{', '.join(map(str, fits))}"
             )
         sizes[sizes.index(-1)] = num_devices // given
-    data, fsdp, expert, context = sizes
-    devices = data * fsdp * expert * context
+    data, fsdp, expert, context, tensor = sizes
+    devices = data * fsdp * expert * context * tensor
     if devices > num_devices:
         raise ValueError(
             f"{_named(mesh)}: a mesh of {devices} devices, more than the {num_devices} there are"
@@ -93,7 +99,7 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, int, int, i
             f"make it a multiple of {data * fsdp * expert}, or set mesh.data, mesh.fsdp and "
             "mesh.expert to use fewer devices"
         )
-    return data, fsdp, expert, context
+    return data, fsdp, expert, context, tensor
 
 
 def _named(mesh) -> str:
@@ -101,7 +107,7 @@ def _named(mesh) -> str:
 
 
 def create_mesh(config, devices: Any = None) -> Mesh:
-    """The run's `(data, fsdp, expert, context)` mesh over the first devices of `devices`
+    """The run's `(data, fsdp, expert, context, tensor)` mesh over the first devices of `devices`
     (default: all of JAX's; `mptrain.plan` passes the compile-only devices of an accelerator
     not here)."""
     devices = jax.devices() if devices is None else list(devices)
@@ -245,6 +251,16 @@ def _stack(batches: list) -> Any:
     return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
+def all_gather(x: jax.Array, axis: str | tuple[str, ...], as_bits: bool) -> jax.Array:
+    """`x [B, l, ...]` gathered along its second dimension over `axis`, in its own 16 bits
+    (as uint16 where `as_bits`: XLA:CPU has no bf16 collectives)."""
+    dtype = x.dtype
+    if as_bits and dtype == np.dtype("bfloat16"):
+        x = jax.lax.bitcast_convert_type(x, np.uint16)
+    x = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def sequence_gather(axis: str | tuple[str, ...], as_bits: bool) -> Callable:
     """`x [B, l, ...] -> [B, l x context, ...]`: a split sequence's keys or values gathered over
     the context `axis` (in their 16 bits; as uint16 where `as_bits`: XLA:CPU has no bf16
@@ -254,11 +270,7 @@ def sequence_gather(axis: str | tuple[str, ...], as_bits: bool) -> Callable:
 
     @jax.custom_vjp
     def gather(x):
-        dtype = x.dtype
-        if as_bits and dtype == np.dtype("bfloat16"):
-            x = jax.lax.bitcast_convert_type(x, np.uint16)
-        x = jax.lax.all_gather(x, axis, axis=1, tiled=True)
-        return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+        return all_gather(x, axis, as_bits)
 
     def backward(like, grad):  # `like`: a scalar of x's dtype
         grad = jax.lax.psum_scatter(grad.astype(np.float32), axis, scatter_dimension=1, tiled=True)
@@ -266,3 +278,20 @@ def sequence_gather(axis: str | tuple[str, ...], as_bits: bool) -> Callable:
 
     gather.defvjp(lambda x: (gather(x), np.zeros((), x.dtype)), backward)
     return gather
+
+
+class ExpertSplit(NamedTuple):
+    """Experts split over an expert axis, as a mixture of experts sees it per device."""
+
+    gather: Callable  # [1, T, D] tokens -> [1, T x size, D] (`layout.sequence_gather`)
+    axis: str  # the mesh axis (`jax.lax.axis_index`, `all_gather`, `psum_scatter` take it)
+    size: int  # the devices the experts are split over
+
+
+class SequenceSplit(NamedTuple):
+    """A sequence split over a context axis, as a model's attention sees it per device."""
+
+    gather: Callable  # [B, l, ...] keys or values -> [B, l x size, ...] (`layout.sequence_gather`)
+    ints: Callable  # the same for positions and segment ids (no gradient)
+    axis: str | tuple[str, ...]  # the mesh axes of the split (`jax.lax.axis_index` takes them)
+    size: int  # the devices a sequence is split over

@@ -1,12 +1,9 @@
-"""Shardings of the state and the sharded gradient: params split over `fsdp` (and `expert`,
-`context`), a mixture's experts over `expert`.
-
-The mesh and what its axes split are `mptrain.recipe.layout`'s (`RULES`): batches' rows over
-`data` x `fsdp` x `expert` and, on a context axis, their sequences over `context`; params and
-optimizer state over `fsdp` x `expert` x `context` (`RULES["shard"]`) along their largest
-dimension that divides evenly, and replicated where none does; an expert's kernel on its expert
-dimension over `expert` (its own, never gathered: `mptrain.models.moe.exchange` moves tokens).
-The trainer always has a mesh: on one device it is 1x1x1x1, and nothing is split.
+"""Shardings of the state and the sharded gradient: params split over `fsdp` (x `expert` x
+`context`), a mixture's experts over `expert`, each layer's heads, MLP and vocabulary over
+`tensor` (`mptrain.recipe.tensor`): what each axis splits is `mptrain.recipe.layout`'s `RULES`.
+A param is split over `RULES["shard"]` on its largest dimension that divides evenly (another
+than its tensor part's), else replicated; an expert's kernel and a tensor group's part are a
+device's own, never gathered. On one device the mesh is 1x1x1x1x1, and nothing is split.
 
 On a mesh of several devices the gradients are computed per device and reduced explicitly, the
 way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the
@@ -23,8 +20,8 @@ Cross-example statistics stay global: BatchNorm reads `batch_axes()` and average
 statistics over those axes, so the model sees the same numbers as on one device; a token mean
 (`layers.masked_mean`) divides by the count of tokens on every device, so packed rows whose
 devices hold different numbers of loss tokens weigh each token as one device would. On a
-context axis attention gathers each layer's keys and values over it (`sequence_axis`,
-`layout.sequence_gather`), the 16 bits forward and the gradient reduce-scattered in fp32.
+context axis attention gathers each layer's keys and values over it (`sequence_axis`); on a
+tensor axis each block gathers its tokens (`tensor_axis`): 16 bits forward, fp32 backward.
 
 Stacked layers (the top-level param `STACKED`, its leading axis the layer, walked by a scan)
 are never split on that axis nor cast or gathered before the loss: the model hands each layer's
@@ -38,7 +35,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +43,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import layout, precision, q8
+from mptrain.recipe import layout, precision, q8, tensor
 
 AXES = layout.AXES
+tensor_axis = tensor.current  # a tensor group's collectives, while a step is traced
+ExpertSplit, SequenceSplit = layout.ExpertSplit, layout.SequenceSplit  # what a model sees
 EXPERT_KERNELS = ("gate", "up", "down")  # `mptrain.models.moe.MoE`'s params under "moe"
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
 # while a per-device gradient is traced: (the axes the batch is split over, the context axes)
@@ -74,17 +73,21 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def _leaf_spec(
-    shape: tuple[int, ...], mesh: Mesh, stacked: bool = False, expert: bool = False
-) -> PartitionSpec:
+    shape: tuple[int, ...], mesh: Mesh, stacked: bool = False, expert: bool = False,
+    split: int | None = None,
+) -> PartitionSpec:  # fmt: skip
     """Split over `shard` on the largest dimension it divides; an expert's kernel
-    (`is_expert`) on its expert dimension over `experts` and on another over `expert_shard`."""
+    (`is_expert`) on its expert dimension over `experts` and on another over `expert_shard`;
+    a tensor group's part (`split`, from the end: `tensor.split_dim`) on that one over `tensor`."""
     spec, first, rule = [None] * len(shape), int(stacked), "shard"
+    if split is not None and mesh.shape[tensor.AXIS] > 1:
+        spec[len(shape) + split] = tensor.AXIS
     if expert:
         spec[first] = layout.entry(mesh, "experts")
         first, rule = first + 1, "expert_shard"
     ways = layout.size(mesh, rule)
     for dim in sorted(range(first, len(shape)), key=lambda d: -shape[d]):
-        if ways > 1 and shape[dim] % ways == 0:
+        if ways > 1 and spec[dim] is None and shape[dim] % ways == 0:
             spec[dim] = layout.entry(mesh, rule)
             break
     return PartitionSpec(*spec) if any(a is not None for a in spec) else PartitionSpec()
@@ -109,9 +112,10 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
 
     def one(path, x):
         stacked, expert = is_stacked(path), is_expert(path)
+        shape = x.shape if q8.is_q8(x) else np.shape(x)
+        spec = _leaf_spec(shape, mesh, stacked, expert, tensor.split_dim(path, len(shape)))
         if not q8.is_q8(x):
-            return NamedSharding(mesh, _leaf_spec(np.shape(x), mesh, stacked, expert))
-        spec = _leaf_spec(x.shape, mesh, stacked, expert)
+            return NamedSharding(mesh, spec)
         scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, ways)
         return x.replace(
             codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
@@ -136,28 +140,11 @@ def batch_axes() -> tuple[str, ...] | None:
     return None if split is None else split[0]
 
 
-class ExpertSplit(NamedTuple):
-    """Experts split over an expert axis, as a mixture of experts sees it per device."""
-
-    gather: Callable  # [1, T, D] tokens -> [1, T x size, D] (`layout.sequence_gather`)
-    axis: str  # the mesh axis (`jax.lax.axis_index`, `all_gather`, `psum_scatter` take it)
-    size: int  # the devices the experts are split over
-
-
 def expert_axis() -> ExpertSplit | None:
     """While a per-device gradient is traced on an expert axis: how the experts are split;
     else None (every device holds every expert)."""
     split = _SPLIT.get()
     return None if split is None else split[2]
-
-
-class SequenceSplit(NamedTuple):
-    """A sequence split over a context axis, as a model's attention sees it per device."""
-
-    gather: Callable  # [B, l, ...] keys or values -> [B, l x size, ...] (`layout.sequence_gather`)
-    ints: Callable  # the same for positions and segment ids (no gradient)
-    axis: str | tuple[str, ...]  # the mesh axes of the split (`jax.lax.axis_index` takes them)
-    size: int  # the devices a sequence is split over
 
 
 def sequence_axis() -> SequenceSplit | None:
@@ -181,7 +168,8 @@ def _splitting(mesh: Mesh):
         experts = ExpertSplit(gather, axis, layout.size(mesh, "experts"))
     token = _SPLIT.set((AXES, split, experts))
     try:
-        yield
+        with tensor.splitting(mesh):
+            yield
     finally:
         _SPLIT.reset(token)
 
@@ -201,7 +189,8 @@ def _gather(
     the step unscales in fp32 (fp16's range cannot hold a scaled gradient unrounded).
     """
     names = lambda axis: axis if isinstance(axis, tuple) else (axis,)
-    kept = layout.RULES["experts"] if expert else ()  # an expert's own: never gathered, summed
+    # a device's own part, never gathered nor summed: an expert's, a tensor group's
+    kept = (*(layout.RULES["experts"] if expert else ()), *layout.RULES["tensor"])
     stored = lambda axis: axis is not None and not set(names(axis)) & set(kept)
     dim = next((d for d, axis in enumerate(spec) if stored(axis)), None)
     split = () if dim is None else names(spec[dim])
@@ -222,7 +211,8 @@ def _gather(
         grad = grad.astype(jnp.float32)
         if dim is not None:
             grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
-        summed = [a for a in AXES if a not in (*split, *kept) and mesh.shape[a] > 1]
+        own = [a for axis in spec if axis is not None for a in names(axis) if a in kept]
+        summed = [a for a in AXES if a not in (*split, *own) and mesh.shape[a] > 1]
         grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size
         return (grad.astype(like.dtype) if like.dtype == jnp.bfloat16 else grad,)
 

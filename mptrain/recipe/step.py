@@ -225,7 +225,7 @@ def make_eval_step(
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy
         batch = cast_batch(policy, batch)
-        if mesh is not None and mesh.shape["context"] > 1:
+        if mesh is not None and (mesh.shape["context"] > 1 or mesh.shape["tensor"] > 1):
             with policy.matmuls():
                 forward = sharding.forward_fn(metric_fn, policy, mesh)
                 metrics = forward(state.model_params, state.model_state, batch)

@@ -486,7 +486,9 @@ class _Counted:
 @needs_devices(8)
 def test_load_params_reads_each_devices_slice_once_into_the_targets_shardings(monkeypatch):
     _, want = hf.load(FIXTURE)
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4, 1, 1), sharding.AXES)  # data 2, fsdp 4
+    mesh = Mesh(
+        np.asarray(jax.devices()[:8]).reshape(2, 4, 1, 1, 1), sharding.AXES
+    )  # data 2, fsdp 4
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), want)
     where = sharding.state_shardings(mesh, shapes)
     target = jax.tree.map(

@@ -68,7 +68,7 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
     weights = normal(3, (batch, length, heads, depth))
     ids, positions = _packed(length)
     inv_freq = rope.rope_frequencies(depth, 10_000.0, LLAMA_SCALING)
-    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 1, 4), layout.AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 1, 4, 1), layout.AXES)
 
     def attend(q, k, v, weights, positions, ids, fused=False):
         q, k = (rope.apply_rope(x, positions, inv_freq) for x in (q, k))
@@ -175,7 +175,7 @@ def test_bf16_mixed_split_over_context_stays_within_its_band(tmp_path):
         ),
         (
             {"mesh.fsdp": 4},
-            "mesh.data=1, mesh.fsdp=4, mesh.expert=1, mesh.context=4: a mesh of 16 devices",
+            "mesh.data=1, mesh.fsdp=4, mesh.expert=1, mesh.context=4, mesh.tensor=1: a mesh of 16",
         ),
     ],
 )
@@ -256,7 +256,7 @@ def test_the_tpu_kernel_on_a_split_sequence_equals_the_whole_sequence():
     q, k, v = (normal(i, (batch, length, n, depth)) for i, n in enumerate((heads, kv, kv)))
     weights = normal(3, (batch, length, heads, depth))
     ids, _ = _packed(length)
-    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 1, 4), layout.AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 1, 4, 1), layout.AXES)
 
     def attend(q, k, v, weights, ids):
         split = sharding.sequence_axis()

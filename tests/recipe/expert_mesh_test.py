@@ -45,7 +45,7 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients():
     tokens = integers(0, (8, 32), 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
     shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 2, 4, 1), layout.AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 2, 4, 1, 1), layout.AXES)
     specs = sharding.specs(mesh, shapes)
     assert specs["stacked_layers"]["moe"]["gate"] == PartitionSpec(None, "expert", "fsdp", None)
     assert specs["stacked_layers"]["moe"]["router"] == PartitionSpec(None, ("fsdp", "expert"), None)

@@ -65,7 +65,7 @@ def test_on_a_mesh_the_loss_sees_the_frozen_params_gathered_and_only_the_trained
     rest = frozen.store(rest, jnp.bfloat16)
     batch = normal(4, (8, 8)).astype(jnp.bfloat16)
     rng = jax.random.key(0)
-    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2, 1, 1), sharding.AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2, 1, 1, 1), sharding.AXES)
     on_one = sharding.grad_fn(_loss, POLICY, None)(trained, None, batch, rng, frozen=rest)[0]
     on_mesh = jax.jit(
         lambda t, f, b: sharding.grad_fn(_loss, POLICY, mesh)(t, None, b, rng, frozen=f)[0]

@@ -1,0 +1,147 @@
+"""Tensor parallelism with sequence-parallel norms (`mesh.tensor`): what a tensor group splits,
+and the four collectives its layers take.
+
+A tensor group of `t` devices holds the same rows and sequences (the batch is replicated over
+it, `layout.batch_spec`) and splits each layer's work the way Megatron-LM does:
+
+  * the projections into attention's heads and the MLP's hidden units (q, k, v, gate, up) by
+    their output: each device computes `heads / t` of q's heads, `kv_heads / t` of k's and v's
+    (whole groups of queries with their key-value head), `d_ff / t` of the MLP's units;
+  * the projections out of them (o, down) by their input: each device's product is a partial
+    sum of the output, which the group adds up (`scatter`);
+  * the vocabulary: the embedding's rows and the head's columns, `vocab / t` each
+    (`mptrain.models.lm_loss`: the logsumexp over a split vocabulary, in fp32);
+  * between the blocks, the tokens: each device holds `1 / t` of its part of every sequence, on
+    which the norms and the residual adds run (sequence parallelism: no device holds the
+    `[B, L, D]` activations whole, and a norm runs on `1 / t` of the tokens, not all of them).
+
+A block then moves its tokens through four collectives each way (two in attention, two in the
+MLP), as Megatron's sequence parallelism does:
+
+    gather   [B, l/t, D] -> [B, l, D]: all-gather the normed tokens over the group (16 bits);
+             backward, their gradient's partial sums reduce-scattered in fp32
+    scatter  [B, l, D] partial -> [B, l/t, D]: the out projection's partial sums added over the
+             group in fp32 and scattered by tokens, cast once to the compute dtype (Megatron
+             reduces them in the activations' dtype, a rounding a device); backward, all-gather
+
+`part` keeps a device's own tokens of a value that every device of the group holds whole (the
+head's per-token losses), its gradient the group's all-gathered. Each token's loss is then
+counted once: `layers.masked_mean` sums counts over every mesh axis.
+
+The weights a device holds are its part over `tensor` and, over `fsdp` (x `context`), shards
+of that part, gathered one layer at a time as under FSDP alone (`sharding._gather`, which never
+gathers over `tensor`); a weight the group shares (the norms' scales, a LoRA factor on the
+unsplit side) is summed over the group in the gradient's fp32 reduction, as over `data`. An
+adapter splits with its base: `lora_b` with a head-or-unit projection's output, `lora_a` with
+an out projection's input, so `(x A) B` stays a partial sum of the same kind as `x W`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from mptrain.recipe import layout
+
+AXIS = "tensor"
+COLUMNS = ("q", "k", "v", "gate", "up")  # split by output: their kernel's last dim, their bias
+ROWS = ("o", "down")  # split by input: their kernel's second-to-last dim
+VOCAB = {("embed", "embedding"): -2, ("head", "kernel"): -1}
+
+
+def split_dim(path: tuple, ndim: int) -> int | None:
+    """The dimension of the param (or optimizer-state leaf) at `path` that a tensor group
+    splits, from its end (-1, -2), or None where the group holds it whole."""
+    keys = [getattr(key, "key", None) for key in path]
+    if len(keys) < 2:
+        return None
+    owner, name = keys[-2], keys[-1]
+    if (owner, name) in VOCAB:
+        return VOCAB[owner, name]
+    if owner in COLUMNS and name in ("kernel", "lora_b"):
+        return -1
+    if owner in COLUMNS and name == "bias":
+        return -1
+    if owner in ROWS and name in ("kernel", "lora_a") and ndim >= 2:
+        return -2
+    return None
+
+
+class Split(NamedTuple):
+    """A tensor group, as a model sees it per device (`sharding.tensor_axis`)."""
+
+    axis: str
+    size: int
+    gather: Callable  # [B, l/t, ...] -> [B, l, ...]; gradient reduce-scattered in fp32
+    scatter: Callable  # [B, l, ...] partial sums -> [B, l/t, ...] summed in fp32
+    part: Callable  # [B, l, ...] whole on every device -> [B, l/t, ...] this device's
+
+    def index(self) -> jax.Array:
+        return jax.lax.axis_index(self.axis)
+
+    def own(self, x: jax.Array) -> jax.Array:  # `part` of a value without a gradient
+        return _own(x, self.axis, self.size)
+
+
+_GROUP: contextvars.ContextVar[Split | None] = contextvars.ContextVar("tensor", default=None)
+
+
+def current() -> Split | None:
+    """While a per-device gradient is traced on a tensor axis (`sharding.grad_fn`): the group's
+    `Split`; else None (every device runs whole layers)."""
+    return _GROUP.get()
+
+
+@contextlib.contextmanager
+def splitting(mesh: Any):
+    """`current()` is `split(mesh)` inside."""
+    token = _GROUP.set(split(mesh))
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
+
+
+def split(mesh: Any) -> Split | None:
+    """The group's `Split` on `mesh` (None without a tensor axis)."""
+    size = mesh.shape[AXIS]
+    if size == 1:
+        return None
+    as_bits = layout.platform(mesh) == "cpu"  # XLA:CPU has no bf16 collectives
+    gather = layout.sequence_gather(AXIS, as_bits)
+    return Split(AXIS, size, gather, _scatter(AXIS, as_bits), _part(AXIS, size))
+
+
+def _scatter(axis: str, as_bits: bool) -> Callable:
+    @jax.custom_vjp
+    def scatter(x):
+        total = jax.lax.psum_scatter(x.astype(np.float32), axis, scatter_dimension=1, tiled=True)
+        return total.astype(x.dtype)
+
+    def backward(_, grad):
+        return (layout.all_gather(grad, axis, as_bits),)
+
+    scatter.defvjp(lambda x: (scatter(x), None), backward)
+    return scatter
+
+
+def _own(x: jax.Array, axis: str, size: int) -> jax.Array:
+    length = x.shape[1] // size
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * length, length, axis=1)
+
+
+def _part(axis: str, size: int) -> Callable:
+    @jax.custom_vjp
+    def part(x):
+        return _own(x, axis, size)
+
+    def backward(_, grad):
+        return (jax.lax.all_gather(grad, axis, axis=1, tiled=True),)
+
+    part.defvjp(lambda x: (part(x), None), backward)
+    return part
