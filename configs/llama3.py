@@ -29,6 +29,10 @@ Arguments:
   step), remat `full`, and what costs quality: bf16-pure params with stochastic rounding and
   8-bit moments (docs/optimizer-state.md and docs/precision.md measure both). Planned: 72.5
   GiB a device (`memory_fraction=0.93`: 73.6), floor 1,364 ms a step (docs/make-it-fit.md).
+- `70b_2nodes`: the same recipe on two nodes of 8 H100s, 16 sequences a step: tensor 8 within
+  each node (heads, MLP and vocabulary split, the norms on each device's tokens) and fsdp 2
+  across the nodes. Planned: 48.0 GiB a device, floor 4.71 s a step, compute-bound, against
+  FSDP 16's 10.7 s bound by the network (docs/make-it-fit.md#when-a-tensor-axis-pays).
 - `1b`: Llama 3.2 1B (width 2,048, 16 layers, 32 heads over 8 kv heads of 64, MLP 8,192, tied
   embeddings; RoPE scaling 32 / 1 / 4 / 8,192). Planned for one H100: batch 8 of 8,192, remat
   `minimal`, `memory_fraction=0.92` (72.8 GiB of the H100's 79.1; the plan needs 69.5).
@@ -226,7 +230,7 @@ def get_config(arg: str | None = None):
         c.mesh.data, c.mesh.fsdp = 1, 64
         c.data.seq_len = 8192
         c.model.remat = "full"
-    elif arg == "70b_node":
+    elif arg in ("70b_node", "70b_2nodes"):
         _llama3(c, 8192, 80, 64, 8, 28_672)
         c.data.seq_len = 8192
         c.batch_size = 2  # 16,384 tokens a step: each sequence over a context group of 4
@@ -237,6 +241,10 @@ def get_config(arg: str | None = None):
         c.precision, c.param_rounding = "bf16-pure", "stochastic"
         c.optimizer.mu_dtype = c.optimizer.nu_dtype = "q8"
         c.memory_fraction = 0.93  # of an 80 GB H100 (73.6 GiB): the plan needs 72.5
+        if arg == "70b_2nodes":  # tensor 8 on each node's NVLink, fsdp 2 over the network
+            c.batch_size = 16
+            c.mesh.fsdp, c.mesh.context, c.mesh.tensor = 2, 1, 8
+            c.memory_fraction = None  # JAX's 75% (59.3 GiB) holds the plan's 48.0
     elif arg == "1b":
         _llama3(c, 2048, 16, 32, 8, 8192)
         c.model.rope_scaling = (32.0, 1.0, 4.0, 8192)

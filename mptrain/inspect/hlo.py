@@ -148,17 +148,92 @@ def by_axis(prog: program.Program, mesh: dict[str, int], per: int = 1) -> dict[s
     `collectives` counts them), by the mesh axes their replica groups span. `mesh`: the axes'
     sizes in the mesh's order, whose devices the program numbers row-major. A group XLA gives
     only the size of is named by the axes whose sizes multiply to it, else "N devices"."""
-    names, sizes = list(mesh), tuple(mesh.values())
     found: collections.Counter = collections.Counter()
-    for _, group, size, moved, runs in _moves(prog, int(np.prod(sizes))):
-        if isinstance(group, list):
-            coords = np.unravel_index(np.asarray(group), sizes)
-            spanned = [a for a, row in zip(names, coords, strict=True) if len(set(row)) > 1]
-        else:
-            spanned = [a for a in names if mesh[a] > 1]
-            spanned = spanned if int(np.prod([mesh[a] for a in spanned])) == size else []
-        found[" x ".join(spanned) or f"{size} devices"] += moved * runs
+    for _, group, size, moved, runs in _moves(prog, int(np.prod(tuple(mesh.values())))):
+        found[_axes(group, size, mesh)] += moved * runs
     return {axes: int(b // per) for axes, b in found.items()}
+
+
+def _axes(group: Any, size: int, mesh: dict[str, int]) -> str:
+    """The mesh axes a replica group spans, `" x "`-joined (`by_axis`)."""
+    names, sizes = list(mesh), tuple(mesh.values())
+    if isinstance(group, list):
+        coords = np.unravel_index(np.asarray(group), sizes)
+        spanned = [a for a, row in zip(names, coords, strict=True) if len(set(row)) > 1]
+    else:
+        spanned = [a for a in names if mesh[a] > 1]
+        spanned = spanned if int(np.prod([mesh[a] for a in spanned])) == size else []
+    return " x ".join(spanned) or f"{size} devices"
+
+
+_MATMUL_CALLS = re.compile(r"gemm|matmul|fmha", re.IGNORECASE)
+
+
+def overlap(prog: program.Program, mesh: dict[str, int], per: int = 1) -> dict[str, dict]:
+    """`{axes: {"hidden": bytes, "exposed": bytes}}` a step, by mesh axes as `by_axis`: a
+    collective is hidden where the compiled schedule runs a matmul (a GEMM library call, a
+    fused attention, a fusion with a dot) between its `-start` and its `-done`, so the two
+    can overlap; exposed where it is synchronous or nothing but other work runs meanwhile. A
+    reading of the schedule, not a timing: a short matmul hides a short part of a long
+    transfer."""
+    devices, found = int(np.prod(tuple(mesh.values()))), {}
+    dots = {name for name, body in prog.computations.items()
+            if any(i.opcode == "dot" or _is_gemm(i) for i in body)}  # fmt: skip
+    for name, body in prog.computations.items():
+        runs = prog.times.get(name, 0.0)
+        if not runs or name in prog.fused:
+            continue
+        pending: dict[str, list] = {}  # an open start -> [axes, bytes, hidden]
+        for inst in body:
+            move = _move(inst, devices)
+            if move is not None and inst.opcode.endswith("-start"):
+                pending[inst.name] = [_axes(move[1], move[2], mesh), move[3] * runs, False]
+                continue
+            if move is not None:  # synchronous
+                entry = found.setdefault(_axes(move[1], move[2], mesh), collections.Counter())
+                entry["exposed"] += move[3] * runs
+                continue
+            if inst.opcode.endswith("-done") and inst.operands and inst.operands[0] in pending:
+                axes, moved, hidden = pending.pop(inst.operands[0])
+                found.setdefault(axes, collections.Counter())[
+                    "hidden" if hidden else "exposed"
+                ] += moved
+                continue
+            callees = re.findall(r"calls=%([\w.\-]+)", inst.attributes)
+            if inst.opcode == "dot" or _is_gemm(inst) or any(c in dots for c in callees):
+                for entry in pending.values():
+                    entry[2] = True
+    return {
+        axes: {k: int(counts[k] // per) for k in ("hidden", "exposed")}
+        for axes, counts in found.items()
+    }
+
+
+def _is_gemm(inst: program.Instruction) -> bool:
+    return inst.opcode == "custom-call" and bool(
+        _MATMUL_CALLS.search(inst.attribute("custom_call_target") or "")
+    )
+
+
+def _move(inst: program.Instruction, devices: int) -> tuple | None:
+    """`(op, group, size, bytes)` of a collective that moves data (`_moves`), else None."""
+    op = inst.opcode.removesuffix("-start")
+    if op not in COLLECTIVES:
+        return None
+    group = _first_group(inst.attributes)
+    size = len(group) if isinstance(group, list) else group
+    if size is None:
+        size, group = devices, list(range(devices))  # `{}`: one group of every device
+    if size <= 1 and op != "collective-permute":
+        return None
+    parts = program.top_level(inst.type)
+    if inst.opcode != op and op in ("all-gather", "reduce-scatter"):
+        half = len(parts) // 2
+        parts = parts[half:] if op == "all-gather" else parts[:half]
+    moved = sum(b for _, b in _array_bytes(" ".join(parts)))
+    if op == "reduce-scatter" and inst.opcode == op:
+        moved *= size  # the result is a shard: the whole tensor is g of them
+    return op, group, size, moved
 
 
 def _moves(prog: program.Program, devices: int) -> Iterator[tuple[str, Any, int, int, float]]:
@@ -166,23 +241,9 @@ def _moves(prog: program.Program, devices: int) -> Iterator[tuple[str, Any, int,
     group (device ids, or its size only: `_first_group`), the devices in it, its whole
     tensor's bytes (a reduce-scatter's unscattered operand, an all-gather's result)."""
     for inst, runs in prog.instructions():
-        op = inst.opcode.removesuffix("-start")
-        if op not in COLLECTIVES:
-            continue
-        group = _first_group(inst.attributes)
-        size = len(group) if isinstance(group, list) else group
-        if size is None:
-            size, group = devices, list(range(devices))  # `{}`: one group of every device
-        if size <= 1 and op != "collective-permute":
-            continue
-        parts = program.top_level(inst.type)
-        if inst.opcode != op and op in ("all-gather", "reduce-scatter"):
-            half = len(parts) // 2
-            parts = parts[half:] if op == "all-gather" else parts[:half]
-        moved = sum(b for _, b in _array_bytes(" ".join(parts)))
-        if op == "reduce-scatter" and inst.opcode == op:
-            moved *= size  # the result is a shard: the whole tensor is g of them
-        yield op, group, size, moved, runs
+        move = _move(inst, devices)
+        if move is not None:
+            yield (*move, runs)
 
 
 # a module path with an attention module in it (`block_0/attn/...`, not `ln_attn` or `attn_norm`)

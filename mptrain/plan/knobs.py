@@ -1,6 +1,6 @@
 """The knobs `--fit` turns that change the run's shape (`mptrain.plan.search`): the mesh, the
 micro-batches (and the context split that takes a micro-batch of fewer rows than devices), the
-loss's chunks, the remat ladder."""
+loss's chunks, the remat ladder, and across nodes a tensor group within each."""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ def split(config, rows: int, count: int) -> dict[str, Any] | None:
     if not (llama and context and length % (2 * context) == 0):
         return None
     return {"mesh.data": 1, "mesh.fsdp": rows, "mesh.context": context}
+
+
+def tensor(config, count: int, node: int) -> dict[str, Any]:
+    """Across nodes (`count` devices, more than one `node` of them): a Llama's layers split over
+    a tensor group of a node's devices and fsdp across the nodes, where FSDP alone would gather
+    every weight over the network; {} where the model cannot take it (`models._check_tensor`'s
+    rules: the group divides the heads, the kv heads, the MLP and the vocabulary; no experts)
+    or the rows do not cover the fsdp axis."""
+    if not node or count <= node or count % node:
+        return {}
+    if get(config, "model.name") != "llama" or get(config, "model.num_experts"):
+        return {}
+    keys = ("num_heads", "num_kv_heads", "d_ff", "vocab_size")
+    sizes = [get(config, f"model.{key}") or 0 for key in keys]
+    length, fsdp = get(config, "data.seq_len") or 0, count // node
+    if any(not n or n % node for n in (*sizes, length)) or config.batch_size % fsdp:
+        return {}
+    return {"mesh.data": 1, "mesh.fsdp": fsdp, "mesh.context": 1, "mesh.tensor": node}
 
 
 def chunk(config) -> dict[str, Any]:

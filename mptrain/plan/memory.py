@@ -57,6 +57,10 @@ def share(chip, config=None) -> dict[str, Any]:
     return {"fraction": fraction, "why": why, "device": chip.memory_bytes}
 
 
+# XLA's SPMD partitioner's words where it resharded a tensor by gathering it whole (jax#21562)
+INVOLUNTARY = "Involuntary full rematerialization"
+
+
 def compile_logged(lowered) -> tuple[Any, str]:
     """`lowered.compile()`, and what XLA wrote to this process's stderr meanwhile (its log
     lines: the rematerialisation's among them), passed on to stderr as well."""
@@ -73,7 +77,11 @@ def compile_logged(lowered) -> tuple[Any, str]:
             os.close(saved)
             log.seek(0)
             text = log.read().decode(errors="replace")
-            kept = [s for s in text.splitlines(keepends=True) if "rematerialization" not in s]
+            kept = [
+                s
+                for s in text.splitlines(keepends=True)
+                if "rematerialization" not in s or INVOLUNTARY in s
+            ]
             sys.stderr.write("".join(kept))
     return compiled, text
 

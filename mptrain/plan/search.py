@@ -15,7 +15,10 @@ what they cost, each candidate by a deviceless compile of the real step (`plan_s
 3. precision, only where nothing above fits: Adam's moments fp32 -> bf16 -> q8
    (`optimizer.mu_dtype`/`nu_dtype`), then bf16 params with stochastic rounding
    (`precision=bf16-pure`, `param_rounding=stochastic`).
-4. with `peft` (`--fit --peft`), only where full training fits nowhere: rank-16 adapters on
+4. across nodes, one more mesh beside the given one: a Llama's layers split over a tensor
+   group of each node's devices (`mesh.tensor`), fsdp across the nodes, where FSDP alone would
+   gather every weight over the network; the lower floor wins (docs/make-it-fit.md).
+5. with `peft` (`--fit --peft`), only where full training fits nowhere: rank-16 adapters on
    every projection over a frozen bf16 base (`lora.rank`), then over an 8-bit base
    (`lora.base_dtype=q8`, where the state is not split over fsdp). They train a small part of
    the model: what that does to quality is the user's to judge, and the plan says so.
@@ -172,7 +175,7 @@ def fit(
     config, target: str | target_lib.Target, devices: int | None = None, peft: bool = False
 ) -> Fit:
     """The search of the module doc for `config` on `devices` of `target` (a `Fit`); `peft`:
-    adapters may be tried too (level 4). A `ConfigError` for a bad config or target, as
+    adapters may be tried too (step 5). A `ConfigError` for a bad config or target, as
     `plan_step.plan` raises them."""
     started = time.monotonic()
     chip, named = target_lib.get(target) if isinstance(target, str) else (target, None)
@@ -208,8 +211,11 @@ def fit(
 
     base = shape_knobs.mesh(config, count)
     given = measure(base)
+    node = int(chip.interconnect.get("node", 0))
+    if split := shape_knobs.tensor(config, count, node):  # across nodes: a tensor group in each
+        measure(dict(base) | split)
     if given.fits and not given.fraction:
-        return _found(chip, count, capacity, done, given, started)
+        return _found(chip, count, capacity, done, _best(done), started)
     base = base | shape_knobs.chunk(config)  # a new dict: `given` keeps its own knobs
     remats = shape_knobs.remat_ladder(config)
     micro = shape_knobs.micro_batches(config, count)
@@ -256,16 +262,22 @@ def fit(
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if fits(level, remat, micro[mid]) else (mid + 1, hi)
             bound = lo  # the next policy is tried with fewer micro-batches only
-    fitting = [c for c in done.values() if c.fits]
-    best = None
-    if fitting:  # the lowest floor; within 1% of it, the fewest knobs and the least memory share
-        least = min(c.floor_s for c in fitting)
-        near = [c for c in fitting if c.floor_s <= 1.01 * least]
-        best = min(near, key=lambda c: (len(c.knobs), c.fraction, c.floor_s))
+    best = _best(done)
     if best is not None and best.xla_remat_logged and chip.platform == "gpu":
         found = plan_step.plan(_changed(config, best.knobs), chip, count)  # with its recompute
         best.xla_recompute_flops = found.xla_remat.get("recompute_flops", 0.0)
     return _found(chip, count, capacity, done, best, started)
+
+
+def _best(done: dict[str, Candidate]) -> Candidate | None:
+    """The fitting candidate with the lowest floor; within 1% of it, the fewest knobs and the
+    least memory share."""
+    fitting = [c for c in done.values() if c.fits]
+    if not fitting:
+        return None
+    least = min(c.floor_s for c in fitting)
+    near = [c for c in fitting if c.floor_s <= 1.01 * least]
+    return min(near, key=lambda c: (len(c.knobs), c.fraction, c.floor_s))
 
 
 def _changed(config, knobs: dict[str, Any]):

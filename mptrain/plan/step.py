@@ -71,6 +71,8 @@ class Plan:
     frozen_params: int = 0
     frozen_bytes_per_param: float = 0.0
     axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
+    axis_hidden: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.overlap`'s
+    involuntary: list[str] = dataclasses.field(default_factory=list)  # XLA's resharding remat
 
     @property
     def fits(self) -> bool:
@@ -159,6 +161,7 @@ def plan(
     seconds = time.monotonic() - started
     result = _read(chip, trainer, compiled, state, sample, seconds, jax.__version__, share)
     result.xla_remat = plan_memory.logged_remat(log)
+    result.involuntary = [line for line in log.splitlines() if plan_memory.INVOLUNTARY in line]
     near = result.memory["total"] > 0.6 * chip.memory_bytes  # where XLA may have recomputed
     if check_remat and chip.platform == "gpu" and (result.xla_remat or near):
         result.xla_remat = plan_memory.recompute(result, lowered, trainer)
@@ -295,9 +298,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         plan_memory.shard_bytes(state.params),
         plan_memory.shard_bytes(state.opt_state),
     )
-    frozen = plan_memory.shard_bytes(
-        getattr(state, "frozen", {})
-    )  # a LoRA run's base: no gradient, no optimizer state
+    frozen = plan_memory.shard_bytes(getattr(state, "frozen", {}))  # a LoRA run's base
     memory = {
         "params": params,
         "optimizer": optimizer,
@@ -331,6 +332,9 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
         axis_bytes=hlo.by_axis(prog, dict(trainer.mesh.shape), k),
+        axis_hidden={
+            a: v["hidden"] for a, v in hlo.overlap(prog, dict(trainer.mesh.shape), k).items()
+        },
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
         floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),
@@ -353,7 +357,7 @@ def _rows(config, mesh) -> int:
     """A device's sequences x attention heads: the leading size of its attention scores."""
     heads = config.model.get("num_heads") if "model" in config else None
     splits = math.prod(mesh.shape[a] for a in ("data", "fsdp", "expert"))  # not context's
-    return max(1, config.batch_size // splits) * (heads or 1)
+    return max(1, config.batch_size // splits) * max(1, (heads or 1) // mesh.shape["tensor"])
 
 
 def _length(sample: Any) -> int | None:
@@ -381,18 +385,12 @@ def _notes(chip, config, flops: dict[str, float], lowered) -> list[str]:
         )
     if chip.platform == "gpu":
         flag = runtime.DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", "")
-        asked = bool(config.get("deterministic", False))
-        notes.append(
-            "compiled with XLA's deterministic GPU kernels (config.deterministic)"
-            if flag
-            else "compiled without XLA's deterministic GPU kernels"
-            + (
-                ": config.deterministic asks for them, but this process's XLA flags were set "
-                "before the plan could add the flag"
-                if asked
-                else ""
-            )
-        )
+        late = ": config.deterministic asks for them, but this process's XLA flags were set "
+        late += "before the plan could add the flag"
+        late = late if config.get("deterministic") else ""
+        kernels = "XLA's deterministic GPU kernels"
+        notes.append(f"compiled with {kernels} (config.deterministic)" if flag else
+                     f"compiled without {kernels}{late}")  # fmt: skip
         notes.append(
             "no GPU to autotune on: GEMMs keep XLA's default kernels and tiles, cuDNN "
             "workspaces count as 0; the GPU's own compile may choose others"

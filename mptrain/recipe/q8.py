@@ -152,18 +152,21 @@ def dequantize(q: Q8) -> jax.Array:
     return jnp.square(values) if q.kind == "sqrt" else values
 
 
-def scales_spec(codes_spec: tuple, shape: tuple[int, ...], block_size: int, fsdp: int) -> tuple:
+def scales_spec(codes_spec: tuple, shape: tuple[int, ...], block_size: int, ways: Any) -> tuple:
     """The partition of the scales that goes with the codes' partition `codes_spec`: a split
     leading dimension splits the scales alike; a split inside the blocked part splits the
-    blocks when they divide evenly, else the (small) scales are replicated."""
+    blocks when they divide evenly, else the (small) scales are replicated. `ways`: the
+    devices a split takes, one count for every axis or a mesh's `{axis: size}`."""
     k = split(shape, block_size)
     spec = [None] * (k + 1)
     for dim, axis in enumerate(codes_spec):
         if axis is None:
             continue
+        names = axis if isinstance(axis, tuple) else (axis,)
+        count = math.prod(ways[a] for a in names) if isinstance(ways, dict) else ways
         if dim < k:
             spec[dim] = axis
-        elif scales_shape(shape, block_size)[k] % fsdp == 0:
+        elif spec[k] is None and scales_shape(shape, block_size)[k] % count == 0:
             spec[k] = axis
     return tuple(spec)
 

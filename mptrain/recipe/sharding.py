@@ -108,7 +108,6 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
     layers (`is_stacked`), which the loop walks one layer at a time; an expert's kernel on its
     expert dimension over `expert` (`_leaf_spec`). An 8-bit moment (`q8.Q8`) is split as the
     tensor it stands for (`q8.scales_spec`)."""
-    ways = layout.size(mesh, "shard")
 
     def one(path, x):
         stacked, expert = is_stacked(path), is_expert(path)
@@ -116,7 +115,7 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
         spec = _leaf_spec(shape, mesh, stacked, expert, tensor.split_dim(path, len(shape)))
         if not q8.is_q8(x):
             return NamedSharding(mesh, spec)
-        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, ways)
+        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, dict(mesh.shape))
         return x.replace(
             codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
         )

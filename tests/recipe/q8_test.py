@@ -108,6 +108,10 @@ def test_blocks_follow_the_global_shape_only():
     assert q8.scales_spec(("fsdp", None), (128, 1024), 256, 2) == ("fsdp", None)
     assert q8.scales_spec((None, "fsdp"), (128, 1024), 256, 2) == (None, "fsdp")
     assert q8.scales_spec((None, "fsdp"), (128, 256), 256, 2) == (None, None)
+    # each axis by its own size: a tensor group of 8 over a 70B's k projection's 4 blocks
+    sizes = {"fsdp": 2, "tensor": 8}
+    spec = (None, "fsdp", "tensor")
+    assert q8.scales_spec(spec, (80, 8192, 1024), 256, sizes) == (None, "fsdp", None)
 
 
 class Wide(nn.Module):
