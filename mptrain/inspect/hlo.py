@@ -170,49 +170,49 @@ _MATMUL_CALLS = re.compile(r"gemm|matmul|fmha", re.IGNORECASE)
 
 
 def overlap(prog: program.Program, mesh: dict[str, int], per: int = 1) -> dict[str, dict]:
-    """`{axes: {"hidden": bytes, "exposed": bytes}}` a step, by mesh axes as `by_axis`: a
-    collective is hidden where the compiled schedule runs a matmul (a GEMM library call, a
-    fused attention, a fusion with a dot) between its `-start` and its `-done`, so the two
-    can overlap; exposed where it is synchronous or nothing but other work runs meanwhile. A
-    reading of the schedule, not a timing: a short matmul hides a short part of a long
-    transfer."""
+    """`{axes: {"hidden": bytes, "exposed": bytes, "count": ops}}` a step, by mesh axes as
+    `by_axis`: a collective is hidden where the compiled schedule runs a matmul (a GEMM library
+    call, a fused attention, a fusion with a dot) between its `-start` and its `-done`, so the
+    two can overlap; exposed where it is synchronous or only other work runs meanwhile. A
+    reading of the schedule, not a timing: a short matmul hides a short part of a long one."""
     devices, found = int(np.prod(tuple(mesh.values()))), {}
     dots = {name for name, body in prog.computations.items()
             if any(i.opcode == "dot" or _is_gemm(i) for i in body)}  # fmt: skip
+
+    def add(axes: str, kind: str, moved: int, runs: float) -> None:
+        entry = found.setdefault(axes, collections.Counter())
+        entry[kind], entry["count"] = entry[kind] + moved * runs, entry["count"] + runs
+
     for name, body in prog.computations.items():
         runs = prog.times.get(name, 0.0)
         if not runs or name in prog.fused:
             continue
         pending: dict[str, list] = {}  # an open start -> [axes, bytes, hidden]
         for inst in body:
-            move = _move(inst, devices)
-            if move is not None and inst.opcode.endswith("-start"):
-                pending[inst.name] = [_axes(move[1], move[2], mesh), move[3] * runs, False]
-                continue
-            if move is not None:  # synchronous
-                entry = found.setdefault(_axes(move[1], move[2], mesh), collections.Counter())
-                entry["exposed"] += move[3] * runs
-                continue
-            if inst.opcode.endswith("-done") and inst.operands and inst.operands[0] in pending:
+            if (move := _move(inst, devices)) is not None:
+                axes = _axes(move[1], move[2], mesh)
+                if inst.opcode.endswith("-start"):
+                    pending[inst.name] = [axes, move[3], False]
+                else:  # synchronous
+                    add(axes, "exposed", move[3], runs)
+            elif (
+                inst.opcode.endswith("-done") and inst.operands[:1] and inst.operands[0] in pending
+            ):
                 axes, moved, hidden = pending.pop(inst.operands[0])
-                found.setdefault(axes, collections.Counter())[
-                    "hidden" if hidden else "exposed"
-                ] += moved
-                continue
-            callees = re.findall(r"calls=%([\w.\-]+)", inst.attributes)
-            if inst.opcode == "dot" or _is_gemm(inst) or any(c in dots for c in callees):
+                add(axes, "hidden" if hidden else "exposed", moved, runs)
+            elif (
+                inst.opcode == "dot"
+                or _is_gemm(inst)
+                or any(c in dots for c in re.findall(r"calls=%([\w.\-]+)", inst.attributes))
+            ):
                 for entry in pending.values():
                     entry[2] = True
-    return {
-        axes: {k: int(counts[k] // per) for k in ("hidden", "exposed")}
-        for axes, counts in found.items()
-    }
+    keys = ("hidden", "exposed", "count")
+    return {axes: {k: int(c[k] // per) for k in keys} for axes, c in found.items()}
 
 
-def _is_gemm(inst: program.Instruction) -> bool:
-    return inst.opcode == "custom-call" and bool(
-        _MATMUL_CALLS.search(inst.attribute("custom_call_target") or "")
-    )
+def _is_gemm(inst: program.Instruction) -> bool:  # a GEMM library call, a fused attention
+    return bool(_MATMUL_CALLS.search(inst.attribute("custom_call_target") or ""))
 
 
 def _move(inst: program.Instruction, devices: int) -> tuple | None:

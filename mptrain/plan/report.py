@@ -101,9 +101,10 @@ def render(plan: Any) -> str:
     if plan.axis_bytes:
         by_axis = ", ".join(f"{axes} {b:,}" for axes, b in sorted(plan.axis_bytes.items()))
         lines.append(f"  by mesh axis   {by_axis}")
-        hidden = [f"{a} {b / 1e9:.1f} of {plan.axis_bytes[a] / 1e9:.1f} GB"
-                  for a, b in sorted(plan.axis_hidden.items()) if b]  # fmt: skip
-        lines += [f"  behind matmuls {', '.join(hidden)} (the schedule's starts and dones)"]
+        hidden = [f"{a} {v['hidden'] / 1e9:.1f} of {plan.axis_bytes[a] / 1e9:.1f} GB, "
+                  f"{v['count']:,} ops" for a, v in sorted(plan.axis_overlap.items())
+                  if v["hidden"]]  # fmt: skip
+        lines += [f"  behind matmuls {'; '.join(hidden)} (the schedule's starts and dones)"]
     lines += [f"  XLA resharded by gathering whole: {line.strip()}" for line in plan.involuntary]
     floor = plan.floor
     lines += [

@@ -71,7 +71,7 @@ class Plan:
     frozen_params: int = 0
     frozen_bytes_per_param: float = 0.0
     axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
-    axis_hidden: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.overlap`'s
+    axis_overlap: dict[str, dict] = dataclasses.field(default_factory=dict)  # `hlo.overlap`
     involuntary: list[str] = dataclasses.field(default_factory=list)  # XLA's resharding remat
 
     @property
@@ -332,9 +332,7 @@ def _read(chip, trainer, compiled, state, sample, seconds: float, version: str, 
         collectives=hlo.collectives(prog, k),
         collective_sites=_collective_sites(prog),
         axis_bytes=hlo.by_axis(prog, dict(trainer.mesh.shape), k),
-        axis_hidden={
-            a: v["hidden"] for a, v in hlo.overlap(prog, dict(trainer.mesh.shape), k).items()
-        },
+        axis_overlap=hlo.overlap(prog, dict(trainer.mesh.shape), k),
         kernels=sum(runs for _, runs in prog.kernels()) / k,
         bytes_moved=moved,
         floor=roofline.floor(chip, flops, moved, policy.compute_dtype.name, network),

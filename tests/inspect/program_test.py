@@ -150,6 +150,29 @@ def test_an_async_all_gather_counts_its_gathered_results_once():
     assert list(hlo.sixteen_bit_sums(scatter)) == [("reduce-scatter", "bfloat16", "", 1.0)]
 
 
+def test_a_collective_is_behind_a_matmul_only_where_one_runs_between_its_start_and_done():
+    """`hlo.overlap` on a schedule of a 2 x 2 mesh: a gather over `tensor` with a GEMM between
+    its start and done is hidden, one with only other work exposed, a synchronous sum over
+    `fsdp` exposed."""
+    text = """ENTRY %main (a: bf16[8], b: bf16[4,4], c: f32[16]) -> f32[16] {
+  %g1 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), replica_groups={{0,1}}, dimensions={0}
+  %mm = bf16[4,4]{1,0} custom-call(%b, %b), custom_call_target="__cublas$gemm"
+  %d1 = bf16[16]{0} all-gather-done(%g1)
+  %g2 = (bf16[8]{0}, bf16[16]{0}) all-gather-start(%a), replica_groups={{0,1}}, dimensions={0}
+  %e = bf16[4,4]{1,0} exponential(%b)
+  %d2 = bf16[16]{0} all-gather-done(%g2)
+  ROOT %s = f32[16]{0} all-reduce(%c), replica_groups={{0,2}}, to_apply=%add
+}
+"""
+    mesh = {"fsdp": 2, "tensor": 2}
+    found = hlo.overlap(program.Program(text), mesh)
+    assert found == {
+        "tensor": {"hidden": 32, "exposed": 32, "count": 2},
+        "fsdp": {"hidden": 0, "exposed": 64, "count": 1},
+    }
+    assert hlo.by_axis(program.Program(text), mesh) == {"tensor": 64, "fsdp": 64}
+
+
 def test_a_collective_in_a_loop_counts_each_run_and_per_step_divides():
     """`steps_per_call` steps are a while loop: its collectives run once per step, so a plan
     of k steps a call reports each step's bytes, not a k-th of them."""

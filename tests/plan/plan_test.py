@@ -143,7 +143,7 @@ def test_fp8_matmuls_run_with_e4m3_and_e5m2_operands_on_the_h100():
 def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     result = planned("lm_gpt2s", devices=4, mesh__data=1, mesh__fsdp=4)
     assert result.devices == 4
-    assert result.mesh == {"data": 1, "fsdp": 4, "expert": 1, "context": 1}
+    assert result.mesh == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 1}
     collectives = result.collectives
     assert set(collectives["reduce-scatter"]) == {"f32"}
     assert set(collectives.get("all-reduce", {"f32": 0})) == {"f32"}
@@ -291,6 +291,7 @@ def test_llama3_8b_fits_8_h100s_with_cudnn_attention_per_layer_gathers_and_no_fp
     # fp32 master params and moments, remat "minimal", the loss in chunks
     result = planned("llama3", "8b", 8)
     assert result.memory["total"] <= 72 * GiB, result.memory
+    assert result.involuntary == []  # no resharding by whole-tensor gathers (jax#21562)
     # above the 75% JAX takes (59.3 GiB): the config's memory_fraction=0.85 gives it room
     assert result.fits and result.share["why"] == "config.memory_fraction=0.85", result.verdict()
     over = plan_lib.plan(load_config("llama3", "8b", memory_fraction=0.7), "h100", 8)
@@ -374,8 +375,9 @@ def test_the_70b_full_fine_tune_fits_one_node_of_8_h100s_as_shipped():
     in cuDNN's calls (two a chunk: `context_attention`), no [B, H, L, L] buffer, the keys and
     values gathered over the context axis and the weights over fsdp x context."""
     result = planned("llama3", "70b_node")
-    assert result.mesh == {"data": 1, "fsdp": 2, "expert": 1, "context": 4}
+    assert result.mesh == {"data": 1, "fsdp": 2, "expert": 1, "context": 4, "tensor": 1}
     assert result.fits and result.memory["total"] <= 73 * GiB, result.verdict()
+    assert result.involuntary == []  # no resharding by whole-tensor gathers (jax#21562)
     assert result.state_bytes_per_param < 4.1
     att = result.attention
     assert att["implementation"].startswith("cuDNN") and att["buffers"] == 0, att
