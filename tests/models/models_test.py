@@ -207,8 +207,10 @@ def test_create_model_reads_the_config():
 
 
 def test_conv_kernels_are_drawn_with_their_fan_in():
+    # an "rbg" key: XLA's own bit generator, a program of 13 KB where threefry's is 20 KB,
+    # over the threshold by which the suite counts its compiled programs
     init = layers.kernel_init_as_matrix(jax.nn.initializers.he_normal())
-    kernel = jax.jit(init, static_argnums=1)(jax.random.key(0), (3, 3, 64, 128))
+    kernel = jax.jit(init, static_argnums=1)(jax.random.key(0, impl="rbg"), (3, 3, 64, 128))
     assert kernel.shape == (3, 3, 64, 128) and kernel.dtype == jnp.float32
     np.testing.assert_allclose(np.std(kernel), np.sqrt(2.0 / (3 * 3 * 64)), rtol=0.05)
 
