@@ -63,9 +63,7 @@ def split_dim(path: tuple, ndim: int) -> int | None:
     owner, name = keys[-2], keys[-1]
     if (owner, name) in VOCAB:
         return VOCAB[owner, name]
-    if owner in COLUMNS and name in ("kernel", "lora_b"):
-        return -1
-    if owner in COLUMNS and name == "bias":
+    if owner in COLUMNS and name in ("kernel", "lora_b", "bias"):
         return -1
     if owner in ROWS and name in ("kernel", "lora_a") and ndim >= 2:
         return -2
