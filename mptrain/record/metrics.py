@@ -74,7 +74,8 @@ class _CluSummaryWriter:
 
 # At import, so the stand-in is in place before any other clu import (trainer's, a user's).
 _interface = import_clu("metric_writers.interface")
-_SERIAL = itertools.count()  # tells apart the files of one process opened in the same second
+_SERIAL = itertools.count()  # tells apart the files of one process opened at once
+_PREFIX = "events.out.tfevents."
 # The plugin metadata TF2's `tf.summary.scalar`, `.text`, `.histogram` and `.image` attach.
 _SCALAR = scalar_metadata.create_summary_metadata(display_name=None, description=None)
 _TEXT = text_metadata.create_summary_metadata(display_name=None, description=None)
@@ -144,6 +145,20 @@ def _png(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _file_name(logdir) -> str:
+    """A new event file's name, after every one in `logdir` in name order: TensorBoard reads a
+    folder's files in that order, and a file read after a later one has its events taken for a
+    restarted session's and drops what the later one holds. So its second is now, or one past
+    the newest file's where that is now or later (a stop and a resume within one second, a clock
+    set back). The serial only tells apart files opened at once (unpadded, `.10` sorts first)."""
+    second = int(time.time())
+    for name in os.listdir(logdir):
+        stamp = name.split(".")[3] if name.startswith(_PREFIX) else ""
+        if stamp.isdigit():
+            second = max(second, int(stamp) + 1)
+    return f"{_PREFIX}{second:010d}.{socket.gethostname()}.{os.getpid()}.{next(_SERIAL)}.v2"
+
+
 class EventWriter(_interface.MetricWriter):
     """TensorBoard event files in `logdir`, written without TensorFlow, in the form TF2's
     `tf.summary` writes: a scalar is a float32 tensor with the scalar plugin's metadata, so
@@ -160,8 +175,7 @@ class EventWriter(_interface.MetricWriter):
         that step and later from the files before this one (what a crash left past the
         checkpoint a run resumes from), as it does for TensorFlow's restarted sessions."""
         os.makedirs(logdir, exist_ok=True)
-        name = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_SERIAL)}"
-        self.path = os.path.join(logdir, f"events.out.tfevents.{name}.v2")
+        self.path = os.path.join(logdir, _file_name(logdir))
         self._records = RecordWriter(open(self.path, "wb"))  # noqa: SIM115 (closed in close)
         self._write(event_pb2.Event(file_version="brain.Event:2"))
         if restart is not None:

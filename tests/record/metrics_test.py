@@ -140,6 +140,29 @@ def test_event_writer_round_trips_through_tensorboards_reader(tmp_path, caplog):
     assert "does not write videos" in caplog.text and "clip" in caplog.text
 
 
+def test_a_resumed_writer_in_the_same_second_is_read_after_the_stopped_one(tmp_path, monkeypatch):
+    """TensorBoard reads a folder's files in name order: a stop and its resume within one second
+    (the tenth writer of a process after the ninth) once read the resume's file first, and the
+    stopped file's early steps then dropped every later one as a restarted session's."""
+    import itertools
+
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+
+    monkeypatch.setattr(metrics.time, "time", lambda: 1_800_000_000.5)
+    monkeypatch.setattr(metrics, "_SERIAL", itertools.count(9))
+    stopped = metrics.EventWriter(tmp_path)
+    for step in (1, 2, 3):
+        stopped.write_scalars(step, {"loss": float(step)})
+    stopped.close()
+    resumed = metrics.EventWriter(tmp_path, restart=4)
+    resumed.write_scalars(5, {"loss": 5.0})
+    resumed.close()
+    assert sorted(os.listdir(tmp_path)) == [Path(stopped.path).name, Path(resumed.path).name]
+    events = plugin_event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Tensors("loss")] == [1, 2, 3, 5]
+
+
 def test_scalar_events_are_the_bytes_of_the_generic_path(tmp_path):
     """A log step's scalars take a direct proto and a C checksum (the generic tensor proto and
     tensorboard's Python CRC were 280 us a write of the background thread): the same bytes,
