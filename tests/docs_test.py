@@ -91,14 +91,15 @@ def shortened(words: list[str], scratch: Path, python: str = sys.executable) -> 
         words[0] = python
     if words[1:3] != ["-m", "mptrain.main"]:
         return words
-    out = []
+    out, capped = [], False
     for w in words:
         if w.startswith("--config=") and ":" not in w and w[9:].startswith(REPO_DIRS):
             w += ":tiny"
         elif w.startswith("--config.num_train_steps="):
-            w = f"--config.num_train_steps={min(int(w.split('=')[1]), MAX_STEPS)}"
+            w, capped = f"--config.num_train_steps={min(int(w.split('=')[1]), MAX_STEPS)}", True
         out.append(w)
-    return out
+    ours = any(w.startswith("--config=") and w[9:].startswith(REPO_DIRS) for w in words)
+    return [*out, f"--config.num_train_steps={MAX_STEPS}"] if ours and not capped else out
 
 
 def _expand(words: list[str], env: dict[str, str]) -> list[str]:
@@ -245,8 +246,10 @@ def test_the_shortening_is_the_documented_one(tmp_path):
         f"--workdir={tmp_path}/tmp/t",
         f"--config.num_train_steps={MAX_STEPS}",
     ]
+    sized = ["python", "-m", "mptrain.main", "--config=configs/llama3.py:moe_tiny"]
+    assert shortened(sized, tmp_path)[3:] == [*sized[3:], f"--config.num_train_steps={MAX_STEPS}"]
     own = ["python", "-m", "mptrain.main", "--config=config.py", "--workdir=runs/x"]
-    assert shortened(own, tmp_path)[3] == "--config=config.py"  # a reader's own config as is
+    assert shortened(own, tmp_path)[3:] == own[3:]  # a reader's own config as is
 
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
