@@ -147,7 +147,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.tensor = 1  # devices that split each layer's heads, MLP and vocab (`recipe.tensor`)
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
-    # Unset (None), the next three take the model's defaults (`fp8.DEFAULTS`): the Llama's are
+    # Unset (None), the next three take the model's defaults (its record's): the Llama's are
     # current scaling, one bf16 block at each end, min_size 1024; other models' delayed, 0, 0.
     c.fp8.scaling = config_dict.placeholder(str)  # "delayed" (history), "current", "mxfp8"
     c.fp8.bf16_layers = config_dict.placeholder(int)  # blocks at each end of the stack kept bf16
@@ -245,9 +245,15 @@ def _check_sample(config: ml_collections.ConfigDict) -> None:
     if not isinstance(sample.get("chat", False), bool):
         raise ValueError(f"sample.chat={sample.get('chat')!r}: must be True or False")
     errors.check_integer("sample.max_new_tokens", sample.get("max_new_tokens", 32), 1)
+    from mptrain import models
+
     run = (config.model.name, config.data.name, str(config.precision))
-    if prompts and (run[0] != "llama" or run[1] == "tokens" or "fp8" in run[2]):
-        raise ValueError(f"sample.prompts: {run} cannot answer; samples need a llama, text, no fp8")
+    decodes = getattr(models.record_of(config), "decodes", False)
+    if prompts and (not decodes or run[1] == "tokens" or "fp8" in run[2]):
+        raise ValueError(
+            f"sample.prompts: {run} cannot answer; samples need a model that decodes "
+            f"({models.able('decodes')}), text, no fp8"
+        )
 
 
 def flat_items(section: ml_collections.ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -376,9 +382,11 @@ def policy_of(config: ml_collections.ConfigDict):
         "matmul_precision", config.get("matmul_precision", "auto"), choices
     )
     policy = dataclasses.replace(policy, matmul_precision=matmuls)
+    from mptrain import models
+
     section = config.get("fp8") or {}  # checked under every precision: a typo is an error
-    model = config.get("model") or {}
-    recipe = fp8.from_config(section, model.get("name"), model.get("num_layers"))
+    record, model = models.record_of(config), config.get("model") or {}
+    recipe = fp8.from_config(section, record and record.fp8, model.get("num_layers"))
     return dataclasses.replace(policy, fp8=recipe) if policy.fp8 else policy
 
 

@@ -95,12 +95,14 @@ def export(
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")
     files.check_output("--out", out, folder=True)
     config, restored = read_run(workdir, step)
-    if format in ("hf", "peft") and config.model.name != "llama":
+    from mptrain import models
+    from mptrain.models import lora
+
+    if format in ("hf", "peft") and not getattr(models.record_of(config), "hf", False):
         raise errors.ConfigError(
             f"--format={format}: the run in {workdir} trains model.name={config.model.name!r}; "
-            "only a 'llama' maps onto a HuggingFace Llama folder (use --format=orbax)"
+            f"only {models.able('hf')} maps onto a HuggingFace folder (use --format=orbax)"
         )
-    from mptrain.models import lora
 
     if format == "peft" and not lora.enabled(config):
         raise errors.ConfigError(

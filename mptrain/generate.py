@@ -64,10 +64,10 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
         raise errors.ConfigError("give --workdir=RUN or --hf=FOLDER (one of them)")
     if workdir is not None:
         config, (state, _) = export.read_run(Path(workdir), step)
-        if config.model.name != "llama":
+        if not getattr(models.record_of(config), "decodes", False):
             raise errors.ConfigError(
                 f"--workdir={workdir}: the run trains model.name={config.model.name!r}; "
-                "mptrain.generate decodes the zoo's llama"
+                f"mptrain.generate decodes {models.able('decodes')}"
             )
         params, where = state.model_params, f"{workdir} step {int(state.step)}"
         with errors.config_errors():

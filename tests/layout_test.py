@@ -1,6 +1,6 @@
 """The package's shape: its sub-packages in layers whose imports flow one way (down, never in a
-circle), and no module past a screenful of screens. Read from the source, so an import inside a
-function counts as much as one at the top.
+circle), and a flag on a module long enough to hold two ideas. Read from the source, so an
+import inside a function counts as much as one at the top.
 """
 
 import ast
@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mptrain"
-MAX_MODULE_LINES = 400
-MAX_TRAINER_LINES = 250
+# A module is as long as its one concept needs: past this many lines it is flagged, and goes on
+# only where `LONG` says why it is still one concept (never split to fit a number).
+FLAG_LINES = 500
+LONG: dict[str, str] = {}
+MAX_TRAINER_LINES = 300  # the Trainer's hooks and drivers read as the recipe of a run
 
 
 def _module_name(path: Path) -> str:
@@ -153,13 +156,17 @@ def test_imports_flow_one_way():
     assert find_circle(graph) is None, " -> ".join(find_circle(graph))
 
 
-@pytest.mark.parametrize("name", list(MODULES))
-def test_no_module_over_400_lines(name):
-    lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= MAX_MODULE_LINES, f"{MODULES[name]}: {lines} lines"
+def test_a_module_past_the_flag_says_why_it_is_one_concept():
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text().splitlines())) > FLAG_LINES
+    }
+    assert set(long) <= set(LONG), {n: long[n] for n in sorted(set(long) - set(LONG))}
+    assert set(LONG) <= set(long), f"no longer past {FLAG_LINES} lines: {set(LONG) - set(long)}"
 
 
-def test_the_trainer_class_fits_in_250_lines():
+def test_the_trainer_class_reads_in_one_sitting():
     tree = ast.parse(MODULES["mptrain.train.trainer"].read_text())
     (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
     lines = trainer.end_lineno - trainer.lineno + 1

@@ -55,7 +55,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from mptrain import errors
+from mptrain import errors, models
 from mptrain.hf import config_file, families, names
 from mptrain.hf import tensors as hf_io
 from mptrain.models import llama
@@ -78,11 +78,10 @@ def _settings(model_config: Any) -> dict[str, Any]:
     section = model_config
     if isinstance(model_config, dict):
         section = ml_collections.ConfigDict({k: v for k, v in model_config.items()})
-    name = getattr(section, "name", "llama")
-    if name not in (None, "llama"):
+    name = getattr(section, "name", None)
+    if name is not None and not getattr(models.record_of(section), "hf", False):
         raise errors.ConfigError(
-            f"config.model.name={name!r}: only mptrain's decoder ('llama') maps onto a "
-            "HuggingFace folder"
+            f"config.model.name={name!r}: only {models.able('hf')} maps onto a HuggingFace folder"
         )
     with errors.config_errors():
         keys = llama.settings(section)

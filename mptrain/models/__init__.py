@@ -1,9 +1,11 @@
-"""Models whose numerically sensitive parts run in fp32 ("fp32 islands").
+"""Models whose numerically sensitive parts run in fp32 ("fp32 islands"), and their registry.
 
 Each module here with a `create_model(model_config, compute_dtype)` is a model `config.model.name`
 can name (`layers` holds their shared parts). It declares `CONFIG_KEYS`: the keys it reads under
-`config.model`, with their defaults (`name` is the base config's), and its `create_model` rejects a
-bad value with a `ConfigError` naming the key, before any parameter exists.
+`config.model`, with their defaults (`name` is the base config's), and `RECORD`: what it can do
+(`mptrain.models.record.Record`), which every other module asks (`record_of`) instead of
+comparing names. Its `create_model` rejects a bad value with a `ConfigError` naming the key,
+before any parameter exists.
 """
 
 import contextlib
@@ -13,11 +15,14 @@ import re
 from typing import Any
 
 from mptrain import errors, registry
+from mptrain.models import record as record_lib
 
 
 def modules() -> dict[str, Any]:
-    """The models of the zoo: `{name: module}` of the modules here with a `create_model`."""
-    return registry.modules(__name__, __path__, "create_model")
+    """The models of the zoo: `{name: module}` of the modules here with a `create_model`, by
+    the name their `RECORD` gives (`config.model.name`)."""
+    found = registry.modules(__name__, __path__, "create_model")
+    return {module.RECORD.name: module for module in found.values()}
 
 
 def import_model(name: Any):
@@ -25,15 +30,38 @@ def import_model(name: Any):
     return registry.lookup("model.name", name, modules(), "model in mptrain.models")
 
 
+def record_of(config: Any) -> record_lib.Record | None:
+    """The `Record` of the zoo's model `config.model.name` names (a whole config or its model
+    section); None where it names none (a Trainer's own model)."""
+    section = config.get("model", config) if hasattr(config, "get") else config
+    name = section.get("name") if hasattr(section, "get") else None
+    try:
+        return import_model(name).RECORD
+    except ValueError:
+        return None
+
+
+def records() -> list[record_lib.Record]:
+    """Every model's `Record`, by name."""
+    return [modules()[name].RECORD for name in sorted(modules())]
+
+
+def able(what: str) -> str:
+    """The zoo's models whose record says `what` (a `Record` field), for messages."""
+    has = lambda r: getattr(r, what) not in (None, False)  # fp8's defaults may be empty
+    return " and ".join(r.name for r in records() if has(r)) or "none of the zoo"
+
+
 def loss_unit(config) -> str:
     """The unit of the Trainer's built-in loss under `config`, a mean cross-entropy in nats per
-    target (`layers.cross_entropy`): "nats/byte" for the language models on the byte-level text of
-    `data.name="text"` (`data.tokenizer="bytes"`), whose targets are bytes; "nats/token" for them
-    on tokenized text, token files or SFT rows (`data.name="sft"`: per token that carries the
-    loss); else "nats" (the classifiers `cnn`, `mlp` and `resnet`: per image). A Trainer
+    target (`layers.cross_entropy`): "nats/byte" for a language model (`Record.language_model`)
+    on the byte-level text of `data.name="text"` (`data.tokenizer="bytes"`), whose targets are
+    bytes; "nats/token" for one on tokenized text, token files or SFT rows (`data.name="sft"`:
+    per token that carries the loss); else "nats" (the classifiers: per image). A Trainer
     subclass with its own `loss_fn` names its own unit."""
-    model, data = (str(name).strip().lower() for name in (config.model.name, config.data.name))
-    if model not in ("transformer_lm", "llama") or data not in ("text", "tokens", "sft"):
+    record = record_of(config)
+    data = str(config.data.name).strip().lower()
+    if not (record and record.language_model) or data not in ("text", "tokens", "sft"):
         return "nats"
     bytes_ = data == "text" and errors.setting(config.data, "tokenizer", "bytes") == "bytes"
     return "nats/byte" if bytes_ else "nats/token"
@@ -59,46 +87,44 @@ def _quiet():
 
 def create(config_model: Any, policy: Any, devices: Any = None, loss: Any = None, lora: Any = None):
     """`mptrain.models.<name>.create_model` as the Trainer calls it: in the policy's compute
-    dtype, and with fp8 matmuls where the policy has them (`fp8=` its `fp8.Recipe`, which only
-    a model whose `create_model` takes `fp8` supports; others are a `ValueError` naming the
-    precision). `devices`: what the step is compiled for (None: this process's own); the
-    models whose `create_model` takes a `backend` choose by it (`attention.backend_of` them),
-    those that take `host_memory` learn whether the devices have pinned host memory. `loss`:
-    `config.loss`, for the models that compute their own loss (`create_model` takes `loss`).
-    `lora`: `config.lora`; with a rank set, the model gets adapters (`lora.spec`; only a model
-    whose `create_model` takes `lora` can, and not with fp8)."""
+    dtype, with what its `Record` says it takes. `devices`: what the step is compiled for
+    (None: this process's own), by which a language model chooses (`attention.backend_of`
+    them) and learns whether the devices have pinned host memory. `loss`: `config.loss`, for
+    a language model's own loss. fp8 matmuls where the policy has them, which only a model
+    whose record has fp8 takes (others: a `ValueError` naming the precision). `lora`:
+    `config.lora`; with a rank set, the model gets adapters (`lora.spec`; a model whose record
+    has adapters, and not with fp8)."""
     import functools
-    import inspect
 
     from mptrain.models import attention
     from mptrain.models import lora as lora_lib
 
     module = import_model(config_model.name)
-    takes = inspect.signature(module.create_model).parameters
+    record = module.RECORD
     devices = None if devices is None else list(devices)  # read more than once
     extra = {}
-    if devices is not None and "backend" in takes:
-        extra["backend"] = attention.backend_of(devices)
-    if "host_memory" in takes:
+    if record.language_model:
         extra["host_memory"] = has_host_memory(devices)
-    if loss is not None and "loss" in takes:
-        extra["loss"] = loss
+        if devices is not None:
+            extra["backend"] = attention.backend_of(devices)
+        if loss is not None:
+            extra["loss"] = loss
     if (lora or {}).get("rank") is not None:
-        if "lora" not in takes or policy.fp8:
+        if not record.adapters or policy.fp8:
             why = "fp8 matmuls do not take adapters yet" if policy.fp8 else "no adapters"
             raise ValueError(
                 f"lora.rank={lora.get('rank')}: model.name={config_model.name!r} under "
-                f"precision={str(policy)!r}: {why}; LoRA adapts llama and transformer_lm"
+                f"precision={str(policy)!r}: {why}; LoRA adapts {able('adapters')}"
             )
         build = functools.partial(module.create_model, config_model, policy.compute_dtype)
         with _quiet():
             extra["lora"] = lora_lib.spec(lora, lambda spec: build(**extra, lora=spec))
     if not policy.fp8:
         return module.create_model(config_model, policy.compute_dtype, **extra)
-    if "fp8" not in takes:
+    if record.fp8 is None:
         raise ValueError(
             f"precision={str(policy)!r}: model.name={config_model.name!r} has no fp8 matmuls; "
-            "fp8 runs the projections of llama and transformer_lm"
+            f"fp8 runs the projections of {able('fp8')}"
         )
     return module.create_model(config_model, policy.compute_dtype, fp8=policy.fp8, **extra)
 
@@ -130,23 +156,7 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
     module = import_model(config.model.name)
     with _quiet():
         model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
-    context, expert = config.mesh.get("context", 1), config.mesh.get("expert", 1)
-    if context != 1:
-        _check_context(config, model, context, example)
-    if (tensor := config.mesh.get("tensor", 1)) != 1:
-        _check_tensor(config, model, tensor, context, example)
-    if expert != 1:  # each device holds an equal part of every expert layer's experts
-        experts = {getattr(s, "experts", 0) for s in (model.shape, *model.layer_shapes)} - {0}
-        if config.model.name != "llama" or not experts:
-            raise ValueError(
-                f"mesh.expert={expert}: model.num_experts="
-                f"{config.model.get('num_experts')}: no experts to split over devices"
-            )
-        if max(experts) % expert:
-            raise ValueError(
-                f"mesh.expert={expert}: does not divide model.num_experts={max(experts)}; "
-                "each device holds an equal part of every layer's experts"
-            )
+    check_mesh(config, module.RECORD, model, example)
     if example is None:
         return
 
@@ -172,83 +182,40 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
         _check_fits(config, variables)
 
 
-def _check_context(config, model, context: int, example: Any) -> None:
-    """What a sequence split over `mesh.context` devices needs (`recipe.layout`): the Llama
-    decoder (it takes positions and masks by them); the materialised attention, the TPU's
-    splash kernel (`splash.split_attention`), or cuDNN's (`models.context_attention`) on rows of
-    one sequence each without a sliding window; no
-    longrope (a row's switch reads its largest position, which one device's tokens do not
-    know); and sequences that `2 x context` equal chunks divide."""
-    where = f"mesh.context={context}"
-    if config.model.name != "llama":
-        raise ValueError(
-            f"{where}: model.name={config.model.name!r} does not take a split sequence; the "
-            "Llama decoder (model.name='llama') does"
-        )
-    attention = f"model.attention={config.model.get('attention', 'auto')!r}"
-    windows = any(s.window for s in (model.shape, *model.layer_shapes))
-    packed = example is not None and "segment_ids" in example
-    if model.implementation == "cudnn" and (windows or packed):
-        what = "a sliding window (model.sliding_window)" if windows else "packed rows"
-        raise ValueError(
-            f"{where}: {attention} runs cuDNN here, whose split attention does not take "
-            f"{what} yet; set model.attention='materialized'"
-        )
-    if any(s.longrope for s in (model.shape, *model.layer_shapes)):
-        raise ValueError(
-            f"{where}: model.rope_scaling is longrope, whose switch reads a row's largest "
-            "position, which a split sequence's devices do not each hold; use mesh.context=1"
-        )
-    length = None if example is None else example["inputs"].shape[1]
-    if length is not None and length % (2 * context):
-        raise ValueError(
-            f"{where}: data.seq_len={length} tokens, which {2 * context} equal chunks (two a "
-            f"device, balanced for causal attention) do not divide; use a multiple of "
-            f"{2 * context}"
-        )
-
-
-def _check_tensor(config, model, tensor: int, context: int, example: Any) -> None:
-    """What a tensor group of `tensor` devices needs (`mptrain.recipe.tensor`): the Llama
-    decoder without experts, whose heads, key-value heads, MLP units and vocabulary it divides,
-    and a part of every sequence (per context device) it divides by tokens."""
-    where = f"mesh.tensor={tensor}"
-    if config.model.name != "llama":
-        raise ValueError(
-            f"{where}: model.name={config.model.name!r} does not split its layers over a tensor "
-            "axis; the Llama decoder (model.name='llama') does"
-        )
-    s, keys = model.shape, config.model
-    if any(shape.experts for shape in (s, *model.layer_shapes)):
-        raise ValueError(f"{where}: model.num_experts={keys.num_experts}: a mixture of experts "
-                         "is split by mesh.expert, not by a tensor axis yet")  # fmt: skip
-    kv = s.num_kv_heads
-    if kv % tensor and tensor % kv == 0:
-        raise ValueError(
-            f"{where}: model.num_kv_heads={kv}: each device needs whole key-value heads; "
-            f"copying a head to {tensor // kv} devices is not built yet; use a mesh.tensor "
-            f"that divides {kv}"
-        )
-    sizes = {"num_heads": s.num_heads, "num_kv_heads": kv, "d_ff": s.d_ff}
-    for key, value in {**sizes, "vocab_size": model.vocab_size}.items():
-        if value % tensor:
+def check_mesh(config, record: record_lib.Record, model: Any, example: Any = None) -> None:
+    """The mesh of `config` against what `record` says the model splits over: an axis it does
+    not take is a `ValueError` naming it, and its record's `check_mesh` says what the others
+    need of its settings and the data (`example`: one example's shapes, or None)."""
+    split = {axis: config.mesh.get(axis, 1) for axis in record_lib.MESH_AXES}
+    split = {axis: size for axis, size in split.items() if size != 1}
+    for axis, size in split.items():
+        if axis not in record.mesh:
+            takes = " and ".join(r.name for r in records() if axis in r.mesh) or "no model"
             raise ValueError(
-                f"{where}: does not divide model.{key}={value}; each device of the group holds "
-                f"an equal part of it"
+                f"mesh.{axis}={size}: model.name={config.model.name!r} "
+                f"{record_lib.NOT_SPLIT[axis]}; {takes} does"
             )
-    if s.attn_bias == "all" or s.qk_norm_width:
-        key = "attn_bias='all'" if s.attn_bias == "all" else "qk_norm_width=True"
-        raise ValueError(
-            f"{where}: model.{key} is not split over a tensor axis yet (the out projection's "
-            "bias, a norm across every head); use mesh.fsdp"
+    if split and record.check_mesh is not None:
+        record.check_mesh(config, model, example)
+
+
+def mesh_refusal(config, policy: Any, devices: Any = None, example: Any = None) -> str | None:
+    """Why the model of `config` cannot take its mesh (`check_mesh`'s message), or None where
+    it can: what `mptrain.plan`'s search asks of a layout before it compiles one. A model that
+    is not the zoo's (no record) takes data and fsdp alone."""
+    if record_of(config) is None:
+        split = [f"mesh.{a}" for a in record_lib.MESH_AXES if config.mesh.get(a, 1) != 1]
+        return (
+            f"{', '.join(split)}: model.name={config.model.name!r} has no record" if split else None
         )
-    length = None if example is None else example["inputs"].shape[-1]
-    if length is not None and (length // context) % tensor:
-        raise ValueError(
-            f"{where}: data.seq_len={length}: each device's part of a sequence "
-            f"({length // context} tokens) does not divide into {tensor} equal parts between "
-            f"the blocks; use a multiple of {context * tensor}"
-        )
+    module = import_model(config.model.name)
+    try:
+        with _quiet():
+            model = create(config.model, policy, devices, config.get("loss"))
+        check_mesh(config, module.RECORD, model, example)
+    except ValueError as e:
+        return errors.first_line(e)
+    return None
 
 
 def _check_fits(config, variables) -> None:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import layers
+from mptrain.models.record import Record
 
 # flax's default (LeCun normal), drawn as a matrix: the same distribution, compiled much faster.
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.lecun_normal())
@@ -78,3 +79,6 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
         num_classes=keys["num_classes"],
         dtype=compute_dtype,
     )
+
+
+RECORD = Record(name="cnn")  # a classifier: data and fsdp meshes, fp32 or 16-bit compute

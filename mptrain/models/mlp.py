@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import layers
+from mptrain.models.record import Record
 
 
 class MLP(nn.Module):
@@ -52,3 +53,6 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
         errors.check_integer("model.num_layers", keys["num_layers"], 0)
         errors.check_integer("model.num_classes", keys["num_classes"], 1)
     return MLP(**keys, dtype=compute_dtype)
+
+
+RECORD = Record(name="mlp")  # a classifier: data and fsdp meshes, fp32 or 16-bit compute

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.models import layers
+from mptrain.models.record import Record
 
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.he_normal())  # He et al., 2015 (fan-in)
 
@@ -112,3 +113,6 @@ def create_model(model_config: Any, compute_dtype: layers.Dtype = jnp.float32) -
         dtype=compute_dtype,
         bn_momentum=keys["bn_momentum"],
     )
+
+
+RECORD = Record(name="resnet")  # a classifier: data and fsdp meshes, fp32 or 16-bit compute

@@ -66,6 +66,7 @@ from mptrain.models import lm_loss as lm_loss_lib
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
+from mptrain.models.record import Record
 from mptrain.recipe import fp8 as fp8_lib
 
 
@@ -349,3 +350,8 @@ def create_model(
         z_loss=z_loss,
         lora=lora,
     )
+
+
+# A language model that trains on one device's whole layers (data and fsdp meshes), with
+# adapters and fp8 projections (every dense layer, delayed scaling: the recipe's defaults).
+RECORD = Record(name="transformer_lm", language_model=True, adapters=True, fp8={})

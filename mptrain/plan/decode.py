@@ -31,8 +31,11 @@ def plan_decode(config: Any, target_name: str, batch: int = 1, context: int = 20
     from mptrain.models import decode
     from mptrain.plan import roofline
 
-    if config.model.name != "llama":
-        raise errors.ConfigError(f"--decode: model.name={config.model.name!r}; it plans a llama")
+    if not getattr(models.record_of(config), "decodes", False):
+        raise errors.ConfigError(
+            f"--decode: model.name={config.model.name!r} does not decode; it plans "
+            f"{models.able('decodes')}"
+        )
     chip, _ = target.get(target_name)
     device = chip.devices(1)[0]
     policy = config_lib.policy_of(config)

@@ -34,7 +34,6 @@ pinned host memory) is not among them: see docs/make-it-fit.md.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -190,7 +189,9 @@ def fit(
     def measure(knobs: dict[str, Any]) -> Candidate:
         key = json.dumps(knobs, sort_keys=True)
         if key not in done:
-            result = plan_step.plan(_changed(config, knobs), chip, count, check_remat=False)
+            result = plan_step.plan(
+                shape_knobs.changed(config, knobs), chip, count, check_remat=False
+            )
             total = result.memory["total"]
             found = Candidate(
                 knobs=knobs,
@@ -209,16 +210,17 @@ def fit(
             done[key] = found
         return done[key]
 
-    base = shape_knobs.mesh(config, count)
+    on = chip.devices(count)  # what the model chooses by (its attention), as the plan compiles
+    base = shape_knobs.mesh(config, count, on)
     given = measure(base)
     node = int(chip.interconnect.get("node", 0))
-    if split := shape_knobs.tensor(config, count, node):  # across nodes: a tensor group in each
+    if split := shape_knobs.tensor(config, count, node, on):  # across nodes: a tensor group in each
         measure(dict(base) | split)
     if given.fits and not given.fraction:
         return _found(chip, count, capacity, done, _best(done), started)
     base = base | shape_knobs.chunk(config)  # a new dict: `given` keeps its own knobs
     remats = shape_knobs.remat_ladder(config)
-    micro = shape_knobs.micro_batches(config, count)
+    micro = shape_knobs.micro_batches(config, count, on)
     # a level whose params and moments alone, at their least bytes a parameter, exceed the
     # memory is not compiled
     per_device = given.state / max(given.state_bytes_per_param, 1e-9)
@@ -235,7 +237,7 @@ def fit(
         knobs = dict(base) | level
         if remat != remats[0]:
             knobs["model.remat"] = remat
-        return knobs | shape_knobs.micro(config, k, count)
+        return knobs | shape_knobs.micro(config, k, count, on)
 
     def fits(level, remat, k) -> bool:
         return measure(at(level, remat, k)).fits
@@ -264,7 +266,9 @@ def fit(
             bound = lo  # the next policy is tried with fewer micro-batches only
     best = _best(done)
     if best is not None and best.xla_remat_logged and chip.platform == "gpu":
-        found = plan_step.plan(_changed(config, best.knobs), chip, count)  # with its recompute
+        found = plan_step.plan(
+            shape_knobs.changed(config, best.knobs), chip, count
+        )  # with its recompute
         best.xla_recompute_flops = found.xla_remat.get("recompute_flops", 0.0)
     return _found(chip, count, capacity, done, best, started)
 
@@ -278,16 +282,6 @@ def _best(done: dict[str, Candidate]) -> Candidate | None:
     least = min(c.floor_s for c in fitting)
     near = [c for c in fitting if c.floor_s <= 1.01 * least]
     return min(near, key=lambda c: (len(c.knobs), c.fraction, c.floor_s))
-
-
-def _changed(config, knobs: dict[str, Any]):
-    """A copy of `config` with `knobs` set (a model key left at its default included)."""
-    from mptrain import config as config_lib
-
-    changed = copy.deepcopy(config)
-    with changed.unlocked():
-        config_lib.override(changed, knobs)
-    return changed
 
 
 def _found(chip, count, capacity, done, best, started) -> Fit:

@@ -66,27 +66,16 @@ class Recipe:
     emulate: bool = False
 
 
-# What an unset `fp8.*` key means, by `config.model.name` (`defaults`): the Llama follows the
-# recipes that train it in fp8 today: current scaling (torchtitan, Megatron), the first and last
-# blocks in bf16 (NVIDIA's Megatron-Bridge Llama 3 recipes), and no fp8 for matmuls too thin to
-# gain (torchao's filter, whose rowwise rule drops an output of 1,024 or fewer: Llama 3 8B's and
-# 70B's k and v projections). Other models keep every dense layer in fp8 with delayed scaling.
-DEFAULTS = {
-    "llama": {"scaling": "current", "bf16_layers": 1, "min_size": 1024},
-    None: {"scaling": "delayed", "bf16_layers": 0, "min_size": 0},
-}
+# What an unset `fp8.*` key means where the model's record says nothing of it.
+DEFAULTS = {"scaling": "delayed", "bf16_layers": 0, "min_size": 0}
 
 
-def defaults(model_name: str | None) -> dict[str, Any]:
-    """The `fp8.*` settings an unset key takes under `model.name=model_name` (`DEFAULTS`)."""
-    return DEFAULTS.get(model_name, DEFAULTS[None])
-
-
-def from_config(section: Any, model_name: str | None, num_layers: int | None = None) -> Recipe:
-    """The `Recipe` of `config.fp8` (`section`) for `model.name=model_name`, its unset keys at
-    `Recipe`'s and the model's defaults; a `ValueError` names a bad key, or a `bf16_layers`
-    past what a model of `num_layers` blocks can keep in bf16."""
-    model, default = defaults(model_name), Recipe()
+def from_config(section: Any, model: Any = None, num_layers: int | None = None) -> Recipe:
+    """The `Recipe` of `config.fp8` (`section`), its unset keys at the model's defaults
+    (`model`: what its record says, `models.record.Record.fp8`; None or empty: the recipe's
+    own: delayed scaling, every dense layer) and `Recipe`'s; a `ValueError` names a bad key,
+    or a `bf16_layers` past what a model of `num_layers` blocks can keep in bf16."""
+    model, default = {**DEFAULTS, **(model or {})}, Recipe()
     get = lambda key, value: errors.setting(section, key, value)
     scaling = errors.check_choice("fp8.scaling", get("scaling", model["scaling"]), SCALINGS)
     number = lambda key, low, bound: errors.check_integer(

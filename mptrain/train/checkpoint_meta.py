@@ -97,10 +97,11 @@ def _fp8_layout(saved: dict, config: dict, policy: str) -> tuple[str, Any, Any] 
     (an unset key at the model's default), that shapes the fp8 state and changed; else None."""
     if not policy.endswith(",fp8"):
         return None
+    from mptrain import models
     from mptrain.recipe import fp8
 
-    name = lambda c: (c.get("model") or {}).get("name")
-    old, new = (fp8.from_config(c.get("fp8") or {}, name(c)) for c in (saved, config))
+    defaults = lambda c: getattr(models.record_of(c), "fp8", None)
+    old, new = (fp8.from_config(c.get("fp8") or {}, defaults(c)) for c in (saved, config))
     for key in ("bf16_layers", "min_size", "history"):
         if getattr(old, key) != getattr(new, key):
             return key, getattr(old, key), getattr(new, key)

@@ -292,7 +292,7 @@ def test_save_refuses_params_that_disagree_with_the_model_config(tmp_path):
         match=r"params/embed/embedding: shape \[300, 48\], but the model config needs \[256, 48\]",
     ):
         hf.save(tmp_path, {**model_config, "vocab_size": 256}, params)
-    with pytest.raises(errors.ConfigError, match="only mptrain.s decoder .* maps onto a Hugg"):
+    with pytest.raises(errors.ConfigError, match="only llama maps onto a HuggingFace folder"):
         hf.save(tmp_path, {**model_config, "name": "transformer_lm"}, params)
     assert not list(tmp_path.iterdir())  # nothing written
 

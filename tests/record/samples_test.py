@@ -53,7 +53,7 @@ def test_bad_sample_settings_name_the_key(overrides, says):
 
 def test_samples_need_a_llama():
     config = load_config("default", **{"sample.prompts": ("x",)})
-    with pytest.raises(errors.ConfigError, match="samples need a llama"):
+    with pytest.raises(errors.ConfigError, match="samples need a model that decodes"):
         config_lib.validate(config)
 
 
