@@ -37,9 +37,9 @@ _MODULES = {
     "audit": "mptrain.inspect.audit",
     "loss_scale": "mptrain.recipe.loss_scale",
     "numerics": "mptrain.recipe.numerics",
-    "optim": "mptrain.recipe.optim",
+    "optim": "mptrain.optim",
     "precision": "mptrain.recipe.precision",
-    "sharding": "mptrain.recipe.sharding",
+    "sharding": "mptrain.parallel.sharding",
     "step": "mptrain.recipe.step",
     "train_state": "mptrain.recipe.train_state",
 }

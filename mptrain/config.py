@@ -143,8 +143,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1
     c.mesh.fsdp = 1  # devices along the parameter-sharding axis
     c.mesh.expert = 1  # devices that split a mixture's experts (and hold rows, as data does)
-    c.mesh.context = 1  # devices that split each sequence, balanced (`recipe.layout`)
-    c.mesh.tensor = 1  # devices that split each layer's heads, MLP and vocab (`recipe.tensor`)
+    c.mesh.context = 1  # devices that split each sequence, balanced (`parallel.layout`)
+    c.mesh.tensor = 1  # devices that split each layer's heads, MLP and vocab (`parallel.tensor`)
 
     c.fp8 = ml_collections.ConfigDict()  # the fp8 matmuls of precision="fp8-mixed"
     # Unset (None), the next three take the model's defaults (its record's): the Llama's are
@@ -333,8 +333,9 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
     (default: JAX's own; `mptrain.plan` passes an accelerator's), which the mesh must fit and
     the model's choices by backend (attention) follow.
     """
-    from mptrain import data, models, runtime
-    from mptrain.recipe import layout, loss_scale, optim, train_state
+    from mptrain import data, models, optim, runtime
+    from mptrain.parallel import layout
+    from mptrain.recipe import loss_scale, train_state
 
     section = ""
     try:

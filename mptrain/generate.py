@@ -9,7 +9,7 @@ on) or a HuggingFace Llama folder (`--hf`). Prompts come from `--prompt` (repeat
 `.jsonl` file (`--prompts`: a `"prompt"` field, or `"messages"` for `--chat`); `--chat`
 renders each through the chat template as `data.sft` does, with the generation prompt.
 
-How it decodes (`mptrain.models.decode`):
+How it decodes (`mptrain.models.decoder.decode`):
   * The prompts are one batch, right-padded to the longest; each row has its own positions.
     The prompt is read in one pass (prefill) whose attention is training's (cuDNN on a GPU),
     filling the cache; then one token a row a step, in a compiled `lax.while_loop` (Python is
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mptrain import errors, files
-from mptrain.models import decode as decoding
+from mptrain.models.decoder import decode as decoding
 
 # ---- the command ---------------------------------------------------------------------------
 

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import errors
-from mptrain.recipe import loss_scale, precision, schedules
+from mptrain import dtypes, errors
+from mptrain.optim import schedules
+from mptrain.recipe import loss_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +105,7 @@ RULES = [
     ),
     Rule(
         ("matmul_precision",),
-        lambda run: run.policy.compute_dtype == precision.F32 or run.config.keep_fp32 is not None,
+        lambda run: run.policy.compute_dtype == dtypes.F32 or run.config.keep_fp32 is not None,
         lambda run: (
             f"under {run.policy.compute_dtype.name} compute with the preset's casting rule every "
             "matmul runs in the compute dtype; it sets the precision of float32 matmuls"
@@ -112,7 +113,7 @@ RULES = [
     ),
     Rule(
         ("keep_fp32",),
-        lambda run: run.policy.compute_dtype != precision.F32,
+        lambda run: run.policy.compute_dtype != dtypes.F32,
         lambda run: "under float32 compute every param reaches the model in float32",
     ),
 ]
@@ -208,7 +209,7 @@ def _no_effect(config: Any, run: Run | None = None) -> list[tuple[list[str], str
 
 def _run(config: Any, eval_batches: int | None) -> Run:
     from mptrain import config as config_lib
-    from mptrain.recipe import optim
+    from mptrain import optim
 
     opt, policy = config.optimizer, config_lib.policy_of(config)
     return Run(

@@ -378,13 +378,13 @@ def part_d(args, out: Path) -> None:
 
 
 def part_m(args, out: Path) -> None:
-    """The Mosaic kernels' custom VJP (`mptrain.models.grouped`) against `jax.lax.ragged_dot`
+    """The Mosaic kernels' custom VJP (`decoder.grouped`) against `jax.lax.ragged_dot`
     on the same bf16 operands; with --dry-run, at test sizes, with the kernels' XLA stand-ins."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from mptrain.models import grouped
+    from mptrain.models.decoder import grouped
 
     rows, width, hidden, experts = (256, 128, 128, 8) if args.dry_run else (16384, 2048, 768, 128)
     kernel = "reference" if args.dry_run else "mosaic_gpu"

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mptrain import export, hf
-from mptrain.models import llama
+from mptrain.models import decoder
 
 LIMIT = 1e-5
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sidecar = export.export(args.workdir, out / "hf", dtype="float32", format="hf")
     model_config, params = hf.load(out / "hf")
-    model = llama.create_model({**model_config, "attention": "materialized"})
+    model = decoder.create_model({**model_config, "attention": "materialized"})
     vocab = model_config["vocab_size"]
     ids = (np.arange(2 * 40, dtype=np.int32).reshape(2, 40) * 7 + 3) % vocab
     logits = np.asarray(model.apply({"params": params}, ids), np.float32)

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mptrain import hf
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 
 
 def _status() -> dict[str, int]:

@@ -5,7 +5,7 @@ are not here (`python -m mptrain.plan`'s deviceless compile; needs `pip install 
 
 One Qwen3-30B-A3B MoE layer (width 2,048, 128 experts of 768, top 8), bf16, a batch of
 `--tokens` tokens, its forward and backward on one device, by each grouped-matmul kernel a
-chip takes (`mptrain.models.grouped`: XLA's `ragged_dot` everywhere, JAX's Mosaic kernels on
+chip takes (`mptrain.models.decoder.grouped`: XLA's `ragged_dot` everywhere, JAX's Mosaic kernels on
 an H100). Prints a line a target and kernel and writes JSON: the temporaries, the grouped
 kernels (TPU: `ragged-dot` custom calls; H100: `mosaic_gpu` custom calls), and whether
 `ragged_dot` became a dense matmul of every token copy against every expert.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain import target as target_lib
-from mptrain.models import moe
+from mptrain.models.decoder import moe
 
 D, E, F, K = 2048, 128, 768, 8
 

@@ -71,7 +71,7 @@ def _plan(model: str, fsdp: str) -> dict:
     import numpy as np
 
     from mptrain.inspect import audit
-    from mptrain.recipe import layout
+    from mptrain.parallel import layout
     from mptrain.train import trainer as trainer_lib
 
     devices = jax.device_count()

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain.models import llama
+from mptrain.models import decoder
 
 HEAD_DIM, THETA, SCALING, LENGTH = 128, 500_000.0, (8.0, 1.0, 4.0, 8192), 8192
 
@@ -46,7 +46,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="rope_precision.json")
     args = parser.parse_args()
-    inv_freq = llama.rope_frequencies(HEAD_DIM, THETA, SCALING)
+    inv_freq = decoder.rope_frequencies(HEAD_DIM, THETA, SCALING)
     positions = np.arange(LENGTH)
     keys = jax.random.split(jax.random.key(0), 2)
     q, k = (jax.random.normal(key, (LENGTH, HEAD_DIM)).astype(jnp.bfloat16) for key in keys)

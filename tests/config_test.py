@@ -9,8 +9,9 @@ import pytest
 from helpers import load_config, needs_devices
 
 from mptrain import config as config_lib
-from mptrain import runtime
-from mptrain.recipe import layout, optim, train_state
+from mptrain import optim, runtime
+from mptrain.parallel import layout
+from mptrain.recipe import train_state
 
 KEYS = {
     "seed", "precision", "keep_fp32", "matmul_precision", "trainer", "num_train_steps",

@@ -10,7 +10,7 @@ from helpers import ROOT
 
 from mptrain import generate
 from mptrain.data import chat, sft, tokenize
-from mptrain.models import decode
+from mptrain.models.decoder import decode
 
 FIXTURE = ROOT / "tests" / "hf" / "fixture"
 

@@ -89,8 +89,10 @@ LAYERS = (
     ("mptrain.data",),
     ("mptrain.models",),
     ("mptrain.recipe",),
+    ("mptrain.optim",),
+    ("mptrain.parallel",),
     ("mptrain.runtime", "mptrain.preemption", "mptrain.target", "mptrain.registry"),
-    ("mptrain.files", "mptrain.errors", "mptrain.version"),
+    ("mptrain.files", "mptrain.errors", "mptrain.version", "mptrain.dtypes"),
 )
 LEVEL = {group: level for level, groups in enumerate(LAYERS) for group in groups}
 

@@ -21,7 +21,7 @@ from mptrain import config as config_lib
 from mptrain import main as main_lib
 from mptrain import unused
 from mptrain.models import layers
-from mptrain.recipe import layout
+from mptrain.parallel import layout
 from mptrain.train import launch
 
 

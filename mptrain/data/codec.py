@@ -82,7 +82,7 @@ def prepare(codec: Codec, prompts: list, max_len: int, max_new_tokens: int, swit
     """`(texts, ids, lengths)` of the prompts, as the decoder takes them (`decode.pad_prompts`:
     right-padded); a `ValueError` names a prompt that cannot be read or leaves no room for
     `max_new_tokens` in `max_len`."""
-    from mptrain.models import decode
+    from mptrain.models.decoder import decode
 
     texts = []
     for i, prompt in enumerate(prompts):
@@ -114,7 +114,7 @@ def complete(
     `model` and `max_new_tokens` already (made here where None)."""
     import numpy as np
 
-    from mptrain.models import decode
+    from mptrain.models.decoder import decode
 
     switch = decode.longrope_switch(model)
     texts, ids, lengths = prepare(codec, prompts, model.max_len, max_new_tokens, switch)

@@ -3,8 +3,8 @@
 A folder is what transformers' `save_pretrained` writes for a causal LM of a family
 `mptrain.hf.families` reads (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, ..., the mixtures
 of experts Qwen3-MoE and Mixtral): config.json and the safetensors. Its tensors map onto the
-param tree of mptrain's decoder (`mptrain.models.llama`) by name, each torch `[out, in]` weight
-transposed to a flax `[in, out]` kernel (the table is in llama.py's module doc; biases and
+param tree of mptrain's decoder (`mptrain.models.decoder`) by name, each torch `[out, in]` weight
+transposed to a flax `[in, out]` kernel (the table is in decoder.py's module doc; biases and
 norms as they are); layers are stacked on a leading axis (`scan_layers`) or kept as
 `layers_i`, a layer's experts on the axis after it.
 
@@ -55,11 +55,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from mptrain import errors, models
+from mptrain import dtypes, errors, models
 from mptrain.hf import config_file, families, names
 from mptrain.hf import tensors as hf_io
-from mptrain.models import llama
-from mptrain.recipe import precision, sharding
+from mptrain.models import decoder
+from mptrain.parallel import sharding
 
 # Tensors some checkpoints carry that no param is made from: RoPE's frequencies (recomputed
 # from the config). lm_head.weight is skipped too where config.json ties it to the embedding,
@@ -84,7 +84,7 @@ def _settings(model_config: Any) -> dict[str, Any]:
             f"config.model.name={name!r}: only {models.able('hf')} maps onto a HuggingFace folder"
         )
     with errors.config_errors():
-        keys = llama.settings(section)
+        keys = decoder.settings(section)
         families.check(keys)
     return keys
 
@@ -96,7 +96,7 @@ def read_settings(model_config: Any) -> dict[str, Any]:
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The `config.model` section (`name="llama"`, its `family`, and the keys of
-    `llama.CONFIG_KEYS` that a checkpoint fixes) for a folder of a family `mptrain.hf.families`
+    `decoder.CONFIG_KEYS` that a checkpoint fixes) for a folder of a family `mptrain.hf.families`
     reads (or its config.json). Keys transformers has defaults for may be absent (its defaults
     are the family's: `families.Family.defaults`); the sizes may not. Errors: `ConfigError`
     naming the file and the key."""
@@ -258,9 +258,9 @@ def save(
     float16 values past its range are an error, not infinities). `params` (numpy or jax
     arrays, scanned or not) must have the shapes `model_config` gives."""
     with errors.config_errors():
-        out_dtype = precision.parse_dtype(dtype, "dtype")
+        out_dtype = dtypes.parse_dtype(dtype, "dtype")
         errors.check_integer("max_shard_bytes", max_shard_bytes, 1)
-    name = {precision.F32: "float32", precision.BF16: "bfloat16", precision.F16: "float16"}
+    name = {dtypes.F32: "float32", dtypes.BF16: "bfloat16", dtypes.F16: "float16"}
     hf_config = to_hf_config(model_config, name[out_dtype])
     c = _settings(model_config)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -313,7 +313,7 @@ def _export(x: Any, leaf: names.Leaf, dtype: np.dtype) -> np.ndarray:
             hf_io.transpose_into(out, x)
         else:
             out[...] = x
-    if dtype == precision.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
+    if dtype == dtypes.F16 and not np.isfinite(out).all() and np.isfinite(x).all():
         big = float(np.abs(x.astype(np.float32)).max())
         raise errors.ConfigError(
             f"params/{leaf.path}: |value| {big:g} is past float16's range (65504); export "

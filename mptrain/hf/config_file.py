@@ -12,7 +12,7 @@ from typing import Any
 from mptrain import errors
 from mptrain.hf import families, multimodal
 from mptrain.hf.tensors import read_json
-from mptrain.models import llama
+from mptrain.models import decoder
 
 FULL, SLIDING = families.FULL, families.SLIDING
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -46,7 +46,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
     theta, scaling, local = _rope(file, raw, gemma)
     return {
-        "name": llama.RECORD.name,
+        "name": decoder.RECORD.name,
         "family": family.name,
         "vocab_size": get("vocab_size"),
         "d_model": hidden,

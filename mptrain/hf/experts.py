@@ -52,7 +52,7 @@ def layer_names(family: str) -> dict[tuple[str, ...], tuple[str, bool]]:
 
 
 def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
-    """The decoder's expert keys (`mptrain.models.moe.CONFIG_KEYS`) from config.json `raw`."""
+    """The decoder's expert keys (`decoder.moe.CONFIG_KEYS`) from config.json `raw`."""
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
         if raw.get(key) not in harmless:

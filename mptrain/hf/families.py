@@ -1,6 +1,6 @@
 """The families of HuggingFace causal LMs that mptrain's decoder reads and writes, as data: a
 `Family` a folder's `architectures` (or `model_type`) names, which reads its config.json's own
-keys into the decoder's switches (`mptrain.models.blocks`) and writes them back.
+keys into the decoder's switches (`mptrain.models.decoder.blocks`) and writes them back.
 
   * llama (LlamaForCausalLM): with `attention_bias`, the four attention projections biased;
   * mistral (MistralForCausalLM): `sliding_window` on every layer when set (4,096 if absent);
@@ -42,7 +42,7 @@ from typing import Any
 from mptrain import errors
 from mptrain.hf import experts
 from mptrain.hf.family import Family, bias, checked, unlike
-from mptrain.models.llama import FULL, SLIDING
+from mptrain.models.decoder import FULL, SLIDING
 
 _PARTIAL = "partial_rotary_factor"  # Phi-3's part of a head that RoPE rotates
 

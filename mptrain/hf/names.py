@@ -1,5 +1,5 @@
 """The names of the decoder's params in a HuggingFace folder, both ways (`mptrain.hf`'s table):
-each param of the llama tree (`mptrain.models.llama`'s layout) is one HF tensor a layer,
+each param of the llama tree (`mptrain.models.decoder`'s layout) is one HF tensor a layer,
 transposed where it is a kernel, or a block of rows of one (a family's fused projections,
 Phi-3's `qkv_proj` [q | k | v] and `gate_up_proj` [gate | up]: `families.Family.fused`)."""
 
@@ -12,7 +12,7 @@ import jax
 
 from mptrain import errors
 from mptrain.hf import experts, families
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 
 LAYER_PREFIX = "model.layers.{}."
 # A block's params (path under the layer) -> HF name under model.layers.i., transposed?

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mptrain import dtypes, optim
 from mptrain.inspect import hlo, program
-from mptrain.recipe import fp8_names, frozen, loss_scale, numerics, optim, precision, train_state
+from mptrain.recipe import fp8_names, frozen, loss_scale, numerics, precision, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -83,7 +84,7 @@ def setup_warnings(config: Any) -> list[str]:
     policy = precision.get_policy(config.precision)
     opt = config.optimizer
     warnings = []
-    if policy.compute_dtype == precision.F16:
+    if policy.compute_dtype == dtypes.F16:
         scaler = loss_scale.create_loss_scale(config.loss_scale.kind, policy)
         if isinstance(scaler, loss_scale.NoOpLossScale):
             warnings.append(
@@ -94,7 +95,7 @@ def setup_warnings(config: Any) -> list[str]:
             )
     rounding = train_state.resolve_param_rounding(config.get("param_rounding", "auto"), policy)
     learning_rate = opt.get("learning_rate")
-    if policy.param_dtype in (precision.BF16, precision.F16) and rounding == "nearest":
+    if policy.param_dtype in (dtypes.BF16, dtypes.F16) and rounding == "nearest":
         half_eps = float(jnp.finfo(policy.param_dtype).eps) / 2
         if isinstance(learning_rate, int | float) and learning_rate < half_eps:
             warnings.append(

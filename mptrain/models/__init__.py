@@ -1,7 +1,10 @@
 """Models whose numerically sensitive parts run in fp32 ("fp32 islands"), and their registry.
 
 Each module here with a `create_model(model_config, compute_dtype)` is a model `config.model.name`
-can name (`layers` holds their shared parts). It declares `CONFIG_KEYS`: the keys it reads under
+can name: the one decoder (`decoder/`, "llama", every HuggingFace family), the byte-level
+`transformer_lm` (the default run's, and the yardstick's), and the classifiers `cnn`, `mlp` and
+`resnet`; their shared parts are `layers`, `attention`, `remat`, `lora`, `lm_loss`, `dpo_loss`,
+`segments` and `splash`. Each declares `CONFIG_KEYS`: the keys it reads under
 `config.model`, with their defaults (`name` is the base config's), and `RECORD`: what it can do
 (`mptrain.models.record.Record`), which every other module asks (`record_of`) instead of
 comparing names. Its `create_model` rejects a bad value with a `ConfigError` naming the key,

@@ -45,7 +45,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mptrain.recipe import q8, sharding
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 
 Dtype = Any
 

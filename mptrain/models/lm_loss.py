@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.models import layers
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 
 # Under ``chunk=None``: one chunk while a sequence's logits are at most AUTO_CHUNK_ELEMENTS
 # (64 MiB of fp32); else chunks of a power of two within that, but of AUTO_MIN_POSITIONS or
@@ -203,7 +203,7 @@ def token_loss(
     ``logps``: fp32 ``[B, L]``, each target's log-probability (0 where masked), which DPO sums
     per sequence (``dpo_loss``); XLA drops it where nothing reads it.
     ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
-    ``split``: a tensor group's (`mptrain.recipe.tensor.Split`): ``kernel`` is this device's
+    ``split``: a tensor group's (`mptrain.parallel.tensor.Split`): ``kernel`` is this device's
     part of the vocabulary, ``hidden`` and ``targets`` every token of the group; the per-token
     values are the whole vocabulary's, and each device keeps its own part of the tokens.
     """

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from mptrain import errors
-from mptrain.recipe import q8, sharding
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 
 ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
 # The keys of `config.lora` with their defaults: attention's and the MLP's projections of both

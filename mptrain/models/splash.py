@@ -86,7 +86,7 @@ def split_attention(q, k, v, index, context, split, ids=None, window=None, scale
     static mask for each ``j``, so each chunk runs the branch of its ``j`` (``lax.switch``);
     the kernel skips the tiles the mask leaves empty, so the devices' work is balanced. ``ids``
     (``[B, 2c]``, the queries' segment ids) keep packed rows' examples apart."""
-    from mptrain.models import context_attention
+    from mptrain.models.decoder import context_attention
 
     c = q.shape[1] // 2
     natural = lambda x: context_attention.natural(x, context)

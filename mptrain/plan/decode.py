@@ -3,7 +3,7 @@ costs against the floor of reading the weights and the KV cache once (`python -m
 --decode`).
 
 Decoding at a small batch is bound by memory: each token reads every weight once and the KV
-cache once. `plan_decode` compiles the step `mptrain.models.decode` runs a token (the layers
+cache once. `plan_decode` compiles the step `mptrain.models.decoder.decode` runs a token (the layers
 unrolled, one token a row attending over a KV cache of `context` slots in the compute dtype,
 the weights in the dtypes the run casts them to) for the target, and reads the program: the
 bytes its kernels move (`roofline.bytes_moved`: each slice of a stacked buffer counted as a
@@ -28,7 +28,7 @@ def plan_decode(config: Any, target_name: str, batch: int = 1, context: int = 20
     from mptrain import config as config_lib
     from mptrain import errors, models, target
     from mptrain.inspect import program
-    from mptrain.models import decode
+    from mptrain.models.decoder import decode
     from mptrain.plan import roofline
 
     if not getattr(models.record_of(config), "decodes", False):

@@ -47,7 +47,7 @@ def refused(config, knobs: dict[str, Any], count: int, devices: Any = None) -> s
 
     from mptrain import config as config_lib
     from mptrain import data, errors, models
-    from mptrain.recipe import layout
+    from mptrain.parallel import layout
 
     candidate = changed(config, knobs)
     try:

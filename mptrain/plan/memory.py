@@ -117,7 +117,7 @@ def bases(frozen: Any) -> list:
     """The frozen base's tensors, an 8-bit one (`q8.Q8`) as the one tensor it stands for."""
     import jax
 
-    from mptrain.recipe import q8
+    from mptrain.optim import q8
 
     return jax.tree.leaves(
         jax.tree.map(lambda x: x.codes if q8.is_q8(x) else x, frozen, is_leaf=q8.is_q8)

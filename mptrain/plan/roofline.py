@@ -117,7 +117,7 @@ def _attention_flops(prog: program.Program, inst: program.Instruction, target: s
     examples, so their share of it is an upper bound (rows of n equal examples do 1/n of it).
     A sliding window of W keys (`sliding_window_length`) does W(W+1)/2 + (L-W)W of the L^2
     (query, key) pairs, the tiles outside it skipped. A padding mask over `Lk` keys for `Lq`
-    queries is a split sequence's prefix (`models.context_attention`, its only user): device
+    queries is a split sequence's prefix (`models.decoder.context_attention`, its only user): device
     `i`'s two chunks see `i c` and `(2C - 1 - i) c` of the keys, `C = Lk / (2 Lq)`, so a call
     does `(2C - 1) / (4C)` of its product on average, the kernel skipping the keys past the
     length."""

@@ -175,7 +175,7 @@ def _trace(trainer) -> tuple[Any, Any, dict, Any]:
     import numpy as np
 
     from mptrain import data
-    from mptrain.recipe import layout, sharding
+    from mptrain.parallel import layout, sharding
 
     config, mesh = trainer.config, trainer.mesh
     example = (

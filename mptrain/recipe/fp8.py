@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from mptrain import errors
-from mptrain.recipe import mxfp8, tensor
+from mptrain.parallel import tensor
+from mptrain.recipe import mxfp8
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
 E5M2 = jnp.float8_e5m2  # gradients: more range

@@ -8,8 +8,8 @@ from typing import Any
 
 from flax import traverse_util
 
+from mptrain.parallel.sharding import STACKED  # a scanned stack's scaling state lives under it
 from mptrain.recipe.fp8 import META, TENSORS
-from mptrain.recipe.sharding import STACKED  # a scanned stack's scaling state lives under it
 
 
 def counter_names(model_state: Any) -> list[str]:

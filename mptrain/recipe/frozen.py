@@ -5,8 +5,9 @@ are the state's `params`: fp32 masters (or what the policy says), with gradients
 state. The rest are the state's `frozen`: stored once, in the compute dtype or, for large
 kernels, block-quantized to 8 bits (`q8.Q8`, the format of the 8-bit moments, rounded to
 nearest), with no master copy, no gradient and no optimizer state. The step hands the model
-both, merged back into one tree (`merge`), cast as the policy says (`Policy.compute_dtypes`: an
-8-bit leaf goes on as it is, and the model dequantizes it inside its matmul).
+both, merged back into one tree (`parallel.sharding.merge`), cast as the policy says
+(`Policy.compute_dtypes`: an 8-bit leaf goes on as it is, and the model dequantizes it inside
+its matmul).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain.recipe import precision, q8
+from mptrain.optim import q8
+from mptrain.recipe import precision
 
 
 def split(params: Any, trains: Callable[[str], bool]) -> tuple[dict, dict]:
@@ -33,18 +35,6 @@ def split(params: Any, trains: Callable[[str], bool]) -> tuple[dict, dict]:
         else:
             (train if trains(str(key)) else frozen)[key] = value
     return train, frozen
-
-
-def merge(a: Any, b: Any) -> Any:
-    """The union of two nested dicts with no leaf in common (`split`'s inverse)."""
-    if not b:
-        return a
-    if not a:
-        return b
-    out = dict(a)
-    for key, value in b.items():
-        out[key] = merge(out[key], value) if key in out else value
-    return out
 
 
 def store(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain import errors
+from mptrain import dtypes, errors
 from mptrain.recipe import precision
 
 _F32 = jnp.float32
@@ -282,7 +282,7 @@ def resolve_kind(kind: str, policy: precision.Policy | str | None) -> str:
         return kind
     if policy is None:
         raise ValueError("kind='auto': needs the precision policy")
-    return "dynamic" if precision.get_policy(policy).compute_dtype == precision.F16 else "none"
+    return "dynamic" if precision.get_policy(policy).compute_dtype == dtypes.F16 else "none"
 
 
 def _check_start(init_scale: Any, settings: dict[str, Any]) -> None:

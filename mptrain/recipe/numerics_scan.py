@@ -1,4 +1,4 @@
-"""Per-layer numerics inside a scanned stack (`mptrain.models.stack`): a row per call per layer.
+"""Per-layer numerics inside a scanned stack (`models.decoder.stack`): a row per call per layer.
 
 A scanned block's module calls are traced once, inside the scan's body, so a recorder that
 closed over one taps array would sum the layers' rows (and their amaxes) into one. Instead the
@@ -18,7 +18,7 @@ import contextvars
 import dataclasses
 from typing import Any
 
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 
 # the recording under way (`numerics.recording`'s `_Recording`), or None
 ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("mptrain_numerics", default=None)

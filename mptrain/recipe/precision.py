@@ -1,4 +1,6 @@
-"""Precision policies, dtype names, fp32 upcasting and rounding rules: one home for each.
+"""Precision policies: which dtype a value lives in, and which params the model gets in fp32.
+
+The dtypes themselves, the fp32 upcast and the rounding rules are `mptrain.dtypes`'.
 
 A `Policy` says which dtype params are stored in, computed in, and returned in. It is a small
 frozen dataclass, hashable so that it can sit in a static field of the `TrainState` and be part
@@ -23,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mptrain.recipe import q8
+from mptrain.dtypes import DTYPES, F32, parse_dtype
+from mptrain.optim import q8
 
-F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
-DTYPES = {"f32": F32, "float32": F32, "bf16": BF16, "bfloat16": BF16, "f16": F16, "float16": F16}
 _KEYS = {"p": "params", "params": "params", "c": "compute", "compute": "compute"}
 _KEYS |= {"o": "output", "output": "output"}
 
@@ -41,20 +42,6 @@ PRESETS = {
 FP8 = "fp8"  # the part of a policy's long form that turns the fp8 matmuls on
 
 
-def parse_dtype(value: Any, key: str) -> np.dtype:
-    """One of float32/bfloat16/float16 from a name in `DTYPES` or a dtype; errors name `key`."""
-    if isinstance(value, str):
-        found = DTYPES.get(value.strip().lower())
-    else:
-        try:
-            found = np.dtype(value)
-        except TypeError:
-            found = None
-    if found not in (F32, BF16, F16):
-        raise ValueError(f"{key}={value!r}: valid dtypes are {', '.join(DTYPES)}")
-    return found
-
-
 def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
     def cast(x):
         if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
@@ -62,11 +49,6 @@ def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
-
-
-def to_f32(tree: Any) -> Any:
-    """Every leaf as a float32 array (ints and bools too: for metrics and fp32 arithmetic)."""
-    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
 # A flax/NNX embedding table (`.../embedding`, `pos_embedding`), and the scale and bias of a
@@ -167,6 +149,11 @@ class Policy:
             f" ({shown})" if kept else ""
         )
 
+    @staticmethod
+    def cast_as(tree: Any, dtypes: Any) -> Any:
+        """`cast_as`, for the code below the recipe that is handed a policy."""
+        return cast_as(tree, dtypes)
+
     def cast_params(self, params: Any) -> Any:
         """`params` as the model gets them: `compute_dtypes` applied."""
         return cast_as(params, self.compute_dtypes(params))
@@ -243,54 +230,3 @@ def get_policy(spec: str | Policy, keep_fp32: str | None = None) -> Policy:
     if fp8 and found["compute"] == F32:
         raise ValueError(f"precision={spec!r}: fp8 matmuls need a 16-bit compute dtype")
     return Policy(found["params"], found["compute"], found["output"], keep_fp32, fp8)
-
-
-# --------------------------------------------------------------------------- rounding
-
-
-def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-    """`x` rounded to the nearest value of the narrower float `dtype`, kept in `x`'s dtype.
-
-    The same numbers as `x.astype(dtype).astype(x.dtype)`, but that round trip is one XLA may
-    drop when it allows excess precision (XLA:GPU's default), and a trick that needs the rounded
-    value itself, such as Kahan's compensation, would then silently do nothing. Rounding with
-    `reduce_precision` is an operation of its own that no compiler pass removes.
-    """
-    info = jnp.finfo(dtype)
-    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    if info.nexp < jnp.finfo(x.dtype).nexp:
-        # reduce_precision flushes the narrower type's subnormals to zero where a cast keeps
-        # them; they sit on one evenly spaced grid, so round them there (scaling by a power of
-        # two is exact, and jnp.round breaks ties to even as the cast does)
-        step = float(info.smallest_subnormal)
-        tiny = jnp.abs(x) < float(info.smallest_normal)
-        rounded = jnp.where(tiny, jnp.round(x / step) * step, rounded)
-    return rounded
-
-
-# --------------------------------------------------------------------------- stochastic rounding
-
-
-def stochastic_round_to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
-    """Rounds fp32 to bf16 up or down with probability given by the distance to each.
-
-    bf16 keeps the top 16 bits of an fp32 number. Adding uniform noise to the 16 bits that are
-    dropped and then truncating rounds up exactly when the noise carries into the kept bits,
-    which happens with probability equal to the dropped fraction: unbiased in expectation, so
-    updates far below bf16's resolution still move the weights on average.
-    """
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
-    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-    rounded = jnp.where(jnp.isfinite(x), rounded, bits)  # leave inf/nan as they are
-    return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
-
-
-def stochastic_round_tree(tree: Any, key: jax.Array) -> Any:
-    """`stochastic_round_to_bf16` on every leaf, each with its own key split from `key`."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
-        return tree
-    keys = jax.random.split(key, len(leaves))
-    rounded = [stochastic_round_to_bf16(x, k) for x, k in zip(leaves, keys, strict=True)]
-    return jax.tree.unflatten(treedef, rounded)

@@ -16,9 +16,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
+from mptrain import dtypes
+from mptrain.optim import layerwise
+from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import layerwise, numerics, precision, sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import numerics
 from mptrain.recipe import train_state as train_state_lib
 
 # loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, aux))
@@ -96,9 +99,9 @@ def make_train_step(
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
-    `mesh`: an `mptrain.recipe.sharding` mesh of several devices (axes `("data", "fsdp")`) makes the
+    `mesh`: a mesh of several devices (axes `("data", "fsdp", ...)`) makes the
     gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
-    in fp32, one finiteness count (see `mptrain.recipe.sharding`). Jit the step with the state in
+    in fp32, one finiteness count (see `mptrain.parallel.sharding`). Jit the step with the state in
     `sharding.state_shardings(mesh, state)` and the batch in `layout.batch_sharding(mesh)`.
     `per_layer`: also record every module call's numerics (`mptrain.recipe.numerics`): the
     metrics get `numerics` (the table) and `numerics_origin` (where the first non-finite value
@@ -157,7 +160,7 @@ def make_train_step(
         model_state = _like(model_state, state.model_state)
         # A skipped step keeps params, opt_state (and with it the optimizer's count, so the
         # schedule does not drift) and model_state bit-identical; only the counters move.
-        if policy.param_dtype != precision.F16:
+        if policy.param_dtype != dtypes.F16:
             applied = finite  # known before the update: the update keeps what it skips
             updated = state.apply_gradients(grads=grads, apply=applied, global_norm=grad_norm)
             model_state = _fp8_update(model_state, amaxes, state, updated)
@@ -189,7 +192,7 @@ def make_train_step(
             "grads_finite": finite,
             "applied": applied,
             "skipped_steps": new_state.skipped_steps,
-            **precision.to_f32(aux),
+            **dtypes.to_f32(aux),
         }
         if amax_probes is not None:  # per fp8 layer and tensor: the updates that clipped
             metrics["fp8_saturated"] = fp8_lib.counters(new_state.model_state)
@@ -229,10 +232,10 @@ def make_eval_step(
             with policy.matmuls():
                 forward = sharding.forward_fn(metric_fn, policy, mesh)
                 metrics = forward(state.model_params, state.model_state, batch)
-            return precision.to_f32(metrics)
+            return dtypes.to_f32(metrics)
         with policy.matmuls(), sharding.cast_params(policy, state.model_params) as params:
             metrics = metric_fn(params, state.model_state, batch)
-        return precision.to_f32(metrics)
+        return dtypes.to_f32(metrics)
 
     return eval_step
 

@@ -17,10 +17,11 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from mptrain import errors
-from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import layerwise, optim, precision
+from mptrain import dtypes, errors, optim
+from mptrain.optim import layerwise
+from mptrain.parallel import sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import precision
 
 ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
 _ROUNDING_SALT = 0x5EED
@@ -36,13 +37,13 @@ def resolve_param_rounding(rounding: str, policy: precision.Policy | str) -> str
     policy = precision.get_policy(policy)
     rounding = errors.check_choice("param_rounding", rounding, ROUNDINGS)
     if rounding == "auto":
-        return "stochastic" if policy.param_dtype == precision.BF16 else "nearest"
-    if rounding != "nearest" and policy.param_dtype == precision.F32:
+        return "stochastic" if policy.param_dtype == dtypes.BF16 else "nearest"
+    if rounding != "nearest" and policy.param_dtype == dtypes.F32:
         raise ValueError(
             f"param_rounding={rounding!r}: only applies to 16-bit params, but the policy "
             f"'{policy}' keeps params in float32; use 'auto' or 'nearest'"
         )
-    if rounding == "stochastic" and policy.param_dtype != precision.BF16:
+    if rounding == "stochastic" and policy.param_dtype != dtypes.BF16:
         raise ValueError(
             f"param_rounding='stochastic': supports bfloat16 params, not {policy.param_dtype}"
         )
@@ -72,7 +73,7 @@ class TrainState(train_state.TrainState):
     @property
     def model_params(self) -> Any:
         """Every param the model takes: `params` and `frozen` in one tree."""
-        return frozen_lib.merge(self.params, self.frozen)
+        return sharding.merge(self.params, self.frozen)
 
     loss_scale: Any = None
     rng: jax.Array | None = None
@@ -156,14 +157,14 @@ class TrainState(train_state.TrainState):
     def _update(self, old, grads, opt_state, compensation, *, apply, layer=None, **extra):
         """`apply_gradients`' update of these trees (or of a layer's slices of them, `layer`:
         `layerwise`): `(params, opt_state, compensation)`."""
-        params32 = precision.to_f32(old)
+        params32 = dtypes.to_f32(old)
         gated = apply is not None and isinstance(self.tx, optim.Gated)
         if gated:
             extra = {**extra, "apply": apply, **({} if layer is None else {"layer": layer})}
         else:
             extra = {}
         updates, new_state = self.tx.update(grads, opt_state, params32, **extra)
-        updates = precision.to_f32(updates)
+        updates = dtypes.to_f32(updates)
         kept_compensation = compensation
         if self.param_rounding == "nearest":
             params = jax.tree.map(
@@ -173,14 +174,14 @@ class TrainState(train_state.TrainState):
             key = jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
             key = jax.random.fold_in(key, _ROUNDING_SALT)
             key = key if layer is None else jax.random.fold_in(key, layer)
-            params = precision.stochastic_round_tree(jax.tree.map(jnp.add, params32, updates), key)
+            params = dtypes.stochastic_round_tree(jax.tree.map(jnp.add, params32, updates), key)
         else:  # kahan: carry the part of each update that rounding dropped into the next one
             dtype = self.policy.param_dtype
             wanted = jax.tree.map(lambda u, c: u + c.astype(jnp.float32), updates, compensation)
             # The new params are rounded explicitly and kept in fp32 for the compensation: a
             # cast to 16 bits and back is a round trip a compiler allowed excess precision may
             # skip (XLA:GPU's default), and the compensation would then always come out zero.
-            new = jax.tree.map(lambda p, w: precision.round_to(p + w, dtype), params32, wanted)
+            new = jax.tree.map(lambda p, w: dtypes.round_to(p + w, dtype), params32, wanted)
             params = jax.tree.map(lambda n: n.astype(dtype), new)  # exact: already rounded
             compensation = jax.tree.map(
                 lambda n, old, w: (w - (n - old)).astype(dtype), new, params32, wanted

@@ -26,7 +26,7 @@ SAMPLES = "samples.jsonl"
 class Sampler:
     def __init__(self, trainer: Any, run: Any):
         from mptrain.data import codec
-        from mptrain.models import decode
+        from mptrain.models.decoder import decode
 
         cfg = trainer.config.sample
         self.prompts = list(cfg.prompts)

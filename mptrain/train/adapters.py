@@ -19,8 +19,10 @@ import jax
 
 from mptrain import errors
 from mptrain.models import lora as lora_lib
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import precision, q8, sharding
+from mptrain.recipe import precision
 from mptrain.train import fingerprints
 
 BASE = "base"  # the meta key of the base's fingerprint

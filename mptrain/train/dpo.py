@@ -39,7 +39,7 @@ from mptrain import errors, files
 from mptrain.data import dpo as dpo_data
 from mptrain.data import token_cache
 from mptrain.models import dpo_loss
-from mptrain.recipe import layout, sharding
+from mptrain.parallel import layout, sharding
 from mptrain.train import fingerprints, trainer
 
 TRAINER = dpo_data.TRAINER

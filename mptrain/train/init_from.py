@@ -46,7 +46,7 @@ from absl import logging
 from mptrain import config as config_lib
 from mptrain import errors
 from mptrain.models import lora as lora_lib
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 from mptrain.train import adapters, checkpoint, checkpoint_meta, fingerprints
 
 # Model keys a run may set otherwise than the weights it starts from: how the step computes

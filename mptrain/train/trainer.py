@@ -36,12 +36,14 @@ import optax
 from absl import logging
 
 from mptrain import config as config_lib
-from mptrain import data, errors, files, models, runtime
+from mptrain import data, errors, files, models, optim, runtime
 from mptrain.inspect import audit
 from mptrain.models import layers
 from mptrain.models import nnx as nnx_models
-from mptrain.recipe import layout, optim, schedules, sharding, step
+from mptrain.optim import schedules
+from mptrain.parallel import layout, sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
+from mptrain.recipe import step
 from mptrain.recipe import train_state as train_state_lib
 from mptrain.record import log_totals, loggers, profile, samples, throughput
 from mptrain.record import metrics as metrics_lib

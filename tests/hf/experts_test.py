@@ -19,7 +19,8 @@ from hf.hf_test import _error, _reference
 
 import mptrain
 from mptrain import generate, hf
-from mptrain.models import decode, llama
+from mptrain.models import decoder as llama
+from mptrain.models.decoder import decode
 
 FAMILIES = Path(__file__).parent / "families"
 NAMES = ("qwen3_moe", "mixtral")
@@ -165,7 +166,7 @@ def test_an_expert_folders_bf16_mixed_logits_stay_in_the_band_until_a_near_tie(n
     from hf.hf_test import BF16_BOUND
     from hf.hf_test import _logits as logits_of
 
-    from mptrain.models import moe
+    from mptrain.models.decoder import moe
 
     model_config, params = hf.load(FAMILIES / name, scan_layers=False)
     ids, want = _reference(FAMILIES / name)

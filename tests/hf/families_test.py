@@ -24,7 +24,8 @@ from helpers import ROOT, packed_and_alone, run_cli
 from hf.hf_test import BF16_BOUND, _error, _reference
 
 from mptrain import errors, export, generate, hf
-from mptrain.models import decode, llama
+from mptrain.models import decoder as llama
+from mptrain.models.decoder import decode
 
 FAMILIES = Path(__file__).parent / "families"
 NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")

@@ -36,8 +36,9 @@ from jax.sharding import Mesh
 
 from mptrain import errors, hf
 from mptrain.hf import tensors as hf_io
-from mptrain.models import llama
-from mptrain.recipe import precision, sharding
+from mptrain.models import decoder as llama
+from mptrain.parallel import sharding
+from mptrain.recipe import precision
 
 FIXTURE = Path(__file__).parent / "fixture"
 FOLDERS = {"untied": FIXTURE, "tied": FIXTURE / "tied"}

@@ -15,9 +15,10 @@ from helpers import needs_devices, normal, tiny_config
 
 import mptrain
 from mptrain import config as config_lib
+from mptrain import optim
 from mptrain.inspect import audit, hlo
 from mptrain.models import attention, layers
-from mptrain.recipe import optim, precision
+from mptrain.recipe import precision
 
 
 @pytest.mark.parametrize(

@@ -284,7 +284,7 @@ def test_layers_of_two_kinds_lower_to_cudnn_with_each_layers_own_window_and_scal
     holds no [B, H, L, L] buffer is the plan's to say: Gemma-3-12B's in docs/fine-tuning.md)."""
     from jax._src.cudnn import fused_attention_stablehlo
 
-    from mptrain.models import llama
+    from mptrain.models import decoder as llama
 
     monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90800)
     pretend_gpu(monkeypatch)

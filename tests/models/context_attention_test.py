@@ -1,14 +1,15 @@
-"""The fused kernels behind a split sequence's attention (`models.context_attention`): cuDNN's
+"""The fused kernels behind a split sequence's attention (`decoder.context_attention`): cuDNN's
 forward and backward as the merge calls them, against the jnp kernel of the same two
 functions. They need a GPU with cuDNN (make test-gpu); on a CPU the whole scheme runs with the
-jnp kernel in tests/recipe/context_test.py."""
+jnp kernel in tests/parallel/context_test.py."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import normal
 
-from mptrain.models import attention, context_attention
+from mptrain.models import attention
+from mptrain.models.decoder import context_attention
 
 pytestmark = pytest.mark.skipif(
     not attention.local_backend().cudnn, reason="cuDNN's fused attention: a GPU (make test-gpu)"

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from helpers import integers, llama_config
 
-from mptrain.models import decode, llama
-from mptrain.recipe import sharding
+from mptrain.models import decoder as llama
+from mptrain.models.decoder import decode
+from mptrain.parallel import sharding
 
 STEPS = 16
 # Two prompts of 25 and 32 tokens: with 16 steps the full sequences are the [2, 48] of the Llama

@@ -21,8 +21,11 @@ from helpers import (
 )
 from jax.sharding import PartitionSpec
 
-from mptrain.models import layers, llama, rope
-from mptrain.recipe import layout, precision, sharding
+from mptrain.models import decoder as llama
+from mptrain.models import layers
+from mptrain.models.decoder import rope
+from mptrain.parallel import layout, sharding
+from mptrain.recipe import precision
 
 SCALING = LLAMA_SCALING
 _config = llama_config

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (`mptrain.models.moe`) against transformers' own blocks and loss
+"""The mixture-of-experts MLP (`decoder.moe`) against transformers' own blocks and loss
 (`tests/models/moe_fixture.npz`, made by `scripts/make_moe_fixture.py`), and why its router is
 fp32."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from helpers import ROOT, normal
 
-from mptrain.models import grouped, moe
+from mptrain.models.decoder import grouped, moe
 
 REF = np.load(ROOT / "tests" / "models" / "moe_fixture.npz")
 

@@ -158,7 +158,7 @@ def test_fsdp_over_4_h100s_reduces_gradients_in_fp32_and_gathers_bf16():
     sites = [where for found in result.collective_sites.values() for where in found]
     # the recipe's reductions; and the loss's count of tokens, summed over the devices (the
     # mean is every device's: `layers.masked_mean`), a scalar
-    ours = ("mptrain/recipe/sharding.py:", "mptrain/models/layers.py:")
+    ours = ("mptrain/parallel/sharding.py:", "mptrain/models/layers.py:")
     assert all(where.startswith(ours) for where in sites), sites
 
 

@@ -18,7 +18,8 @@ from helpers import (
 )
 
 import mptrain
-from mptrain.recipe import fp8, fp8_names, sharding
+from mptrain.parallel import sharding
+from mptrain.recipe import fp8, fp8_names
 
 # steps compared one by one: delayed scaling (make test-slow) reads 20 of them back from its
 # histories; current scaling (make test) only logs them, and 8 show every layer's row filled

@@ -9,8 +9,10 @@ import pytest
 from helpers import needs_devices, normal
 from jax.sharding import Mesh
 
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 from mptrain.plan import memory as plan_memory
-from mptrain.recipe import frozen, precision, q8, sharding
+from mptrain.recipe import frozen, precision
 
 POLICY = precision.get_policy("bf16-mixed")
 
@@ -35,7 +37,7 @@ def test_split_and_merge_are_inverse_and_keep_each_leaf_on_one_side():
     trained, rest = frozen.split(params, _adapter)
     assert set(trained["w"]) == {"lora_a", "lora_b"} and "embed" not in trained
     assert set(rest) == {"embed", "w"} and set(rest["w"]) == {"kernel"}
-    merged = frozen.merge(trained, rest)
+    merged = sharding.merge(trained, rest)
     assert jax.tree.structure(merged) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, merged, params)
 

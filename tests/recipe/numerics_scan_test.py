@@ -8,7 +8,8 @@ from helpers import load_config
 from recipe.fp8_scan_test import unstack
 
 import mptrain
-from mptrain.recipe import numerics, sharding
+from mptrain.parallel import sharding
+from mptrain.recipe import numerics
 
 
 def _trainer(tmp_path, scan, **more):

@@ -16,7 +16,7 @@ import pytest
 from helpers import COMPILERS, drop_round_trips
 
 import mptrain
-from mptrain.recipe import precision
+from mptrain import dtypes
 
 POLICIES = {jnp.bfloat16: "bf16-pure", jnp.float16: "params=float16,compute=float16,output=float32"}
 
@@ -31,7 +31,7 @@ def test_dropping_round_trips_does_what_xla_gpu_may_do():
         np.testing.assert_array_equal(trip(x), [1.0, 3.0])
     np.testing.assert_array_equal(jax.jit(drop_round_trips(trip))(x), x)
     np.testing.assert_array_equal(jax.jit(drop_round_trips(lambda x: trip(bits(x))))(x), x)
-    explicit = lambda x: precision.round_to(x, jnp.bfloat16)
+    explicit = lambda x: dtypes.round_to(x, jnp.bfloat16)
     np.testing.assert_array_equal(jax.jit(drop_round_trips(explicit))(x), [1.0, 3.0])
 
 
@@ -117,13 +117,11 @@ def test_kahan_rounds_explicitly_in_the_compiled_program(dtype):
 
 def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
     x = jnp.full((100_000,), 1.0 + 2**-9, jnp.float32)  # a quarter of the way to the next bf16
-    r = np.asarray(precision.stochastic_round_to_bf16(x, jax.random.key(0)), np.float32)
+    r = np.asarray(dtypes.stochastic_round_to_bf16(x, jax.random.key(0)), np.float32)
     assert set(np.unique(r)) == {1.0, 1.0 + 2**-7}
     assert abs(r.mean() - float(x[0])) < 2e-5
     exact = jnp.asarray([1.5, -2.0, 0.0], jnp.float32)
-    np.testing.assert_array_equal(
-        precision.stochastic_round_to_bf16(exact, jax.random.key(1)), exact
-    )
+    np.testing.assert_array_equal(dtypes.stochastic_round_to_bf16(exact, jax.random.key(1)), exact)
 
 
 def test_rounding_needs_16_bit_params():

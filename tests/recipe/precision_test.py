@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mptrain import dtypes
 from mptrain.recipe import precision
 
 
@@ -72,7 +73,7 @@ def test_round_to_gives_the_numbers_of_a_cast(dtype):
     x = bits.astype(np.uint32).view(np.float32)  # every kind of fp32 number, nan and inf too
     ties = (np.arange(-2000, 2000) + 0.5) * float(info.smallest_subnormal)  # among subnormals
     x = np.concatenate([x, ties, [np.inf, -np.inf, 0.0, -0.0]], dtype=np.float32)
-    got = np.asarray(jax.jit(lambda x: precision.round_to(x, dtype))(x))
+    got = np.asarray(jax.jit(lambda x: dtypes.round_to(x, dtype))(x))
     with np.errstate(over="ignore", invalid="ignore"):
         want = x.astype(dtype).astype(np.float32)
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))

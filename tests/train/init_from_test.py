@@ -40,7 +40,7 @@ from helpers import (
 )
 
 from mptrain import hf
-from mptrain.recipe import sharding
+from mptrain.parallel import sharding
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,10 @@ from helpers import (
 
 from mptrain import models
 from mptrain.models import lora
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 from mptrain.plan import memory as plan_memory
-from mptrain.recipe import frozen, precision, q8
+from mptrain.recipe import frozen, precision
 from mptrain.train import adapters
 from mptrain.train import trainer as trainer_lib
 
@@ -195,7 +197,7 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
     )
     base_model = models.create(trainer.config.model, trainer.policy)
     cast = trainer.policy.cast_params
-    model_params = frozen.merge(state["params"], state["frozen"])
+    model_params = sharding.merge(state["params"], state["frozen"])
     got = trainer.model.apply({"params": cast(model_params)}, tokens)
     want = base_model.apply({"params": cast(dequantized)}, tokens)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

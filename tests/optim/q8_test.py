@@ -21,8 +21,9 @@ from helpers import (
 
 import mptrain
 from mptrain import config as config_lib
+from mptrain import optim
 from mptrain.inspect import audit
-from mptrain.recipe import optim, q8
+from mptrain.optim import q8
 
 CODE_MAX = 448.0  # e4m3's largest finite value: a block's largest magnitude maps onto it
 

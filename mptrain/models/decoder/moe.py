@@ -9,7 +9,7 @@ Where the precision goes (MaxText's `float32_weight_sum`, Megatron-LM's `--moe-r
     or swap, and the token goes to another expert (serving engines report it at near-ties:
     tests/models/moe_test.py counts such tokens). `router_fp32=False` runs the router's matmul
     in the compute dtype (what a 16-bit `F.linear` gives), to show the difference;
-  * the experts: grouped matmuls (`mptrain.models.grouped`: XLA's `ragged_dot`, or on a
+  * the experts: grouped matmuls (`mptrain.models.decoder.grouped`: XLA's `ragged_dot`, or on a
     Hopper GPU JAX's Mosaic kernels) over the token copies sorted by expert, in the compute
     dtype with fp32 accumulation, no token dropped (no capacity); the sort and its inverse are
     gathers forward and backward (`_spread`, `_permute`), never scatters;
@@ -18,7 +18,7 @@ Where the precision goes (MaxText's `float32_weight_sum`, Megatron-LM's `--moe-r
 
 Under `mesh.expert` each device holds `num_experts / expert` of a layer's experts and runs them
 on the tokens of its expert group (`exchange`). What each chip compiles the grouped matmuls to:
-`mptrain.models.grouped`'s doc and docs/mixture-of-experts.md.
+`mptrain.models.decoder.grouped`'s doc and docs/mixture-of-experts.md.
 
 The layer returns its output and its router's statistics (`router_stats`: each expert's count of
 top-k picks and sum of router probabilities, fp32 `[2, E]`), which the decoder sums over its
@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 
 from mptrain import errors
-from mptrain.models import grouped, layers
-from mptrain.recipe import sharding
+from mptrain.models import layers
+from mptrain.models.decoder import grouped
+from mptrain.parallel import sharding
 
 # `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
 # `num_experts` None is a dense MLP in every layer; `expert_d_ff` (None: `d_ff`) each expert's

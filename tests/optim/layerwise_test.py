@@ -1,4 +1,4 @@
-"""The optimizer's update of a stack a layer at a time (`recipe.layerwise`) against the whole
+"""The optimizer's update of a stack a layer at a time (`optim.layerwise`) against the whole
 stack's, on trees small enough to compare, the threshold lowered while one side is traced."""
 
 import jax
@@ -8,8 +8,10 @@ import optax
 import pytest
 from helpers import normal
 
-from mptrain.recipe import layerwise, optim, train_state
-from mptrain.recipe.sharding import STACKED
+from mptrain import optim
+from mptrain.optim import layerwise
+from mptrain.parallel.sharding import STACKED
+from mptrain.recipe import train_state
 
 
 def _state(policy, rounding, moments, params):

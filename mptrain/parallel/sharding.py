@@ -1,6 +1,6 @@
 """Shardings of the state and the sharded gradient: params split over `fsdp` (x `expert` x
 `context`), a mixture's experts over `expert`, each layer's heads, MLP and vocabulary over
-`tensor` (`mptrain.recipe.tensor`): what each axis splits is `mptrain.recipe.layout`'s `RULES`.
+`tensor` (`mptrain.parallel.tensor`): what each axis splits is `mptrain.parallel.layout`'s `RULES`.
 A param is split over `RULES["shard"]` on its largest dimension that divides evenly (another
 than its tensor part's), else replicated; an expert's kernel and a tensor group's part are a
 device's own, never gathered. On one device the mesh is 1x1x1x1x1, and nothing is split.
@@ -42,19 +42,37 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mptrain.recipe import frozen as frozen_lib
-from mptrain.recipe import layout, precision, q8, tensor
+from mptrain.parallel import layout, tensor
 
 AXES = layout.AXES
 tensor_axis = tensor.current  # a tensor group's collectives, while a step is traced
 ExpertSplit, SequenceSplit = layout.ExpertSplit, layout.SequenceSplit  # what a model sees
-EXPERT_KERNELS = ("gate", "up", "down")  # `mptrain.models.moe.MoE`'s params under "moe"
+EXPERT_KERNELS = ("gate", "up", "down")  # `mptrain.models.decoder.moe.MoE`'s params under "moe"
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
 # while a per-device gradient is traced: (the axes the batch is split over, the context axes)
 _SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("mptrain_split", default=None)
 _LAYER_FN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "mptrain_layer_params", default=None
 )
+
+
+def one_tensor(x: Any) -> bool:
+    """Whether `x` stands for one tensor in several arrays that split as it does (it has
+    `shape` and `shardings(spec, mesh)`: an 8-bit moment or frozen kernel, `optim.q8.Q8`)."""
+    return callable(getattr(x, "shardings", None)) and not isinstance(x, jax.Array)
+
+
+def merge(a: Any, b: Any) -> Any:
+    """The union of two nested dicts with no leaf in common: a model's params from the ones
+    that train and the frozen ones (`recipe.frozen.split`'s inverse)."""
+    if not b:
+        return a
+    if not a:
+        return b
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = merge(out[key], value) if key in out else value
+    return out
 
 
 def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
@@ -106,21 +124,19 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
     """Per leaf: split over `layout.RULES["shard"]` (`fsdp` x `expert` x `context`) on the
     largest evenly divisible dimension, else replicated; never on the layer axis of stacked
     layers (`is_stacked`), which the loop walks one layer at a time; an expert's kernel on its
-    expert dimension over `expert` (`_leaf_spec`). An 8-bit moment (`q8.Q8`) is split as the
-    tensor it stands for (`q8.scales_spec`)."""
+    expert dimension over `expert` (`_leaf_spec`). A leaf that stands for one tensor in several
+    arrays (an 8-bit moment, `optim.q8.Q8`: codes and scales) is split as that tensor, each of
+    its arrays as its `shardings(spec, mesh)` says."""
 
     def one(path, x):
         stacked, expert = is_stacked(path), is_expert(path)
-        shape = x.shape if q8.is_q8(x) else np.shape(x)
+        shape = x.shape if one_tensor(x) else np.shape(x)
         spec = _leaf_spec(shape, mesh, stacked, expert, tensor.split_dim(path, len(shape)))
-        if not q8.is_q8(x):
+        if not one_tensor(x):
             return NamedSharding(mesh, spec)
-        scales = q8.scales_spec(tuple(spec), x.shape, x.block_size, dict(mesh.shape))
-        return x.replace(
-            codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
-        )
+        return x.shardings(spec, mesh)
 
-    return jax.tree_util.tree_map_with_path(one, state, is_leaf=q8.is_q8)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=one_tensor)
 
 
 def specs(mesh: Mesh, tree: Any) -> Any:
@@ -251,7 +267,7 @@ def cast_params(policy: Any, params: Any):
         yield policy.cast_params(params)
         return
     dtypes = policy.compute_dtypes(params)[STACKED]
-    with _per_layer(lambda layer: precision.cast_as(layer, dtypes)):
+    with _per_layer(lambda layer: policy.cast_as(layer, dtypes)):
         yield {**policy.cast_params(rest), STACKED: stacked}
 
 
@@ -271,10 +287,10 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callab
         ),
         param_specs,
         policy.compute_dtypes(params),
-        is_leaf=lambda x: isinstance(x, PartitionSpec) or q8.is_q8(x),
+        is_leaf=lambda x: isinstance(x, PartitionSpec) or one_tensor(x),
     )
     gather_all = lambda gathers, tree: jax.tree.map(
-        lambda g, p: g(p), gathers, tree, is_leaf=q8.is_q8
+        lambda g, p: g(p), gathers, tree, is_leaf=one_tensor
     )
 
     def run(fn: Callable, params: Any) -> Any:
@@ -340,7 +356,7 @@ def grad_fn(
 
         def single(params, probes, batch, rng, *rest, frozen=None):
             def loss(params, probes):
-                with cast_params(policy, frozen_lib.merge(params, frozen)) as cast:
+                with cast_params(policy, merge(params, frozen)) as cast:
                     return loss_fn(cast, probes, batch, rng, *rest)
 
             (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
@@ -353,11 +369,11 @@ def grad_fn(
 
         def local(params, frozen, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
-            specs_ = frozen_lib.merge(param_specs, frozen_specs)
-            run = _gathering(policy, mesh, specs_, frozen_lib.merge(params, frozen))
+            specs_ = merge(param_specs, frozen_specs)
+            run = _gathering(policy, mesh, specs_, merge(params, frozen))
 
             def gathered_loss(params, probes):
-                params = frozen_lib.merge(params, frozen)
+                params = merge(params, frozen)
                 return run(lambda p: loss_fn(p, probes, batch, rng, *rest), params)
 
             with _splitting(mesh):

@@ -1,15 +1,21 @@
-"""The decoder of the Llama and of the families that differ from it by a few switches (Mistral,
-Qwen2, Qwen3, Gemma 2 and 3, OLMo 2, SmolLM3, Phi-3: `FAMILIES`), with its fp32 islands, its
-layers scanned (a period of layer kinds at a time where they differ: `stack`) and
-rematerialised by name.
+"""The one decoder (`model.name="llama"`): the Llama and the families that differ from it by a
+few switches (Mistral, Qwen2, Qwen3, Gemma 2 and 3, OLMo 2, SmolLM3, Phi-3, and the mixtures of
+experts Qwen3-MoE and Mixtral: `FAMILIES`), with its fp32 islands, its layers scanned (a period
+of layer kinds at a time where they differ: `stack`) and rematerialised by name.
 
-The blocks (`mptrain.models.blocks`): RMSNorm, grouped-query attention with rotary positions
-(RoPE, with Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and
-the families' switches: biases on the attention's projections, RMSNorm on each head's q and k,
-a sliding window (on the layers `layer_types` names, each with its own RoPE base), Gemma's
-norms, scales, soft-caps and GELU, OLMo 2's norm placement, NoPE layers, partial RoPE and
-longrope (`blocks`). Every matmul takes compute-dtype
-(``dtype``) operands, as in ``transformer_lm``. The fp32 islands:
+The package: this module (its keys, `settings`, `create_model`, what a layout needs of it and
+its `RECORD`), `model` (the module, `Llama`), `blocks` (norms, attention, the MLP and each
+layer's `Shape`), `stack` (the scanned layers), `moe` and `grouped` (a mixture of experts and
+its grouped matmuls), `rope`, `context_attention` (cuDNN's attention over a split sequence) and
+`decode` (the KV cache). It is the zoo's: it may import `mptrain.models`' shared parts and below.
+
+The blocks (`blocks`): RMSNorm, grouped-query attention with rotary positions (RoPE, with
+Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and the
+families' switches: biases on the attention's projections, RMSNorm on each head's q and k, a
+sliding window (on the layers `layer_types` names, each with its own RoPE base), Gemma's norms,
+scales, soft-caps and GELU, OLMo 2's norm placement, NoPE layers, partial RoPE and longrope.
+Every matmul takes compute-dtype (``dtype``) operands, as in ``transformer_lm``. The fp32
+islands:
 
   * RMSNorm: the mean square, its rsqrt and the scaling in fp32 (the scale is a param the
     default casting rule keeps in fp32; Gemma's ``1 + w`` too); only the result is cast back;
@@ -55,158 +61,20 @@ Remat: ``mptrain.models.remat``, per block.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from absl import logging
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import blocks, grouped, layers, lm_loss, moe, rope, stack
+from mptrain.models import layers, lm_loss
 from mptrain.models import remat as remat_lib
-from mptrain.models import segments as segments_lib
-from mptrain.models.blocks import Block, Shape
+from mptrain.models.decoder import blocks, grouped, moe, rope
+from mptrain.models.decoder.model import Llama
 from mptrain.models.record import Record
 from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import sharding
-
-
-class Llama(nn.Module):
-    """``int32[B, L]`` tokens -> ``float32[B, L, V]`` logits; with ``targets`` (``int[B, L]``,
-    below 0 masked) the loss instead, ``lm_loss.token_loss``'s dict, computed chunk by chunk
-    (``loss_chunk``: positions per chunk, None: its automatic choice) with ``z_loss``. A row of
-    packed examples gives ``positions`` (``int[B, L]``, from 0 in each example) and
-    ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
-    ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU.
-
-    Decoding (`mptrain.models.decode`, layers unrolled) gives a ``cache`` (a ``KVCache`` a
-    layer) and each row's ``positions`` and gets ``(logits, cache)``: a prompt (from 0)
-    attends over its own keys as in training, one token a row over the cache; ``logits_at``
-    (``int[B]``) keeps one position's logits a row."""
-
-    vocab_size: int
-    num_layers: int
-    shape: Shape
-    max_len: int
-    dtype: layers.Dtype = jnp.float32
-    tie_embeddings: bool = False
-    implementation: str = "materialized"
-    scan_layers: bool = True
-    remat: str = "none"
-    loss_chunk: int | None = None
-    z_loss: float = 0.0
-    fp8: Any = None
-    lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
-    layer_shapes: tuple[Shape, ...] = ()  # each layer's, where they differ; else `shape`'s
-    embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
-    final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
-    aux_loss_coef: float = 0.0  # the load-balancing loss's weight (a mixture of experts)
-    computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
-
-    @nn.compact
-    def __call__(
-        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
-        segment_lengths=None, cache=None, logits_at=None,
-    ) -> Any:  # fmt: skip
-        del train  # no dropout in a Llama but the adapters', which follows the "dropout" rng
-        segments = segments_lib.segments(segment_ids, segment_lengths)
-        length = layers.check_tokens(tokens, self.max_len)
-        init = nn.initializers.normal(stddev=0.02)
-        split = sharding.tensor_axis() if cache is None else None  # `mptrain.recipe.tensor`
-        vocab = self.vocab_size // (split.size if split else 1)
-        embed = layers.Embed(vocab, self.shape.d_model, self.dtype, init, name="embed")
-        if split is None:
-            x = embed(tokens)
-        else:  # this device's part of the vocabulary, summed over the group by tokens
-            ids = tokens - split.index() * vocab
-            mine = (ids >= 0) & (ids < vocab)
-            x = split.scatter(jnp.where(mine[..., None], embed(jnp.where(mine, ids, 0)), 0))
-        if self.embed_scale:  # Gemma's: the scalar in the activations' dtype, as in transformers
-            x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
-        if positions is None:
-            positions = jnp.arange(length, dtype=jnp.int32)
-        experts = [self._shape(i).experts for i in range(self.num_layers)]
-        routed = max(experts) and cache is None  # the routers' statistics ride with x
-        x = (x, jnp.zeros((2, max(experts)), jnp.float32)) if routed else x
-        x = self._blocks(x, positions, segments, cache)
-        if cache is not None:
-            x, cache = x
-        x, stats = x if routed else (x, None)
-        x = self.shape.norm(self.dtype, "final_norm")(x)
-        x = x if split is None else split.gather(x)  # every token, the head's part of the vocab
-        if logits_at is not None:  # [B, 1, D]: one position a row
-            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-        head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
-                            self.final_softcap, dict_out=bool(routed), name="head")  # fmt: skip
-        kernel = None
-        if self.tie_embeddings:
-            kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
-        out = head(x, targets, kernel)
-        if routed and targets is not None:  # the load-balancing loss, over the real tokens
-            real = tokens.size if segments is None else jnp.sum(segments.ids > 0)
-            aux, share = moe.aux_loss(stats, real * sum(e > 0 for e in experts))
-            out = {**out, "loss": out["loss"] + self.aux_loss_coef * aux}
-            out |= {"moe/aux_loss": aux, "moe/expert_share": share}
-        return out if cache is None else (out, cache)
-
-    def _shape(self, layer: int) -> Shape:
-        return self.layer_shapes[layer] if self.layer_shapes else self.shape
-
-    def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
-        policy = None if cache is not None else remat_lib.make_policy(self.remat)
-        # fp8 in blocks [start, stop); the first and last `fp8.bf16_layers` stay in bf16
-        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
-        args = lambda i: (self._shape(i), self.dtype, self.implementation, self._fp8(i), self.lora)
-        if not self.scan_layers:
-            cls = Block if policy is None else nn.remat(Block, policy=policy)
-            caches = []
-            for i in range(self.num_layers):
-                layer = None if cache is None else cache[i]
-                x = cls(*args(i), name=f"layers_{i}")(x, positions, segments, layer)
-                if cache is not None:
-                    x, layer = x
-                    caches.append(layer)
-            return x if cache is None else (x, tuple(caches))
-        if cache is not None:
-            raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
-        # every layer's params have one shape (the layers differ in window and RoPE only)
-        block = lambda shape, fp8: Block(
-            shape, self.dtype, self.implementation, fp8, self.lora, parent=None
-        )  # applied to one layer's slice at a time
-        bf16 = block(self._shape(0), None)
-
-        def init(rng, x, positions):
-            keys = jax.random.split(rng, self.num_layers)
-            return jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
-
-        # Read as it is when it exists: under FSDP the loop gets each device's shard of the
-        # stack (gathered one layer at a time), which `self.param` would refuse by shape.
-        if self.has_variable("params", sharding.STACKED):
-            stacked = self.get_variable("params", sharding.STACKED)
-        else:
-            stacked = self.param(sharding.STACKED, init, x, positions)
-        # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
-        dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
-        run = functools.partial(stack.scan, x=x, args=(positions, segments), dropout=dropout)
-
-        def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
-            shapes = [self._shape(i) for i in range(a, b)]
-            return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
-
-        if start == stop:
-            return run(period(0, self.num_layers), stacked=stacked, policy=policy)
-        fp8 = Block(*args(start), parent=None)
-        state = stack.fp8_state(self, fp8, (x, positions), start, stop)
-        return stack.spans(run, stacked, period, state, start, stop, policy)
-
-    def _fp8(self, layer: int | None) -> Any:
-        """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
-        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
-        return self.fp8 if layer is not None and start <= layer < stop else None
-
 
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the switches of `blocks.Shape`, and the names its folder gives them.
@@ -412,9 +280,9 @@ def check_mesh(config, model: Llama, example: Any) -> None:
 
 
 def _check_context(config, model: Llama, context: int, example: Any) -> None:
-    """What a sequence split over `mesh.context` devices needs (`recipe.layout`): the
+    """What a sequence split over `mesh.context` devices needs (`parallel.layout`): the
     materialised attention, the TPU's splash kernel (`splash.split_attention`), or cuDNN's
-    (`models.context_attention`) on rows of one sequence each without a sliding window; no
+    (`models.decoder.context_attention`) on rows of one sequence each without a sliding window; no
     longrope (a row's switch reads its largest position, which one device's tokens do not
     know); and sequences that `2 x context` equal chunks divide."""
     where = f"mesh.context={context}"
@@ -442,7 +310,7 @@ def _check_context(config, model: Llama, context: int, example: Any) -> None:
 
 
 def _check_tensor(config, model: Llama, tensor: int, context: int, example: Any) -> None:
-    """What a tensor group of `tensor` devices needs (`mptrain.recipe.tensor`): no experts,
+    """What a tensor group of `tensor` devices needs (`mptrain.parallel.tensor`): no experts,
     heads, key-value heads, MLP units and a vocabulary it divides, and a part of every sequence
     (per context device) it divides by tokens."""
     where = f"mesh.tensor={tensor}"

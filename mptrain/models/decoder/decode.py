@@ -51,7 +51,7 @@ def unscanned(model: Any, params: Any) -> tuple[Any, Any]:
     times the bytes a token must read); the unrolled layers read each weight where it lies.
     MaxText's advice for its decoding too. The params' stack is split once (a copy per call
     of the decoder, not per token)."""
-    from mptrain.recipe import sharding
+    from mptrain.parallel import sharding
 
     if not getattr(model, "scan_layers", False):
         return model, params

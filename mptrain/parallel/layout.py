@@ -19,10 +19,10 @@ that says which axis splits what:
 So a context group still shards weights (as MaxText puts `embed` on `[fsdp, context]`): the
 70B's state is split over all eight devices of a node whichever way the node splits its
 batch. An expert group holds rows of its own as data parallelism does, shards the weights the
-experts share as FSDP does, and keeps its experts apart (`mptrain.models.moe`: each device
+experts share as FSDP does, and keeps its experts apart (`mptrain.models.decoder.moe`: each device
 runs its experts on the tokens of the whole group). A tensor group holds the same rows and
 sequences (the batch is replicated over it) and splits the work of every layer
-(`mptrain.recipe.tensor`): each device its heads, its part of the MLP, its part of the
+(`mptrain.parallel.tensor`): each device its heads, its part of the MLP, its part of the
 vocabulary, and between the blocks its part of the tokens (Megatron's sequence parallelism).
 
 A sequence split over `context` devices is balanced first (`balanced_order`): cut into

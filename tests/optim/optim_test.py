@@ -9,7 +9,8 @@ import pytest
 from helpers import normal
 
 import mptrain
-from mptrain.recipe import optim, schedules
+from mptrain import optim
+from mptrain.optim import schedules
 
 
 def _params(seed=0):

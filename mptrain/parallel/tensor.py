@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mptrain.recipe import layout
+from mptrain.parallel import layout
 
 AXIS = "tensor"
 COLUMNS = ("q", "k", "v", "gate", "up")  # split by output: their kernel's last dim, their bias

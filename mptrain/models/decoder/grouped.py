@@ -1,4 +1,4 @@
-"""Grouped matmuls for a mixture of experts (`mptrain.models.moe`): `x [M, K]`, its rows sorted
+"""Grouped matmuls for a mixture of experts (`moe`): `x [M, K]`, its rows sorted
 into groups of `sizes [G]` rows, times each group's own `w [G, K, N]`; rows past the groups are
 undefined. Two ways, by `KERNELS`:
 

@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mptrain.recipe import precision, q8, sharding
+from mptrain import dtypes
+from mptrain.optim import q8
+from mptrain.parallel import sharding
 
 # elements of one leaf of a stack (its global shape): from here its update is a layer's. The
 # 70B's MLP stacks (1.9e10) and attention's q and o (5.4e9) are above it; the 8B's (1.9e9) are
@@ -44,7 +46,7 @@ LAYERWISE_MIN = 2**31
 def norm(tree: Any) -> jax.Array:
     """`optax.tree.norm` of `tree` summed in fp32 (a leaf upcast where XLA fuses it into the
     sum: bf16 gradients stay bf16 in memory); of fp32 leaves, optax's to the bit."""
-    return optax.tree.norm(precision.to_f32(tree))
+    return optax.tree.norm(dtypes.to_f32(tree))
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -106,7 +106,7 @@ def optimizer_count(opt_state: Any) -> jax.Array:
     if not found:
         raise ValueError(
             "opt_state holds no integer 'count'; build the optimizer with a schedule "
-            "(mptrain.recipe.optim.make_optimizer does) so the applied updates are counted"
+            "(mptrain.optim.make_optimizer does) so the applied updates are counted"
         )
     for path, value in found:
         last = path[-1] if path else None

@@ -9,8 +9,8 @@ import pytest
 from helpers import tiny_config
 
 import mptrain
+from mptrain import optim
 from mptrain.inspect import audit
-from mptrain.recipe import optim
 
 UNSAFE = [  # (kwargs, what the message names, why)
     ({"mu_dtype": jnp.float16}, "mu_dtype=float16", "overflow"),

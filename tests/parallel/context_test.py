@@ -25,8 +25,9 @@ from jax.sharding import Mesh, PartitionSpec
 import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
-from mptrain.models import attention, blocks, context_attention, rope, segments, splash
-from mptrain.recipe import layout, sharding
+from mptrain.models import attention, segments, splash
+from mptrain.models.decoder import blocks, context_attention, rope
+from mptrain.parallel import layout, sharding
 from mptrain.train import trainer as trainer_lib
 
 

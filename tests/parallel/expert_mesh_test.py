@@ -20,13 +20,14 @@ from helpers import (
     plain_orbax_state,
 )
 from jax.sharding import Mesh, PartitionSpec
-from recipe.context_test import _assert_same_run, _run
+from parallel.context_test import _assert_same_run, _run
 
 import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
-from mptrain.models import llama
-from mptrain.recipe import layout, precision, sharding
+from mptrain.models import decoder as llama
+from mptrain.parallel import layout, sharding
+from mptrain.recipe import precision
 
 TINY = {
     "vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,

@@ -27,8 +27,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import fp8_names, numerics_scan, sharding
+from mptrain.recipe import fp8_names, numerics_scan
 
 
 def period(kinds: list) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 BLOCK_SIZE = 256
 # (bound, why) of a block's size: blocks past ~a million elements save nothing and pad a lot
@@ -59,6 +60,14 @@ class Q8:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.codes.shape)
+
+    def shardings(self, spec: PartitionSpec, mesh: Mesh) -> Q8:
+        """The `NamedSharding`s of the codes and the scales where the tensor this stands for is
+        split as `spec` on `mesh` (`scales_spec`): what `parallel.sharding` lays it out by."""
+        scales = scales_spec(tuple(spec), self.shape, self.block_size, dict(mesh.shape))
+        return self.replace(
+            codes=NamedSharding(mesh, spec), scales=NamedSharding(mesh, PartitionSpec(*scales))
+        )
 
 
 def is_q8(x: Any) -> bool:

@@ -7,7 +7,7 @@ from helpers import needs_devices, tiny_config
 
 import mptrain
 from mptrain.inspect import audit
-from mptrain.recipe import layout, sharding
+from mptrain.parallel import layout, sharding
 from mptrain.recipe import precision as precision_lib
 
 

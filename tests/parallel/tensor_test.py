@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from helpers import integers, load_config, needs_devices, plain_orbax_state
 from jax.sharding import Mesh, PartitionSpec
-from recipe.context_test import _assert_same_run, _run
+from parallel.context_test import _assert_same_run, _run
 
 import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
-from mptrain.models import llama
-from mptrain.recipe import layout, precision, sharding
+from mptrain.models import decoder as llama
+from mptrain.parallel import layout, sharding
+from mptrain.recipe import precision
 
 # Qwen3's per-head q and k norms, Qwen2's q, k, v biases, tied embeddings, a soft-capped head
 TINY = {

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mptrain import errors
-from mptrain.recipe import layerwise, precision, q8, schedules
-from mptrain.recipe.precision import BF16, F32, to_f32
+from mptrain import dtypes, errors
+from mptrain.dtypes import BF16, F32, to_f32
+from mptrain.optim import layerwise, q8, schedules
 
 NAMES = ("adamw", "sgd")
 MOMENT_ROUNDINGS = ("stochastic", "nearest")
@@ -59,13 +59,13 @@ def _keep(apply: Any, new: Any, old: Any) -> Any:
 
 def state_dtype(dtype: Any, key: str) -> np.dtype | str:
     """A storage dtype for optimizer state: None means float32, "q8" stays "q8" (8-bit
-    block-quantized, `mptrain.recipe.q8`); errors name `key`."""
+    block-quantized, `mptrain.optim.q8`); errors name `key`."""
     if dtype is None:
         return F32
     if isinstance(dtype, str) and dtype == Q8:
         return Q8
     try:
-        return precision.parse_dtype(dtype, key)
+        return dtypes.parse_dtype(dtype, key)
     except ValueError as e:  # its list of dtypes lacks the one that is not a dtype: q8
         raise ValueError(f"{e}, or {Q8!r} (8-bit block-quantized)") from None
 
@@ -138,7 +138,7 @@ def _store(tree: Any, dtype: Any, rounding: str, key: jax.Array, stored: Any) ->
         return jax.tree.unflatten(treedef, new)
     if dtype != BF16 or rounding == "nearest":
         return jax.tree.map(lambda x: x.astype(dtype), tree)
-    return precision.stochastic_round_tree(tree, key)
+    return dtypes.stochastic_round_tree(tree, key)
 
 
 def scale_by_adam(
@@ -160,7 +160,7 @@ def scale_by_adam(
     gradients and the stored moments to fp32, computes the new moments and the bias-corrected
     step exactly as `optax.scale_by_adam` does, and rounds the moments once, on the way back to
     storage. `moment_rounding` decides how bf16-stored moments are rounded ("stochastic" or
-    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`recipe.q8`) keeps
+    "nearest"); fp32 and fp16 storage always round to nearest. "q8" storage (`optim.q8`) keeps
     tensors of at least `q8_min_size` elements in blocks of `q8_block_size` 8-bit codes with an
     fp32 scale each (the first moment signed, the second in square-root space) and the rest in
     fp32; `moment_rounding` applies to its codes too. Unsafe storage warns (`moment_warnings`).

@@ -1,4 +1,4 @@
-"""The decoder's blocks (`mptrain.models.llama`'s): RMSNorm, attention, the SwiGLU MLP, and
+"""The decoder's blocks (`mptrain.models.decoder`'s): RMSNorm, attention, the SwiGLU MLP, and
 `Shape`, what a block needs to know: its sizes, and the switches by which the families the
 decoder reads differ from the Llama (as settings, not copies of the model):
 
@@ -11,7 +11,7 @@ decoder reads differ from the Llama (as settings, not copies of the model):
     ``layer_types`` names): a query sees itself and the ``window - 1`` keys before it, as
     transformers' ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``). ``window`` and
     ``inv_freq`` (a RoPE base of its own, or none) may differ from layer to layer: the decoder
-    takes a `Shape` a layer (`mptrain.models.llama`'s ``layer_shapes``);
+    takes a `Shape` a layer (`mptrain.models.decoder`'s ``layer_shapes``);
   * Gemma's: ``norm_plus_one`` (RMSNorm scales by ``1 + w``, ``w`` from 0, in fp32),
     ``post_norms`` (a norm after the attention and after the MLP too, four a block),
     ``pre_norms`` False (OLMo 2's block: norms after the attention and the MLP only),
@@ -36,13 +36,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mptrain import errors
 from mptrain.models import attention as attention_lib
-from mptrain.models import context_attention, layers, moe, splash
+from mptrain.models import layers, splash
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
-from mptrain.models import rope as rope_lib
-from mptrain.models.rope import apply_rope, rope_frequencies
+from mptrain.models.decoder import context_attention, moe
+from mptrain.models.decoder import rope as rope_lib
+from mptrain.models.decoder.rope import apply_rope, rope_frequencies
+from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import sharding
 
 ATTN_BIASES = ("none", "qkv", "all")
 SLIDING, FULL = "sliding_attention", "full_attention"  # a layer's attention, transformers' names
@@ -109,7 +110,7 @@ class Shape:
         return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
 
     def part(self, ways: int) -> Shape:
-        """One device's part of a tensor group of `ways` (`mptrain.recipe.tensor`): its heads,
+        """One device's part of a tensor group of `ways` (`mptrain.parallel.tensor`): its heads,
         its key-value heads and its MLP units."""
         heads, kv, units = self.num_heads // ways, self.num_kv_heads // ways, self.d_ff // ways
         return dataclasses.replace(self, num_heads=heads, num_kv_heads=kv, d_ff=units)

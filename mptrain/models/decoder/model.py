@@ -1,0 +1,153 @@
+"""The decoder's module, `Llama`: tokens to fp32 logits, or to its own chunked loss; the
+settings, the families and what it can do are the package's (`mptrain.models.decoder`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mptrain.models import layers, lm_loss
+from mptrain.models import remat as remat_lib
+from mptrain.models import segments as segments_lib
+from mptrain.models.decoder import moe, stack
+from mptrain.models.decoder.blocks import Block, Shape
+from mptrain.parallel import sharding
+from mptrain.recipe import fp8 as fp8_lib
+
+
+class Llama(nn.Module):
+    """``int32[B, L]`` tokens -> ``float32[B, L, V]`` logits; with ``targets`` (``int[B, L]``,
+    below 0 masked) the loss instead, ``lm_loss.token_loss``'s dict, computed chunk by chunk
+    (``loss_chunk``: positions per chunk, None: its automatic choice) with ``z_loss``. A row of
+    packed examples gives ``positions`` (``int[B, L]``, from 0 in each example) and
+    ``segment_ids`` (``int[B, L]``): RoPE reads the one, attention keeps to the other; and
+    ``segment_lengths`` (``int[B, M]``), which cuDNN's packed layout reads on a GPU.
+
+    Decoding (`mptrain.models.decoder.decode`, layers unrolled) gives a ``cache`` (a ``KVCache`` a
+    layer) and each row's ``positions`` and gets ``(logits, cache)``: a prompt (from 0)
+    attends over its own keys as in training, one token a row over the cache; ``logits_at``
+    (``int[B]``) keeps one position's logits a row."""
+
+    vocab_size: int
+    num_layers: int
+    shape: Shape
+    max_len: int
+    dtype: layers.Dtype = jnp.float32
+    tie_embeddings: bool = False
+    implementation: str = "materialized"
+    scan_layers: bool = True
+    remat: str = "none"
+    loss_chunk: int | None = None
+    z_loss: float = 0.0
+    fp8: Any = None
+    lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
+    layer_shapes: tuple[Shape, ...] = ()  # each layer's, where they differ; else `shape`'s
+    embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
+    final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
+    aux_loss_coef: float = 0.0  # the load-balancing loss's weight (a mixture of experts)
+    computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
+
+    @nn.compact
+    def __call__(
+        self, tokens, *, train=False, targets=None, positions=None, segment_ids=None,
+        segment_lengths=None, cache=None, logits_at=None,
+    ) -> Any:  # fmt: skip
+        del train  # no dropout in a Llama but the adapters', which follows the "dropout" rng
+        segments = segments_lib.segments(segment_ids, segment_lengths)
+        length = layers.check_tokens(tokens, self.max_len)
+        init = nn.initializers.normal(stddev=0.02)
+        split = sharding.tensor_axis() if cache is None else None  # `mptrain.parallel.tensor`
+        vocab = self.vocab_size // (split.size if split else 1)
+        embed = layers.Embed(vocab, self.shape.d_model, self.dtype, init, name="embed")
+        if split is None:
+            x = embed(tokens)
+        else:  # this device's part of the vocabulary, summed over the group by tokens
+            ids = tokens - split.index() * vocab
+            mine = (ids >= 0) & (ids < vocab)
+            x = split.scatter(jnp.where(mine[..., None], embed(jnp.where(mine, ids, 0)), 0))
+        if self.embed_scale:  # Gemma's: the scalar in the activations' dtype, as in transformers
+            x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
+        if positions is None:
+            positions = jnp.arange(length, dtype=jnp.int32)
+        experts = [self._shape(i).experts for i in range(self.num_layers)]
+        routed = max(experts) and cache is None  # the routers' statistics ride with x
+        x = (x, jnp.zeros((2, max(experts)), jnp.float32)) if routed else x
+        x = self._blocks(x, positions, segments, cache)
+        if cache is not None:
+            x, cache = x
+        x, stats = x if routed else (x, None)
+        x = self.shape.norm(self.dtype, "final_norm")(x)
+        x = x if split is None else split.gather(x)  # every token, the head's part of the vocab
+        if logits_at is not None:  # [B, 1, D]: one position a row
+            x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
+        head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
+                            self.final_softcap, dict_out=bool(routed), name="head")  # fmt: skip
+        kernel = None
+        if self.tie_embeddings:
+            kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
+        out = head(x, targets, kernel)
+        if routed and targets is not None:  # the load-balancing loss, over the real tokens
+            real = tokens.size if segments is None else jnp.sum(segments.ids > 0)
+            aux, share = moe.aux_loss(stats, real * sum(e > 0 for e in experts))
+            out = {**out, "loss": out["loss"] + self.aux_loss_coef * aux}
+            out |= {"moe/aux_loss": aux, "moe/expert_share": share}
+        return out if cache is None else (out, cache)
+
+    def _shape(self, layer: int) -> Shape:
+        return self.layer_shapes[layer] if self.layer_shapes else self.shape
+
+    def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
+        policy = None if cache is not None else remat_lib.make_policy(self.remat)
+        # fp8 in blocks [start, stop); the first and last `fp8.bf16_layers` stay in bf16
+        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
+        args = lambda i: (self._shape(i), self.dtype, self.implementation, self._fp8(i), self.lora)
+        if not self.scan_layers:
+            cls = Block if policy is None else nn.remat(Block, policy=policy)
+            caches = []
+            for i in range(self.num_layers):
+                layer = None if cache is None else cache[i]
+                x = cls(*args(i), name=f"layers_{i}")(x, positions, segments, layer)
+                if cache is not None:
+                    x, layer = x
+                    caches.append(layer)
+            return x if cache is None else (x, tuple(caches))
+        if cache is not None:
+            raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
+        # every layer's params have one shape (the layers differ in window and RoPE only)
+        block = lambda shape, fp8: Block(
+            shape, self.dtype, self.implementation, fp8, self.lora, parent=None
+        )  # applied to one layer's slice at a time
+        bf16 = block(self._shape(0), None)
+
+        def init(rng, x, positions):
+            keys = jax.random.split(rng, self.num_layers)
+            return jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
+
+        # Read as it is when it exists: under FSDP the loop gets each device's shard of the
+        # stack (gathered one layer at a time), which `self.param` would refuse by shape.
+        if self.has_variable("params", sharding.STACKED):
+            stacked = self.get_variable("params", sharding.STACKED)
+        else:
+            stacked = self.param(sharding.STACKED, init, x, positions)
+        # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
+        dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
+        run = functools.partial(stack.scan, x=x, args=(positions, segments), dropout=dropout)
+
+        def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
+            shapes = [self._shape(i) for i in range(a, b)]
+            return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
+
+        if start == stop:
+            return run(period(0, self.num_layers), stacked=stacked, policy=policy)
+        fp8 = Block(*args(start), parent=None)
+        state = stack.fp8_state(self, fp8, (x, positions), start, stop)
+        return stack.spans(run, stacked, period, state, start, stop, policy)
+
+    def _fp8(self, layer: int | None) -> Any:
+        """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
+        start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
+        return self.fp8 if layer is not None and start <= layer < stop else None
