@@ -16,6 +16,7 @@ import functools
 import importlib
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -55,7 +56,8 @@ def make_hand(config, train_source):
     cast = lambda tree, dtype: jax.tree.map(lambda x: x.astype(dtype), tree)
 
     def init(rng, inputs):
-        variables = dict(model.init({"params": rng, "dropout": rng}, inputs, train=False))
+        # the plain arrays (the zoo's params come boxed with their logical axes, flax's way)
+        variables = dict(nn.unbox(model.init({"params": rng, "dropout": rng}, inputs, train=False)))
         params = variables.pop("params")
         return {
             "params": cast(params, param_dtype),

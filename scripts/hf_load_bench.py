@@ -69,12 +69,9 @@ def main() -> None:
     if args.whole:
         _, params = hf.load(args.folder)
     else:
-        shapes = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s, np.dtype(args.dtype)),
-            hf.param_shapes(config),
-            is_leaf=lambda x: isinstance(x, tuple),
-        )
-        where = sharding.state_shardings(mesh, shapes)
+        declared, shapes = hf.declared(config)
+        shapes = jax.tree.map(lambda s: s.update(dtype=np.dtype(args.dtype)), shapes)
+        where = sharding.state_shardings(mesh, shapes, declared)
         target = jax.tree.map(lambda s, w: s.update(sharding=w), shapes, where)
         params = jax.block_until_ready(hf.load_params(args.folder, target))
     seconds = time.perf_counter() - start

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from mptrain import target as target_lib
 from mptrain.models.decoder import moe
+from mptrain.parallel import axes
 
 D, E, F, K = 2048, 128, 768, 8
 
@@ -33,6 +34,7 @@ def compiled(name: str, tokens: int, kernel: str) -> dict:
     layer = moe.MoE(E, K, F, True, jnp.bfloat16, kernel=(kernel, sms))
     x = jax.ShapeDtypeStruct((1, tokens, D), jnp.bfloat16)
     params = jax.eval_shape(lambda: layer.init(jax.random.key(0), jnp.zeros((1, 8, D))))
+    params = axes.unboxed(params)
 
     sharding = jax.sharding.SingleDeviceSharding(device)
     place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)

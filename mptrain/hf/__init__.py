@@ -59,7 +59,7 @@ from mptrain import dtypes, errors, models
 from mptrain.hf import config_file, families, names
 from mptrain.hf import tensors as hf_io
 from mptrain.models import decoder
-from mptrain.parallel import sharding
+from mptrain.parallel import axes, sharding
 
 # Tensors some checkpoints carry that no param is made from: RoPE's frequencies (recomputed
 # from the config). lm_head.weight is skipped too where config.json ties it to the embedding,
@@ -119,8 +119,19 @@ def to_hf_config(model_config: Any, dtype: str = "bfloat16") -> dict[str, Any]:
 
 
 def param_shapes(model_config: Any, scan_layers: bool = True) -> dict:
-    """The llama param tree's shapes (tuples) for `config.model`, scanned or not."""
-    return names.shapes(_settings(model_config), scan_layers)
+    """The decoder's param tree's shapes (tuples) for `config.model`, scanned or not: what its
+    `model.init` makes, traced abstractly (`declared`)."""
+    return jax.tree.map(lambda s: tuple(s.shape), declared(model_config, scan_layers)[1])
+
+
+def declared(model_config: Any, scan_layers: bool = True) -> tuple[axes.Axes, dict]:
+    """`(the params' declared axes, their abstract shapes)` of the decoder of `config.model`,
+    scanned or not (`parallel.axes.declared_of`; nothing is allocated)."""
+    keys = {**_settings(model_config), "scan_layers": scan_layers, "attention": "materialized"}
+    keys.pop("name", None)
+    model = decoder.create_model(keys)
+    tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
+    return axes.declared_of(model.init, jax.random.key(0), tokens)
 
 
 def _keys(path: tuple) -> tuple[str, ...]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
-
 from mptrain import errors
 from mptrain.hf import experts, families
 from mptrain.parallel import sharding
@@ -124,37 +122,3 @@ def order(name: str) -> tuple:
         rest = name[layer.end() :]
         return (1, int(layer[1]), known.index(rest) if rest in known else len(known), rest)
     return (0 if "embed" in name else 2 if "norm" in name else 3, 0, 0, "")
-
-
-def shapes(c: dict, scan_layers: bool = True) -> dict:
-    """The llama param tree's shapes (tuples) for the checked settings `c`, scanned or not."""
-    d, f, v, n = c["d_model"], c["d_ff"], c["vocab_size"], c["num_layers"]
-    q, kv = c["num_heads"] * c["head_dim"], c["num_kv_heads"] * c["head_dim"]
-    layer = {"attn": {"q": {"kernel": (d, q)}, "k": {"kernel": (d, kv)}, "v": {"kernel": (d, kv)}}}
-    if c["pre_norms"]:
-        layer |= {"attn_norm": {"scale": (d,)}, "mlp_norm": {"scale": (d,)}}
-    layer["attn"]["o"] = {"kernel": (q, d)}
-    biased = {"none": (), "qkv": ("q", "k", "v"), "all": ("q", "k", "v", "o")}[c["attn_bias"]]
-    for name in biased:
-        layer["attn"][name]["bias"] = (d if name == "o" else layer["attn"][name]["kernel"][1],)
-    if c["qk_norm"]:  # over a head, or (qk_norm_width) the projection's whole width
-        wide = {"q": q, "k": kv} if c["qk_norm_width"] else dict.fromkeys("qk", c["head_dim"])
-        layer["attn"] |= {f"{n}_norm": {"scale": (wide[n],)} for n in ("q", "k")}
-    if c["post_norms"]:
-        layer |= {"attn_post_norm": {"scale": (d,)}, "mlp_post_norm": {"scale": (d,)}}
-    mlp = {"gate": {"kernel": (d, f)}, "up": {"kernel": (d, f)}, "down": {"kernel": (f, d)}}
-    dense, routed = {**layer, "mlp": mlp}, None
-    if c["num_experts"]:  # the router [D, E]; gate, up [E, D, F], down [E, F, D]
-        e, fe = c["num_experts"], c["expert_d_ff"]
-        experts = {"router": (d, e), "gate": (e, d, fe), "up": (e, d, fe), "down": (e, fe, d)}
-        routed = {**layer, "moe": experts}
-    kind = lambda i: dense if routed is None or i in (c["dense_layers"] or ()) else routed
-    tree = {"embed": {"embedding": (v, d)}, "final_norm": {"scale": (d,)}}
-    if not c["tie_embeddings"]:
-        tree["head"] = {"kernel": (d, v)}
-    is_shape = lambda x: isinstance(x, tuple)
-    if scan_layers:  # one kind of layer (`moe.check`)
-        tree[sharding.STACKED] = jax.tree.map(lambda s: (n, *s), kind(n), is_leaf=is_shape)
-    else:
-        tree.update({f"layers_{i}": kind(i) for i in range(n)})
-    return tree

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from mptrain import errors
 from mptrain.models import layers
 from mptrain.models.record import Record
+from mptrain.parallel import axes as axes_lib
 
 # flax's default (LeCun normal), drawn as a matrix: the same distribution, compiled much faster.
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.lecun_normal())
@@ -53,11 +54,14 @@ class CNN(nn.Module):
         if x.ndim != 4:
             raise ValueError(f"images must be [batch, height, width, channels], got {x.shape}")
         for i, features in enumerate(self.features):
-            conv = nn.Conv(features, (3, 3), dtype=None, kernel_init=_conv_init, name=f"conv_{i}")
+            inits = layers.dense_inits((None, None, axes_lib.EMBED, axes_lib.MLP), _conv_init)
+            conv = nn.Conv(features, (3, 3), dtype=None, name=f"conv_{i}", **inits)
             x = layers.run_in(self.dtype, conv, x)
             x = max_pool_2x2(nn.relu(x))
         x = x.reshape(x.shape[0], -1)
-        x = nn.relu(layers.run_in(self.dtype, nn.Dense(self.hidden, dtype=None, name="dense"), x))
+        inits = layers.dense_inits((axes_lib.EMBED, axes_lib.MLP))
+        dense = nn.Dense(self.hidden, dtype=None, name="dense", **inits)
+        x = nn.relu(layers.run_in(self.dtype, dense, x))
         return layers.logits_f32(x, self.num_classes, self.dtype)
 
 

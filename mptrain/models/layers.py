@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.optim import q8
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 
 Dtype = Any
@@ -93,7 +94,13 @@ def layer_norm_f32(x: jax.Array, dtype: Dtype, name: str) -> jax.Array:
 
     Call it inside a compact module (it adds ``name`` there).
     """
-    return nn.LayerNorm(dtype=jnp.float32, name=name)(x).astype(dtype)
+    norm = nn.LayerNorm(
+        dtype=jnp.float32,
+        scale_init=axes_lib.declare(nn.initializers.ones, (axes_lib.EMBED,), fp32=True),
+        bias_init=axes_lib.declare(nn.initializers.zeros, (axes_lib.EMBED,), fp32=True),
+        name=name,
+    )
+    return norm(x).astype(dtype)
 
 
 def batch_norm_f32(
@@ -121,7 +128,8 @@ def batch_norm_f32(
         momentum=momentum,
         epsilon=1e-5,
         dtype=jnp.float32,
-        scale_init=scale_init,
+        scale_init=axes_lib.declare(scale_init, (axes_lib.MLP,), fp32=True),
+        bias_init=axes_lib.declare(nn.initializers.zeros, (axes_lib.MLP,), fp32=True),
         name=name,
     )(x)
     return y.astype(dtype)  # end of the island
@@ -157,7 +165,18 @@ def logits_f32(x: jax.Array, num_classes: int, dtype: Dtype, name: str = "head")
     inside a compact module (as ``name``). The matmul's result is rounded to ``dtype`` (not every
     XLA backend has a bf16 x bf16 -> f32 dot), fp32 from the cast on: the loss never sees 16 bits.
     """
-    return run_in(dtype, nn.Dense(num_classes, dtype=None, name=name), x, jnp.float32)
+    head = nn.Dense(num_classes, dtype=None, name=name, **dense_inits((axes_lib.EMBED, None)))
+    return run_in(dtype, head, x, jnp.float32)
+
+
+def dense_inits(names: tuple, kernel_init: Any = nn.linear.default_kernel_init) -> dict:
+    """`nn.Dense`'s (or `nn.Conv`'s) `kernel_init` and `bias_init` declaring the kernel's
+    logical axes `names` (`parallel.axes`; a conv kernel's with its window's None first) and the
+    bias's, the kernel's output."""
+    return {
+        "kernel_init": axes_lib.declare(kernel_init, names),
+        "bias_init": axes_lib.declare(nn.initializers.zeros, names[-1:]),
+    }
 
 
 def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -297,7 +316,8 @@ class Embed(nn.Module):
             if q8.is_q8(table):  # rows of whole blocks (`recipe.frozen`): gathered, then decoded
                 rows = table.replace(codes=table.codes[ids], scales=table.scales[ids])
                 return q8.dequantize(rows).astype(self.dtype)
-        table = self.param("embedding", self.embedding_init, shape)
+        init = axes_lib.declare(self.embedding_init, (axes_lib.VOCAB, axes_lib.EMBED), fp32=True)
+        table = self.param("embedding", init, shape)
         return embed(table, ids, self.dtype, self.one_hot)
 
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.models import layers
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 
 # Under ``chunk=None``: one chunk while a sequence's logits are at most AUTO_CHUNK_ELEMENTS
@@ -264,7 +265,8 @@ class Head(nn.Module):
         split = sharding.tensor_axis()  # a tensor group's part of the vocabulary
         vocab = self.vocab_size // (1 if split is None else split.size)
         if kernel is None:
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], vocab))
+            init = axes_lib.declare(self.kernel_init, (axes_lib.EMBED, axes_lib.VOCAB))
+            kernel = self.param("kernel", init, (x.shape[-1], vocab))
         x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
         length = x.shape[1]
         whole = (self.chunk or auto_chunk(length, self.vocab_size, x.shape[-1])) >= length

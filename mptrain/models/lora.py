@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from mptrain import errors
 from mptrain.optim import q8
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 
 ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
@@ -125,7 +126,7 @@ def spec(lora: Any, build: Any) -> Spec:
 
 def _shapes(model: nn.Module) -> Any:
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+    return axes_lib.declared_of(lambda: model.init(jax.random.key(0), tokens))[1]
 
 
 def _experts(params: Any) -> list[str]:
@@ -194,23 +195,31 @@ class Dense(nn.Module):
     lora: Spec
     kernel_init: Any = nn.initializers.lecun_normal()
     use_bias: bool = False  # a bias as nn.Dense's (Qwen2's q, k, v): frozen with the kernel
+    names: tuple = (None, None)  # the kernel's logical axes (`parallel.axes`), in and out
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "kernel"):  # an 8-bit kernel has no array shape to check
             kernel = self.get_variable("params", "kernel")
         else:
-            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+            init = axes_lib.declare(self.kernel_init, self.names)
+            kernel = self.param("kernel", init, (x.shape[-1], self.features))
         y = frozen_matmul(x, kernel)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
+            init = axes_lib.declare(nn.initializers.zeros, self.names[1:])
+            y = y + self.param("bias", init, (self.features,)).astype(y.dtype)
         if not self.lora.adapts(self.path):
             return y
         if not self.is_initializing() and not self.has_variable("params", ADAPTERS[0]):
             return y  # the adapters off: params without them (DPO's reference) are the base's
         s = self.lora
-        a = self.param(ADAPTERS[0], _init_a, (x.shape[-1], s.rank))
-        b = self.param(ADAPTERS[1], nn.initializers.zeros, (s.rank, self.features))
+        # A splits as the kernel's input does, B as its output (a tensor group's part: `(x A) B`
+        # is then a partial sum where `x W` is one); the rank is split to store a factor whose
+        # other side is no width (`parallel.layout.RULES`)
+        (into, out), rank = self.names, axes_lib.RANK
+        a = self.param(ADAPTERS[0], axes_lib.declare(_init_a, (into, rank)), (x.shape[-1], s.rank))
+        init_b = axes_lib.declare(nn.initializers.zeros, (rank, out))
+        b = self.param(ADAPTERS[1], init_b, (s.rank, self.features))
         h = x
         if s.dropout > 0 and self.has_rng("dropout"):  # training: the Trainer passes the rng
             h = nn.Dropout(s.dropout, deterministic=False)(h)
@@ -220,17 +229,25 @@ class Dense(nn.Module):
         return y + jnp.dot(h, b.astype(h.dtype)).astype(y.dtype)
 
 
-def dense(features: int, name: str, lora: Spec | None, kernel_init: Any = None, **kwargs: Any):
+def dense(
+    features: int, name: str, lora: Spec | None, kernel_init: Any = None, *,
+    names: tuple = (None, None), **kwargs: Any,
+) -> nn.Module:  # fmt: skip
     """The models' projection: ``nn.Dense`` (bias-free, ``dtype=None``) without adapters, the
     LoRA ``Dense`` under a ``Spec`` (every projection then takes a frozen, maybe 8-bit kernel;
-    those `lora.targets` names get adapters)."""
-    init = {} if kernel_init is None else {"kernel_init": kernel_init}
+    those `lora.targets` names get adapters). `names`: the kernel's logical axes, in and out
+    (`parallel.axes`), which its bias and adapters take theirs from."""
+    init = nn.initializers.lecun_normal() if kernel_init is None else kernel_init
     use_bias = kwargs.pop("use_bias", False)
     if lora is None:
-        return nn.Dense(features, dtype=None, use_bias=use_bias, name=name, **init, **kwargs)
+        inits = {
+            "kernel_init": axes_lib.declare(init, names),
+            "bias_init": axes_lib.declare(nn.initializers.zeros, names[1:]),
+        }
+        return nn.Dense(features, dtype=None, use_bias=use_bias, name=name, **inits, **kwargs)
     if kwargs:  # fp8's dot_general: `models.create` refuses adapters under fp8
         raise ValueError(f"lora: the projections cannot take {', '.join(kwargs)}")
-    return Dense(features, lora, name=name, use_bias=use_bias, **init)
+    return Dense(features, lora, init, use_bias=use_bias, names=tuple(names), name=name)
 
 
 def merged(params: Any, scale: float) -> Any:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from mptrain import errors
 from mptrain.models import layers
 from mptrain.models.record import Record
+from mptrain.parallel import axes as axes_lib
 
 
 class MLP(nn.Module):
@@ -35,7 +36,8 @@ class MLP(nn.Module):
         del train  # no dropout or batch statistics
         x = x.reshape(x.shape[0], -1)
         for i in range(self.num_layers):
-            dense = nn.Dense(self.hidden, dtype=None, name=f"dense_{i}")
+            inits = layers.dense_inits((axes_lib.EMBED, axes_lib.MLP))
+            dense = nn.Dense(self.hidden, dtype=None, name=f"dense_{i}", **inits)
             x = nn.relu(layers.run_in(self.dtype, dense, x))
         return layers.logits_f32(x, self.num_classes, self.dtype)
 

@@ -29,8 +29,11 @@ import jax.numpy as jnp
 from mptrain import errors
 from mptrain.models import layers
 from mptrain.models.record import Record
+from mptrain.parallel import axes as axes_lib
 
 _conv_init = layers.kernel_init_as_matrix(nn.initializers.he_normal())  # He et al., 2015 (fan-in)
+# a conv's kernel `[height, width, in, out]`: the channels in as the width FSDP splits
+CONV = {"kernel_init": axes_lib.declare(_conv_init, (None, None, axes_lib.EMBED, axes_lib.MLP))}
 
 
 class BasicBlock(nn.Module):
@@ -43,7 +46,7 @@ class BasicBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=None, kernel_init=_conv_init)
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=None, **CONV)
         norm = functools.partial(
             layers.batch_norm_f32, train=train, dtype=self.dtype, momentum=self.bn_momentum
         )
@@ -72,9 +75,7 @@ class ResNet(nn.Module):
     def __call__(self, x: jax.Array, *, train: bool = False) -> jax.Array:
         if x.ndim != 4:
             raise ValueError(f"images must be [batch, height, width, channels], got {x.shape}")
-        stem = nn.Conv(
-            self.width, (3, 3), use_bias=False, dtype=None, kernel_init=_conv_init, name="stem_conv"
-        )
+        stem = nn.Conv(self.width, (3, 3), use_bias=False, dtype=None, name="stem_conv", **CONV)
         x = layers.run_in(self.dtype, stem, x)
         x = layers.batch_norm_f32(
             x, train=train, dtype=self.dtype, momentum=self.bn_momentum, name="stem_bn"

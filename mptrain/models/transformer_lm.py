@@ -67,7 +67,16 @@ from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.record import Record
+from mptrain.parallel import axes as axes_lib
 from mptrain.recipe import fp8 as fp8_lib
+
+# each projection's kernel `[in, out]` by its logical axes (`parallel.axes`)
+PROJECTIONS = {
+    "qkv": (axes_lib.EMBED, axes_lib.Q_HEADS),
+    "out": (axes_lib.Q_HEADS, axes_lib.EMBED),
+    "fc_in": (axes_lib.EMBED, axes_lib.MLP),
+    "fc_out": (axes_lib.MLP, axes_lib.EMBED),
+}
 
 
 def _dense(features: int, name: str, fp8: Any = None, lora: Any = None, **kwargs: Any):
@@ -79,7 +88,7 @@ def _dense(features: int, name: str, fp8: Any = None, lora: Any = None, **kwargs
     """
     if fp8:  # the matmul in fp8, its scaling state in model_state (`mptrain.recipe.fp8`)
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return lora_lib.dense(features, name, lora, **kwargs)
+    return lora_lib.dense(features, name, lora, names=PROJECTIONS[name], **kwargs)
 
 
 class CausalSelfAttention(nn.Module):
@@ -220,7 +229,8 @@ class TransformerLM(nn.Module):
         init = nn.initializers.normal(stddev=0.02)
         # No nn.Embed: its gradient is a scatter-add (atomics on a GPU); see layers.embed.
         x = layers.Embed(self.vocab_size, self.d_model, self.dtype, init, name="Embed_0")(tokens)
-        table = self.param("pos_embedding", init, (self.max_len, self.d_model))
+        pos_init = axes_lib.declare(init, (None, axes_lib.EMBED), fp32=True)
+        table = self.param("pos_embedding", pos_init, (self.max_len, self.d_model))
         if positions is None:
             # Broadcast over the batch before the cast: the table's gradient, a sum over the
             # batch, is then taken in the table's dtype (fp32 under the default casting rule),

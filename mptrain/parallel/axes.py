@@ -2,7 +2,8 @@
 
 A model's module creates a param with an init wrapped by `declare(init, names)`: `names` gives
 each dimension a logical name (`EMBED`, `Q_HEADS`, `KV_HEADS`, `MLP`, `VOCAB`, `EXPERTS`, and
-`LAYERS` for a stack's leading axis; None for a dimension no mesh axis splits), and `fp32=True`
+`LAYERS` for a stack's leading axis, `RANK` for an adapter's; None for a dimension no mesh axis
+splits), and `fp32=True`
 marks a param the step hands the model in fp32 under 16-bit compute (an embedding table, a
 norm's scale and bias: its role). The init then returns flax's `LogicallyPartitioned` box
 (`Param`), which `nn.Module.param` unboxes for the model: the metadata exists only in what
@@ -35,13 +36,19 @@ MLP = "mlp"  # an MLP's hidden units (an expert's too)
 VOCAB = "vocab"  # the vocabulary: the embedding's rows, the head's columns
 EXPERTS = "experts"  # a mixture's experts
 LAYERS = "layers"  # the leading axis of a stack of layers (walked by a scan, never split)
-NAMES = (EMBED, Q_HEADS, KV_HEADS, MLP, VOCAB, EXPERTS, LAYERS)
+RANK = "rank"  # a low-rank adapter's rank: split to store a factor that has no width
+NAMES = (EMBED, Q_HEADS, KV_HEADS, MLP, VOCAB, EXPERTS, LAYERS, RANK)
 
 
 class Param(nn.LogicallyPartitioned):
     """A param's value with its logical `names` and its role `fp32` (kept in fp32 for compute)."""
 
     fp32: bool = struct.field(default=False, pytree_node=False)
+
+
+def is_param(x: Any) -> bool:
+    """Whether `x` is a declared param's box (`Param`)."""
+    return isinstance(x, Param)
 
 
 def declare(init: Callable, names: tuple, *, fp32: bool = False) -> Callable:
@@ -84,6 +91,13 @@ class Axes:
     of keys from the params' top, `names` None where the param declared none)."""
 
     entries: tuple[tuple[tuple[str, ...], tuple | None, bool], ...] = ()
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self.entries)
+
+    def __hash__(self) -> int:  # once: a train state's static part, hashed at every step's call
+        return self._hash
 
     @functools.cached_property
     def _table(self) -> dict[tuple[str, ...], tuple[tuple | None, bool]]:

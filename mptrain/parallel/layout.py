@@ -4,17 +4,28 @@ The mesh has five axes, `AXES = ("data", "fsdp", "expert", "context", "tensor")`
 the innermost, so a tensor group is devices that neighbour (four collectives a layer each way
 ride a node's links), `context` next (its keys and values), then `expert` (its token exchange).
 One table, `RULES`, maps the logical names of what is split to mesh axes; it is the only place
-that says which axis splits what:
+that says which axis splits what. The names are those of the batch's dimensions and of each
+param's dimensions, as the param declared them where it was created (`parallel.axes`):
 
-    rows          the batch's examples                          data x fsdp x expert
-    length        a sequence's tokens                           context
-    shard         the one dimension of a param (and of its optimizer state) split to store it
-                                                                fsdp x expert x context
-    experts       a mixture of experts' expert dimension         expert
-    expert_shard  the one other dimension of an expert's kernel split to store it
-                                                                fsdp x context
-    tensor        attention's heads, the MLP's hidden units, the vocabulary; between the
-                  blocks, the tokens of each device's part of a sequence       tensor
+    rows         the batch's examples                                   data x fsdp x expert
+    length       a sequence's tokens                                    context
+    experts      a mixture's experts                                    expert
+    embed        the model's width, split to store a param (FSDP)       fsdp x expert x context
+                 beside `experts` (the expert axis is taken)            fsdp x context
+    rank         an adapter's rank, split to store a factor without a width
+                                                                        fsdp x expert x context
+    q_heads, kv_heads, mlp, vocab
+                 attention's heads, the MLP's hidden units, the vocabulary        tensor
+    layers       a stack's layers (walked one at a time)                nothing
+
+A dimension takes the first rule for its name whose axes no other dimension of the param took
+(MaxText's `logical_axis_rules`, flax's `logical_to_mesh_axes`), and of them the most that
+divide it evenly. `embed` and `rank` are split only to store (`STORED`): a device gathers the
+whole width of a param before it computes with it (`sharding._gather`), and an adapter's rank
+where its factor has no width to split (the rank's rule comes after the width's, so it is never
+split beside one); every other split is a device's own part, which it computes with as it is
+(its experts, its heads). Between the blocks a tensor group splits its part of each sequence
+by tokens (`mptrain.parallel.tensor`).
 
 So a context group still shards weights (as MaxText puts `embed` on `[fsdp, context]`): the
 70B's state is split over all eight devices of a node whichever way the node splits its
@@ -44,15 +55,24 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mptrain.parallel import axes as axes_lib
+
 AXES = ("data", "fsdp", "expert", "context", "tensor")
-RULES = {
-    "rows": ("data", "fsdp", "expert"),
-    "length": ("context",),
-    "shard": ("fsdp", "expert", "context"),
-    "experts": ("expert",),
-    "expert_shard": ("fsdp", "context"),
-    "tensor": ("tensor",),
-}
+RULES = (  # (logical name, the mesh axes it is split over): the module doc
+    ("rows", ("data", "fsdp", "expert")),
+    ("length", ("context",)),
+    (axes_lib.EXPERTS, ("expert",)),
+    (axes_lib.EMBED, ("fsdp", "expert", "context")),
+    (axes_lib.EMBED, ("fsdp", "context")),
+    (axes_lib.RANK, ("fsdp", "expert", "context")),
+    (axes_lib.Q_HEADS, ("tensor",)),
+    (axes_lib.KV_HEADS, ("tensor",)),
+    (axes_lib.MLP, ("tensor",)),
+    (axes_lib.VOCAB, ("tensor",)),
+    (axes_lib.LAYERS, ()),
+)
+# split to store, gathered to compute (the module doc)
+STORED = frozenset({axes_lib.EMBED, axes_lib.RANK})
 # the batch keys laid out along a sequence: split over `length`, reordered by `balanced_order`
 SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 KEYS = tuple(f"mesh.{axis}" for axis in AXES)
@@ -116,19 +136,48 @@ def create_mesh(config, devices: Any = None) -> Mesh:
 
 
 def axes(mesh: Mesh, name: str) -> tuple[str, ...]:
-    """The mesh axes `RULES` gives the logical `name`, those of more than one device."""
-    return tuple(axis for axis in RULES[name] if mesh.shape[axis] > 1)
+    """The mesh axes `RULES` first gives the logical `name`, those of more than one device."""
+    return tuple(axis for axis in _first(name) if mesh.shape[axis] > 1)
 
 
 def size(mesh: Mesh, name: str) -> int:
-    """How many ways the logical `name` is split on `mesh`."""
-    return math.prod(mesh.shape[axis] for axis in RULES[name])
+    """How many ways the logical `name` is split on `mesh` (by its first rule)."""
+    return math.prod(mesh.shape[axis] for axis in _first(name))
+
+
+def _first(name: str) -> tuple[str, ...]:
+    return next(split for rule, split in RULES if rule == name)
 
 
 def entry(mesh: Mesh, name: str) -> str | tuple[str, ...] | None:
     """A `PartitionSpec` entry for the logical `name`: its split axes (one as its name)."""
-    split = axes(mesh, name)
+    return _entry(axes(mesh, name))
+
+
+def _entry(split: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not split else split[0] if len(split) == 1 else split
+
+
+def param_spec(names: tuple | None, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """How a param (or a state leaf standing for one) of `shape`, whose dimensions are named
+    `names` (`parallel.axes`; None: undeclared, held whole), is split on `mesh`: each named
+    dimension over the axes of the first rule for its name that are still free, as many of
+    them as divide it evenly (the module doc)."""
+    if names is None or len(names) != len(shape):
+        return PartitionSpec()
+    splits: list[tuple[str, ...] | None] = [None] * len(names)
+    taken: set[str] = set()
+    for name, rule in RULES:
+        if name not in names:
+            continue
+        dim = names.index(name)
+        if splits[dim] is not None or taken & set(rule):
+            continue
+        split = tuple(axis for axis in rule if mesh.shape[axis] > 1)
+        while split and shape[dim] % math.prod(mesh.shape[axis] for axis in split):
+            split = split[:-1]  # the most of its axes that divide the dimension evenly
+        splits[dim], taken = split, taken | set(rule)
+    return PartitionSpec(*(_entry(split or ()) for split in splits))
 
 
 def platform(mesh: Mesh) -> str:
@@ -141,7 +190,7 @@ def batch_spec(mesh: Mesh, key: Any = None, ndim: int = 1, stacked: bool = False
     """A batch leaf's `PartitionSpec`: rows over `RULES["rows"]`, and a sequence key's
     (`SEQUENCE_KEYS`) second dimension over `RULES["length"]`; `stacked`: under a leading axis
     of batches for consecutive steps."""
-    spec = [RULES["rows"]]
+    spec = [_first("rows")]
     if key in SEQUENCE_KEYS and ndim >= 2 and mesh.shape["context"] > 1:
         spec.append(entry(mesh, "length"))
     return PartitionSpec(*([None] if stacked else []), *spec)

@@ -1,9 +1,11 @@
-"""Shardings of the state and the sharded gradient: params split over `fsdp` (x `expert` x
-`context`), a mixture's experts over `expert`, each layer's heads, MLP and vocabulary over
-`tensor` (`mptrain.parallel.tensor`): what each axis splits is `mptrain.parallel.layout`'s `RULES`.
-A param is split over `RULES["shard"]` on its largest dimension that divides evenly (another
-than its tensor part's), else replicated; an expert's kernel and a tensor group's part are a
-device's own, never gathered. On one device the mesh is 1x1x1x1x1, and nothing is split.
+"""Shardings of the state and the sharded gradient. Each param is split as the logical names
+it declared where it was created say (`mptrain.parallel.axes`), by the one table of what each
+mesh axis splits (`layout.RULES`): its width over `fsdp` (x `expert` x `context`) to store
+it, a mixture's experts over `expert`, each layer's heads, MLP and vocabulary over `tensor`
+(`mptrain.parallel.tensor`). Every leaf of the state takes the names of the param its path
+ends with (an optimizer's moments, a frozen base); a leaf of no declared param is held whole.
+The width is gathered before a param computes; an expert's kernel and a tensor group's part
+are a device's own, never gathered. On one device the mesh is 1x1x1x1x1, and nothing is split.
 
 On a mesh of several devices the gradients are computed per device and reduced explicitly, the
 way PyTorch FSDP2's mixed-precision policy does (`param_dtype` bf16, `reduce_dtype` fp32), so the
@@ -42,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import layout, tensor
 
 AXES = layout.AXES
 tensor_axis = tensor.current  # a tensor group's collectives, while a step is traced
 ExpertSplit, SequenceSplit = layout.ExpertSplit, layout.SequenceSplit  # what a model sees
-EXPERT_KERNELS = ("gate", "up", "down")  # `mptrain.models.decoder.moe.MoE`'s params under "moe"
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
 # while a per-device gradient is traced: (the axes the batch is split over, the context axes)
 _SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("mptrain_split", default=None)
@@ -78,9 +80,10 @@ def merge(a: Any, b: Any) -> Any:
 def sharded_init(create: Callable, mesh: Mesh, *args: Any) -> tuple[Callable, tuple]:
     """`(init, args)` with `init(*args) == create(*args)` made directly in `state_shardings`.
 
-    The state is traced abstractly first (`jax.eval_shape`), its shardings are derived from the
-    shapes, and `create` is jitted with those as its output shardings: each device computes
-    only its own shards, so no device ever holds the whole state, not even during start-up.
+    The state is traced abstractly first (`jax.eval_shape`), its shardings are derived from
+    its params' declared axes (the state's `axes`), and `create` is jitted with those as its
+    output shardings: each device computes only its own shards, so no device ever holds the
+    whole state, not even during start-up.
     """
     shapes = jax.eval_shape(create, *args)
     return jax.jit(create, out_shardings=state_shardings(mesh, shapes)), args
@@ -90,48 +93,30 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _leaf_spec(
-    shape: tuple[int, ...], mesh: Mesh, stacked: bool = False, expert: bool = False,
-    split: int | None = None,
-) -> PartitionSpec:  # fmt: skip
-    """Split over `shard` on the largest dimension it divides; an expert's kernel
-    (`is_expert`) on its expert dimension over `experts` and on another over `expert_shard`;
-    a tensor group's part (`split`, from the end: `tensor.split_dim`) on that one over `tensor`."""
-    spec, first, rule = [None] * len(shape), int(stacked), "shard"
-    if split is not None and mesh.shape[tensor.AXIS] > 1:
-        spec[len(shape) + split] = tensor.AXIS
-    if expert:
-        spec[first] = layout.entry(mesh, "experts")
-        first, rule = first + 1, "expert_shard"
-    ways = layout.size(mesh, rule)
-    for dim in sorted(range(first, len(shape)), key=lambda d: -shape[d]):
-        if ways > 1 and spec[dim] is None and shape[dim] % ways == 0:
-            spec[dim] = layout.entry(mesh, rule)
-            break
-    return PartitionSpec(*spec) if any(a is not None for a in spec) else PartitionSpec()
-
-
 def is_stacked(path: tuple) -> bool:  # a params or optimizer-state leaf of stacked layers
     return any(getattr(key, "key", None) == STACKED for key in path)
 
 
-def is_expert(path: tuple) -> bool:  # a mixture of experts' kernel, `[experts, ...]` a layer
-    keys = [getattr(key, "key", None) for key in path]
-    return "moe" in keys[:-1] and keys[-1] in EXPERT_KERNELS
+def axes_of(tree: Any, axes: axes_lib.Axes | None = None) -> axes_lib.Axes:
+    """`axes`, else the declared axes a train state carries (`tree.axes`), else none."""
+    if axes is not None:
+        return axes
+    found = getattr(tree, "axes", None)
+    return found if isinstance(found, axes_lib.Axes) else axes_lib.Axes()
 
 
-def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """Per leaf: split over `layout.RULES["shard"]` (`fsdp` x `expert` x `context`) on the
-    largest evenly divisible dimension, else replicated; never on the layer axis of stacked
-    layers (`is_stacked`), which the loop walks one layer at a time; an expert's kernel on its
-    expert dimension over `expert` (`_leaf_spec`). A leaf that stands for one tensor in several
-    arrays (an 8-bit moment, `optim.q8.Q8`: codes and scales) is split as that tensor, each of
-    its arrays as its `shardings(spec, mesh)` says."""
+def state_shardings(mesh: Mesh, state: Any, axes: axes_lib.Axes | None = None) -> Any:
+    """Per leaf of `state` (a train state, or any tree of its params' paths), its
+    `NamedSharding`: split as the declared names of the param its path ends with say
+    (`layout.param_spec`; `axes`: the declared params, default the state's own), held whole
+    where none. A leaf that stands for one tensor in several arrays (an 8-bit moment,
+    `optim.q8.Q8`: codes and scales) is split as that tensor, each of its arrays as its
+    `shardings(spec, mesh)` says."""
+    axes = axes_of(state, axes)
 
     def one(path, x):
-        stacked, expert = is_stacked(path), is_expert(path)
         shape = x.shape if one_tensor(x) else np.shape(x)
-        spec = _leaf_spec(shape, mesh, stacked, expert, tensor.split_dim(path, len(shape)))
+        spec = layout.param_spec(axes.of(path), tuple(shape), mesh)
         if not one_tensor(x):
             return NamedSharding(mesh, spec)
         return x.shardings(spec, mesh)
@@ -139,9 +124,9 @@ def state_shardings(mesh: Mesh, state: Any) -> Any:
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=one_tensor)
 
 
-def specs(mesh: Mesh, tree: Any) -> Any:
+def specs(mesh: Mesh, tree: Any, axes: axes_lib.Axes | None = None) -> Any:
     """`state_shardings`' partition specs."""
-    return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree))
+    return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree, axes))
 
 
 def batch_axes() -> tuple[str, ...] | None:
@@ -190,25 +175,30 @@ def _splitting(mesh: Mesh):
 
 
 def _gather(
-    spec: PartitionSpec, compute_dtype: np.dtype, mesh: Mesh, expert: bool = False
+    spec: PartitionSpec, names: tuple | None, compute_dtype: np.dtype, mesh: Mesh
 ) -> Callable:
     """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
 
-    Forward: cast the local shard, then all-gather it over the axes that split it (`fsdp`,
-    `context`), if any. Backward: cast the gradient to fp32, reduce-scatter it over those axes
-    (or sum it there, for a param that is not split) and sum it over the rest, then divide by
-    the devices: each computed the gradient of its share of the loss (`layers.masked_mean`).
-    The reduced gradient is stored in the shard's dtype where that is bf16 (`bf16-pure`: 2
-    bytes a parameter until the update, not 4, and what one device's `jax.grad` returns too);
-    fp32 elsewhere, fp16 params included: their gradients still carry the loss scale, which
-    the step unscales in fp32 (fp16's range cannot hold a scaled gradient unrounded).
+    Forward: cast the local shard, then all-gather it over the axes that split its width to
+    store it (`layout.STORED`: `fsdp`, `expert`, `context`), if any. Backward: cast the
+    gradient to fp32, reduce-scatter it over those axes (or sum it there, for a param that is
+    not split) and sum it over the rest but the device's own part's (its experts, its heads),
+    then divide by the devices: each computed the gradient of its share of the loss
+    (`layers.masked_mean`). The reduced gradient is stored in the shard's dtype where that is
+    bf16 (`bf16-pure`: 2 bytes a parameter until the update, not 4, and what one device's
+    `jax.grad` returns too); fp32 elsewhere, fp16 params included: their gradients still carry
+    the loss scale, which the step unscales in fp32 (fp16's range cannot hold a scaled
+    gradient unrounded). `names`: the param's logical names (`spec`'s dimensions).
     """
-    names = lambda axis: axis if isinstance(axis, tuple) else (axis,)
+    part = lambda axis: () if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    names = names if names is not None and len(names) == len(spec) else (None,) * len(spec)
+    stored = [
+        d for d, (a, n) in enumerate(zip(spec, names, strict=True)) if a and n in layout.STORED
+    ]
+    dim = stored[0] if stored else None
+    split = () if dim is None else part(spec[dim])
     # a device's own part, never gathered nor summed: an expert's, a tensor group's
-    kept = (*(layout.RULES["experts"] if expert else ()), *layout.RULES["tensor"])
-    stored = lambda axis: axis is not None and not set(names(axis)) & set(kept)
-    dim = next((d for d, axis in enumerate(spec) if stored(axis)), None)
-    split = () if dim is None else names(spec[dim])
+    own = [a for d, axis in enumerate(spec) if d != dim for a in part(axis)]
     # XLA:CPU has no bf16 collectives and would gather in fp32: move the same 16 bits as uint16.
     as_bits = compute_dtype == jnp.bfloat16 and layout.platform(mesh) == "cpu"
 
@@ -226,7 +216,6 @@ def _gather(
         grad = grad.astype(jnp.float32)
         if dim is not None:
             grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
-        own = [a for axis in spec if axis is not None for a in names(axis) if a in kept]
         summed = [a for a in AXES if a not in (*split, *own) and mesh.shape[a] > 1]
         grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size
         return (grad.astype(like.dtype) if like.dtype == jnp.bfloat16 else grad,)
@@ -271,20 +260,21 @@ def cast_params(policy: Any, params: Any):
         yield {**policy.cast_params(rest), STACKED: stacked}
 
 
-def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callable:
-    """`run(fn, params)`: `fn` of `params` (this device's shards, in `param_specs`) gathered in
-    the compute dtype, a stack's layers one at a time inside the model's loop
-    (`layer_params`); gradients reduced in fp32 (`_gather`)."""
-    # a stacked leaf's gather takes one layer's slice: its spec without the layer axis; an
-    # 8-bit frozen kernel is never split (config.validate refuses it): it goes on as is
+def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes) -> Callable:
+    """`run(fn, params)`: `fn` of `params` (this device's shards, in `param_specs`; their
+    declared `axes`) gathered in the compute dtype, a stack's layers one at a time inside the
+    model's loop (`layer_params`); gradients reduced in fp32 (`_gather`)."""
+
+    def gather(path, spec, dtype):
+        if dtype is None:  # an 8-bit frozen kernel is never split (config.validate refuses
+            return lambda q: q  # it): it goes on as is
+        names = axes.of(path)
+        if is_stacked(path):  # one layer's slice: its spec and names without the layer axis
+            spec, names = PartitionSpec(*spec[1:]), names and names[1:]
+        return _gather(spec, names, dtype, mesh)
+
     gathers = jax.tree_util.tree_map_with_path(
-        lambda path, s, dtype: (
-            (lambda q: q)
-            if dtype is None
-            else _gather(
-                PartitionSpec(*s[1:]) if is_stacked(path) else s, dtype, mesh, is_expert(path)
-            )
-        ),
+        gather,
         param_specs,
         policy.compute_dtypes(params),
         is_leaf=lambda x: isinstance(x, PartitionSpec) or one_tensor(x),
@@ -304,22 +294,26 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any) -> Callab
     return run
 
 
-def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh, per_row: bool = False) -> Callable:
+def forward_fn(
+    metric_fn: Callable, policy: Any, mesh: Mesh, per_row: bool = False, axes=None
+) -> Callable:
     """`(params, model_state, batch) -> metrics`: `metric_fn(params, model_state, batch)` laid
     out as `grad_fn` lays out the loss (each device its rows and its part of each sequence,
     params gathered in the compute dtype, the keys and values over a context axis), floating
     metrics averaged over the devices: the evaluation of a split sequence, whose memory is
     then the training's, not the unsplit model's. `per_row`: the metrics are per row
     (`[B, ...]`), each device's for its own rows, laid out as the batch's rows are (DPO's
-    reference log-probabilities; no context axis)."""
+    reference log-probabilities; no context axis). `axes`: the params' declared axes
+    (`parallel.axes`, a train state's `axes`)."""
     mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    axes = axes_of(None, axes)
     out_specs = layout.batch_spec(mesh) if per_row else PartitionSpec()
 
     def sharded(params, model_state, batch):
-        param_specs = specs(mesh, params)
+        param_specs = specs(mesh, params, axes)
 
         def local(params, model_state, batch):
-            run = _gathering(policy, mesh, param_specs, params)
+            run = _gathering(policy, mesh, param_specs, params, axes)
             with _splitting(mesh):
                 metrics = run(lambda p: metric_fn(p, model_state, batch), params)
             return metrics if per_row else jax.tree.map(mean, metrics)
@@ -334,7 +328,7 @@ def forward_fn(metric_fn: Callable, policy: Any, mesh: Mesh, per_row: bool = Fal
 
 
 def grad_fn(
-    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None
+    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None, axes=None
 ) -> Callable:
     """`(params, probes, batch, rng, *rest) -> (grads, probe_grads, aux)`: the fp32 gradient of
     `loss_fn`'s first output with respect to fp32 `params`, which
@@ -349,9 +343,11 @@ def grad_fn(
     a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
     with params gathered in the compute dtype, and the gradients are reduced in fp32 (see the
     module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads` combined
-    by `combine(probe_grads, axes)`; `rng` is folded with the device's index, so dropout masks
-    differ between devices.
+    by `combine(probe_grads, mesh axes)`; `rng` is folded with the device's index, so dropout
+    masks differ between devices. `axes`: the params' declared axes (`parallel.axes`, a train
+    state's `axes`), by which they are split.
     """
+    axes = axes_of(None, axes)
     if mesh is None or mesh.size == 1:
 
         def single(params, probes, batch, rng, *rest, frozen=None):
@@ -365,12 +361,12 @@ def grad_fn(
         return single
 
     def sharded(params, probes, batch, rng, *rest, frozen=None):
-        param_specs, frozen_specs = specs(mesh, params), specs(mesh, frozen or {})
+        param_specs, frozen_specs = specs(mesh, params, axes), specs(mesh, frozen or {}, axes)
 
         def local(params, frozen, probes, batch, rng, *rest):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
             specs_ = merge(param_specs, frozen_specs)
-            run = _gathering(policy, mesh, specs_, merge(params, frozen))
+            run = _gathering(policy, mesh, specs_, merge(params, frozen), axes)
 
             def gathered_loss(params, probes):
                 params = merge(params, frozen)

@@ -31,9 +31,11 @@ counted once: `layers.masked_mean` sums counts over every mesh axis.
 The weights a device holds are its part over `tensor` and, over `fsdp` (x `context`), shards
 of that part, gathered one layer at a time as under FSDP alone (`sharding._gather`, which never
 gathers over `tensor`); a weight the group shares (the norms' scales, a LoRA factor on the
-unsplit side) is summed over the group in the gradient's fp32 reduction, as over `data`. An
-adapter splits with its base: `lora_b` with a head-or-unit projection's output, `lora_a` with
-an out projection's input, so `(x A) B` stays a partial sum of the same kind as `x W`.
+unsplit side) is summed over the group in the gradient's fp32 reduction, as over `data`. What
+the group splits is what each param declared (`parallel.axes`: `q_heads`, `kv_heads`, `mlp`,
+`vocab`), and an adapter's factors declare their kernel's names: `lora_b` splits with a
+head-or-unit projection's output, `lora_a` with an out projection's input, so `(x A) B` stays
+a partial sum of the same kind as `x W`.
 """
 
 from __future__ import annotations
@@ -49,25 +51,6 @@ import numpy as np
 from mptrain.parallel import layout
 
 AXIS = "tensor"
-COLUMNS = ("q", "k", "v", "gate", "up")  # split by output: their kernel's last dim, their bias
-ROWS = ("o", "down")  # split by input: their kernel's second-to-last dim
-VOCAB = {("embed", "embedding"): -2, ("head", "kernel"): -1}
-
-
-def split_dim(path: tuple, ndim: int) -> int | None:
-    """The dimension of the param (or optimizer-state leaf) at `path` that a tensor group
-    splits, from its end (-1, -2), or None where the group holds it whole."""
-    keys = [getattr(key, "key", None) for key in path]
-    if len(keys) < 2:
-        return None
-    owner, name = keys[-2], keys[-1]
-    if (owner, name) in VOCAB:
-        return VOCAB[owner, name]
-    if owner in COLUMNS and name in ("kernel", "lora_b", "bias"):
-        return -1
-    if owner in ROWS and name in ("kernel", "lora_a") and ndim >= 2:
-        return -2
-    return None
 
 
 class Split(NamedTuple):

@@ -29,6 +29,7 @@ def plan_decode(config: Any, target_name: str, batch: int = 1, context: int = 20
     from mptrain import errors, models, target
     from mptrain.inspect import program
     from mptrain.models.decoder import decode
+    from mptrain.parallel import axes
     from mptrain.plan import roofline
 
     if not getattr(models.record_of(config), "decodes", False):
@@ -41,8 +42,7 @@ def plan_decode(config: Any, target_name: str, batch: int = 1, context: int = 20
     policy = config_lib.policy_of(config)
     model = models.create(config.model, policy, [device])
     where = jax.sharding.SingleDeviceSharding(device)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    shapes = shapes["params"]
+    _, shapes = axes.declared_of(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     dtypes = policy.compute_dtypes(shapes)
     params = jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, d), shapes, dtypes)
     params = jax.eval_shape(lambda p: decode.unscanned(model, p)[1], params)  # as decoded

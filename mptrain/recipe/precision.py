@@ -7,12 +7,15 @@ frozen dataclass, hashable so that it can sit in a static field of the `TrainSta
 of a jit cache key. Casting only ever touches floating-point leaves: token ids, labels and masks
 pass through with their integer or boolean dtype intact.
 
-Its casting rule, `keep_fp32`, is a regular expression over "/"-joined param paths: params it
-matches are handed to the model in fp32 when the step casts the others to the compute dtype.
-Under 16-bit compute the default keeps embedding tables and normalisation scales and biases,
-as torch's autocast leaves them alone: a model then gathers rows from the fp32 table and casts
-the rows, so a gather's gradient accumulates in fp32 (a 16-bit scatter-add is slow and
-nondeterministic on GPUs), and a norm's few parameters keep their full precision.
+Its casting rule says which params are handed to the model in fp32 when the step casts the
+others to the compute dtype. Under 16-bit compute the default keeps embedding tables and
+normalisation scales and biases, as torch's autocast leaves them alone: a model then gathers
+rows from the fp32 table and casts the rows, so a gather's gradient accumulates in fp32 (a
+16-bit scatter-add is slow and nondeterministic on GPUs), and a norm's few parameters keep their
+full precision. A param says that of itself where it is created (its role, `fp32=True` in
+`parallel.axes.declare`); a param no model declared is known by its name
+(`DEFAULT_KEEP_FP32`). `keep_fp32`, a regular expression over "/"-joined param paths, replaces
+the default: the params it matches are kept.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def path_name(path: tuple) -> str:
 class Policy:
     """Where each kind of value lives: master params, the forward/backward pass, and outputs;
     and which params the step hands to the model in fp32 (`keep_fp32`, a regex over param
-    paths; None: the default rules under 16-bit compute, none under fp32; "": none).
+    paths; None: the default under 16-bit compute, none under fp32; "": none). The default is
+    each param's declared role (`declared`, the model's `parallel.axes.Axes`, which the train
+    state attaches), and for a param no model declared, `DEFAULT_KEEP_FP32` on its name.
 
     `output_dtype` is the dtype of the model outputs that the loss and the evaluation see: the
     Trainer's default `loss_fn` and `eval_fn` pass the logits through `cast_to_output` (a no-op
@@ -90,20 +95,20 @@ class Policy:
     # runs float32 dots as one bfloat16 pass on a TPU, in TensorFloat-32 on an NVIDIA GPU),
     # "default" under 16-bit compute, whose operands are 16-bit already
     matmul_precision: str = "auto"
+    # the model's declared params (`parallel.axes.Axes`): the default rule keeps those whose
+    # role is fp32; None: every param by its name (a policy no state was made with yet)
+    declared: Any = None
 
     def __post_init__(self):
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, name, np.dtype(getattr(self, name)))
         rule = self.keep_fp32
-        if rule is None:
-            rule = "" if self.compute_dtype == F32 else DEFAULT_KEEP_FP32
-        if not isinstance(rule, str):
+        if rule is not None and not isinstance(rule, str):
             raise ValueError(f"keep_fp32={rule!r}: must be a regular expression (a string)")
         try:
-            re.compile(rule)
+            re.compile(rule or "")
         except re.error as e:
             raise ValueError(f"keep_fp32={rule!r}: not a regular expression: {e}") from None
-        object.__setattr__(self, "keep_fp32", rule)
         wanted = str(self.matmul_precision).strip().lower()
         if wanted not in ("auto", *MATMUL_PRECISIONS):
             valid = ", ".join(("auto", *MATMUL_PRECISIONS))
@@ -119,7 +124,15 @@ class Policy:
 
     def kept_fp32(self, path: str) -> bool:
         """Whether the param at `path` ("/"-joined) is handed to the model in fp32."""
-        return bool(self.keep_fp32) and re.search(self.keep_fp32, path) is not None
+        if self.keep_fp32 is not None:  # the user's rule
+            return bool(self.keep_fp32) and re.search(self.keep_fp32, path) is not None
+        if self.compute_dtype == F32:
+            return False
+        if self.declared is not None:  # the role the param declared
+            names, fp32 = self.declared.lookup(tuple(path.split("/")))
+            if names is not None:
+                return fp32
+        return re.search(DEFAULT_KEEP_FP32, path) is not None
 
     def compute_dtypes(self, params: Any) -> Any:
         """Per param leaf, the dtype the model gets it in: fp32 where `keep_fp32` matches, the
@@ -145,7 +158,8 @@ class Policy:
         """One line: the casting rule and the params it keeps in fp32 for compute."""
         kept = self.kept_fp32_paths(params)
         shown = ", ".join(kept[:6]) + (f", ... ({len(kept) - 6} more)" if len(kept) > 6 else "")
-        return f"keep_fp32={self.keep_fp32!r}: {len(kept)} params in fp32 for compute" + (
+        how = "" if self.keep_fp32 is not None else " (each param's declared role)"
+        return f"keep_fp32={self.keep_fp32!r}{how}: {len(kept)} params in fp32 for compute" + (
             f" ({shown})" if kept else ""
         )
 

@@ -129,7 +129,7 @@ def make_train_step(
             # The low-precision zone starts here: `params` arrive cast to the compute dtype by a
             # cast *inside* the differentiated function, so jax.grad carries the cotangent back
             # through it, gradients arrive in fp32 and the master copy never leaves fp32. The
-            # params `policy.keep_fp32` names (embedding tables, norms) arrive in fp32: a gather
+            # params the policy keeps (their role: embedding tables, norms) arrive in fp32: a gather
             # from an fp32 table has an fp32 gradient, not a 16-bit scatter-add.
             with _recording(taps, policy.compute_dtype, calls):
                 loss, (model_state, aux) = loss_fn(params, model_state, batch, rng)
@@ -141,7 +141,7 @@ def make_train_step(
         if per_layer:  # a zero row per module call; its gradient is the numerics table
             calls = numerics.loss_calls(loss_fn, state, batch)
             taps = jnp.zeros((len(calls.paths), len(numerics.COLUMNS)), jnp.float32)
-        grads_of = sharding.grad_fn(scaled_loss, policy, mesh, _combine)
+        grads_of = sharding.grad_fn(scaled_loss, policy, mesh, _combine, state.axes)
         rest, amax_probes = _split_probes(state.model_state)
         inputs = (cast_batch(policy, batch), rng, rest)
         lazy = per_layer and measure_when is not None
@@ -177,7 +177,7 @@ def make_train_step(
             )
             fp8_state = _fp8_update(updated.model_state, amaxes, state, updated)
             updated = updated.replace(model_state=fp8_state)
-            (bad_params,) = count_nonfinite((updated.params,), mesh)
+            (bad_params,) = count_nonfinite((updated.params,), mesh, state.axes)
             applied = finite & (bad_params == 0)
             updated = loss_scale_lib.select_tree(applied, updated, state)
         new_state = updated.replace(
@@ -230,7 +230,7 @@ def make_eval_step(
         batch = cast_batch(policy, batch)
         if mesh is not None and (mesh.shape["context"] > 1 or mesh.shape["tensor"] > 1):
             with policy.matmuls():
-                forward = sharding.forward_fn(metric_fn, policy, mesh)
+                forward = sharding.forward_fn(metric_fn, policy, mesh, axes=state.axes)
                 metrics = forward(state.model_params, state.model_state, batch)
             return dtypes.to_f32(metrics)
         with policy.matmuls(), sharding.cast_params(policy, state.model_params) as params:
@@ -240,12 +240,12 @@ def make_eval_step(
     return eval_step
 
 
-def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
+def count_nonfinite(trees: tuple, mesh: Mesh | None, axes: Any = None) -> jax.Array:
     """A float32 vector: per tree, how many of its floating values are NaN or inf.
 
     On a mesh of several devices each device counts its own shards and one all-reduce adds the
     counts (a replicated leaf is counted once per device: a count is only ever compared with
-    zero). Elsewhere it is a plain count.
+    zero). Elsewhere it is a plain count. `axes`: the params' declared axes (the trees' split).
     """
 
     def local(*trees):
@@ -261,7 +261,7 @@ def count_nonfinite(trees: tuple, mesh: Mesh | None) -> jax.Array:
     summed = jax.shard_map(
         lambda *trees: jax.lax.psum(local(*trees), sharding.AXES),
         mesh=mesh,
-        in_specs=tuple(sharding.specs(mesh, tree) for tree in trees),
+        in_specs=tuple(sharding.specs(mesh, tree, axes) for tree in trees),
         out_specs=PartitionSpec(),
         check_vma=False,
     )

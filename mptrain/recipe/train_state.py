@@ -8,6 +8,7 @@ inside `opt_state` and advances only on applied updates, so schedules do not dri
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -19,6 +20,7 @@ from flax.training import train_state
 
 from mptrain import dtypes, errors, optim
 from mptrain.optim import layerwise
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import precision
@@ -67,7 +69,9 @@ class TrainState(train_state.TrainState):
     hold plain arrays), `skipped_steps` (int32), `model_state` (e.g. batch statistics, `{}` when
     unused), `param_compensation` (Kahan rounding error per param, `{}` unless
     `param_rounding="kahan"`), `frozen` (params that do not train, `recipe.frozen`: `{}` but
-    under adapters; no checkpoint holds them), and the static `policy` and `param_rounding`.
+    under adapters; no checkpoint holds them), and the static `policy`, `param_rounding` and
+    `axes` (the logical axes the model's params declared, `parallel.axes`: how every leaf of
+    the state is split on a mesh; None where the model declared none).
     """
 
     @property
@@ -83,6 +87,7 @@ class TrainState(train_state.TrainState):
     frozen: Any = struct.field(default_factory=dict)
     policy: precision.Policy = struct.field(pytree_node=False, default=None)
     param_rounding: str = struct.field(pytree_node=False, default="nearest")
+    axes: axes_lib.Axes | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -96,6 +101,7 @@ class TrainState(train_state.TrainState):
         rng: Any = None,
         model_state: Any = None,
         param_rounding: str = "auto",
+        axes: axes_lib.Axes | None = None,
         **kwargs,
     ) -> TrainState:
         """Stores `params` in `policy.param_dtype` and initialises the optimizer on them.
@@ -105,9 +111,17 @@ class TrainState(train_state.TrainState):
         cast), "stochastic" (unbiased random rounding, bf16 params only), "kahan" (keeps the
         rounding error in `param_compensation` and adds it back on the next update) or "auto",
         the default, as in a config (stochastic for bf16 params, else nearest): a library user
-        with bf16 params no more loses small updates than a Trainer's run does.
+        with bf16 params no more loses small updates than a Trainer's run does. `params` may
+        come as `model.init` returns them, with their declared axes (`parallel.axes`), which the
+        state keeps as `axes` (or give `axes` and plain params).
         """
+        boxes = jax.tree.leaves(params, is_leaf=axes_lib.is_param)
+        if axes is None and any(axes_lib.is_param(x) for x in boxes):
+            axes = axes_lib.declared(params)
+        params = axes_lib.unboxed(params)
         policy = precision.get_policy(policy)
+        if axes is not None and policy.declared is None:  # the roles the params declared
+            policy = dataclasses.replace(policy, declared=axes)
         param_rounding = resolve_param_rounding(param_rounding, policy)
         params = policy.cast_to_param(params)
         compensation = {}
@@ -126,6 +140,7 @@ class TrainState(train_state.TrainState):
             param_compensation=compensation,
             policy=policy,
             param_rounding=param_rounding,
+            axes=axes,
             **kwargs,
         )
 

@@ -26,6 +26,7 @@ the compute dtype on a mesh; `sharding.forward_fn`). Dropout is off (LoRA's too)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -39,6 +40,7 @@ from mptrain import errors, files
 from mptrain.data import dpo as dpo_data
 from mptrain.data import token_cache
 from mptrain.models import dpo_loss
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import layout, sharding
 from mptrain.train import fingerprints, trainer
 
@@ -65,7 +67,8 @@ class DPOTrainer(trainer.Trainer):
     def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
         variables = self.model.init({"params": rng}, batch["inputs"][:, 0], train=False)
         if self.dpo["reference"] == "copy":  # step 0's params, as the policy's forward reads them
-            variables = {**variables, REFERENCE: self.policy.cast_params(variables["params"])}
+            params = axes_lib.unboxed(variables["params"])  # split as the params are
+            variables = {**variables, REFERENCE: self.policy.cast_params(params)}
         return variables
 
     def token_logps(self, params, model_state, batch, train: bool = True):
@@ -105,8 +108,9 @@ class DPOTrainer(trainer.Trainer):
             return state.model_state[REFERENCE]
         return state.params
 
-    def reference_logps(self, params, model_state, batch) -> jax.Array:
-        """Traced. fp32 `[B, 2]`: the sums of `params`' log-probabilities, no gradient."""
+    def reference_logps(self, params, model_state, batch, axes=None) -> jax.Array:
+        """Traced. fp32 `[B, 2]`: the sums of `params`' log-probabilities, no gradient; `axes`:
+        their declared axes (the state's), by which a mesh splits them."""
         model_state = {k: v for k, v in model_state.items() if k != REFERENCE}
 
         def forward(p, model_state, batch):
@@ -116,7 +120,7 @@ class DPOTrainer(trainer.Trainer):
         policy = self.policy
         with policy.matmuls():
             if self.mesh.size > 1:
-                run = sharding.forward_fn(forward, policy, self.mesh, per_row=True)
+                run = sharding.forward_fn(forward, policy, self.mesh, per_row=True, axes=axes)
                 logps = run(params, model_state, batch)
             else:
                 with sharding.cast_params(policy, params) as cast:
@@ -128,7 +132,9 @@ class DPOTrainer(trainer.Trainer):
         not computed ahead), the state without the reference's copy (the gradient's forward
         never takes it)."""
         if dpo_data.REFERENCE not in batch:
-            logps = self.reference_logps(self.reference_params(state), state.model_state, batch)
+            logps = self.reference_logps(
+                self.reference_params(state), state.model_state, batch, state.axes
+            )
             batch = {**batch, dpo_data.REFERENCE: logps}
         rest = {k: v for k, v in state.model_state.items() if k != REFERENCE}
         return state.replace(model_state=rest), batch
@@ -191,7 +197,7 @@ class DPOTrainer(trainer.Trainer):
         pairs = dpo_data.settings(self.config)  # loads the tokenizer: once
         tag = hashlib.sha256(model.encode()).hexdigest()[:16]
         path = pairs.path().replace(".npy", f"-ref-{tag}.npy")
-        forward = jax.jit(self.reference_logps)
+        forward = jax.jit(functools.partial(self.reference_logps, axes=state.axes))
 
         def write(path: str) -> str:
             out = []

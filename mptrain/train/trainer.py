@@ -41,6 +41,7 @@ from mptrain.inspect import audit
 from mptrain.models import layers
 from mptrain.models import nnx as nnx_models
 from mptrain.optim import schedules
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import layout, sharding
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import step
@@ -107,7 +108,9 @@ class Trainer:
         ]
 
     def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
-        """Traced once at start. The model's variables (params plus any state collections)."""
+        """Traced once at start. The model's variables (params plus any state collections), as
+        `model.init` returns them: each param boxed with the logical axes it declared
+        (`parallel.axes`), by which the state is split on the mesh."""
         return self.model.init({"params": rng, "dropout": rng}, batch["inputs"], train=False)
 
     # ---- traced hooks: pure, run under jit ------------------------------------------------
@@ -155,11 +158,13 @@ class Trainer:
 
         def create(init_rng, state_rng, sample):
             variables = dict(self.init_variables(init_rng, sample))
+            axes = axes_lib.declared(variables["params"])  # how the state splits on the mesh
+            variables = axes_lib.unboxed(variables)
             return train_state_lib.TrainState.create(  # params and frozen (`adapters`)
                 apply_fn=self.model.apply, tx=self.tx, policy=self.policy, rng=state_rng,
                 **adapters.split(self.model, self.policy, cfg, variables.pop("params")),
                 loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),
-                model_state=variables, param_rounding=cfg.param_rounding,
+                model_state=variables, param_rounding=cfg.param_rounding, axes=axes,
             )  # fmt: skip
 
         return sharding.sharded_init(create, self.mesh, init_rng, state_rng, sample)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from mptrain import errors, hf
 from mptrain.hf import tensors as hf_io
 from mptrain.models import decoder as llama
-from mptrain.parallel import sharding
+from mptrain.parallel import axes, sharding
 from mptrain.recipe import precision
 
 FIXTURE = Path(__file__).parent / "fixture"
@@ -127,7 +127,7 @@ def test_the_loaded_config_as_it_comes_builds_the_folders_model():
     model_config, params = hf.load(FIXTURE)
     assert isinstance(model_config, dict)
     model = llama.create_model(model_config)
-    init = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    _, init = axes.declared_of(model.init, jax.random.key(0), ids)
     shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
     assert shapes(init) == shapes(params)
     assert _error(np.asarray(jax.jit(model.apply)({"params": params}, ids)), want) < 1e-5
@@ -491,7 +491,9 @@ def test_load_params_reads_each_devices_slice_once_into_the_targets_shardings(mo
         np.asarray(jax.devices()[:8]).reshape(2, 4, 1, 1, 1), sharding.AXES
     )  # data 2, fsdp 4
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), want)
-    where = sharding.state_shardings(mesh, shapes)
+    model = llama.create_model(hf.read_config(FIXTURE))
+    declared, _ = axes.declared_of(model.init, jax.random.key(0), _reference(FIXTURE)[0])
+    where = sharding.state_shardings(mesh, shapes, declared)
     target = jax.tree.map(
         lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w), shapes, where
     )

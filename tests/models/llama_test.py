@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from mptrain.models import decoder as llama
 from mptrain.models import layers
 from mptrain.models.decoder import rope
-from mptrain.parallel import layout, sharding
+from mptrain.parallel import axes, layout, sharding
 from mptrain.recipe import precision
 
 SCALING = LLAMA_SCALING
@@ -36,7 +36,7 @@ def _tokens(batch=2, length=48, vocab=64, seed=1):
 
 
 def _init(model, tokens):
-    return jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    return axes.unboxed(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
 
 
 def _loss(model, params, tokens, targets):
@@ -221,13 +221,13 @@ def test_bad_settings_are_config_errors_naming_the_key(overrides, message):
         llama.create_model(_config(**overrides))
 
 
-def _grads(model, policy, mesh, params, batch):
+def _grads(model, policy, mesh, params, batch, declared=None):
     def loss(p, probes, batch, rng):
         return _loss(model, p, batch["inputs"], batch["targets"]), {}
 
-    fn = jax.jit(sharding.grad_fn(loss, policy, mesh))
+    fn = jax.jit(sharding.grad_fn(loss, policy, mesh, axes=declared))
     if mesh is not None:
-        params = jax.device_put(params, sharding.state_shardings(mesh, params))
+        params = jax.device_put(params, sharding.state_shardings(mesh, params, declared))
         batch = jax.device_put(batch, layout.batch_sharding(mesh))
     args = (params, None, batch, jax.random.key(0))
     return fn(*args)[0], fn.lower(*args).compile().as_text()
@@ -240,18 +240,19 @@ def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
     tokens = _tokens(batch=4)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
     params = _init(model, tokens)
+    declared, _ = axes.declared_of(model.init, jax.random.key(0), tokens)
     config = ml_collections.ConfigDict({"mesh": {"data": 1, "fsdp": 4}, "batch_size": 4})
     mesh = layout.create_mesh(config, jax.devices()[:4])
-    specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(mesh, params))
+    specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(mesh, params, declared))
     assert specs[sharding.STACKED]["attn"]["q"]["kernel"] == PartitionSpec(None, "fsdp", None)
     # The same gradients as on one device (fp32, so the sums agree to rounding) ...
     fp32 = llama.create_model(_config(num_kv_heads=2))
     want, _ = _grads(fp32, precision.get_policy("fp32"), None, params, batch)
-    got, _ = _grads(fp32, precision.get_policy("fp32"), mesh, params, batch)
+    got, _ = _grads(fp32, precision.get_policy("fp32"), mesh, params, batch, declared)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), got, want)
     # ... and under bf16-mixed the layers' bf16 gathers and fp32 reduce-scatters are in the
     # bodies of the loops, one layer's worth each, not in the program's entry.
-    _, text = _grads(model, precision.get_policy("bf16-mixed"), mesh, params, batch)
+    _, text = _grads(model, precision.get_policy("bf16-mixed"), mesh, params, batch, declared)
     bodies, entry = text.split("\nENTRY")  # the loops' computations come before the entry
     gathers = re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather\(", bodies)
     scatters = re.findall(r"= (\w+)\[([\d,]*)\]\S* reduce-scatter\(", bodies)

@@ -12,6 +12,7 @@ import pytest
 from helpers import integers, matmul_dtypes, normal
 
 from mptrain.models import layers, transformer_lm
+from mptrain.parallel import axes
 
 NUM_LAYERS = 2
 # Per block: qkv, scores, probs @ v, attention out, mlp in, mlp out; plus the one-hot
@@ -40,7 +41,7 @@ def _tokens(batch=2, length=16, seed=0):
 
 @pytest.fixture(scope="module")
 def params():
-    return jax.jit(_model().init)(jax.random.key(0), _tokens())
+    return axes.unboxed(jax.jit(_model().init)(jax.random.key(0), _tokens()))
 
 
 def _apply(model, *args, **kwargs):
@@ -167,8 +168,8 @@ def test_create_model_from_config():
     model = transformer_lm.create_model(config, jnp.bfloat16)
     assert (model.vocab_size, model.dropout_rate, model.dtype) == (256, 0.0, jnp.bfloat16)
     assert (model.d_model, model.num_layers, model.num_heads, model.d_ff) == (32, 1, 2, 48)
-    variables = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
-    assert variables["params"]["block_0"]["mlp"]["fc_in"]["kernel"].shape == (32, 48)
+    _, params = axes.declared_of(model.init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert params["block_0"]["mlp"]["fc_in"]["kernel"].shape == (32, 48)
 
 
 def test_bad_shapes_are_rejected(params):
@@ -188,7 +189,7 @@ class _Island(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = layers.layer_norm_f32(x, self.dtype, "ln")
-        return h, layers.run_in(self.dtype, transformer_lm._dense(8, "dense"), x)
+        return h, layers.run_in(self.dtype, transformer_lm._dense(8, "fc_in"), x)
 
 
 def test_each_cast_guard_holds_on_its_own():
@@ -196,7 +197,7 @@ def test_each_cast_guard_holds_on_its_own():
     # model; each is checked alone here. fp32 input, bf16 compute:
     x = jnp.ones((2, 4), jnp.float32)
     module = _Island()
-    variables = jax.jit(module.init)(jax.random.key(0), x)
+    variables = axes.unboxed(jax.jit(module.init)(jax.random.key(0), x))
     normed, _ = module.apply(variables, x)
     assert normed.dtype == jnp.bfloat16  # the LayerNorm island ends with a cast back
     cast = jax.tree.map(lambda p: p.astype(jnp.bfloat16), variables)  # as the policy casts

@@ -26,7 +26,7 @@ import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
 from mptrain.models import decoder as llama
-from mptrain.parallel import layout, sharding
+from mptrain.parallel import axes, layout, sharding
 from mptrain.recipe import precision
 
 TINY = {
@@ -45,9 +45,9 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients():
     model = llama.create_model(ml_collections.ConfigDict(TINY), jnp.float32)
     tokens = integers(0, (8, 32), 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
-    shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    declared, shapes = axes.declared_of(model.init, jax.random.key(0), tokens)
     mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, 2, 4, 1, 1), layout.AXES)
-    specs = sharding.specs(mesh, shapes)
+    specs = sharding.specs(mesh, shapes, declared)
     assert specs["stacked_layers"]["moe"]["gate"] == PartitionSpec(None, "expert", "fsdp", None)
     assert specs["stacked_layers"]["moe"]["router"] == PartitionSpec(None, ("fsdp", "expert"), None)
     policy = precision.get_policy("fp32")
@@ -56,12 +56,14 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients():
         out = model.apply({"params": p}, batch["inputs"], targets=batch["targets"])
         return out["loss"], {"aux": out["moe/aux_loss"]}
 
-    split, whole = sharding.grad_fn(loss, policy, mesh), sharding.grad_fn(loss, policy, None)
+    split = sharding.grad_fn(loss, policy, mesh, axes=declared)
+    whole = sharding.grad_fn(loss, policy, None)
 
     @jax.jit
     def both(key, batch):  # the init too: one program
-        params = model.init(key, batch["inputs"])["params"]
-        params = jax.lax.with_sharding_constraint(params, sharding.state_shardings(mesh, shapes))
+        params = axes.unboxed(model.init(key, batch["inputs"])["params"])
+        where = sharding.state_shardings(mesh, shapes, declared)
+        params = jax.lax.with_sharding_constraint(params, where)
         return split(params, None, batch, key), whole(params, None, batch, key)
 
     args = (jax.random.key(0), jax.device_put(batch, layout.batch_sharding(mesh)))

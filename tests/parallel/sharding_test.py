@@ -79,7 +79,7 @@ def test_gradients_are_stored_at_the_params_width_after_their_fp32_reduction(pre
     batch = trainer.build_datasets()[0].get_batch(0)
     state = jax.eval_shape(lambda: trainer.init_state(batch))
     loss = lambda p, probes, b, rng: (trainer.loss_fn(p, {}, b, rng)[0], None)
-    grads_of = sharding.grad_fn(loss, state.policy, trainer.mesh)
+    grads_of = sharding.grad_fn(loss, state.policy, trainer.mesh, axes=state.axes)
     grads = jax.eval_shape(lambda p: grads_of(p, None, batch, jax.random.key(0))[0], state.params)
     assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {stored}
     assert {x.dtype.name for x in jax.tree.leaves(grads)} == {stored}

@@ -17,7 +17,7 @@ import mptrain
 from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
 from mptrain.models import decoder as llama
-from mptrain.parallel import layout, sharding
+from mptrain.parallel import axes, layout, sharding
 from mptrain.recipe import precision
 
 # Qwen3's per-head q and k norms, Qwen2's q, k, v biases, tied embeddings, a soft-capped head
@@ -52,12 +52,12 @@ def test_a_tensor_group_gives_one_devices_loss_and_gradients():
     loss_keys = ml_collections.ConfigDict({"chunk_tokens": 16, "z_loss": 1e-3})
     model = llama.create_model(ml_collections.ConfigDict(TINY), jnp.float32, loss=loss_keys)
     batch = _packed(8, 32)
-    shapes = jax.eval_shape(model.init, jax.random.key(0), batch["inputs"])["params"]
+    declared, shapes = axes.declared_of(model.init, jax.random.key(0), batch["inputs"])
     meshes = {
         name: Mesh(np.asarray(jax.devices()[:8]).reshape(shape), layout.AXES)
         for name, shape in MESHES.items()
     }
-    specs = sharding.specs(meshes["fsdp 4 x tensor 2"], shapes)
+    specs = sharding.specs(meshes["fsdp 4 x tensor 2"], shapes, declared)
     layer = specs["stacked_layers"]
     assert layer["attn"]["q"]["kernel"] == PartitionSpec(None, "fsdp", "tensor")
     assert layer["attn"]["o"]["kernel"] == PartitionSpec(None, "tensor", "fsdp")
@@ -72,16 +72,18 @@ def test_a_tensor_group_gives_one_devices_loss_and_gradients():
         return out["loss"], {"accuracy": out["accuracy"], "cross_entropy": out["cross_entropy"]}
 
     whole = sharding.grad_fn(loss, policy, None)
-    splits = {name: sharding.grad_fn(loss, policy, mesh) for name, mesh in meshes.items()}
+    splits = {
+        name: sharding.grad_fn(loss, policy, mesh, axes=declared) for name, mesh in meshes.items()
+    }
     ordered = {name: layout.balanced(batch, mesh.shape["context"]) for name, mesh in meshes.items()}
 
     @jax.jit
     def run(key, batch, ordered):  # the init too: one program
-        params = model.init(key, batch["inputs"])["params"]
+        params = axes.unboxed(model.init(key, batch["inputs"])["params"])
         out = {"whole": whole(params, None, batch, key)}
         for name, mesh in meshes.items():
             placed = jax.lax.with_sharding_constraint(
-                params, sharding.state_shardings(mesh, shapes)
+                params, sharding.state_shardings(mesh, shapes, declared)
             )
             rows = jax.lax.with_sharding_constraint(
                 ordered[name], layout.batch_shardings(mesh, ordered[name])

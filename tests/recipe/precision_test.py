@@ -1,9 +1,12 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mptrain import dtypes
+from mptrain.parallel import axes
 from mptrain.recipe import precision
 
 
@@ -80,7 +83,7 @@ def test_round_to_gives_the_numbers_of_a_cast(dtype):
     assert np.all(same), x[~same][:5]
 
 
-def _zoo_params(name, **model):
+def _zoo_params(name, boxed=False, **model):
     from mptrain import config as config_lib
     from mptrain.train import trainer as trainer_lib
 
@@ -93,7 +96,7 @@ def _zoo_params(name, **model):
     variables = jax.eval_shape(
         trainer.init_variables, jax.random.key(0), {"inputs": jnp.zeros(shape, dtype)}
     )
-    return variables["params"]
+    return variables["params"] if boxed else axes.unboxed(variables["params"])
 
 
 LM = {"d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32, "max_len": 8}
@@ -144,3 +147,27 @@ def test_a_bad_rule_names_the_key():
     config.keep_fp32 = "[a-"
     with pytest.raises(config_lib.ConfigError, match=r"config\.keep_fp32="):
         config_lib.validate(config)
+
+
+def test_the_default_rule_keeps_what_each_param_declares_and_undeclared_ones_by_name():
+    """A state's policy keeps the params whose declared role is fp32 (`parallel.axes`): for
+    the zoo's LM the same params its names would; a role wins over a name, and a param no
+    model declared is kept by its name."""
+    lm = _zoo_params("transformer_lm", **LM, boxed=True)
+    state_policy = dataclasses.replace(
+        precision.get_policy("bf16-mixed"), declared=axes.declared(lm)
+    )
+    by_name = precision.get_policy("bf16-mixed")
+    assert state_policy.kept_fp32_paths(axes.unboxed(lm)) == by_name.kept_fp32_paths(
+        axes.unboxed(lm)
+    )
+    zeros, ones = jax.nn.initializers.zeros, jax.nn.initializers.ones
+    key = jax.random.key(0)
+    tree = {
+        "norm": {"scale": axes.declare(ones, (axes.EMBED,))(key, (4,))},  # declared: no fp32
+        "w": {"kernel": axes.declare(zeros, (axes.EMBED, None), fp32=True)(key, (4, 2))},
+        "other_norm": {"scale": jnp.ones(4)},  # undeclared: by its name
+    }
+    policy = dataclasses.replace(by_name, declared=axes.declared(tree))
+    assert policy.kept_fp32_paths(axes.unboxed(tree)) == ["other_norm/scale", "w/kernel"]
+    assert "declared role" in policy.describe_rules(axes.unboxed(tree))

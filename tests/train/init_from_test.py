@@ -112,7 +112,7 @@ def test_params_are_made_in_the_states_fsdp_shardings(finetune, tmp_path):
     for source, want in [(FIXTURE, fixture_params()), (finetune["workdir"], None)]:
         config = hf_config(FIXTURE, init_from=str(source), **{"mesh.data": 1, "mesh.fsdp": 2})
         state, trainer = step0(config, tmp_path / source.name)
-        wanted = sharding.state_shardings(trainer.mesh, state.params)
+        wanted = sharding.state_shardings(trainer.mesh, state.params, state.axes)
         split = 0
         for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(wanted), strict=True):
             assert x.sharding == s

@@ -31,7 +31,7 @@ from helpers import (
 from mptrain import models
 from mptrain.models import lora
 from mptrain.optim import q8
-from mptrain.parallel import sharding
+from mptrain.parallel import axes, sharding
 from mptrain.plan import memory as plan_memory
 from mptrain.recipe import frozen, precision
 from mptrain.train import adapters
@@ -187,7 +187,7 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
         if precision.path_name(path).endswith("lora_b")
         else (0.05 * rng.standard_normal(s.shape)).astype(np.float32)
     )
-    shapes = jax.eval_shape(trainer.model.init, jax.random.key(0), tokens)["params"]
+    _, shapes = axes.declared_of(trainer.model.init, jax.random.key(0), tokens)
     drawn = jax.tree_util.tree_map_with_path(draw, shapes)
     state = adapters.split(trainer.model, trainer.policy, trainer.config, drawn)
     dequantized = jax.tree.map(

@@ -42,6 +42,7 @@ from mptrain.models import remat as remat_lib
 from mptrain.models.decoder import context_attention, moe
 from mptrain.models.decoder import rope as rope_lib
 from mptrain.models.decoder.rope import apply_rope, rope_frequencies
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
 
@@ -57,24 +58,40 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: layers.Dtype
     plus_one: bool = False
+    names: tuple = (axes_lib.EMBED,)  # its scale's logical axes (`parallel.axes`)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        init = axes_lib.declare(init, self.names, fp32=True)  # its role: kept in fp32
         scale = self.param("scale", init, (x.shape[-1],)).astype(jnp.float32)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * (1.0 + scale if self.plus_one else scale)).astype(self.dtype)
 
 
+# each projection's kernel `[in, out]` by its logical axes (`parallel.axes`): q, k, v and the
+# MLP's gate and up from the width to heads or units, o and down back
+PROJECTIONS = {
+    "q": (axes_lib.EMBED, axes_lib.Q_HEADS),
+    "k": (axes_lib.EMBED, axes_lib.KV_HEADS),
+    "v": (axes_lib.EMBED, axes_lib.KV_HEADS),
+    "o": (axes_lib.Q_HEADS, axes_lib.EMBED),
+    "gate": (axes_lib.EMBED, axes_lib.MLP),
+    "up": (axes_lib.EMBED, axes_lib.MLP),
+    "down": (axes_lib.MLP, axes_lib.EMBED),
+}
+
+
 def dense(features: int, name: str, fp8: Any = None, lora: Any = None, bias: bool = False):
-    """A projection: bias-free unless `bias`, its matmul in fp8 under a recipe (its scaling
-    state in model_state, `mptrain.recipe.fp8`), with an adapter where `lora` says."""
+    """The projection `name` (`PROJECTIONS`): bias-free unless `bias`, its matmul in fp8 under
+    a recipe (its scaling state in model_state, `mptrain.recipe.fp8`), with an adapter where
+    `lora` says."""
     init = nn.initializers.normal(stddev=0.02)
     kwargs = {"use_bias": True} if bias else {}
     if fp8:
         kwargs["dot_general_cls"] = functools.partial(fp8_lib.DotGeneral, recipe=fp8)
-    return lora_lib.dense(features, name, lora, init, **kwargs)
+    return lora_lib.dense(features, name, lora, init, names=PROJECTIONS[name], **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +123,8 @@ class Shape:
     router_fp32: bool = True
     expert_kernel: tuple[str, int] = ("xla", 0)  # `grouped.matmul`'s kernel, the GPU's SMs
 
-    def norm(self, dtype: layers.Dtype, name: str) -> RMSNorm:
-        return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, name=name)
+    def norm(self, dtype: layers.Dtype, name: str, names: tuple = (axes_lib.EMBED,)) -> RMSNorm:
+        return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, names, name=name)
 
     def part(self, ways: int) -> Shape:
         """One device's part of a tensor group of `ways` (`mptrain.parallel.tensor`): its heads,
@@ -136,11 +153,11 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         def project(n, name, tag):
             out = checkpoint_name(run(n * s.head_dim, name, x), tag)
             norm = s.qk_norm and name != "v"  # before RoPE: over each head, or all of them
-            if norm and s.qk_norm_width:
-                out = s.norm(self.dtype, f"{name}_norm")(out)
+            if norm and s.qk_norm_width:  # the projection's whole width: its heads' names
+                out = s.norm(self.dtype, f"{name}_norm", PROJECTIONS[name][1:])(out)
             out = out.reshape(batch, length, n, s.head_dim)
-            if norm and not s.qk_norm_width:
-                out = s.norm(self.dtype, f"{name}_norm")(out)
+            if norm and not s.qk_norm_width:  # a head's dimensions, never split
+                out = s.norm(self.dtype, f"{name}_norm", (None,))(out)
             return out
 
         q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])

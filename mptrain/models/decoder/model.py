@@ -15,6 +15,7 @@ from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.decoder import moe, stack
 from mptrain.models.decoder.blocks import Block, Shape
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
 
@@ -88,7 +89,7 @@ class Llama(nn.Module):
                             self.final_softcap, dict_out=bool(routed), name="head")  # fmt: skip
         kernel = None
         if self.tie_embeddings:
-            kernel = embed.variables["params"]["embedding"].T.astype(self.dtype)
+            kernel = axes_lib.unboxed(embed.variables["params"]["embedding"]).T.astype(self.dtype)
         out = head(x, targets, kernel)
         if routed and targets is not None:  # the load-balancing loss, over the real tokens
             real = tokens.size if segments is None else jnp.sum(segments.ids > 0)
@@ -125,7 +126,8 @@ class Llama(nn.Module):
 
         def init(rng, x, positions):
             keys = jax.random.split(rng, self.num_layers)
-            return jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
+            layer = jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
+            return axes_lib.stacked(layer)  # each param's names after `layers`
 
         # Read as it is when it exists: under FSDP the loop gets each device's shard of the
         # stack (gathered one layer at a time), which `self.param` would refuse by shape.

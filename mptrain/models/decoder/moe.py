@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from mptrain import errors
 from mptrain.models import layers
 from mptrain.models.decoder import grouped
+from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 
 # `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
@@ -222,6 +223,14 @@ def exchange(split: sharding.ExpertSplit, mlp, local: int, tokens, picked, weigh
     return jax.lax.psum_scatter(y, split.axis, scatter_dimension=0, tiled=True)
 
 
+# the experts' kernels' logical axes (`parallel.axes`): an expert a row, then its SwiGLU's
+EXPERT_AXES = {
+    "gate": (axes_lib.EXPERTS, axes_lib.EMBED, axes_lib.MLP),
+    "up": (axes_lib.EXPERTS, axes_lib.EMBED, axes_lib.MLP),
+    "down": (axes_lib.EXPERTS, axes_lib.MLP, axes_lib.EMBED),
+}
+
+
 class MoE(nn.Module):
     """The mixture-of-experts MLP (the module doc): `x [B, L, D] -> (y [B, L, D], router_stats
     [2, num_experts])`; `mask` (`[B, L]`, None: every token) the tokens the stats count."""
@@ -238,12 +247,15 @@ class MoE(nn.Module):
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         batch, length, width = x.shape
         init = nn.initializers.normal(stddev=0.02)  # the decoder's projections'
-        router = self.param("router", init, (width, self.num_experts))
+        # the router's every expert on each device; each expert's kernels on its own
+        router_init = axes_lib.declare(init, (axes_lib.EMBED, None))
+        router = self.param("router", router_init, (width, self.num_experts))
         split = sharding.expert_axis()  # this device's experts only (`exchange`)
         local = self.num_experts // (1 if split is None else split.size)
         shapes = {"gate": (width, self.d_ff), "up": (width, self.d_ff), "down": (self.d_ff, width)}
         kernels = {
-            k: self.param(k, init, (local, *s)).astype(self.dtype) for k, s in shapes.items()
+            k: self.param(k, axes_lib.declare(init, EXPERT_AXES[k]), (local, *s)).astype(self.dtype)
+            for k, s in shapes.items()
         }
         tokens = x.reshape(-1, width).astype(self.dtype)
         logits, weights, picked = route(
