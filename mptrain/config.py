@@ -115,8 +115,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.lora.rank = config_dict.placeholder(int)  # the adapters' rank, e.g. 16
     c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
     c.lora.dropout = 0.0  # of the adapters' input, while training
-    # the projections that get adapters: a regex searched in their kernels' param paths
-    c.lora.targets = r"(attn/(q|k|v|o|qkv|out)|mlp/(gate|up|down|fc_in|fc_out))/kernel$"
+    # the projections that get adapters: a regex searched in their kernels' param paths; None:
+    # every projection the model makes with an adapter's place (`models.lora.dense`)
+    c.lora.targets = config_dict.placeholder(str)
     c.lora.base_dtype = "compute"  # the frozen base: "compute" (its dtype) or "q8" (8 bits)
     c.dpo = ml_collections.ConfigDict()  # DPO on preference pairs (data.name="dpo"): docs/dpo.md
     c.dpo.beta = 0.1  # rewards are beta x the log-ratios to the reference (TRL's default)

@@ -37,15 +37,9 @@ from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 
 ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
-# The keys of `config.lora` with their defaults: attention's and the MLP's projections of both
-# language models (llama: q k v o gate up down; transformer_lm: qkv out fc_in fc_out).
-SETTINGS = {
-    "rank": None,
-    "alpha": 16.0,
-    "dropout": 0.0,
-    "targets": r"(attn/(q|k|v|o|qkv|out)|mlp/(gate|up|down|fc_in|fc_out))/kernel$",
-    "base_dtype": "compute",
-}
+# The keys of `config.lora` with their defaults; `targets` None: every projection a model makes
+# with `dense` (the decoder's q k v o gate up down, transformer_lm's qkv out fc_in fc_out)
+SETTINGS = {"rank": None, "alpha": 16.0, "dropout": 0.0, "targets": None, "base_dtype": "compute"}
 BASE_DTYPES = ("compute", "q8")
 ALL = "*"  # a `Spec.targets` that adapts every projection that can take an adapter
 
@@ -83,7 +77,7 @@ def settings(lora: Any) -> dict[str, Any]:
         raise ValueError(f"lora.dropout={keys['dropout']}: must be below 1 (1 drops every input)")
     targets = keys["targets"]
     try:
-        re.compile(targets)
+        re.compile(targets or "")
     except (re.error, TypeError) as e:
         raise ValueError(f"lora.targets={targets!r}: not a regular expression: {e}") from None
     keys["base_dtype"] = errors.check_choice("lora.base_dtype", keys["base_dtype"], BASE_DTYPES)
@@ -98,8 +92,9 @@ def spec(lora: Any, build: Any) -> Spec:
     everywhere = Spec(keys["rank"], keys["alpha"] / keys["rank"], keys["dropout"])
     shapes = _shapes(build(everywhere))
     kernels = adaptable(shapes)
-    chosen = {path for path in kernels if re.search(keys["targets"], path)}
-    experts = [p for p in _experts(shapes) if re.search(keys["targets"], p)]
+    targets = keys["targets"]  # None: every projection, what the model made adaptable
+    chosen = {path for path in kernels if targets is None or re.search(targets, path)}
+    experts = [p for p in _experts(shapes) if targets is not None and re.search(targets, p)]
     if experts:  # a mixture's experts: `[E, in, out]` params, no projection module each
         raise ValueError(
             f"lora.targets={keys['targets']!r}: matches the experts' kernels ({experts[0]}), "
