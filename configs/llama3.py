@@ -138,7 +138,7 @@ def _fine_tune(c, folder: str) -> None:
     read = hf.read_config(folder)  # name "llama" and every key the weights fix
     c.model.update(read)
     c.model.attention, c.model.remat = "auto", "minimal"
-    c.model.scan_layers = read.get("scan_layers", True)  # not with dense and expert layers
+    c.model.scan_layers = read.get("scan_layers", True)
     c.init_from = folder
     c.batch_size = 8
     c.data.seq_len = min(1024, c.model.max_len)

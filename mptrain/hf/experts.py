@@ -89,9 +89,7 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
             raise errors.ConfigError(f"{file}: mlp_only_layers={only!r}: a list of layer numbers")
         dense = [i for i in range(layers) if i in only or (i + 1) % step]
         out["dense_layers"] = tuple(dense) or None
-    if out["dense_layers"]:  # dense and expert layers' params differ in shape: not one stack
-        out["scan_layers"] = False
-    return out
+    return out  # dense and expert layers scan as stacks of their own (`decoder.stack.stacks`)
 
 
 def write(c: dict, family: str) -> dict[str, Any]:

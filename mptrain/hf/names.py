@@ -85,7 +85,10 @@ def _fused(c: dict) -> dict:
 def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -> Leaf:
     """The `Leaf` of the param at `keys` (its path) of `shape`, for the checked settings `c`
     (None: a Llama's names)."""
-    path = "/".join(keys)
+    path, first = "/".join(keys), 0
+    if keys[0] == sharding.STACKED:  # one of several stacks: its keys, and its first layer
+        stack, first = sharding.stack_of(keys)
+        keys = (sharding.STACKED, *keys[len(stack) :])
     top, rest = keys[0], keys[1:]
     layer = re.fullmatch(r"layers_(\d+)", top)
     table = POST_NORM_NAMES if c and c["post_norms"] else LAYER_NAMES
@@ -100,7 +103,7 @@ def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -
     if (top == sharding.STACKED or layer) and rest in table and len(shape) > each:
         name, transposed = table[rest]
         lead = shape[: each + (not layer)]
-        layers = [layer[1]] if layer else range(shape[0])
+        layers = [layer[1]] if layer else range(first, first + shape[0])
         expert = (lambda n, j: n.format(j)) if each else lambda n, j: n
         names = tuple(
             LAYER_PREFIX.format(i) + expert(name, j)

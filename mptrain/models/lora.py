@@ -151,10 +151,12 @@ def adaptable(params: Any) -> dict[str, tuple[int, ...]]:
 
 def module_path(kernel_path: str) -> str:
     """A kernel's param path as its module sees itself: without `/kernel`, and without the
-    stacked layers' prefix (a scanned block is applied on its own, one layer at a time, so a
-    target of the stack is one of every layer)."""
-    path = kernel_path.removesuffix("/kernel")
-    return path.removeprefix(f"{sharding.STACKED}/")
+    stacked layers' prefix and stack (a scanned block is applied on its own, one layer at a
+    time, so a target of a stack is one of each of its layers)."""
+    keys = tuple(kernel_path.removesuffix("/kernel").split("/"))
+    if keys[0] == sharding.STACKED:
+        keys = keys[len(sharding.stack_of(keys)[0]) :]
+    return "/".join(keys)
 
 
 def is_adapter(path: str) -> bool:

@@ -78,27 +78,35 @@ def update(step: Callable, params, grads, opt_state, compensation, total) -> tup
     rest once (module doc), every call's clip reading `total`, the whole tree's norm; the same
     three trees out."""
     trees = (params, grads, opt_state, compensation)
-    (count,) = {np.shape(x)[0] for x in jax.tree.leaves(params[sharding.STACKED])}
     whole = _whole(opt_state)
-    paths = [_stack_paths(t, whole) for t in trees]
-    rest = step(*(_view(t, p, False) for t, p in zip(trees, paths, strict=True)), global_norm=total)
-    kept = (params, opt_state, compensation)  # what the loop rewrites, a layer at a time
-    outputs = [paths[0], *paths[2:]]
+    stacks = {  # a model's stacks (one, or several: `sharding.stacks`), each its leaves' paths
+        key: [_stack_paths(t, whole, key) for t in trees]
+        for key in sharding.stacks(params[sharding.STACKED])
+    }
+    every = [set().union(*(paths[i] for paths in stacks.values())) for i in range(len(trees))]
+    rest = step(*(_view(t, p, False) for t, p in zip(trees, every, strict=True)), global_norm=total)
+    kept = (params, opt_state, compensation)  # what the loops rewrite, a layer at a time
+    done = list(rest)
+    for key, paths in stacks.items():
+        stack = sharding.stacks(params[sharding.STACKED])[key][0]
+        (count,) = {np.shape(x)[0] for x in jax.tree.leaves(stack)}
+        outputs = [paths[0], *paths[2:]]
 
-    def one(i, carry):  # reads layer i of the stacks it carries and writes it back, in place
-        now = [_merge(t, c, p) for t, c, p in zip(kept, carry, outputs, strict=True)]
-        now.insert(1, grads)
-        views = (_view(t, p, True, i) for t, p in zip(now, paths, strict=True))
-        out = step(*views, global_norm=total, layer=i)
-        put = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, i, 0)
-        return [
-            [jax.tree.map(put, full, new) for full, new in zip(c, _pick(t, p), strict=True)]
-            for c, t, p in zip(carry, out, outputs, strict=True)
-        ]
+        def one(i, carry, paths=paths, outputs=outputs):  # layer i of the stack it carries,
+            now = [_merge(t, c, p) for t, c, p in zip(kept, carry, outputs, strict=True)]
+            now.insert(1, grads)  # written back in place
+            views = (_view(t, p, True, i) for t, p in zip(now, paths, strict=True))
+            out = step(*views, global_norm=total, layer=i)
+            put = lambda full, new: jax.lax.dynamic_update_index_in_dim(full, new, i, 0)
+            return [
+                [jax.tree.map(put, full, new) for full, new in zip(c, _pick(t, p), strict=True)]
+                for c, t, p in zip(carry, out, outputs, strict=True)
+            ]
 
-    carry = [_pick(t, p) for t, p in zip(kept, outputs, strict=True)]
-    stacked = jax.lax.fori_loop(0, count, one, carry)
-    return tuple(_merge(*parts) for parts in zip(rest, stacked, outputs, strict=True))
+        carry = [_pick(t, p) for t, p in zip(kept, outputs, strict=True)]
+        stacked = jax.lax.fori_loop(0, count, one, carry)
+        done = [_merge(*parts) for parts in zip(done, stacked, outputs, strict=True)]
+    return tuple(done)
 
 
 def _flat(tree: Any) -> list:
@@ -122,16 +130,24 @@ def _whole(opt_state: Any) -> set[str]:
     }
 
 
-def _stack_paths(tree: Any, whole: set[str]) -> set[str]:
-    """The paths of `tree`'s leaves updated a layer at a time: a stack's (`sharding.is_stacked`),
-    not scalars, not of the params `whole` names."""
+def _stack_paths(tree: Any, whole: set[str], key: tuple[str, ...] = ()) -> set[str]:
+    """The paths of `tree`'s leaves updated a layer at a time: those of the stack `key`
+    (`sharding.stacks`), not scalars, not of the params `whole` names."""
     return {
         jax.tree_util.keystr(path)
         for path, x in _flat(tree)
         if sharding.is_stacked(path)
+        and _stack_key(path) == key
         and np.ndim(x.codes if q8.is_q8(x) else x) > 0
         and _param(path) not in whole
     }
+
+
+def _stack_key(path) -> tuple[str, ...]:
+    """The key of the stack a stacked leaf is of, under `sharding.STACKED`."""
+    keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    stack = sharding.stack_of(keys[keys.index(sharding.STACKED) :])[0]
+    return stack[1:]
 
 
 def _view(tree: Any, paths: set[str], stacked: bool, index: Any = None) -> Any:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -95,6 +94,23 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def is_stacked(path: tuple) -> bool:  # a params or optimizer-state leaf of stacked layers
     return any(getattr(key, "key", None) == STACKED for key in path)
+
+
+def stack_key(first: int, stop: int) -> str:
+    """The key, under `STACKED`, of the stack of layers `first .. stop - 1` of a model whose
+    layers make several stacks (one alone is `STACKED` itself): `"<first>-<stop>"`."""
+    return f"{first}-{stop}"
+
+
+def stack_of(keys: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    """`(the keys of its stack, the stack's first layer)` of a leaf at `keys` (a path's names)
+    under `STACKED`: `(STACKED,)` and 0, or `(STACKED, "<first>-<stop>")` and `first`."""
+    at = keys.index(STACKED)
+    nxt = keys[at + 1] if at + 1 < len(keys) else ""
+    first, sep, stop = nxt.partition("-")
+    if sep and first.isdigit() and stop.isdigit():
+        return keys[: at + 2], int(first)
+    return keys[: at + 1], 0
 
 
 def axes_of(tree: Any, axes: axes_lib.Axes | None = None) -> axes_lib.Axes:
@@ -224,12 +240,30 @@ def _gather(
     return gather
 
 
-def layer_params(layer: Any) -> Any:
-    """One layer's slice of the stacked params, as a model's loop must compute with it: cast by
-    the policy (on a mesh, gathered over `fsdp`) while a step is traced (`grad_fn`,
-    `cast_params`); as it is elsewhere (`model.apply` by hand)."""
+def stacks(stacked: Any) -> dict[tuple[str, ...], tuple[Any, int]]:
+    """The stacks in a model's `STACKED` params (or a state's tree of them): `{key: (tree,
+    first layer)}`, the key `()` for a model's one stack, `(stack_key(first, stop),)` for each
+    of several."""
+    keys = list(stacked) if isinstance(stacked, Mapping) else []
+    named = [stack_of((STACKED, key)) for key in keys]
+    if not keys or any(len(k) != 2 for k, _ in named):
+        return {(): (stacked, 0)}
+    return {(key,): (stacked[key], first) for key, (_, first) in zip(keys, named, strict=True)}
+
+
+def layer_params(layer: Any, where: tuple[str, ...] = ()) -> Any:
+    """One layer's slice of the stacked params (of the stack `where` under `STACKED`: () for a
+    model's one stack, `(stack_key(first, stop),)` for one of several), as a model's loop must
+    compute with it: cast by the policy (on a mesh, gathered over `fsdp`) while a step is
+    traced (`grad_fn`, `cast_params`); as it is elsewhere (`model.apply` by hand)."""
     fn = _LAYER_FN.get()
-    return layer if fn is None else fn(layer)
+    return layer if fn is None else fn(layer, where)
+
+
+def _within(tree: Any, where: tuple[str, ...]) -> Any:
+    for key in where:
+        tree = tree[key]
+    return tree
 
 
 @contextlib.contextmanager
@@ -256,7 +290,7 @@ def cast_params(policy: Any, params: Any):
         yield policy.cast_params(params)
         return
     dtypes = policy.compute_dtypes(params)[STACKED]
-    with _per_layer(lambda layer: policy.cast_as(layer, dtypes)):
+    with _per_layer(lambda layer, where: policy.cast_as(layer, _within(dtypes, where))):
         yield {**policy.cast_params(rest), STACKED: stacked}
 
 
@@ -288,7 +322,7 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes) -> 
         whole = gather_all(outer, whole)
         if stacked is None:
             return fn(whole)
-        with _per_layer(functools.partial(gather_all, per_layer)):
+        with _per_layer(lambda layer, where: gather_all(_within(per_layer, where), layer)):
             return fn({**whole, STACKED: stacked})
 
     return run

@@ -82,11 +82,12 @@ class Calls:
     paths: tuple[str, ...]
     parents: tuple[int, ...]
     plans: tuple[tuple[Tap, Plan], ...] = ()
-    # a call of a scanned stack's block: its layer (its scope is then (STACKED, ...) and its
-    # params' gradient that layer's slice); -1 elsewhere. `groups`: the stacks, (first row,
-    # calls a step, steps, first layer, layers a step) each (`numerics_scan`)
+    # a call of a scanned stack's block: its row in the stack (its scope is then (STACKED,
+    # [stack key,] ...) and its params' gradient that row's slice); -1 elsewhere. `groups`:
+    # the scans, (first row, calls a step, steps, first layer, layers a step, the stack's key,
+    # its first layer) each (`numerics_scan`)
     layers: tuple[int, ...] = ()
-    groups: tuple[tuple[int, int, int, int, int], ...] = ()
+    groups: tuple[tuple, ...] = ()
 
     def descendants(self) -> np.ndarray:
         """`d[i, j]`: call j runs inside call i (at any depth)."""

@@ -36,15 +36,19 @@ class Scan:
     first: int
     stride: int = 1
     rows: Any = None
+    key: tuple[str, ...] = ()  # the stack's key under `sharding.STACKED`
+    offset: int = 0  # the stack's first layer: a layer's row of its stacked gradients is i - it
 
 
-def begin(layers: int, first: int, stride: int = 1) -> Scan | None:
+def begin(
+    layers: int, first: int, stride: int = 1, key: tuple[str, ...] = (), offset: int = 0
+) -> Scan | None:
     """Before the scan: its rows, when a recording with taps is under way (else None)."""
     rec = ACTIVE.get()
     if rec is None or rec.taps is None:
         return None
     start = len(rec.paths) + rec.offset
-    scan = Scan(rec, start, layers, first, stride)
+    scan = Scan(rec, start, layers, first, stride, key=key, offset=offset)
     if rec.given is not None:  # the calls are known: the layers' rows of the taps array
         calls = rec.groups[start][1]
         rows = rec.taps[start - rec.base : start - rec.base + layers * calls]
@@ -72,7 +76,8 @@ def end(scan: Scan | None) -> None:
         return
     rec = scan.rec
     calls = len(rec.paths) + rec.offset - scan.start
-    rec.groups.setdefault(scan.start, (scan.start, calls, scan.layers, scan.first, scan.stride))
+    group = (scan.start, calls, scan.layers, scan.first, scan.stride, scan.key, scan.offset)
+    rec.groups.setdefault(scan.start, group)
     rec.offset += (scan.layers - 1) * calls
 
 
@@ -90,11 +95,11 @@ def expand(rec: Any, plans: dict) -> tuple:
             scopes[index], paths[index] = rec.scopes[k], rec.paths[k]
             parents[index] = rec.parents[k]
             continue
-        start, calls, count, first, stride = group
+        start, calls, count, first, stride, key, offset = group
         within = (index - start) // (calls // stride)  # the block of a step that made the call
         for i in range(count):
             at, parent, layer = index + i * calls, rec.parents[k], first + i * stride + within
-            scopes[at], layers[at] = (sharding.STACKED, *rec.scopes[k]), layer
+            scopes[at], layers[at] = (sharding.STACKED, *key, *rec.scopes[k]), layer - offset
             paths[at] = "/".join((f"layers_{layer}", *rec.scopes[k]))
             parents[at] = parent + i * calls if group_of(parent) else parent
     expanded = {}

@@ -49,11 +49,12 @@ def _run(name: str, scan: bool):
 
 @SLOW  # make test keeps the layer against transformers' blocks (moe_test) and the decoder's
 # experts under an expert axis against one device (expert_mesh_test)
-@pytest.mark.parametrize("name, scan", [("mixtral", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize("name, scan", [("mixtral", True), ("qwen3_moe", True)])
 def test_an_expert_folders_fp32_logits_and_aux_loss_are_transformers(name, scan):
-    """Mixtral's layers scanned; Qwen3-MoE's one by one (its dense middle layer's params are
-    not the expert layers' shapes). The aux loss: transformers' `load_balancing_loss_func`
-    over every expert layer's router logits, in the loss with `router_aux_loss_coef`."""
+    """Both scanned: Mixtral's one stack, Qwen3-MoE's three (its dense middle layer's params
+    are not the expert layers' shapes: `stacked_layers/0-1`, `1-2`, `2-3`). The aux loss:
+    transformers' `load_balancing_loss_func` over every expert layer's router logits, in the
+    loss with `router_aux_loss_coef`."""
     logits, out, want = _run(name, scan)
     assert _error(logits, want) < 1e-5
     aux = float(np.load(FAMILIES / name / "reference.npz")["aux_loss"])
@@ -191,3 +192,89 @@ def test_an_expert_folders_bf16_mixed_logits_stay_in_the_band_until_a_near_tie(n
     error = np.abs(got - want).max(axis=-1)[before].max() / np.abs(want).max()
     print(f"{name}: first near-ties {first.tolist()}, bf16-mixed before them {error:.4f}")
     assert before.sum() >= 10 and error < max(BF16_BOUND, theirs)
+
+
+def _dense_first(folder: Path) -> dict:
+    """A Qwen3-MoE folder whose first layer is dense (`mlp_only_layers` [0], DeepSeek-V3's
+    shape), made of the fixture's layers: its dense layer 1 first, then its expert layers 0
+    and 2; config.json as `hf.save` writes it. Returns its `config.model`."""
+    config, params = hf.load(FAMILIES / "qwen3_moe", scan_layers=False)
+    order = (1, 0, 2)
+    layers = {f"layers_{i}": params[f"layers_{j}"] for i, j in enumerate(order)}
+    rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    config = {**config, "dense_layers": (0,)}
+    hf.save(folder, config, rest | layers, "float32")
+    return config
+
+
+def test_dense_first_layers_and_expert_layers_scan_as_stacks_of_their_own(tmp_path):
+    """A Qwen3-MoE folder whose first layer is dense reads scanned into two stacks (the dense
+    `stacked_layers/0-1`, the experts' `1-3`), and the scanned decoder, each block
+    rematerialised (`remat="full"`), computes what its layers one by one without remat do: the
+    loss with its load-balancing loss and every gradient, fp32, to 1e-6. One compiled
+    program."""
+    _dense_first(tmp_path / "dense_first")
+    assert json.loads((tmp_path / "dense_first" / "config.json").read_text())[
+        "mlp_only_layers"
+    ] == [0]
+    read, scanned = hf.load(tmp_path / "dense_first", scan_layers=True)
+    _, unrolled = hf.load(tmp_path / "dense_first", scan_layers=False)
+    assert read["dense_layers"] == (0,) and set(scanned["stacked_layers"]) == {"0-1", "1-3"}
+    assert "mlp" in scanned["stacked_layers"]["0-1"] and "moe" in scanned["stacked_layers"]["1-3"]
+    section = lambda scan: ml_collections.ConfigDict(
+        {
+            **read,
+            "attention": "materialized",
+            "scan_layers": scan,
+            "remat": "full" if scan else "none",
+        }
+    )
+    models = [llama.create_model(section(scan), jnp.float32) for scan in (True, False)]
+    ids = _reference(FAMILIES / "qwen3_moe")[0]
+
+    @jax.jit
+    def both(scanned, unrolled):
+        loss = lambda model: lambda p: model.apply({"params": p}, ids, targets=ids)["loss"]
+        pairs = zip(models, (scanned, unrolled), strict=True)
+        return [jax.value_and_grad(loss(m))(p) for m, p in pairs]
+
+    (got, got_grads), (want, want_grads) = both(scanned, unrolled)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    got_grads = decode.unscanned(models[0], got_grads)[1]  # the stacks' rows as layers_i
+    assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+    for path, g, w in zip(
+        jax.tree_util.tree_leaves_with_path(want_grads),
+        jax.tree.leaves(got_grads),
+        jax.tree.leaves(want_grads),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-9, err_msg=str(path[0]))
+
+
+@SLOW
+def test_a_dense_first_expert_folder_trains_scanned_as_it_trains_unrolled(tmp_path):
+    """The dense-first Qwen3-MoE folder fine-tuned from its weights (`configs/hf.py:DIR`),
+    fp32, four steps scanned and four unrolled: the same losses and params to 1e-6."""
+    _dense_first(tmp_path / "folder")
+    states, losses = {}, {}
+    for scan in (True, False):
+        config = load_config("hf", str(tmp_path / "folder"), precision="fp32")
+        config = mptrain.config.override(
+            config, {"num_train_steps": 4, "model.scan_layers": scan, "mesh.data": 1}
+        )
+        config = mptrain.config.override(
+            config, {"eval_every_steps": 4, "checkpoint_every_steps": 4, "log_every_steps": 1}
+        )
+        trainer = mptrain.Trainer(config, tmp_path / f"run_{scan}")
+        states[scan] = trainer.train_and_evaluate()
+        losses[scan] = [json.loads(line)["loss"] for line in
+                        (tmp_path / f"run_{scan}" / "history.jsonl").read_text().splitlines()
+                        if '"loss"' in line]  # fmt: skip
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+    model = llama.create_model(ml_collections.ConfigDict({**config.model, "scan_layers": True}))
+    scanned = decode.unscanned(model, jax.device_get(states[True].params))[1]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        scanned,
+        jax.device_get(states[False].params),
+    )

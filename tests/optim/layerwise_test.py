@@ -39,9 +39,11 @@ def _two_updates(state, grads, layered: bool):
 
 
 def _equal_and_own_bits(moments):
-    # fp32 params rounded to nearest: the stack sliced as whole; the norm of the gradients is
-    # 40 and the clip 1, so a layer's own norm would clip otherwise
-    stack = {"w": normal(0, (3, 8, 512)), "b": normal(1, (3, 8))}
+    # fp32 params rounded to nearest: two stacks of 3 and 2 layers (a model whose layers'
+    # params differ in shape, `sharding.stacks`), each sliced as whole; the norm of the
+    # gradients is 40 and the clip 1, so a layer's own norm would clip otherwise
+    stack = {"0-3": {"w": normal(0, (3, 8, 512)), "b": normal(1, (3, 8))}}
+    stack["3-5"] = {"w": normal(4, (2, 8, 256))}
     params = {STACKED: stack, "head": normal(2, (8, 16))}
     grads = jax.tree.map(lambda p: 10 * normal(3, p.shape), params)
     state = _state("fp32", "nearest", moments, params)
@@ -60,7 +62,8 @@ def _equal_and_own_bits(moments):
 @pytest.mark.parametrize("moments", ["q8", pytest.param("float32", marks=pytest.mark.slow)])
 def test_a_stack_updated_a_layer_at_a_time_is_updated_as_whole(moments):
     """The same params and moments to an ulp or two (XLA fuses the two programs' arithmetic
-    differently), the same 8-bit codes; the clip reads the whole tree's norm. And with
+    differently), the same 8-bit codes, two stacks of other lengths each a layer at a time;
+    the clip reads the whole tree's norm. And with
     stochastic rounding each layer folds its index into the keys: three equal layers with equal
     gradients round apart (one key for all would keep them equal)."""
     whole, sliced, (new, opt_state) = _equal_and_own_bits(moments)

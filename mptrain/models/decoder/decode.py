@@ -55,10 +55,10 @@ def unscanned(model: Any, params: Any) -> tuple[Any, Any]:
 
     if not getattr(model, "scan_layers", False):
         return model, params
-    stacked = params[sharding.STACKED]
-    layers = {
-        f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.num_layers)
-    }
+    layers = {}
+    for tree, first in sharding.stacks(params[sharding.STACKED]).values():  # each its layers
+        for i in range(jax.tree.leaves(tree)[0].shape[0]):
+            layers[f"layers_{first + i}"] = jax.tree.map(lambda a, i=i: a[i], tree)
     rest = {k: v for k, v in params.items() if k != sharding.STACKED}
     return model.clone(scan_layers=False), rest | layers
 

@@ -118,16 +118,19 @@ class Llama(nn.Module):
             return x if cache is None else (x, tuple(caches))
         if cache is not None:
             raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
-        # every layer's params have one shape (the layers differ in window and RoPE only)
+        # the stacks: runs of layers whose params have one shape (`stack.stacks`)
+        stacks = stack.stacks([self._shape(i) for i in range(self.num_layers)])
         block = lambda shape, fp8: Block(
             shape, self.dtype, self.implementation, fp8, self.lora, parent=None
         )  # applied to one layer's slice at a time
-        bf16 = block(self._shape(0), None)
 
-        def init(rng, x, positions):
-            keys = jax.random.split(rng, self.num_layers)
-            layer = jax.vmap(lambda k: bf16.init(k, x, positions)["params"])(keys)
-            return axes_lib.stacked(layer)  # each param's names after `layers`
+        def init(rng, x, positions):  # a key a layer, as one stack of every layer would have
+            keys, found = jax.random.split(rng, self.num_layers), {}
+            for s in stacks:
+                first = block(self._shape(s.first), None)
+                layer = jax.vmap(lambda k, b=first: b.init(k, x, positions)["params"])
+                found[s.key] = axes_lib.stacked(layer(keys[s.first : s.stop]))  # `layers` first
+            return found[()] if () in found else {s.key[0]: found[s.key] for s in stacks}
 
         # Read as it is when it exists: under FSDP the loop gets each device's shard of the
         # stack (gathered one layer at a time), which `self.param` would refuse by shape.
@@ -137,17 +140,22 @@ class Llama(nn.Module):
             stacked = self.param(sharding.STACKED, init, x, positions)
         # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
         dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
-        run = functools.partial(stack.scan, x=x, args=(positions, segments), dropout=dropout)
+        run = functools.partial(stack.scan, args=(positions, segments), dropout=dropout)
 
         def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
             shapes = [self._shape(i) for i in range(a, b)]
             return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
 
-        if start == stop:
-            return run(period(0, self.num_layers), stacked=stacked, policy=policy)
-        fp8 = Block(*args(start), parent=None)
-        state = stack.fp8_state(self, fp8, (x, positions), start, stop)
-        return stack.spans(run, stacked, period, state, start, stop, policy)
+        parts = stack.pieces(stacks, start, stop)
+        spans = [(Block(*args(a), parent=None), a, b) for _, a, b, fp8 in parts if fp8]
+        states = stack.fp8_state(self, spans, (x, positions)) if spans else {}
+        for s, a, b in ((s, a, b) for s, a, b, _ in parts):  # the layers in order
+            params = stacked if not s.key else stacked[s.key[0]]
+            if (a, b) != (s.first, s.stop):  # a static slice of the stack: its fp8 piece's
+                params = jax.tree.map(lambda p, a=a - s.first, b=b - s.first: p[a:b], params)
+            fp8 = states.get((a, b))
+            x = run(period(a, b), x=x, stacked=params, policy=policy, fp8=fp8, first=a, where=s)
+        return x
 
     def _fp8(self, layer: int | None) -> Any:
         """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""

@@ -86,11 +86,6 @@ def check(keys: dict) -> None:
     for layer in dense:
         errors.check_integer("model.dense_layers[...]", layer, 0, n - 1)
     keys["dense_layers"] = tuple(sorted(set(dense)))
-    if keys["scan_layers"]:
-        raise ValueError(
-            f"model.dense_layers={keys['dense_layers']}: dense and expert layers have params "
-            "of other shapes, which one scanned stack cannot hold; set model.scan_layers=False"
-        )
 
 
 def route(

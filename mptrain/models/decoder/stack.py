@@ -1,7 +1,12 @@
 """A model's stacked blocks walked by `jax.lax.scan`, and the fp8 state they carry.
 
-The blocks' params are one stack (`sharding.STACKED`, the layer on the leading axis); each
-layer's slice is cast (under FSDP, gathered) inside the loop (`sharding.layer_params`). Under
+The blocks' params are stacks (under `sharding.STACKED`, the layer on each leaf's leading
+axis): one where every layer's params have one shape, else one for each run of layers that do
+(`stacks`: a mixture of experts whose first layers are dense, Qwen3-MoE's `mlp_only_layers` or
+DeepSeek-V3's, has a dense stack and an expert stack, MaxText's `dense_layers` and
+`moe_layers`), each named by the layers it holds (`STACKED/<first>-<stop>`) and scanned on its
+own. Each layer's slice is cast (under FSDP, gathered) inside the loop
+(`sharding.layer_params`). Under
 fp8-mixed the blocks between the first and last `fp8.bf16_layers` run their selected matmuls
 in fp8: the stack then runs as three scans over static slices (bf16, fp8, bf16), and the fp8
 blocks' scaling state and probes (`fp8.META`, `fp8.PROBES`) are stacked on the same layer axis
@@ -20,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -32,19 +35,47 @@ from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import fp8_names, numerics_scan
 
 
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """Layers `first .. stop - 1`, whose params are one stack: `key`, its path under
+    `sharding.STACKED` (() for a model's one stack; `("<first>-<stop>",)` for each of several)."""
+
+    first: int
+    stop: int
+    key: tuple[str, ...] = ()
+
+
+def stacks(shapes: list) -> tuple[Stack, ...]:
+    """The stacks of layers with `shapes` (a `blocks.Shape` a layer): the runs of layers whose
+    params have one shape, those whose shapes differ only in what no param holds (the window,
+    the RoPE frequencies)."""
+    kind = lambda s: dataclasses.replace(s, window=None, inv_freq=(), longrope=None)
+    runs, start = [], 0
+    for i in range(1, len(shapes) + 1):
+        if i == len(shapes) or kind(shapes[i]) != kind(shapes[start]):
+            runs.append((start, i))
+            start = i
+    if len(runs) == 1:
+        return (Stack(0, len(shapes)),)
+    return tuple(Stack(a, b, (sharding.stack_key(a, b),)) for a, b in runs)
+
+
 def period(kinds: list) -> int:
     """The fewest layers after which `kinds` (one a layer) repeat: 1 where all are alike."""
     return next(p for p in range(1, len(kinds) + 1) if kinds[p:] == kinds[:-p])
 
 
-def scan(blocks, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=0) -> jax.Array:
+def scan(
+    blocks, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=0, where=Stack(0, 0)
+) -> jax.Array:
     """`x` through the blocks once per layer of `stacked` (layers `first`, `first + 1`, ...):
     a block, or a tuple of them that layers take in turn (the module doc), each applied as
     `block.apply(variables, h, *args)`; `fp8`: the layers' stacked fp8 collections; `dropout`:
-    a key, folded with each layer's number; `policy`: the remat policy, per block."""
+    a key, folded with each layer's number; `policy`: the remat policy, per block; `where`:
+    the `Stack` the rows are of (its key and first layer)."""
     blocks = blocks if isinstance(blocks, tuple) else (blocks,)
     layers, p = jax.tree.leaves(stacked)[0].shape[0], len(blocks)
-    run = functools.partial(_scan, args=args, dropout=dropout, policy=policy)
+    run = functools.partial(_scan, args=args, dropout=dropout, policy=policy, where=where)
     if p == 1:
         return run(blocks, x=x, stacked=stacked, fp8=fp8, first=first, grouped=False)
 
@@ -60,14 +91,17 @@ def scan(blocks, *, x, args, stacked, dropout=None, policy=None, fp8=None, first
     return x
 
 
-def _scan(blocks, *, x, args, stacked, fp8, first, dropout, policy, grouped=True) -> jax.Array:
+def _scan(
+    blocks, *, x, args, stacked, fp8, first, dropout, policy, where, grouped=True
+) -> jax.Array:
     """`x` through `stacked`, a step a row: `[steps, len(blocks), ...]`, the blocks in turn
     (`grouped`), or one block's layers `[steps, ...]`."""
     steps, p = jax.tree.leaves(stacked)[0].shape[0], len(blocks)
-    taps = numerics_scan.begin(steps, first, stride=p)  # per-layer numerics: their own rows
+    # per-layer numerics: their own rows, each layer's gradients in its stack's rows
+    taps = numerics_scan.begin(steps, first, stride=p, key=where.key, offset=where.first)
 
     def one(j, h, layer, state, index, rows):
-        variables = {"params": sharding.layer_params(layer), **(state or {})}
+        variables = {"params": sharding.layer_params(layer, where.key), **(state or {})}
         rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
         with numerics_scan.layer(taps, rows):
             return blocks[j].apply(variables, h, *args, rngs=rngs)
@@ -93,35 +127,45 @@ def _scan(blocks, *, x, args, stacked, fp8, first, dropout, policy, grouped=True
     return x
 
 
-def fp8_state(module: nn.Module, block: nn.Module, init_args: tuple, start: int, stop: int):
-    """`{collection: stacked tree}`: blocks `start..stop-1`'s fp8 scaling state and probes, one
-    layer a row, variables of `module` (in the Trainer's `model_state` like any other)."""
-    name = fp8_names.stack_name(start, stop)
-    if block.fp8.block:  # the state's init runs the blocks under vmap, which JAX's MXFP8
-        # matmul cannot batch: the emulation's values are the same shapes (and unused)
-        block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
-    found = {}
-    if fp8_lib.META not in jax.eval_shape(lambda: block.init(jax.random.key(0), *init_args)):
-        return None  # the size filter left no fp8 matmul in the block: no state to carry
+def fp8_state(module: nn.Module, spans: list, init_args: tuple) -> dict:
+    """`{(start, stop): {collection: stacked tree} or None}`: each span's fp8 scaling state and
+    probes, one layer a row, for `spans` of `(block, start, stop)` (blocks `start..stop-1`,
+    each of one kind), variables of `module` (in the Trainer's `model_state` like any other):
+    None for a span whose block the size filter left without an fp8 matmul."""
+    blocks = {}
+    for block, start, stop in spans:
+        if block.fp8.block:  # the state's init runs the blocks under vmap, which JAX's MXFP8
+            # matmul cannot batch: the emulation's values are the same shapes (and unused)
+            block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
+        if fp8_lib.META in jax.eval_shape(lambda b=block: b.init(jax.random.key(0), *init_args)):
+            blocks[start, stop] = block
+    found = {(start, stop): None for _, start, stop in spans} | {span: {} for span in blocks}
+    if not blocks:
+        return found
     for collection in (fp8_lib.META, fp8_lib.PROBES):
 
         def init(collection=collection):  # what `fp8.DotGeneral` starts from: no randomness
-            keys = jax.random.split(jax.random.key(0), stop - start)
-            one = lambda k: block.init(k, *init_args)[collection]
-            return {name: jax.vmap(one)(keys)}
+            out = {}
+            for (start, stop), block in blocks.items():
+                keys = jax.random.split(jax.random.key(0), stop - start)
+                one = lambda k, block=block: block.init(k, *init_args)[collection]
+                out[fp8_names.stack_name(start, stop)] = jax.vmap(one)(keys)
+            return out
 
-        found[collection] = module.variable(collection, sharding.STACKED, init).value[name]
+        value = module.variable(collection, sharding.STACKED, init).value
+        for start, stop in blocks:
+            found[start, stop][collection] = value[fp8_names.stack_name(start, stop)]
     return found
 
 
-def spans(run: Callable, stacked, blocks: Callable, fp8, start: int, stop: int, policy) -> Any:
-    """The stack as three scans: layers `[0, start)` and `[stop, layers)` in bf16, `[start,
-    stop)` in fp8 with its `fp8` state; each over a static slice of the stacked params, with
-    `blocks(a, b)`: layers a..b-1's blocks (one period of them)."""
-    layers, x = jax.tree.leaves(stacked)[0].shape[0], None
-    for a, b, state in ((0, start, None), (start, stop, fp8), (stop, layers, None)):
-        if a < b:
-            params = jax.tree.map(lambda p, a=a, b=b: p[a:b], stacked)
-            kwargs = {} if x is None else {"x": x}
-            x = run(blocks(a, b), stacked=params, policy=policy, fp8=state, first=a, **kwargs)
-    return x
+def pieces(stacks: tuple[Stack, ...], start: int, stop: int) -> list[tuple[Stack, int, int, bool]]:
+    """`(stack, a, b, fp8)` in the order of the layers: each stack cut where the fp8 layers
+    `[start, stop)` begin and end (the first and last `fp8.bf16_layers` stay in bf16), each
+    piece a static slice of its stack scanned on its own."""
+    found = []
+    for s in stacks:
+        for a, b, fp8 in ((0, start, False), (start, stop, True), (stop, s.stop, False)):
+            a, b = max(a, s.first), min(b, s.stop)
+            if a < b:
+                found.append((s, a, b, fp8))
+    return found
