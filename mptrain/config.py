@@ -9,6 +9,7 @@ or, beside `model.name` and `data.name`, one the named module declares in its `C
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Iterator
@@ -322,17 +323,36 @@ def _elsewhere(section: str) -> set[str]:
     return {key for module in package.modules().values() for key in module.CONFIG_KEYS}
 
 
-def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
-    """Raises `ConfigError` naming the first bad key and value; returns None when all is well.
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What `validate` built of a run, which the Trainer runs with (`Trainer(resolved=)`), so
+    that nothing is built twice: the precision `policy` (its fp8 recipe included), the `mesh`,
+    the loss scale, the optimizer `tx` and its `schedule`, the data's `example` (one example's
+    abstract shapes, or None), and the model's `record` and `model` (None where the Trainer
+    class builds its own: `config.trainer` overrides `build_model`)."""
+
+    policy: Any
+    mesh: Any
+    loss_scale: Any
+    tx: Any
+    schedule: Any
+    example: Any = None
+    record: Any = None
+    model: Any = None
+
+
+def validate(config: ml_collections.ConfigDict, devices: Any = None) -> Resolved:
+    """The run `config` describes, built (`Resolved`); a `ConfigError` naming the first bad key
+    and value where it cannot be.
 
     One validation path: besides the run's own keys and the key set itself (a misspelt key in
     a config file is an error, as it is on the command line), it builds the objects a run is
-    made of (precision policy, param rounding, loss scale, optimizer and schedule, mesh shape,
+    made of (precision policy, param rounding, loss scale, optimizer and schedule, the mesh,
     the data's example shapes and the model, initialised abstractly on them) and turns their
-    `ValueError`s, which name the key, into `ConfigError`s. The rules live with the objects;
-    nothing here reads a dataset or touches the workdir. `devices`: what the run compiles for
-    (default: JAX's own; `mptrain.plan` passes an accelerator's), which the mesh must fit and
-    the model's choices by backend (attention) follow.
+    `ValueError`s, which name the key, into `ConfigError`s; the Trainer then runs with what it
+    built. The rules live with the objects; nothing here reads a dataset or touches the
+    workdir. `devices`: what the run compiles for (default: JAX's own; `mptrain.plan` passes an
+    accelerator's), which the mesh takes and the model's choices by backend (attention) follow.
     """
     from mptrain import data, models, optim, runtime
     from mptrain.parallel import layout
@@ -348,11 +368,14 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
         policy = policy_of(config)
         train_state.resolve_param_rounding(_get(config, "param_rounding"), policy)
         section = "loss_scale."
-        loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
+        scaler = loss_scale.create_loss_scale(policy=policy, **_get(config, "loss_scale"))
         section = ""
-        optim.make_optimizer(config)
-        devices = None if devices is None else list(devices)
-        _, *split = layout.mesh_shape(config, devices and len(devices))
+        tx, schedule = optim.make_optimizer(
+            _get(config, "optimizer"), config.num_train_steps, seed=config.seed
+        )
+        local = devices is None  # the run is here (else compiled for devices that are not)
+        mesh = layout.create_mesh(_get(config, "mesh"), config.batch_size, devices)
+        split = tuple(mesh.shape.values())[1:]
         lora = config.get("lora") or {}
         if lora.get("base_dtype") == "q8" and lora.get("rank") and math.prod(split) > 1:
             named = ", ".join(f"{k}={v}" for k, v in zip(layout.KEYS[1:], split, strict=True))
@@ -361,14 +384,17 @@ def validate(config: ml_collections.ConfigDict, devices: Any = None) -> None:
                 "use mesh.data alone (data parallel), or lora.base_dtype='compute'"
             )
         example = data.check_config(config) if "data" in zoo else None
-        if devices is None:  # a run here builds its batches here; a plan's host does not
+        if local:  # a run here builds its batches here; a plan's host does not
             data.check_batch(config, example)
+        model = None
         if "model" in zoo:
-            models.check_config(config, policy, example, devices)
+            model = models.check_config(config, policy, example, mesh.devices.flat, local)
     except ConfigError:  # already says `config.<key>=...`
         raise
     except ValueError as e:
         raise ConfigError(f"config.{section}{e}") from None
+    record = zoo["model"].RECORD if "model" in zoo else None
+    return Resolved(policy, mesh, scaler, tx, schedule, example, record, model)
 
 
 def policy_of(config: ml_collections.ConfigDict):

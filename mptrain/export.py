@@ -172,12 +172,12 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
         saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
         _without_a_lost_tokenizer(saved)
         config = ml_collections.ConfigDict(saved)
-        config_lib.validate(config)
+        resolved = config_lib.validate(config)
     except (OSError, ValueError, TypeError) as e:  # ConfigError is a ValueError
         raise errors.WorkdirError(
             f"--workdir={workdir}: {config_path} is unusable: {errors.first_line(e)}"
         ) from None
-    trainer = launch.import_trainer(config.trainer)(config, workdir)
+    trainer = launch.import_trainer(config.trainer)(config, workdir, resolved=resolved)
     init, args = trainer.make_init(trainer.build_datasets()[0].get_batch(0))
     abstract = jax.eval_shape(init, *args)
     with checkpoint.Checkpointer(checkpoints, read_only=True) as checkpointer:

@@ -120,12 +120,13 @@ RULES = [
 
 
 def _warmup(run: Run) -> str | None:
-    asked, used = run.config.optimizer.warmup_steps, schedules.warmup_steps(run.config)
+    opt, steps = run.config.optimizer, run.config.num_train_steps
+    asked, used = opt.warmup_steps, schedules.warmup_steps(opt, steps)
     if asked == used:
         return None
     return (
         f"optimizer.warmup_steps={asked}: not shorter than the run's "
-        f"{schedules.updates(run.config)} updates; warming up over {used} instead"
+        f"{schedules.updates(opt, steps)} updates; warming up over {used} instead"
     )
 
 
@@ -170,14 +171,15 @@ def _profile(run: Run) -> str | None:
 NUMBERS = [_warmup, _accumulation, _eval_steps, _profile]
 
 
-def settings(config: Any, eval_batches: int | None = None) -> list[str]:
+def settings(config: Any, eval_batches: int | None = None, policy: Any = None) -> list[str]:
     """One line per setting of a valid `config` that cannot do what it says (see the module
     doc): a model or data key that the module named does not read, the keys of each broken rule
     set to other than their defaults (the base config's), then `NUMBERS`. `eval_batches`: the
-    eval source's `num_batches`, where it has one; a run's start-up is the caller. Under
+    eval source's `num_batches`, where it has one; `policy`: the run's (None: `config`'s, built
+    here); a run's start-up is the caller. Under
     `command_line`, a key that has no effect only because the command line changed what it
     depends on is not told."""
-    told, found, run = _told(), [], _run(config, eval_batches)
+    told, found, run = _told(), [], _run(config, eval_batches, policy)
     for keys, why in _no_effect(config, run):
         if shown := [key for key in keys if told(key)]:
             found.append(
@@ -207,11 +209,11 @@ def _no_effect(config: Any, run: Run | None = None) -> list[tuple[list[str], str
     return found
 
 
-def _run(config: Any, eval_batches: int | None) -> Run:
+def _run(config: Any, eval_batches: int | None, policy: Any = None) -> Run:
     from mptrain import config as config_lib
     from mptrain import optim
 
-    opt, policy = config.optimizer, config_lib.policy_of(config)
+    opt, policy = config.optimizer, policy or config_lib.policy_of(config)
     return Run(
         config=config,
         policy=policy,

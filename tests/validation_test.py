@@ -107,7 +107,7 @@ def test_a_misspelt_override_has_no_stray_quote(tmp_path, capsys):
 def test_an_fsdp_that_does_not_divide_the_devices_says_so(tmp_path, capsys):
     config = tiny_config(**{"mesh.data": -1, "mesh.fsdp": 3, "batch_size": 12})
     with pytest.raises(ValueError, match="mesh.fsdp=3: does not divide the 4 devices") as info:
-        layout.mesh_shape(config, num_devices=4)
+        layout.mesh_shape(config.mesh, config.batch_size, num_devices=4)
     assert "more devices" not in str(info.value) and "1, 2, 4" in str(info.value)
     code, err = run_cli(
         tmp_path / "run", "--config.mesh.data=-1", "--config.mesh.fsdp=3", capsys=capsys
@@ -266,7 +266,8 @@ def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):
 @pytest.mark.default_mesh
 def test_the_default_mesh_trains_on_every_device(tmp_path):
     assert config_lib.base_config().mesh.data == -1 and config_lib.base_config().mesh.fsdp == 1
-    assert layout.mesh_shape(tiny_config(), num_devices=4) == (4, 1, 1, 1, 1)
+    config = tiny_config()
+    assert layout.mesh_shape(config.mesh, config.batch_size, num_devices=4) == (4, 1, 1, 1, 1)
     result = run_cli_process(TINY, f"--workdir={tmp_path}", devices=4)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mesh 4 devices: data 4 x fsdp 1 x expert 1 x context 1" in result.stderr

@@ -147,21 +147,24 @@ def has_host_memory(devices: Any = None) -> bool:
     return "pinned_host" in kinds
 
 
-def check_config(config, policy: Any, example: Any = None, devices: Any = None) -> None:
-    """What `config.validate` calls: the model of `config.model` built as the Trainer builds it,
-    then, given `example` (one example of the data: arrays or `jax.ShapeDtypeStruct`s), its
-    variables initialised abstractly (`jax.eval_shape`: shapes only, a fraction of a second),
-    so that a model that cannot take the data's batches fails here too, as a `ValueError`
-    naming the model key (`model.max_len=32: ...`) or else the two names. `devices`: what the
-    run compiles for (`create`'s), None for this process's."""
+def check_config(
+    config, policy: Any, example: Any = None, devices: Any = None, local: bool = True
+) -> Any:
+    """What `config.validate` calls: the model of `config.model` built as the Trainer runs it
+    (returned: the run takes it, `config.Resolved`), then, given `example` (one example of the
+    data: arrays or `jax.ShapeDtypeStruct`s), its variables initialised abstractly
+    (`jax.eval_shape`: shapes only, a fraction of a second), so that a model that cannot take
+    the data's batches fails here too, as a `ValueError` naming the model key
+    (`model.max_len=32: ...`) or else the two names. `devices`: what the run compiles for
+    (`create`'s), None for this process's; `local`: the run is here, whose devices' memory
+    must hold the model's fp32 params."""
     import jax
 
     module = import_model(config.model.name)
-    with _quiet():
-        model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
+    model = create(config.model, policy, devices, config.get("loss"), config.get("lora"))
     check_mesh(config, module.RECORD, model, example)
     if example is None:
-        return
+        return model
 
     def init(inputs):
         rng = jax.random.key(0)
@@ -181,8 +184,9 @@ def check_config(config, policy: Any, example: Any = None, devices: Any = None) 
             f"model.name={config.model.name!r}: cannot take the batches of data.name="
             f"{config.data.name!r} (inputs {inputs.dtype}{list(inputs.shape)}): {message}"
         ) from None
-    if devices is None:  # a run here (a plan for other devices reports their memory itself)
+    if local:  # a run here (a plan for other devices reports their memory itself)
         _check_fits(config, variables)
+    return model
 
 
 def check_mesh(config, record: record_lib.Record, model: Any, example: Any = None) -> None:

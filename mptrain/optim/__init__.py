@@ -1,9 +1,10 @@
 """Optimizers for mixed precision: where the optimizer state lives, and in which dtype.
 
-`make_optimizer(config)` turns `config.optimizer` into an optax chain (clipping, the optimizer,
-the learning-rate schedule, optional gradient accumulation) and returns the schedule with it, so
-the trainer can log `schedule(optimizer_count(opt_state))`. The optimizer's count advances only
-on applied updates (see `Gated`), so schedules follow them and never drift on skipped steps.
+`make_optimizer(config.optimizer, num_train_steps)` turns a config's optimizer section into an
+optax chain (clipping, the optimizer, the learning-rate schedule, optional gradient
+accumulation) and returns the schedule with it, so the trainer can log
+`schedule(optimizer_count(opt_state))`. The optimizer's count advances only on applied updates
+(see `Gated`), so schedules follow them and never drift on skipped steps.
 
 Why this module has its own `adamw`: `optax.adamw` keeps its moments in the dtype of the params
 it is initialised with, so with bf16 params the optimizer state silently becomes bf16 as well.
@@ -323,21 +324,22 @@ def sgd(
 
 
 def make_optimizer(
-    config: Any, *, weight_decay_mask: Any = None
+    optimizer: Any, steps: int | None, *, seed: int = 0, weight_decay_mask: Any = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Builds `(tx, schedule)` from `config.optimizer` and `config.num_train_steps`.
+    """Builds `(tx, schedule)` from a config's `optimizer` section, for a run of `steps`
+    batches (`num_train_steps`) seeded with `seed` (stochastic rounding's draws).
 
     The chain is: `clip_by_global_norm` (when `optimizer.grad_clip_norm` is set and non-zero),
     the optimizer with the learning rate scheduled, and, when `optimizer.accumulation_steps > 1`,
     all of it wrapped in `optax.MultiSteps`. With accumulation the trainer's `step` counts
     micro-batches, while the optimizer's count (and so the schedule, `warmup_steps` included)
     counts applied updates: `num_train_steps // accumulation_steps` of them. The accumulator is
-    fp32. The warmup is `schedules.warmup_steps(config)`. `weight_decay_mask` is passed to the
+    fp32. The warmup is `schedules.warmup_steps`. `weight_decay_mask` is passed to the
     optimizer as optax's `mask`. This is the one place that checks the `optimizer.*` keys: a bad
     value raises a `ValueError` that names the key and says what is valid (`config.validate`
     calls this). Unsafe moments draw no `UnsafeMomentsWarning` here (see the comment inside).
     """
-    opt = config.optimizer
+    opt = optimizer
     get = lambda check, key, default, *a, **kw: check(
         f"optimizer.{key}", errors.setting(opt, key, default), *a, **kw
     )
@@ -349,13 +351,13 @@ def make_optimizer(
     nu_dtype = state_dtype(opt.get("nu_dtype"), "optimizer.nu_dtype")
     schedule_name = errors.setting(opt, "schedule", "constant")
     schedule = schedules.make_schedule(
-        schedule_name, lr, schedules.warmup_steps(config), schedules.updates(config)
+        schedule_name, lr, schedules.warmup_steps(opt, steps), schedules.updates(opt, steps)
     )
 
     if name == "adamw":
         rounding = get(errors.check_choice, "moment_rounding", "stochastic", MOMENT_ROUNDINGS)
-        # Quiet: a run builds this twice (validate, trainer) and logs each problem at start-up
-        # (`audit.setup_warnings`, with the rest); a Python warning too would repeat each.
+        # Quiet: a run logs each problem at start-up (`audit.setup_warnings`, with the rest);
+        # a Python warning too would repeat each.
         with warnings.catch_warnings(action="ignore", category=UnsafeMomentsWarning):
             tx = adamw(
                 schedule,
@@ -367,7 +369,7 @@ def make_optimizer(
                 nu_dtype=nu_dtype,
                 mask=weight_decay_mask,
                 moment_rounding=rounding,
-                seed=int(errors.setting(config, "seed", 0)),
+                seed=int(seed),
                 q8_block_size=get(errors.check_integer, "q8_block_size", *q8.BLOCK_SETTING),
                 q8_min_size=get(errors.check_integer, "q8_min_size", q8.MIN_SIZE, 1),
             )

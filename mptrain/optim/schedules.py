@@ -19,17 +19,16 @@ from mptrain import errors
 SCHEDULES = ("constant", "cosine", "linear")
 
 
-def updates(config: Any) -> int | None:
-    """Optimizer updates in the run: `num_train_steps // optimizer.accumulation_steps`."""
-    opt = config.optimizer
+def updates(optimizer: Any, steps: int | None) -> int | None:
+    """Optimizer updates in a run of `steps` batches (`num_train_steps`; None: unbounded):
+    `steps // optimizer.accumulation_steps` (`optimizer`: the config's section)."""
     accumulation = errors.check_integer(
         "optimizer.accumulation_steps",
-        errors.setting(opt, "accumulation_steps", 1),
+        errors.setting(optimizer, "accumulation_steps", 1),
         1,
         errors.INT32_MAX,
         errors.INT32_WHY,
     )
-    steps = config.get("num_train_steps")
     if steps is None:
         return None
     if isinstance(steps, int) and 0 < steps < accumulation:
@@ -41,20 +40,21 @@ def updates(config: Any) -> int | None:
     return steps // accumulation
 
 
-def warmup_steps(config: Any) -> int:
-    """`optimizer.warmup_steps`, cut to half the run's updates when it would take all of them.
+def warmup_steps(optimizer: Any, steps: int | None) -> int:
+    """`optimizer.warmup_steps`, cut to half the updates of a run of `steps` batches when it
+    would take all of them.
 
     A run shorter than its warmup (a smoke test with a few steps) would otherwise never reach
     its learning rate, and a decaying schedule would have nothing left to decay over.
     """
     warmup = errors.check_integer(
         "optimizer.warmup_steps",
-        errors.setting(config.optimizer, "warmup_steps", 0),
+        errors.setting(optimizer, "warmup_steps", 0),
         0,
         errors.INT32_MAX,
         errors.INT32_WHY,
     )
-    total = updates(config)
+    total = updates(optimizer, steps)
     return warmup if total is None or warmup < total else total // 2
 
 

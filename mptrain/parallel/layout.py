@@ -78,12 +78,12 @@ SEQUENCE_KEYS = ("inputs", "targets", "positions", "segment_ids")
 KEYS = tuple(f"mesh.{axis}" for axis in AXES)
 
 
-def mesh_shape(config, num_devices: int | None = None) -> tuple[int, ...]:
-    """`(data, fsdp, expert, context, tensor)` with -1 resolved (the default `mesh.data=-1`: every
-    device the other axes leave, data parallel); a `ValueError` naming the keys when they do
-    not fit the devices or do not divide `batch_size`. `num_devices`: default all of JAX's."""
+def mesh_shape(mesh: Any, batch_size: int, num_devices: int | None = None) -> tuple[int, ...]:
+    """`(data, fsdp, expert, context, tensor)` of a config's `mesh` section (a mapping of the
+    axes' sizes) with -1 resolved (the default `mesh.data=-1`: every device the other axes
+    leave, data parallel); a `ValueError` naming the keys when they do not fit the devices or
+    do not divide `batch_size`. `num_devices`: default all of JAX's."""
     num_devices = jax.device_count() if num_devices is None else num_devices
-    mesh = config.mesh
     sizes = [mesh.get(axis, 1) for axis in AXES]
     for key, value in zip(KEYS, sizes, strict=True):
         if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
@@ -111,10 +111,10 @@ def mesh_shape(config, num_devices: int | None = None) -> tuple[int, ...]:
         raise ValueError(
             f"{_named(mesh)}: a mesh of {devices} devices, more than the {num_devices} there are"
         )
-    if config.batch_size % (data * fsdp * expert):
-        every = " (mesh.data=-1: every device)" if mesh.data == -1 else ""
+    if batch_size % (data * fsdp * expert):
+        every = " (mesh.data=-1: every device)" if mesh.get("data", 1) == -1 else ""
         raise ValueError(
-            f"batch_size={config.batch_size}: the global batch's rows must divide evenly over "
+            f"batch_size={batch_size}: the global batch's rows must divide evenly over "
             f"the data x fsdp x expert = {data}x{fsdp}x{expert} devices that split it{every}; "
             f"make it a multiple of {data * fsdp * expert}, or set mesh.data, mesh.fsdp and "
             "mesh.expert to use fewer devices"
@@ -126,12 +126,13 @@ def _named(mesh) -> str:
     return ", ".join(f"mesh.{axis}={mesh.get(axis, 1)}" for axis in AXES)
 
 
-def create_mesh(config, devices: Any = None) -> Mesh:
-    """The run's `(data, fsdp, expert, context, tensor)` mesh over the first devices of `devices`
+def create_mesh(mesh: Any, batch_size: int, devices: Any = None) -> Mesh:
+    """The run's `(data, fsdp, expert, context, tensor)` mesh, as a config's `mesh` section
+    asks for a batch of `batch_size` rows (`mesh_shape`), over the first devices of `devices`
     (default: all of JAX's; `mptrain.plan` passes the compile-only devices of an accelerator
     not here)."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(config, len(devices))
+    shape = mesh_shape(mesh, batch_size, len(devices))
     return Mesh(np.asarray(devices[: math.prod(shape)]).reshape(shape), AXES)
 
 

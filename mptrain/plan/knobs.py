@@ -51,7 +51,7 @@ def refused(config, knobs: dict[str, Any], count: int, devices: Any = None) -> s
 
     candidate = changed(config, knobs)
     try:
-        layout.mesh_shape(candidate, count)
+        layout.mesh_shape(candidate.mesh, candidate.batch_size, count)
         policy = config_lib.policy_of(candidate)
     except ValueError as e:
         return errors.first_line(e)

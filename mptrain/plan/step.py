@@ -145,8 +145,9 @@ def plan(
     mesh = [config.mesh.get(axis, 1) for axis in ("data", "fsdp", "expert", "context", "tensor")]
     count = devices or named or math.prod(max(n, 1) for n in mesh)
     target_devices = chip.devices(count)
-    config_lib.validate(config, devices=target_devices)
-    trainer = launch.import_trainer(config.trainer)(config, os.devnull, devices=target_devices)
+    resolved = config_lib.validate(config, devices=target_devices)
+    trainer_cls = launch.import_trainer(config.trainer)
+    trainer = trainer_cls(config, os.devnull, devices=target_devices, resolved=resolved)
     share = plan_memory.share(chip, config)
     started = time.monotonic()
     traced, state, sample, inputs = _trace(trainer)

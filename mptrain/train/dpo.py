@@ -52,7 +52,7 @@ WORKDIR_FILE = "dpo_reference.json"  # the "precomputed" reference's copy in the
 class DPOTrainer(trainer.Trainer):
     """The Trainer on preference pairs (the module doc)."""
 
-    def __init__(self, config, workdir, *, devices=None):
+    def __init__(self, config, workdir, **kwargs):  # `devices=`, `resolved=`: the Trainer's
         if config.data.name != "dpo":
             raise errors.ConfigError(
                 f"config.trainer={TRAINER!r} trains on data.name='dpo' pairs, not "
@@ -60,7 +60,7 @@ class DPOTrainer(trainer.Trainer):
             )
         with errors.config_errors():
             self.dpo = dpo_data.check_run(config)
-        super().__init__(config, workdir, devices=devices)
+        super().__init__(config, workdir, **kwargs)
 
     # ---- the model on pairs ------------------------------------------------------------------
 

@@ -54,9 +54,9 @@ def run(config, workdir: str | os.PathLike):
     """
     with errors.config_errors():
         runtime.start_backend(config)
-    config_lib.validate(config)
+    resolved = config_lib.validate(config)  # the run's parts, built once: the Trainer takes them
     trainer_cls = import_trainer(config.trainer)
     started = time.monotonic()
-    state = trainer_cls(config, Path(workdir)).train_and_evaluate()
+    state = trainer_cls(config, Path(workdir), resolved=resolved).train_and_evaluate()
     logging.info("mptrain: done in %.1f s", time.monotonic() - started)
     return state

@@ -166,7 +166,8 @@ class Run:
         if main:
             curves.forget_after(self.workdir, self.start, samples.SAMPLES)
         batches = getattr(self.eval_source, "num_batches", None)
-        for line in unused.settings(cfg, batches if isinstance(batches, int) else None):
+        batches = batches if isinstance(batches, int) else None
+        for line in unused.settings(cfg, batches, self.state.policy):
             logging.warning("mptrain: %s", line)  # settings that cannot do what they say
         self.progress = metrics_lib.ProgressLine(cfg.num_train_steps)
         self.meta = {"config": config_lib.to_dict(cfg), "policy": str(self.state.policy)}

@@ -13,9 +13,12 @@ metrics, resuming) comes with it.
   also shown in bits/byte, else "nats"); a subclass with its own `loss_fn` has None (no unit
   printed) unless it sets `loss_unit` itself (a class attribute).
 
-`Trainer(config, workdir, devices=...)` builds everything for `devices` (default: JAX's own;
-`mptrain.plan` passes the compile-only devices of an accelerator that is not here): the mesh
-takes them, and every choice made by backend (attention "auto") follows them, not this host.
+`Trainer(config, workdir, devices=..., resolved=...)` runs with what validation built
+(`config.validate` returns it: the policy, the mesh, the model, the optimizer; `mptrain.run`,
+`mptrain.plan` and export hand it over), so nothing is built twice; without it the Trainer
+builds them itself, for `devices` (default: JAX's own; `mptrain.plan` passes the compile-only
+devices of an accelerator that is not here): the mesh takes them, and every choice made by
+backend (attention "auto") follows them, not this host.
 
 A run is set up once (`setup` returns a `Run` holding the sources, the state, the compiled
 steps, the writer, the checkpointer and the hooks), then a short loop steps it. The loop
@@ -54,11 +57,18 @@ from mptrain.train import adapters, checkpoint, init_from, loop
 class Trainer:
     """Trains `config.model` on `config.data` under `config.precision`; see the module doc."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None):
-        self.config, self.workdir = config, Path(workdir)
-        self.policy = config_lib.policy_of(config)
+    def __init__(
+        self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None,
+        resolved: config_lib.Resolved | None = None,
+    ):  # fmt: skip
+        self.config, self.workdir, self.resolved = config, Path(workdir), resolved
+        self.policy = resolved.policy if resolved else config_lib.policy_of(config)
         loggers.check(config)  # a missing extra stops the run before anything compiles
-        self.mesh = layout.create_mesh(config, devices)  # see the module doc; 1x1x1 on one
+        # see the module doc; 1x1x1 on one device
+        if resolved is None:
+            self.mesh = layout.create_mesh(config.mesh, config.batch_size, devices)
+        else:
+            self.mesh = resolved.mesh
         self.model = nnx_models.wrap(self.build_model())  # an NNX module behind linen calls
         self.tx, self.schedule = self.build_optimizer()
         self.last_eval: dict[str, float] | None = None  # the newest evaluation's metrics
@@ -71,13 +81,19 @@ class Trainer:
     # ---- host-side hooks: run once, may do I/O --------------------------------------------
 
     def build_model(self) -> nn.Module:
-        """Host-side. The flax module; by default `mptrain.models.<config.model.name>`."""
+        """Host-side. The flax module; by default `mptrain.models.<config.model.name>` (the one
+        validation built, where the Trainer was handed it)."""
+        if self.resolved is not None and self.resolved.model is not None:
+            return self.resolved.model
         cfg, devices = self.config, self.mesh.devices.flat
         return models.create(cfg.model, self.policy, devices, cfg.get("loss"), cfg.get("lora"))
 
     def build_optimizer(self) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """Host-side. The optax transformation and its learning-rate schedule (for logging)."""
-        return optim.make_optimizer(self.config)
+        if self.resolved is not None:
+            return self.resolved.tx, self.resolved.schedule
+        cfg = self.config
+        return optim.make_optimizer(cfg.optimizer, cfg.num_train_steps, seed=cfg.seed)
 
     def build_datasets(self) -> tuple[Any, Any]:
         """Host-side. `(train, eval)` sources whose `get_batch(i)` is a pure function of i."""
@@ -163,11 +179,17 @@ class Trainer:
             return train_state_lib.TrainState.create(  # params and frozen (`adapters`)
                 apply_fn=self.model.apply, tx=self.tx, policy=self.policy, rng=state_rng,
                 **adapters.split(self.model, self.policy, cfg, variables.pop("params")),
-                loss_scale=loss_scale_lib.create_loss_scale(policy=self.policy, **cfg.loss_scale),
+                loss_scale=self.loss_scale(),
                 model_state=variables, param_rounding=cfg.param_rounding, axes=axes,
             )  # fmt: skip
 
         return sharding.sharded_init(create, self.mesh, init_rng, state_rng, sample)
+
+    def loss_scale(self) -> Any:
+        """Host-side. The run's loss scaler at step 0 (`config.loss_scale`), as validated."""
+        if self.resolved is not None:
+            return self.resolved.loss_scale
+        return loss_scale_lib.create_loss_scale(policy=self.policy, **self.config.loss_scale)
 
     def make_train_step(self) -> Callable:
         """The jittable step the loop runs: the recipe, the state kept in its shardings, and the

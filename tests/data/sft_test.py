@@ -310,7 +310,7 @@ def test_the_trainers_step_reads_the_rows_positions_and_segment_ids(tmp_path):
 
     config = load_config("llama3", "sft_tiny", **{"data.cache_dir": str(tmp_path / "cache")})
     config.data.seq_len, config.data.max_segments = 32, 8
-    batch = config_lib.validate(config) or sft.check_config(config)
+    batch = config_lib.validate(config).example  # the data's example: sft.check_config's
     batch = {k: jax.ShapeDtypeStruct((2, 32), v.dtype) for k, v in batch.items()}
     trainer = trainer_lib.Trainer(config, tmp_path / "run")
     variables = jax.eval_shape(trainer.init_variables, jax.random.key(0), batch)

@@ -242,7 +242,7 @@ def test_fsdp_gathers_the_stack_one_layer_at_a_time_inside_the_loop():
     params = _init(model, tokens)
     declared, _ = axes.declared_of(model.init, jax.random.key(0), tokens)
     config = ml_collections.ConfigDict({"mesh": {"data": 1, "fsdp": 4}, "batch_size": 4})
-    mesh = layout.create_mesh(config, jax.devices()[:4])
+    mesh = layout.create_mesh(config.mesh, config.batch_size, jax.devices()[:4])
     specs = jax.tree.map(lambda s: s.spec, sharding.state_shardings(mesh, params, declared))
     assert specs[sharding.STACKED]["attn"]["q"]["kernel"] == PartitionSpec(None, "fsdp", None)
     # The same gradients as on one device (fp32, so the sums agree to rounding) ...

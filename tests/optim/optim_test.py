@@ -13,6 +13,13 @@ from mptrain import optim
 from mptrain.optim import schedules
 
 
+def make_optimizer(config, **kwargs):
+    """`optim.make_optimizer` as a run calls it: the config's optimizer section, its length."""
+    return optim.make_optimizer(
+        config.optimizer, config.num_train_steps, seed=config.seed, **kwargs
+    )
+
+
 def _params(seed=0):
     return {
         "w": normal(seed, (64, 64)),
@@ -141,7 +148,7 @@ def test_bf16_second_moment_decays_with_stochastic_rounding_and_sticks_with_near
 
 @pytest.mark.parametrize("schedule, at_end", [("constant", 1e-3), ("cosine", 0.0), ("linear", 0.0)])
 def test_schedules_warm_up_then_take_their_shape(schedule, at_end):
-    _, lr = optim.make_optimizer(_config(schedule=schedule, warmup_steps=10))
+    _, lr = make_optimizer(_config(schedule=schedule, warmup_steps=10))
     assert float(lr(0)) == 0.0
     assert float(lr(5)) == pytest.approx(5e-4)
     assert float(lr(10)) == pytest.approx(1e-3)
@@ -151,12 +158,12 @@ def test_schedules_warm_up_then_take_their_shape(schedule, at_end):
 
 
 def test_schedule_without_warmup_starts_at_the_learning_rate():
-    _, lr = optim.make_optimizer(_config(schedule="cosine", warmup_steps=0))
+    _, lr = make_optimizer(_config(schedule="cosine", warmup_steps=0))
     assert float(lr(0)) == pytest.approx(1e-3)
 
 
 def test_learning_rate_follows_the_optimizer_count():
-    tx, lr = optim.make_optimizer(_config(schedule="linear", warmup_steps=4))
+    tx, lr = make_optimizer(_config(schedule="linear", warmup_steps=4))
     _, state = _run(tx, _params(), 3)
     assert int(schedules.optimizer_count(state)) == 3
     assert float(schedules.current_learning_rate(state, lr)) == pytest.approx(0.75e-3)
@@ -177,13 +184,13 @@ def test_clipping_bounds_the_global_norm():
     big = {"w": jnp.full((64, 64), 10.0), "b": jnp.full((64,), 10.0)}
     for clip, expected in [(1.0, 1.0), (None, float(optax.tree.norm(big)))]:
         config = _config(name="sgd", learning_rate=1.0, grad_clip_norm=clip)
-        tx, _ = optim.make_optimizer(config)
+        tx, _ = make_optimizer(config)
         updates, _ = tx.update(big, tx.init(_params()), _params())
         assert float(optax.tree.norm(updates)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_sgd_momentum_is_fp32_for_bf16_params_and_matches_optax():
-    tx, _ = optim.make_optimizer(_config(name="sgd", learning_rate=0.1, momentum=0.9))
+    tx, _ = make_optimizer(_config(name="sgd", learning_rate=0.1, momentum=0.9))
     state = mptrain.TrainState.create(apply_fn=None, params=_params(), tx=tx, policy="bf16-pure")
     assert _dtypes(state.opt_state) == {np.dtype(jnp.float32)}
     ours, _ = _run(tx, _params(), 4)
@@ -193,7 +200,7 @@ def test_sgd_momentum_is_fp32_for_bf16_params_and_matches_optax():
 
 def test_accumulation_applies_one_update_per_k_micro_batches():
     config = _config(schedule="linear", warmup_steps=0, accumulation_steps=4)
-    tx, lr = optim.make_optimizer(config)
+    tx, lr = make_optimizer(config)
     assert float(lr(25)) == pytest.approx(0.0, abs=1e-10)  # 100 micro-batches = 25 updates
     state = mptrain.TrainState.create(apply_fn=None, params=_params(), tx=tx, policy="bf16-pure")
     params = state.params
@@ -208,7 +215,7 @@ def test_accumulation_applies_one_update_per_k_micro_batches():
 
 def test_skipped_step_does_not_advance_the_optimizer_count():
     config = _config(schedule="cosine", warmup_steps=3)
-    tx, lr = optim.make_optimizer(config)
+    tx, lr = make_optimizer(config)
 
     def loss_fn(params, model_state, batch, rng):
         del rng
@@ -244,22 +251,23 @@ def test_skipped_step_does_not_advance_the_optimizer_count():
 )
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(ValueError, match=rf"optimizer\.{key}=") as info:
-        optim.make_optimizer(_config(**{key: value}))
+        make_optimizer(_config(**{key: value}))
     assert repr(value) in str(info.value)
 
 
 def test_unknown_name_lists_the_valid_ones():
     with pytest.raises(ValueError, match="valid values: adamw, sgd"):
-        optim.make_optimizer(_config(name="lamb"))
+        make_optimizer(_config(name="lamb"))
 
 
 @pytest.mark.parametrize("schedule", ["constant", "cosine"])
 def test_a_run_shorter_than_its_warmup_warms_up_over_half_of_it(schedule):
     config = _config(schedule=schedule, warmup_steps=100)  # 100 updates in all
-    assert schedules.warmup_steps(config) == 50
-    _, lr = optim.make_optimizer(config)
+    assert schedules.warmup_steps(config.optimizer, config.num_train_steps) == 50
+    _, lr = make_optimizer(config)
     assert float(lr(25)) == pytest.approx(0.5e-3) and float(lr(50)) == pytest.approx(1e-3)
-    assert schedules.warmup_steps(_config(warmup_steps=99)) == 99  # shorter than the run: kept
+    short = _config(warmup_steps=99)
+    assert schedules.warmup_steps(short.optimizer, short.num_train_steps) == 99  # kept
 
 
 @pytest.mark.parametrize(
@@ -268,13 +276,13 @@ def test_a_run_shorter_than_its_warmup_warms_up_over_half_of_it(schedule):
 )
 def test_one_rule_per_key(key, value, rule):
     with pytest.raises(ValueError, match=rf"optimizer\.{key}={value!r}: must be .*{rule}"):
-        optim.make_optimizer(_config(**{key: value}))
+        make_optimizer(_config(**{key: value}))
 
 
 def test_sgd_rejects_a_second_moment_dtype_other_than_the_default():
-    optim.make_optimizer(_config(name="sgd", nu_dtype="float32"))
+    make_optimizer(_config(name="sgd", nu_dtype="float32"))
     with pytest.raises(ValueError, match=r"optimizer\.nu_dtype='bfloat16'"):
-        optim.make_optimizer(_config(name="sgd", nu_dtype="bfloat16"))
+        make_optimizer(_config(name="sgd", nu_dtype="bfloat16"))
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,14 @@ from mptrain import optim
 from mptrain.inspect import audit
 from mptrain.optim import q8
 
+
+def make_optimizer(config, **kwargs):
+    """`optim.make_optimizer` as a run calls it: the config's optimizer section, its length."""
+    return optim.make_optimizer(
+        config.optimizer, config.num_train_steps, seed=config.seed, **kwargs
+    )
+
+
 CODE_MAX = 448.0  # e4m3's largest finite value: a block's largest magnitude maps onto it
 
 
@@ -131,7 +139,7 @@ class Wide(nn.Module):
 def test_bytes_per_parameter_with_q8_moments(precision, rounding, param_bytes, bound):
     config = config_lib.base_config()
     config.optimizer.mu_dtype = config.optimizer.nu_dtype = "q8"
-    tx, _ = optim.make_optimizer(config)
+    tx, _ = make_optimizer(config)
     model = Wide()
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, 128)))["params"]
     params = jax.tree.map(lambda s: np.ones(s.shape, s.dtype), shapes)  # its bytes, not values
@@ -230,7 +238,7 @@ def test_sgd_refuses_q8_naming_the_key():
     config = config_lib.base_config()
     config.optimizer.name, config.optimizer.mu_dtype = "sgd", "q8"
     with pytest.raises(ValueError, match="optimizer.mu_dtype='q8'"):
-        optim.make_optimizer(config)
+        make_optimizer(config)
 
 
 def test_q8_rounded_to_nearest_draws_a_warning():

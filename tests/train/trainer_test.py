@@ -18,6 +18,7 @@ from helpers import (
 )
 
 import mptrain
+from mptrain import config as config_lib
 from mptrain.train import trainer as trainer_lib
 
 
@@ -166,3 +167,33 @@ def test_a_run_ends_with_a_summary_and_leaves_its_picture(tmp_path, capsys):
     assert run_cli(tmp_path, "--config.num_train_steps=8", "--config.eval_every_steps=3")[0] == 0
     series = curves.load(tmp_path)
     assert series["eval_loss"][0] == [2, 3, 6, 8] and series["loss"][0][-1] == 8
+
+
+def test_a_run_builds_each_of_its_parts_once(tmp_path, monkeypatch, caplog):
+    """`mptrain.run`: validation builds the policy, the mesh, the optimizer and the model, and
+    the Trainer runs with what it built (`config.Resolved`): each is built once, and the
+    attention's choice is logged once."""
+    import collections
+
+    from mptrain import optim
+    from mptrain.models import transformer_lm
+    from mptrain.parallel import layout
+
+    counts = collections.Counter()
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def counting(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+
+    for module, name in [(transformer_lm, "create_model"), (optim, "make_optimizer"),
+                         (layout, "create_mesh"), (config_lib, "policy_of")]:  # fmt: skip
+        counted(module, name)
+    caplog.set_level(logging.INFO)
+    mptrain.run(tiny_config(num_train_steps=3), tmp_path)  # the other tiny runs' step
+    assert counts == {"create_model": 1, "make_optimizer": 1, "create_mesh": 1, "policy_of": 1}
+    assert caplog.text.count("mptrain: attention:") == 1
