@@ -27,7 +27,8 @@ import numpy as np
 
 from mptrain import dtypes, optim
 from mptrain.inspect import hlo, program
-from mptrain.recipe import fp8_names, frozen, loss_scale, numerics, precision, train_state
+from mptrain.optim import q8
+from mptrain.recipe import fp8_names, loss_scale, numerics, precision, train_state
 
 # The HLO reading lives in `hlo`; these names stay here for the code that calls them.
 COLLECTIVES = hlo.COLLECTIVES
@@ -207,7 +208,7 @@ class PrecisionReport:
     warnings: list[str]
     hazards: list[hlo.Hazard] = dataclasses.field(default_factory=list)
     casting: str = ""  # the policy's keep_fp32 rule and the params it keeps in fp32
-    trains: str = ""  # which params train, in what dtype, and what is frozen (`frozen.describe`)
+    trains: str = ""  # which params train, in what dtype, and what is frozen (`_trains`)
     fp8: str = ""  # under fp8-mixed, which matmuls run in fp8 (`fp8_names.describe`)
     axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
     fp8_emulated: bool = False  # MXFP8 without a block-scaled GEMM: emulated (`recipe.mxfp8`)
@@ -370,7 +371,7 @@ def make_report(
         state_bytes=_state_parts(states[0]) if states else {},
         warnings=setup_warnings(config) if config is not None else [],
         casting=policy.describe_rules(states[0].params) if states else "",
-        trains=frozen.describe(states[0]) if states else "",
+        trains=_trains(states[0]) if states else "",
         fp8=fp8_names.describe(states[0].model_state) if states and policy.fp8 else "",
         fp8_emulated=bool(
             policy.fp8 and policy.fp8.block and not any(d.startswith("float8") for d in flops)
@@ -399,3 +400,20 @@ def make_report(
             "in fp32) promotes a matmul to fp32: cast it to the compute dtype."
         )
     return report
+
+
+def _trains(state: Any) -> str:
+    """Which params train and in what dtype; under adapters, what is frozen and how it is stored
+    (16-bit, or 8-bit `q8` blocks): the precision report's line `trained:`."""
+    count = lambda tree: sum(int(np.size(x)) for x in jax.tree.leaves(tree))
+    dtypes = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(state.params)})
+    text = f"{count(state.params):,} params in {'/'.join(dtypes)}"
+    base = getattr(state, "frozen", None)
+    if not jax.tree.leaves(base):
+        return f"all {text}"
+    leaves = jax.tree.leaves(base, is_leaf=q8.is_q8)
+    eight = sum(int(np.prod(x.shape)) for x in leaves if q8.is_q8(x))
+    rest = sorted({np.dtype(x.dtype).name for x in leaves if not q8.is_q8(x)})
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    stored = f"{'/'.join(rest)}" + (f" ({eight:,} of them in 8-bit q8 blocks)" if eight else "")
+    return f"{text} (the adapters); {total:,} frozen (the base), stored in {stored}"

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mptrain.optim import q8
 from mptrain.recipe import precision
@@ -58,20 +57,3 @@ def store(
         return jax.vmap(quantize)(x) if layered else quantize(x)
 
     return jax.tree_util.tree_map_with_path(one, frozen)
-
-
-def describe(state: Any) -> str:
-    """Which params train and in what dtype; under adapters, what is frozen and how it is stored
-    (16-bit, or 8-bit `q8` blocks): the precision report's line `trained:`."""
-    count = lambda tree: sum(int(np.size(x)) for x in jax.tree.leaves(tree))
-    dtypes = sorted({np.dtype(x.dtype).name for x in jax.tree.leaves(state.params)})
-    text = f"{count(state.params):,} params in {'/'.join(dtypes)}"
-    frozen = getattr(state, "frozen", None)
-    if not jax.tree.leaves(frozen):
-        return f"all {text}"
-    leaves = jax.tree.leaves(frozen, is_leaf=q8.is_q8)
-    eight = sum(int(np.prod(x.shape)) for x in leaves if q8.is_q8(x))
-    rest = sorted({np.dtype(x.dtype).name for x in leaves if not q8.is_q8(x)})
-    total = sum(int(np.prod(x.shape)) for x in leaves)
-    stored = f"{'/'.join(rest)}" + (f" ({eight:,} of them in 8-bit q8 blocks)" if eight else "")
-    return f"{text} (the adapters); {total:,} frozen (the base), stored in {stored}"

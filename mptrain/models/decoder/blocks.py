@@ -34,20 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from mptrain import errors
 from mptrain.models import attention as attention_lib
 from mptrain.models import layers, splash
 from mptrain.models import lora as lora_lib
 from mptrain.models import remat as remat_lib
 from mptrain.models.decoder import context_attention, moe
-from mptrain.models.decoder import rope as rope_lib
-from mptrain.models.decoder.rope import apply_rope, rope_frequencies
+from mptrain.models.decoder.rope import apply_rope
 from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
 
 ATTN_BIASES = ("none", "qkv", "all")
-SLIDING, FULL = "sliding_attention", "full_attention"  # a layer's attention, transformers' names
 MLP_ACTS = ("silu", "gelu_tanh")
 
 
@@ -280,90 +277,3 @@ class Block(nn.Module):
         x = x + h
         x = x if stats is None else (x, stats)
         return x if cache is None else (x, cache)
-
-
-# --------------------------------------------------------------- each layer's Shape
-
-
-def nope_layers(value: Any, layers: int) -> tuple[int, ...] | None:
-    """`model.nope_layers` checked: None, or the layers (numbers from 0) that take no RoPE."""
-    if value is None or value == ():
-        return None
-    if isinstance(value, str) or not isinstance(value, tuple | list):
-        raise ValueError(f"model.nope_layers={value!r}: None, or a tuple of layer numbers")
-    for layer in value:
-        errors.check_integer("model.nope_layers[...]", layer, 0, layers - 1)
-    return tuple(sorted(set(value)))
-
-
-def layer_types(keys: dict) -> tuple[str, ...] | None:
-    """`model.layer_types` checked: None, or one of SLIDING, FULL a layer (a tuple); a sliding
-    layer needs `model.sliding_window`."""
-    kinds, n = keys["layer_types"], keys["num_layers"]
-    if kinds is None:
-        return None
-    if isinstance(kinds, str) or not isinstance(kinds, tuple | list) or len(kinds) != n:
-        raise ValueError(
-            f"model.layer_types={kinds!r}: None, or one of {SLIDING!r}, {FULL!r} for each of "
-            f"the {n} layers"
-        )
-    bad = next((k for k in kinds if k not in (SLIDING, FULL)), None)
-    if bad is not None:
-        raise ValueError(f"model.layer_types: {bad!r} is not {SLIDING!r} or {FULL!r}")
-    if SLIDING in kinds and keys["sliding_window"] is None:
-        raise ValueError(
-            f"model.layer_types has {SLIDING!r} layers but model.sliding_window is None"
-        )
-    return tuple(kinds)
-
-
-def layer_shapes(keys: dict[str, Any]) -> tuple[Shape, ...]:
-    """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
-    scaling = keys["rope_scaling"]
-    long = scaling is not None and scaling[0] == "longrope"
-    # partial RoPE: the first int(head_dim * factor) dimensions of a head rotate, as transformers
-    rotary = int(keys["head_dim"] * keys["partial_rotary_factor"]) // 2 * 2
-    frequencies = lambda theta, scaling: tuple(
-        float(f) for f in rope_frequencies(rotary, theta, scaling)
-    )
-    scalar = keys["query_pre_attn_scalar"]
-    base = Shape(
-        d_model=keys["d_model"],
-        num_heads=keys["num_heads"],
-        num_kv_heads=keys["num_kv_heads"],
-        head_dim=keys["head_dim"],
-        d_ff=keys["d_ff"],
-        norm_eps=float(keys["norm_eps"]),
-        inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
-        longrope=rope_lib.longrope(rotary, keys["rope_theta"], scaling) if long else None,
-        attn_bias=keys["attn_bias"],
-        qk_norm=keys["qk_norm"],
-        window=keys["sliding_window"],
-        norm_plus_one=keys["norm_plus_one"],
-        pre_norms=keys["pre_norms"],
-        post_norms=keys["post_norms"],
-        qk_norm_width=keys["qk_norm_width"],
-        attn_scale=None if scalar is None else float(scalar) ** -0.5,
-        attn_softcap=keys["attn_softcap"],
-        mlp_act=keys["mlp_act"],
-    )
-    local, full = base, base
-    if keys["layer_types"] is not None:
-        if keys["rope_local_theta"] is not None:
-            local_freq = frequencies(keys["rope_local_theta"], None)
-            local = dataclasses.replace(base, inv_freq=local_freq, longrope=None)
-        full = dataclasses.replace(base, window=None)
-    kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
-    nope, dense = set(keys["nope_layers"] or ()), set(keys["dense_layers"] or ())
-    experts = {}
-    if keys["num_experts"]:
-        experts = {"experts": keys["num_experts"], "top_k": keys["experts_per_token"]}
-        experts |= {"expert_d_ff": keys["expert_d_ff"], "norm_topk": keys["norm_topk_prob"]}
-        experts["router_fp32"] = keys["router_fp32"]
-        experts["expert_kernel"] = keys["expert_kernel"]
-    return tuple(
-        dataclasses.replace(
-            shape, **({"inv_freq": ()} if i in nope else {}), **({} if i in dense else experts)
-        )
-        for i, shape in enumerate(local if kind == SLIDING else full for kind in kinds)
-    )

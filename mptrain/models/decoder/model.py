@@ -1,8 +1,15 @@
 """The decoder's module, `Llama`: tokens to fp32 logits, or to its own chunked loss; the
-settings, the families and what it can do are the package's (`mptrain.models.decoder`)."""
+settings, the families and what it can do are the package's (`mptrain.models.decoder`).
+
+Scanned, its stacks (`stack.stacks`) run one after another; under fp8-mixed the blocks between
+the first and last `fp8.bf16_layers` run their selected matmuls in fp8, so each stack is cut
+into bf16 and fp8 pieces (`_pieces`), each a scan over a static slice, and the fp8 pieces'
+scaling state and probes (`fp8.META`, `fp8.PROBES`) are stacked on the layer axis under
+`STACKED/layers_<a>-<b>` (`fp8_names.stack_name`, `_fp8_state`), carried through their scan."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -18,6 +25,7 @@ from mptrain.models.decoder.blocks import Block, Shape
 from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding
 from mptrain.recipe import fp8 as fp8_lib
+from mptrain.recipe import fp8_names
 
 
 class Llama(nn.Module):
@@ -146,9 +154,9 @@ class Llama(nn.Module):
             shapes = [self._shape(i) for i in range(a, b)]
             return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
 
-        parts = stack.pieces(stacks, start, stop)
+        parts = _pieces(stacks, start, stop)
         spans = [(Block(*args(a), parent=None), a, b) for _, a, b, fp8 in parts if fp8]
-        states = stack.fp8_state(self, spans, (x, positions)) if spans else {}
+        states = _fp8_state(self, spans, (x, positions)) if spans else {}
         for s, a, b in ((s, a, b) for s, a, b, _ in parts):  # the layers in order
             params = stacked if not s.key else stacked[s.key[0]]
             if (a, b) != (s.first, s.stop):  # a static slice of the stack: its fp8 piece's
@@ -161,3 +169,47 @@ class Llama(nn.Module):
         """Block `layer`'s fp8 recipe, or None where it runs in the compute dtype."""
         start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
         return self.fp8 if layer is not None and start <= layer < stop else None
+
+
+def _fp8_state(module: nn.Module, spans: list, init_args: tuple) -> dict:
+    """`{(start, stop): {collection: stacked tree} or None}`: each span's fp8 scaling state and
+    probes, one layer a row, for `spans` of `(block, start, stop)` (blocks `start..stop-1`,
+    each of one kind), variables of `module` (in the Trainer's `model_state` like any other):
+    None for a span whose block the size filter left without an fp8 matmul."""
+    blocks = {}
+    for block, start, stop in spans:
+        if block.fp8.block:  # the state's init runs the blocks under vmap, which JAX's MXFP8
+            # matmul cannot batch: the emulation's values are the same shapes (and unused)
+            block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
+        if fp8_lib.META in jax.eval_shape(lambda b=block: b.init(jax.random.key(0), *init_args)):
+            blocks[start, stop] = block
+    found = {(start, stop): None for _, start, stop in spans} | {span: {} for span in blocks}
+    if not blocks:
+        return found
+    for collection in (fp8_lib.META, fp8_lib.PROBES):
+
+        def init(collection=collection):  # what `fp8.DotGeneral` starts from: no randomness
+            out = {}
+            for (start, stop), block in blocks.items():
+                keys = jax.random.split(jax.random.key(0), stop - start)
+                one = lambda k, block=block: block.init(k, *init_args)[collection]
+                out[fp8_names.stack_name(start, stop)] = jax.vmap(one)(keys)
+            return out
+
+        value = module.variable(collection, sharding.STACKED, init).value
+        for start, stop in blocks:
+            found[start, stop][collection] = value[fp8_names.stack_name(start, stop)]
+    return found
+
+
+def _pieces(stacks: tuple, start: int, stop: int) -> list[tuple[stack.Stack, int, int, bool]]:
+    """`(stack, a, b, fp8)` in the order of the layers: each stack cut where the fp8 layers
+    `[start, stop)` begin and end (the first and last `fp8.bf16_layers` stay in bf16), each
+    piece a static slice of its stack scanned on its own."""
+    found = []
+    for s in stacks:
+        for a, b, fp8 in ((0, start, False), (start, stop, True), (stop, s.stop, False)):
+            a, b = max(a, s.first), min(b, s.stop)
+            if a < b:
+                found.append((s, a, b, fp8))
+    return found

@@ -6,12 +6,10 @@ axis): one where every layer's params have one shape, else one for each run of l
 DeepSeek-V3's, has a dense stack and an expert stack, MaxText's `dense_layers` and
 `moe_layers`), each named by the layers it holds (`STACKED/<first>-<stop>`) and scanned on its
 own. Each layer's slice is cast (under FSDP, gathered) inside the loop
-(`sharding.layer_params`). Under
-fp8-mixed the blocks between the first and last `fp8.bf16_layers` run their selected matmuls
-in fp8: the stack then runs as three scans over static slices (bf16, fp8, bf16), and the fp8
-blocks' scaling state and probes (`fp8.META`, `fp8.PROBES`) are stacked on the same layer axis
-under `STACKED/layers_<a>-<b>` (`fp8_names.stack_name`), carried through their scan as its
-per-layer inputs, as MaxText, Levanter and flax carry an amax history per scanned layer.
+(`sharding.layer_params`). A scan carries per-layer state as its per-layer inputs where it is
+given some: under fp8-mixed the fp8 blocks' scaling state and probes, stacked on the layer
+axis (the decoder's `model` makes them and cuts its stacks into bf16 and fp8 pieces), as
+MaxText, Levanter and flax carry an amax history per scanned layer.
 
 Layers of more than one kind (Gemma's sliding and global layers, each with its own window and
 RoPE base) repeat with a period: the scan walks super-blocks of that many layers, each step
@@ -26,13 +24,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from mptrain.parallel import sharding
-from mptrain.recipe import fp8 as fp8_lib
-from mptrain.recipe import fp8_names, numerics_scan
+from mptrain.recipe import numerics_scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,47 +121,3 @@ def _scan(
     x = jax.lax.scan(body, x, (stacked, fp8, index, rows))[0]
     numerics_scan.end(taps)
     return x
-
-
-def fp8_state(module: nn.Module, spans: list, init_args: tuple) -> dict:
-    """`{(start, stop): {collection: stacked tree} or None}`: each span's fp8 scaling state and
-    probes, one layer a row, for `spans` of `(block, start, stop)` (blocks `start..stop-1`,
-    each of one kind), variables of `module` (in the Trainer's `model_state` like any other):
-    None for a span whose block the size filter left without an fp8 matmul."""
-    blocks = {}
-    for block, start, stop in spans:
-        if block.fp8.block:  # the state's init runs the blocks under vmap, which JAX's MXFP8
-            # matmul cannot batch: the emulation's values are the same shapes (and unused)
-            block = block.clone(fp8=dataclasses.replace(block.fp8, emulate=True))
-        if fp8_lib.META in jax.eval_shape(lambda b=block: b.init(jax.random.key(0), *init_args)):
-            blocks[start, stop] = block
-    found = {(start, stop): None for _, start, stop in spans} | {span: {} for span in blocks}
-    if not blocks:
-        return found
-    for collection in (fp8_lib.META, fp8_lib.PROBES):
-
-        def init(collection=collection):  # what `fp8.DotGeneral` starts from: no randomness
-            out = {}
-            for (start, stop), block in blocks.items():
-                keys = jax.random.split(jax.random.key(0), stop - start)
-                one = lambda k, block=block: block.init(k, *init_args)[collection]
-                out[fp8_names.stack_name(start, stop)] = jax.vmap(one)(keys)
-            return out
-
-        value = module.variable(collection, sharding.STACKED, init).value
-        for start, stop in blocks:
-            found[start, stop][collection] = value[fp8_names.stack_name(start, stop)]
-    return found
-
-
-def pieces(stacks: tuple[Stack, ...], start: int, stop: int) -> list[tuple[Stack, int, int, bool]]:
-    """`(stack, a, b, fp8)` in the order of the layers: each stack cut where the fp8 layers
-    `[start, stop)` begin and end (the first and last `fp8.bf16_layers` stay in bf16), each
-    piece a static slice of its stack scanned on its own."""
-    found = []
-    for s in stacks:
-        for a, b, fp8 in ((0, start, False), (start, stop, True), (stop, s.stop, False)):
-            a, b = max(a, s.first), min(b, s.stop)
-            if a < b:
-                found.append((s, a, b, fp8))
-    return found
