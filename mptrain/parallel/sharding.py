@@ -374,12 +374,13 @@ def grad_fn(
     gathered alike, never differentiated.
 
     Without a mesh, or on one device, this is `jax.grad` through the cast. On a larger mesh it is
-    a `shard_map` over `("data", "fsdp")`: each device runs `loss_fn` on its rows of the batch
-    with params gathered in the compute dtype, and the gradients are reduced in fp32 (see the
-    module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads` combined
-    by `combine(probe_grads, mesh axes)`; `rng` is folded with the device's index, so dropout
-    masks differ between devices. `axes`: the params' declared axes (`parallel.axes`, a train
-    state's `axes`), by which they are split.
+    a `shard_map` manual over all five axes (`layout.AXES`): each device runs `loss_fn` on its
+    rows of the batch and its part of each sequence, with params gathered in the compute dtype
+    (its own part of a tensor group's or an expert's), and the gradients are reduced in fp32
+    (see the module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads`
+    combined by `combine(probe_grads, mesh axes)`; `rng` is folded with the device's index, so
+    dropout masks differ between devices. `axes`: the params' declared axes (`parallel.axes`,
+    a train state's `axes`), by which they are split.
     """
     axes = axes_of(None, axes)
     if mesh is None or mesh.size == 1:

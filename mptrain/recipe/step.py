@@ -99,10 +99,12 @@ def make_train_step(
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
-    `mesh`: a mesh of several devices (axes `("data", "fsdp", ...)`) makes the
-    gradient and its reduction explicit: params gathered in the compute dtype, gradients reduced
-    in fp32, one finiteness count (see `mptrain.parallel.sharding`). Jit the step with the state in
-    `sharding.state_shardings(mesh, state)` and the batch in `layout.batch_sharding(mesh)`.
+    `mesh`: a mesh of several devices (its five axes `data`, `fsdp`, `expert`, `context`,
+    `tensor`: `parallel.layout`) makes the gradient and its reduction explicit: params gathered
+    in the compute dtype, gradients reduced in fp32, one finiteness count (see
+    `mptrain.parallel.sharding`); the state's params are split as they declared
+    (`state.axes`). Jit the step with the state in `sharding.state_shardings(mesh, state)` and
+    the batch in `layout.batch_shardings(mesh, batch)`.
     `per_layer`: also record every module call's numerics (`mptrain.recipe.numerics`): the
     metrics get `numerics` (the table) and `numerics_origin` (where the first non-finite value
     appeared). Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with

@@ -64,7 +64,7 @@ class Trainer:
         self.config, self.workdir, self.resolved = config, Path(workdir), resolved
         self.policy = resolved.policy if resolved else config_lib.policy_of(config)
         loggers.check(config)  # a missing extra stops the run before anything compiles
-        # see the module doc; 1x1x1 on one device
+        # see the module doc; 1x1x1x1x1 on one device
         if resolved is None:
             self.mesh = layout.create_mesh(config.mesh, config.batch_size, devices)
         else:
