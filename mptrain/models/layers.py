@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from mptrain.optim import q8
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import sharding
+from mptrain.parallel import view
 
 Dtype = Any
 
@@ -120,11 +120,11 @@ def batch_norm_f32(
     batch's statistics and updates the running ones; with ``train=False`` it uses the running
     ones. Only the result is cast back to ``dtype``. Under a per-device gradient on a mesh, the
     batch statistics are averaged over the devices the batch is split over
-    (``sharding.batch_axes()``), so they are those of the whole global batch.
+    (``parallel.view``'s ``batch``), so they are those of the whole global batch.
     """
     y = nn.BatchNorm(
         use_running_average=not train,
-        axis_name=sharding.batch_axes() if train else None,
+        axis_name=_batch_axes() if train else None,
         momentum=momentum,
         epsilon=1e-5,
         dtype=jnp.float32,
@@ -212,14 +212,14 @@ def masked_mean(values: jax.Array, valid: jax.Array) -> jax.Array:
     """The mean of ``values`` where ``valid``: their sum over the count, at least 1 (with none
     valid: 0 and zero gradients, not the NaN of 0 / 0).
 
-    While a per-device gradient is traced (``sharding.batch_axes``) the count is every
+    While a per-device gradient is traced (``parallel.view``'s ``batch``) the count is every
     device's: each device returns its sum over the global count, times the devices (which the
     gradient's reduction divides by), so the mean is the one device's mean of the whole batch
     even where devices hold different numbers of valid tokens (packed rows, a split sequence).
     """
     count = jnp.sum(valid, dtype=jnp.float32)
     total = jnp.sum(jnp.where(valid, values, 0.0))
-    axes = sharding.batch_axes()
+    axes = _batch_axes()
     if axes is None:
         return total / jnp.maximum(count, 1.0)
     return total / jnp.maximum(jax.lax.psum(count, axes), 1.0) * jax.lax.psum(1, axes)
@@ -333,3 +333,10 @@ def kernel_init_as_matrix(init: Any) -> Any:
         return init(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
 
     return wrapped
+
+
+def _batch_axes() -> tuple[str, ...] | None:
+    """The mesh axes the batch's work is split over while a per-device function is traced
+    (`parallel.view`), else None: the batch is whole here."""
+    local = view.current()
+    return None if local is None else local.batch

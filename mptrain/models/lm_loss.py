@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from mptrain.models import layers
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import sharding
+from mptrain.parallel import view
 
 # Under ``chunk=None``: one chunk while a sequence's logits are at most AUTO_CHUNK_ELEMENTS
 # (64 MiB of fp32); else chunks of a power of two within that, but of AUTO_MIN_POSITIONS or
@@ -262,7 +262,8 @@ class Head(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
-        split = sharding.tensor_axis()  # a tensor group's part of the vocabulary
+        local = view.current()  # a tensor group's part of the vocabulary
+        split = local and local.tensor()
         vocab = self.vocab_size // (1 if split is None else split.size)
         if kernel is None:
             init = axes_lib.declare(self.kernel_init, (axes_lib.EMBED, axes_lib.VOCAB))

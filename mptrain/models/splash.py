@@ -80,7 +80,7 @@ def split_attention(q, k, v, index, context, split, ids=None, window=None, scale
                     softcap=None):  # fmt: skip
     """Splash attention of this device's ``[B, 2c, H, D]`` queries (chunks ``index`` and ``2
     context - 1 - index`` of each sequence, `layout.balanced_order`) over the whole sequence's
-    keys and values, gathered over the context axis (``split``: `sharding.SequenceSplit`) and
+    keys and values, gathered over the context axis (``split``: `layout.SequenceSplit`) and
     put back in their natural order (`context_attention.natural`). Chunk ``j``'s queries see
     the keys up to ``j c`` past their own row: the kernel's causal mask with that offset, a
     static mask for each ``j``, so each chunk runs the branch of its ``j`` (``lax.switch``);

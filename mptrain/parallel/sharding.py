@@ -18,43 +18,39 @@ compiled program cannot quietly do otherwise:
   devices, where overflow and rounding both bite;
 - the finiteness of every gradient and updated param is one count and one all-reduce, not one
   reduction per leaf.
-Cross-example statistics stay global: BatchNorm reads `batch_axes()` and averages its batch
-statistics over those axes, so the model sees the same numbers as on one device; a token mean
-(`layers.masked_mean`) divides by the count of tokens on every device, so packed rows whose
-devices hold different numbers of loss tokens weigh each token as one device would. On a
-context axis attention gathers each layer's keys and values over it (`sequence_axis`); on a
-tensor axis each block gathers its tokens (`tensor_axis`): 16 bits forward, fp32 backward.
+Inside the per-device function a model reads how the mesh splits its work from JAX's own
+abstract mesh (`parallel.view`). Cross-example statistics stay global: BatchNorm averages its
+batch statistics over the view's `batch` axes, so the model sees the same numbers as on one
+device; a token mean (`layers.masked_mean`) divides by the count of tokens on every device, so
+packed rows whose devices hold different numbers of loss tokens weigh each token as one device
+would. On a context axis attention gathers each layer's keys and values over it
+(`View.sequence`); on a tensor axis each block gathers its tokens (`View.tensor`): 16 bits
+forward, fp32 backward.
 
 Stacked layers (the top-level param `STACKED`, its leading axis the layer, walked by a scan)
-are never split on that axis nor cast or gathered before the loss: the model hands each layer's
-slice to `layer_params` inside its loop, which casts (and gathers) it there, so no step holds
-every layer's 16-bit copy at once; gradients are reduce-scattered per layer, as FSDP2 does.
+are never split on that axis nor cast or gathered before the loss: they reach the model as
+`Layers`, the stack as stored with what makes one layer's slice the params a block computes
+with, which the model applies inside its loop, so no step holds every layer's 16-bit copy at
+once; gradients are reduce-scattered per layer, as FSDP2 does.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import layout, tensor
+from mptrain.parallel import layout
 
 AXES = layout.AXES
-tensor_axis = tensor.current  # a tensor group's collectives, while a step is traced
-ExpertSplit, SequenceSplit = layout.ExpertSplit, layout.SequenceSplit  # what a model sees
 STACKED = "stacked_layers"  # the top-level param of a model's stacked layers (module doc)
-# while a per-device gradient is traced: (the axes the batch is split over, the context axes)
-_SPLIT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("mptrain_split", default=None)
-_LAYER_FN: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "mptrain_layer_params", default=None
-)
 
 
 def one_tensor(x: Any) -> bool:
@@ -145,54 +141,10 @@ def specs(mesh: Mesh, tree: Any, axes: axes_lib.Axes | None = None) -> Any:
     return jax.tree.map(lambda s: s.spec, state_shardings(mesh, tree, axes))
 
 
-def batch_axes() -> tuple[str, ...] | None:
-    """The mesh axes the batch is split over while a per-device gradient is traced, else None.
-
-    A layer whose output depends on other examples of the batch (BatchNorm's statistics) passes
-    this as its `axis_name`, so its statistics are those of the whole global batch; a mean over
-    tokens sums its count over them (`layers.masked_mean`).
-    """
-    split = _SPLIT.get()
-    return None if split is None else split[0]
-
-
-def expert_axis() -> ExpertSplit | None:
-    """While a per-device gradient is traced on an expert axis: how the experts are split;
-    else None (every device holds every expert)."""
-    split = _SPLIT.get()
-    return None if split is None else split[2]
-
-
-def sequence_axis() -> SequenceSplit | None:
-    """While a per-device gradient is traced on a context axis: how the sequence is split;
-    else None (the sequence is whole)."""
-    split = _SPLIT.get()
-    return None if split is None else split[1]
-
-
-@contextlib.contextmanager
-def _splitting(mesh: Mesh):
-    context = layout.entry(mesh, "length")
-    split = None
-    if context is not None:
-        ints = lambda x: jax.lax.all_gather(x, context, axis=1, tiled=True)
-        gather = layout.sequence_gather(context, layout.platform(mesh) == "cpu")
-        split = SequenceSplit(gather, ints, context, layout.size(mesh, "length"))
-    experts = None
-    if (axis := layout.entry(mesh, "experts")) is not None:
-        gather = layout.sequence_gather(axis, layout.platform(mesh) == "cpu")
-        experts = ExpertSplit(gather, axis, layout.size(mesh, "experts"))
-    token = _SPLIT.set((AXES, split, experts))
-    try:
-        with tensor.splitting(mesh):
-            yield
-    finally:
-        _SPLIT.reset(token)
-
-
 def _gather(
-    spec: PartitionSpec, names: tuple | None, compute_dtype: np.dtype, mesh: Mesh
-) -> Callable:
+    spec: PartitionSpec, names: tuple | None, compute_dtype: np.dtype, mesh: Mesh,
+    manual: tuple[str, ...] = AXES,
+) -> Callable:  # fmt: skip
     """`fp32 shard -> whole param in compute_dtype`, whose gradient is reduced in fp32.
 
     Forward: cast the local shard, then all-gather it over the axes that split its width to
@@ -204,8 +156,10 @@ def _gather(
     bf16 (`bf16-pure`: 2 bytes a parameter until the update, not 4, and what one device's
     `jax.grad` returns too); fp32 elsewhere, fp16 params included: their gradients still carry
     the loss scale, which the step unscales in fp32 (fp16's range cannot hold a scaled
-    gradient unrounded). `names`: the param's logical names (`spec`'s dimensions).
+    gradient unrounded). `names`: the param's logical names (`spec`'s dimensions); `manual`:
+    the mesh axes the per-device function is manual over (`grad_fn`), the rest XLA's.
     """
+    spec = _manual(spec, manual)
     part = lambda axis: () if axis is None else axis if isinstance(axis, tuple) else (axis,)
     names = names if names is not None and len(names) == len(spec) else (None,) * len(spec)
     stored = [
@@ -232,8 +186,9 @@ def _gather(
         grad = grad.astype(jnp.float32)
         if dim is not None:
             grad = jax.lax.psum_scatter(grad, split, scatter_dimension=dim, tiled=True)
-        summed = [a for a in AXES if a not in (*split, *own) and mesh.shape[a] > 1]
-        grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / mesh.size
+        summed = [a for a in manual if a not in (*split, *own) and mesh.shape[a] > 1]
+        devices = math.prod(mesh.shape[a] for a in manual)
+        grad = (jax.lax.psum(grad, tuple(summed)) if summed else grad) / devices
         return (grad.astype(like.dtype) if like.dtype == jnp.bfloat16 else grad,)
 
     gather.defvjp(lambda shard: (gather(shard), jnp.zeros((), shard.dtype)), backward)
@@ -251,13 +206,26 @@ def stacks(stacked: Any) -> dict[tuple[str, ...], tuple[Any, int]]:
     return {(key,): (stacked[key], first) for key, (_, first) in zip(keys, named, strict=True)}
 
 
-def layer_params(layer: Any, where: tuple[str, ...] = ()) -> Any:
-    """One layer's slice of the stacked params (of the stack `where` under `STACKED`: () for a
-    model's one stack, `(stack_key(first, stop),)` for one of several), as a model's loop must
-    compute with it: cast by the policy (on a mesh, gathered over `fsdp`) while a step is
-    traced (`grad_fn`, `cast_params`); as it is elsewhere (`model.apply` by hand)."""
-    fn = _LAYER_FN.get()
-    return layer if fn is None else fn(layer, where)
+@struct.dataclass
+class Layers:
+    """A model's stacked layers as the step hands them to it: `stacked`, as the state stores
+    them (this device's shards, not cast), and `layer(slice, where)`, what makes one layer's
+    slice of the stack `where` (its key under `STACKED`: () for a model's one stack) the params
+    a block computes with: cast by the policy, on a mesh gathered in the compute dtype, its
+    gradient reduced in fp32 (`_gather`). A model walks the stack and asks for each layer's
+    params inside its loop, so that no step holds every layer's 16-bit copy at once (the module
+    doc); params handed over by hand are a plain tree, each layer as it is."""
+
+    stacked: Any
+    layer: Callable = struct.field(pytree_node=False)
+
+
+def layers_of(params: Any) -> tuple[Any, Callable]:
+    """`(the stacked params as stored, the per-layer function)` of a model's `STACKED` param:
+    a `Layers`' own, or a plain tree's with each layer as it is."""
+    if isinstance(params, Layers):
+        return params.stacked, params.layer
+    return params, lambda layer, where: layer
 
 
 def _within(tree: Any, where: tuple[str, ...]) -> Any:
@@ -266,38 +234,38 @@ def _within(tree: Any, where: tuple[str, ...]) -> Any:
     return tree
 
 
-@contextlib.contextmanager
-def _per_layer(fn: Callable):
-    token = _LAYER_FN.set(fn)
-    try:
-        yield
-    finally:
-        _LAYER_FN.reset(token)
-
-
 def _unstacked(params: Any) -> tuple[Any, Any]:  # (the rest, the stacked layers or None)
     if isinstance(params, Mapping) and STACKED in params:
         return {k: v for k, v in params.items() if k != STACKED}, params[STACKED]
     return params, None
 
 
-@contextlib.contextmanager
-def cast_params(policy: Any, params: Any):
+def cast_params(policy: Any, params: Any) -> Any:
     """`params` as the model gets them (`policy.cast_params`), but stacked layers, cast one
-    layer at a time when the model asks (`layer_params`) inside the block."""
+    layer at a time when the model asks inside its loop (`Layers`)."""
     rest, stacked = _unstacked(params)
     if stacked is None:
-        yield policy.cast_params(params)
-        return
+        return policy.cast_params(params)
     dtypes = policy.compute_dtypes(params)[STACKED]
-    with _per_layer(lambda layer, where: policy.cast_as(layer, _within(dtypes, where))):
-        yield {**policy.cast_params(rest), STACKED: stacked}
+    cast = lambda layer, where: policy.cast_as(layer, _within(dtypes, where))
+    return {**policy.cast_params(rest), STACKED: Layers(stacked, cast)}
 
 
-def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes) -> Callable:
+def _manual(spec: PartitionSpec, manual: tuple[str, ...]) -> PartitionSpec:
+    """`spec` over the `manual` axes alone: the split along the others is XLA's to place."""
+    if manual == AXES:
+        return spec
+    keep = lambda entry: tuple(a for a in entry if a in manual)
+    part = lambda e: () if e is None else keep(e if isinstance(e, tuple) else (e,))
+    return PartitionSpec(*(layout._entry(part(e)) for e in spec))
+
+
+def _gathering(
+    policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes, manual: tuple = AXES
+) -> Callable:
     """`run(fn, params)`: `fn` of `params` (this device's shards, in `param_specs`; their
     declared `axes`) gathered in the compute dtype, a stack's layers one at a time inside the
-    model's loop (`layer_params`); gradients reduced in fp32 (`_gather`)."""
+    model's loop (`Layers`); gradients reduced in fp32 (`_gather`)."""
 
     def gather(path, spec, dtype):
         if dtype is None:  # an 8-bit frozen kernel is never split (config.validate refuses
@@ -305,7 +273,7 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes) -> 
         names = axes.of(path)
         if is_stacked(path):  # one layer's slice: its spec and names without the layer axis
             spec, names = PartitionSpec(*spec[1:]), names and names[1:]
-        return _gather(spec, names, dtype, mesh)
+        return _gather(spec, names, dtype, mesh, manual)
 
     gathers = jax.tree_util.tree_map_with_path(
         gather,
@@ -322,8 +290,8 @@ def _gathering(policy: Any, mesh: Mesh, param_specs: Any, params: Any, axes) -> 
         whole = gather_all(outer, whole)
         if stacked is None:
             return fn(whole)
-        with _per_layer(lambda layer, where: gather_all(_within(per_layer, where), layer)):
-            return fn({**whole, STACKED: stacked})
+        gathered = lambda layer, where: gather_all(_within(per_layer, where), layer)
+        return fn({**whole, STACKED: Layers(stacked, gathered)})
 
     return run
 
@@ -348,8 +316,7 @@ def forward_fn(
 
         def local(params, model_state, batch):
             run = _gathering(policy, mesh, param_specs, params, axes)
-            with _splitting(mesh):
-                metrics = run(lambda p: metric_fn(p, model_state, batch), params)
+            metrics = run(lambda p: metric_fn(p, model_state, batch), params)
             return metrics if per_row else jax.tree.map(mean, metrics)
 
         in_specs = (param_specs, PartitionSpec(), layout.batch_specs(mesh, batch))
@@ -362,8 +329,9 @@ def forward_fn(
 
 
 def grad_fn(
-    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None, axes=None
-) -> Callable:
+    loss_fn: Callable, policy: Any, mesh: Mesh | None, combine: Callable | None = None, axes=None,
+    manual: tuple[str, ...] = AXES,
+) -> Callable:  # fmt: skip
     """`(params, probes, batch, rng, *rest) -> (grads, probe_grads, aux)`: the fp32 gradient of
     `loss_fn`'s first output with respect to fp32 `params`, which
     `loss_fn(params, probes, batch, rng, *rest)` receives cast as `policy` says (the compute
@@ -380,15 +348,17 @@ def grad_fn(
     (see the module doc). Floating leaves of `aux` are averaged over the devices, `probe_grads`
     combined by `combine(probe_grads, mesh axes)`; `rng` is folded with the device's index, so
     dropout masks differ between devices. `axes`: the params' declared axes (`parallel.axes`,
-    a train state's `axes`), by which they are split.
+    a train state's `axes`), by which they are split. `manual`: the axes the `shard_map` is
+    manual over (default all; fewer leaves the others' collectives to XLA, whose layers then
+    run whole along them: an experiment, `docs/measured/tensor_auto.py`).
     """
     axes = axes_of(None, axes)
     if mesh is None or mesh.size == 1:
 
         def single(params, probes, batch, rng, *rest, frozen=None):
             def loss(params, probes):
-                with cast_params(policy, merge(params, frozen)) as cast:
-                    return loss_fn(cast, probes, batch, rng, *rest)
+                cast = cast_params(policy, merge(params, frozen))
+                return loss_fn(cast, probes, batch, rng, *rest)
 
             (grads, probe_grads), aux = jax.grad(loss, (0, 1), has_aux=True)(params, probes)
             return grads, probe_grads, aux
@@ -397,34 +367,39 @@ def grad_fn(
 
     def sharded(params, probes, batch, rng, *rest, frozen=None):
         param_specs, frozen_specs = specs(mesh, params, axes), specs(mesh, frozen or {}, axes)
+        only = lambda tree: jax.tree.map(
+            lambda s: _manual(s, manual), tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
 
         def local(params, frozen, probes, batch, rng, *rest):
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(AXES))
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(manual))
             specs_ = merge(param_specs, frozen_specs)
-            run = _gathering(policy, mesh, specs_, merge(params, frozen), axes)
+            run = _gathering(policy, mesh, specs_, merge(params, frozen), axes, manual)
 
             def gathered_loss(params, probes):
                 params = merge(params, frozen)
                 return run(lambda p: loss_fn(p, probes, batch, rng, *rest), params)
 
-            with _splitting(mesh):
-                grad = jax.grad(gathered_loss, (0, 1), has_aux=True)
-                (grads, probe_grads), aux = grad(params, probes)
-            mean = lambda x: jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            grad = jax.grad(gathered_loss, (0, 1), has_aux=True)
+            (grads, probe_grads), aux = grad(params, probes)
+            pmean = lambda x: jax.lax.pmean(x, manual)
+            mean = lambda x: pmean(x) if jnp.issubdtype(x.dtype, jnp.floating) else x
             if probes is not None:
-                probe_grads = combine(probe_grads, AXES)
+                probe_grads = combine(probe_grads, manual)
             return grads, probe_grads, jax.tree.map(mean, aux)
 
         replicated = PartitionSpec()
+        rows = only(layout.batch_specs(mesh, batch))
         in_specs = (
-            *(param_specs, frozen_specs, replicated, layout.batch_specs(mesh, batch), replicated),
+            *(only(param_specs), only(frozen_specs), replicated, rows, replicated),
             *(replicated for _ in rest),
         )
         local = jax.shard_map(
             local,
             mesh=mesh,
             in_specs=in_specs,
-            out_specs=(param_specs, replicated, replicated),
+            out_specs=(only(param_specs), replicated, replicated),
+            axis_names=frozenset(manual),
             check_vma=False,
         )
         return local(params, frozen or {}, probes, batch, rng, *rest)

@@ -40,10 +40,8 @@ a partial sum of the same kind as `x W`.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -54,7 +52,7 @@ AXIS = "tensor"
 
 
 class Split(NamedTuple):
-    """A tensor group, as a model sees it per device (`sharding.tensor_axis`)."""
+    """A tensor group, as a model sees it per device (`parallel.view`)."""
 
     axis: str
     size: int
@@ -69,33 +67,13 @@ class Split(NamedTuple):
         return _own(x, self.axis, self.size)
 
 
-_GROUP: contextvars.ContextVar[Split | None] = contextvars.ContextVar("tensor", default=None)
-
-
-def current() -> Split | None:
-    """While a per-device gradient is traced on a tensor axis (`sharding.grad_fn`): the group's
-    `Split`; else None (every device runs whole layers)."""
-    return _GROUP.get()
-
-
-@contextlib.contextmanager
-def splitting(mesh: Any):
-    """`current()` is `split(mesh)` inside."""
-    token = _GROUP.set(split(mesh))
-    try:
-        yield
-    finally:
-        _GROUP.reset(token)
-
-
-def split(mesh: Any) -> Split | None:
-    """The group's `Split` on `mesh` (None without a tensor axis)."""
-    size = mesh.shape[AXIS]
+def split(size: int, as_bits: bool) -> Split | None:
+    """A tensor group of `size` devices' `Split` (None for one: layers run whole); `as_bits`:
+    its 16-bit collectives move uint16 (XLA:CPU has none of bf16)."""
     if size == 1:
         return None
-    as_bits = layout.platform(mesh) == "cpu"  # XLA:CPU has no bf16 collectives
-    gather = layout.sequence_gather(AXIS, as_bits)
-    return Split(AXIS, size, gather, _scatter(AXIS, as_bits), _part(AXIS, size))
+    return Split(AXIS, size, layout.sequence_gather(AXIS, as_bits), _scatter(AXIS, as_bits),
+                 _part(AXIS, size))  # fmt: skip
 
 
 def _scatter(axis: str, as_bits: bool) -> Callable:

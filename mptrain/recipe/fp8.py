@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mptrain import errors
-from mptrain.parallel import tensor
+from mptrain.parallel import view
 from mptrain.recipe import mxfp8
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: more mantissa
@@ -228,8 +228,9 @@ def _amax(x: jax.Array) -> jax.Array:
     """`max |x|`; in a tensor group, of the logical matrix whose part `x` is (the max over the
     group: one scale for the matrix, as one device holding it whole would take)."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    split = tensor.current()
-    return amax if split is None else jax.lax.pmax(amax, split.axis)
+    local = view.current()
+    split = local and local.tensor()
+    return amax if not split else jax.lax.pmax(amax, split.axis)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -235,7 +235,8 @@ def make_eval_step(
                 forward = sharding.forward_fn(metric_fn, policy, mesh, axes=state.axes)
                 metrics = forward(state.model_params, state.model_state, batch)
             return dtypes.to_f32(metrics)
-        with policy.matmuls(), sharding.cast_params(policy, state.model_params) as params:
+        with policy.matmuls():
+            params = sharding.cast_params(policy, state.model_params)
             metrics = metric_fn(params, state.model_state, batch)
         return dtypes.to_f32(metrics)
 

@@ -123,8 +123,7 @@ class DPOTrainer(trainer.Trainer):
                 run = sharding.forward_fn(forward, policy, self.mesh, per_row=True, axes=axes)
                 logps = run(params, model_state, batch)
             else:
-                with sharding.cast_params(policy, params) as cast:
-                    logps = forward(cast, model_state, batch)
+                logps = forward(sharding.cast_params(policy, params), model_state, batch)
         return jax.lax.stop_gradient(logps.astype(jnp.float32))
 
     def _with_reference(self, state, batch):

@@ -27,7 +27,7 @@ from mptrain.inspect import hlo
 from mptrain.inspect import program as prog_lib
 from mptrain.models import attention, segments, splash
 from mptrain.models.decoder import blocks, context_attention, rope
-from mptrain.parallel import layout, sharding
+from mptrain.parallel import layout, view
 from mptrain.train import trainer as trainer_lib
 
 
@@ -73,7 +73,8 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
 
     def attend(q, k, v, weights, positions, ids, fused=False):
         q, k = (rope.apply_rope(x, positions, inv_freq) for x in (q, k))
-        split = sharding.sequence_axis()
+        local = view.current()  # in the shard_map below, the context split; else None
+        split = local and local.sequence()
         if fused and split is None:
             out = attention.causal_attention(q, k, v, "materialized")
         elif fused:
@@ -90,8 +91,7 @@ def test_attention_split_over_context_equals_the_whole_sequence_forward_and_back
         return [with_grads(*args, fused=fused) for fused in (False, True)]
 
     def split(*args):
-        with sharding._splitting(mesh):
-            return [(out, dqkv) for (_, out), dqkv in grads(*args)]
+        return [(out, dqkv) for (_, out), dqkv in grads(*args)]
 
     along = PartitionSpec(None, "context")
     split = jax.shard_map(
@@ -260,7 +260,8 @@ def test_the_tpu_kernel_on_a_split_sequence_equals_the_whole_sequence():
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 1, 1, 4, 1), layout.AXES)
 
     def attend(q, k, v, weights, ids):
-        split = sharding.sequence_axis()
+        local = view.current()
+        split = local and local.sequence()
         if split is None:
             out = attention.causal_attention(q, k, v, "materialized", segment_ids=ids, window=200)
         else:
@@ -271,8 +272,7 @@ def test_the_tpu_kernel_on_a_split_sequence_equals_the_whole_sequence():
     grads = jax.value_and_grad(attend, (0, 1, 2), has_aux=True)
 
     def split(*args):
-        with sharding._splitting(mesh):
-            (_, out), dqkv = grads(*args)
+        (_, out), dqkv = grads(*args)
         return out, dqkv
 
     along = PartitionSpec(None, "context")

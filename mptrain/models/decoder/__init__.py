@@ -55,7 +55,7 @@ on import). Keeping HF's order means an HF checkpoint loads with transposes only
 
 Scan (``scan_layers``): the blocks' params are one stack (``sharding.STACKED``) walked by
 ``jax.lax.scan``; each layer's slice is cast (under FSDP gathered) inside the loop
-(``sharding.layer_params``). Unscanned, block ``i`` is ``layers_i``, another checkpoint layout.
+(``sharding.Layers``). Unscanned, block ``i`` is ``layers_i``, another checkpoint layout.
 Remat: ``mptrain.models.remat``, per block.
 """
 

@@ -41,7 +41,7 @@ from mptrain.models import remat as remat_lib
 from mptrain.models.decoder import context_attention, moe
 from mptrain.models.decoder.rope import apply_rope
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import sharding
+from mptrain.parallel import view
 from mptrain.recipe import fp8 as fp8_lib
 
 ATTN_BIASES = ("none", "qkv", "all")
@@ -165,7 +165,8 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             rope = lambda t: apply_rope(t, positions, inv_freq, s.longrope)
             q, k = rope(q), rope(k)
         how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
-        split = sharding.sequence_axis() if cache is None else None
+        local = view.current() if cache is None else None  # the step's per-device layout
+        split = local and local.sequence()
         if split is not None and self.implementation == "cudnn":  # `context_attention`
             index = jax.lax.axis_index(split.axis)
             kernel = context_attention.CUDNN
@@ -194,8 +195,9 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
 def _keys(k, v, positions, segments) -> tuple:
     """`(k, v, segment_ids=, positions=, key_segment_ids=)` for `causal_attention`: on a context
     axis k, v, the keys' positions and segment ids gathered from every device of the group
-    (`sharding.sequence_axis`), which the mask reads as they lie (`layout.balanced`'s order)."""
-    split, ids = sharding.sequence_axis(), None if segments is None else segments.ids
+    (`parallel.view`), which the mask reads as they lie (`layout.balanced`'s order)."""
+    local, ids = view.current(), None if segments is None else segments.ids
+    split = local and local.sequence()
     if split is None:
         return k, v, {"segment_ids": segments, "positions": (positions, positions)}
     if jnp.ndim(positions) < 2:
@@ -250,7 +252,8 @@ class Block(nn.Module):
         s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
         pre = lambda name, h: s.norm(self.dtype, name)(h) if s.pre_norms else h
         # a tensor group's part of the heads and units, between its gather and its scatter
-        split = sharding.tensor_axis() if cache is None else None
+        local = view.current() if cache is None else None
+        split = local and local.tensor()
         part, into, out = s, (lambda h: h), (lambda h: h)
         if split is not None:
             part, into, out = s.part(split.size), split.gather, split.scatter

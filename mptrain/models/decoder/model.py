@@ -23,7 +23,7 @@ from mptrain.models import segments as segments_lib
 from mptrain.models.decoder import moe, stack
 from mptrain.models.decoder.blocks import Block, Shape
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import sharding
+from mptrain.parallel import sharding, view
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import fp8_names
 
@@ -69,7 +69,8 @@ class Llama(nn.Module):
         segments = segments_lib.segments(segment_ids, segment_lengths)
         length = layers.check_tokens(tokens, self.max_len)
         init = nn.initializers.normal(stddev=0.02)
-        split = sharding.tensor_axis() if cache is None else None  # `mptrain.parallel.tensor`
+        local = view.current() if cache is None else None  # the step's per-device layout
+        split = local and local.tensor()  # `mptrain.parallel.tensor`
         vocab = self.vocab_size // (split.size if split else 1)
         embed = layers.Embed(vocab, self.shape.d_model, self.dtype, init, name="embed")
         if split is None:
@@ -146,9 +147,14 @@ class Llama(nn.Module):
             stacked = self.get_variable("params", sharding.STACKED)
         else:
             stacked = self.param(sharding.STACKED, init, x, positions)
+        # the stack as stored, and what makes a layer's slice the params a block computes with
+        # (the step's: cast, and on a mesh gathered; `sharding.Layers`)
+        stacked, per_layer = sharding.layers_of(stacked)
         # the adapters' dropout: a key per layer, when training (the Trainer's "dropout" rng)
         dropout = self.make_rng("dropout") if self.lora and self.has_rng("dropout") else None
-        run = functools.partial(stack.scan, args=(positions, segments), dropout=dropout)
+        run = functools.partial(
+            stack.scan, args=(positions, segments), dropout=dropout, per_layer=per_layer
+        )
 
         def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
             shapes = [self._shape(i) for i in range(a, b)]

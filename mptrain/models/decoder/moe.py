@@ -42,7 +42,7 @@ from mptrain import errors
 from mptrain.models import layers
 from mptrain.models.decoder import grouped
 from mptrain.parallel import axes as axes_lib
-from mptrain.parallel import sharding
+from mptrain.parallel import layout, view
 
 # `config.model`'s keys of a mixture of experts (`llama.CONFIG_KEYS`), with their defaults:
 # `num_experts` None is a dense MLP in every layer; `expert_d_ff` (None: `d_ff`) each expert's
@@ -196,7 +196,8 @@ def aux_loss(stats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]
     are the whole batch's, and each device returns its share of the loss times the devices,
     as `layers.masked_mean` does: the loss is linear in each device's probabilities."""
     (counts, probs), tokens = stats, jnp.asarray(tokens, jnp.float32)  # squared: no int32
-    axes, devices = sharding.batch_axes(), 1
+    local, devices = view.current(), 1
+    axes = None if local is None else local.batch
     if axes is not None:
         counts, tokens = jax.lax.psum((counts, tokens), axes)
         devices = jax.lax.psum(1, axes)
@@ -204,7 +205,7 @@ def aux_loss(stats: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]
     return loss, counts / jnp.sum(counts)
 
 
-def exchange(split: sharding.ExpertSplit, mlp, local: int, tokens, picked, weights) -> jax.Array:
+def exchange(split: layout.ExpertSplit, mlp, local: int, tokens, picked, weights) -> jax.Array:
     """fp32 `[T, D]`: `mlp(tokens, picked, weights)` (`experts_mlp` on this device's `local`
     experts) with the experts split over `split.axis`: the tokens of the whole expert group gathered
     (in their 16 bits; their gradient reduce-scattered in fp32), each device's experts run on
@@ -245,7 +246,8 @@ class MoE(nn.Module):
         # the router's every expert on each device; each expert's kernels on its own
         router_init = axes_lib.declare(init, (axes_lib.EMBED, None))
         router = self.param("router", router_init, (width, self.num_experts))
-        split = sharding.expert_axis()  # this device's experts only (`exchange`)
+        here = view.current()  # this device's experts only (`exchange`)
+        split = here and here.experts()
         local = self.num_experts // (1 if split is None else split.size)
         shapes = {"gate": (width, self.d_ff), "up": (width, self.d_ff), "down": (self.d_ff, width)}
         kernels = {

@@ -5,8 +5,8 @@ axis): one where every layer's params have one shape, else one for each run of l
 (`stacks`: a mixture of experts whose first layers are dense, Qwen3-MoE's `mlp_only_layers` or
 DeepSeek-V3's, has a dense stack and an expert stack, MaxText's `dense_layers` and
 `moe_layers`), each named by the layers it holds (`STACKED/<first>-<stop>`) and scanned on its
-own. Each layer's slice is cast (under FSDP, gathered) inside the loop
-(`sharding.layer_params`). A scan carries per-layer state as its per-layer inputs where it is
+own. Each layer's slice is cast (under FSDP, gathered) inside the loop, as the step's
+`sharding.Layers` says. A scan carries per-layer state as its per-layer inputs where it is
 given some: under fp8-mixed the fp8 blocks' scaling state and probes, stacked on the layer
 axis (the decoder's `model` makes them and cuts its stacks into bf16 and fp8 pieces), as
 MaxText, Levanter and flax carry an amax history per scanned layer.
@@ -62,16 +62,20 @@ def period(kinds: list) -> int:
 
 
 def scan(
-    blocks, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=0, where=Stack(0, 0)
-) -> jax.Array:
+    blocks, *, x, args, stacked, dropout=None, policy=None, fp8=None, first=0,
+    where=Stack(0, 0), per_layer=lambda layer, where: layer,
+) -> jax.Array:  # fmt: skip
     """`x` through the blocks once per layer of `stacked` (layers `first`, `first + 1`, ...):
     a block, or a tuple of them that layers take in turn (the module doc), each applied as
     `block.apply(variables, h, *args)`; `fp8`: the layers' stacked fp8 collections; `dropout`:
     a key, folded with each layer's number; `policy`: the remat policy, per block; `where`:
-    the `Stack` the rows are of (its key and first layer)."""
+    the `Stack` the rows are of (its key and first layer); `per_layer(slice, key)`: a layer's
+    params as its block computes with them (`sharding.Layers`: the step's cast and gather)."""
     blocks = blocks if isinstance(blocks, tuple) else (blocks,)
     layers, p = jax.tree.leaves(stacked)[0].shape[0], len(blocks)
-    run = functools.partial(_scan, args=args, dropout=dropout, policy=policy, where=where)
+    run = functools.partial(
+        _scan, args=args, dropout=dropout, policy=policy, where=where, per_layer=per_layer
+    )
     if p == 1:
         return run(blocks, x=x, stacked=stacked, fp8=fp8, first=first, grouped=False)
 
@@ -88,7 +92,7 @@ def scan(
 
 
 def _scan(
-    blocks, *, x, args, stacked, fp8, first, dropout, policy, where, grouped=True
+    blocks, *, x, args, stacked, fp8, first, dropout, policy, where, per_layer, grouped=True
 ) -> jax.Array:
     """`x` through `stacked`, a step a row: `[steps, len(blocks), ...]`, the blocks in turn
     (`grouped`), or one block's layers `[steps, ...]`."""
@@ -97,7 +101,7 @@ def _scan(
     taps = numerics_scan.begin(steps, first, stride=p, key=where.key, offset=where.first)
 
     def one(j, h, layer, state, index, rows):
-        variables = {"params": sharding.layer_params(layer, where.key), **(state or {})}
+        variables = {"params": per_layer(layer, where.key), **(state or {})}
         rngs = {} if dropout is None else {"dropout": jax.random.fold_in(dropout, index)}
         with numerics_scan.layer(taps, rows):
             return blocks[j].apply(variables, h, *args, rngs=rngs)
