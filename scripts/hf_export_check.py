@@ -7,8 +7,9 @@ largest logit, for any family the decoder reads (the folder is written as its fa
 
 Exports the run's newest checkpoint in float32 into `--out/hf`, computes mptrain's logits for a
 fixed batch of tokens (the exported weights, under the fp32 policy), then has
-`scripts/make_hf_fixture.py --check` (run by `--hf_python`) load the folder with transformers
-and print how far its logits are. Prints a line and writes `--out/check.json`.
+`tests/hf/make_fixture.py --check` (the HF fixtures' maker, run by `--hf_python`) load the
+folder with transformers and print how far its logits are. Prints a line and writes
+`--out/check.json`.
 """
 
 import argparse
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = (np.arange(2 * 40, dtype=np.int32).reshape(2, 40) * 7 + 3) % vocab
     logits = np.asarray(model.apply({"params": params}, ids), np.float32)
     np.savez(out / "reference.npz", ids=ids, logits=logits)
-    script = Path(__file__).with_name("make_hf_fixture.py")
+    script = Path(__file__).resolve().parents[1] / "tests" / "hf" / "make_fixture.py"
     check = [f"--check={out / 'hf'}", f"--reference={out / 'reference.npz'}"]
     found = subprocess.run(
         [args.hf_python, str(script), *check], capture_output=True, text=True, check=True

@@ -2,7 +2,7 @@
 param built in fp32 straight into an FSDP sharding over all the devices, the way a run's
 `init_from` loads it. One process, one measurement (peak memory is the process's own):
 
-    python scripts/make_hf_fixture.py --size=1b --out=/tmp/llama1b   # in its venv: see there
+    python tests/hf/make_fixture.py --size=1b --out=/tmp/llama1b   # in its venv: see there
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
         python scripts/hf_load_bench.py /tmp/llama1b [--dtype=bfloat16] [--whole]
 

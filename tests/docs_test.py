@@ -302,6 +302,26 @@ def test_the_readme_leads_to_every_page_of_the_guide():
     assert linked == {p.name for p in PAGES[1:]}
 
 
+def unnamed_scripts(root: Path = ROOT) -> list[str]:
+    """The files of `scripts/` that no page names as `scripts/NAME`."""
+    text = "".join(page.read_text() for page in PAGES)
+    files = [p.name for p in (root / "scripts").iterdir() if p.is_file()]  # not __pycache__/
+    return sorted(name for name in files if f"scripts/{name}" not in text)
+
+
+def test_every_script_is_named_on_a_page():
+    """scripts/ is for users: a script there is one a page sends its reader to. A fixture maker
+    lives beside its fixtures, a probe behind one figure beside the page (docs/measured/)."""
+    assert unnamed_scripts() == []
+
+
+def test_an_unnamed_script_is_found(tmp_path):
+    (tmp_path / "scripts" / "__pycache__").mkdir(parents=True)
+    for name in ("bench.py", "orphan.py"):
+        (tmp_path / "scripts" / name).write_text("")
+    assert unnamed_scripts(tmp_path) == ["orphan.py"]
+
+
 def test_the_readmes_own_model_is_the_getting_started_pages():
     """The README shows the same two files as the guide's first page: one to keep right."""
 

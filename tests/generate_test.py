@@ -36,7 +36,7 @@ def folder(tmp_path_factory):
 
 def _transformers_tokens(folder, precision):
     """mptrain's greedy tokens for the prompts of the fixture's generate.npz (made by
-    transformers' `generate`: scripts/make_hf_fixture.py), in one batch, and transformers'."""
+    transformers' `generate`: tests/hf/make_fixture.py), in one batch, and transformers'."""
     expected = np.load(folder / "generate.npz")
     speaker = generate.load(hf_folder=str(folder), precision=precision)
     run = decode.make_decoder(speaker.model, expected["tokens"].shape[1])

@@ -5,10 +5,10 @@ implementation keeps them apart.
 and each example's length. The materialised path and the TPU's splash kernel read the ids
 (`attention.causal_attention`); on a GPU, cuDNN reads the lengths as its packed layout
 (`cudnn_packed`), which needs no `[L, L]` mask: of the three ways to keep a row's examples
-apart on a GPU, compiled for an H100 at the 8B plan's shapes (`scripts/attention_paths.py`),
-it alone adds neither an `[L, L]` buffer nor bytes to read (a mask reaches cuDNN as a bias it
-reads for every head; the Pallas Triton kernel takes one head count, so k and v are copied
-to every query head).
+apart on a GPU, compiled for an H100 at the 8B plan's shapes (`tests/plan/plan_test.py`'s
+8B on packed SFT rows), it alone adds neither an `[L, L]` buffer nor bytes to read (a mask
+reaches cuDNN as a bias it reads for every head; the Pallas Triton kernel takes one head
+count, so k and v are copied to every query head).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mixtures of experts (issue 59) from folders transformers made itself (`scripts/make_hf_fixture.py
+"""Mixtures of experts (issue 59) from folders transformers made itself (`tests/hf/make_fixture.py
 --families --only=qwen3_moe,mixtral`): Qwen3-MoE's three layers, the middle one dense
 (`mlp_only_layers`), 8 experts of 16 a layer, top 2 renormalised; Mixtral's two layers of 4
 experts, top 2, a window of 16. Read by `mptrain.hf` into the one decoder: fp32 logits within

@@ -1,5 +1,5 @@
 """The families beside the Llama (issue 56): Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2,
-SmolLM3 and Phi-3 folders that transformers made itself (`scripts/make_hf_fixture.py
+SmolLM3 and Phi-3 folders that transformers made itself (`tests/hf/make_fixture.py
 --families`, run in a venv of its own: Mistral's and Qwen2's sliding window of 16 keys over 48
 positions, Qwen2's q, k, v biases, Qwen3's q and k norms and tied embeddings; Gemma 2's three
 layers, sliding and global in turn, with soft-caps that bite; Gemma 3's four layers of a

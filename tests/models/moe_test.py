@@ -1,5 +1,5 @@
 """The mixture-of-experts MLP (`decoder.moe`) against transformers' own blocks and loss
-(`tests/models/moe_fixture.npz`, made by `scripts/make_moe_fixture.py`), and why its router is
+(`tests/models/moe_fixture.npz`, made by `tests/models/make_moe_fixture.py`), and why its router is
 fp32."""
 
 import jax

@@ -1,7 +1,7 @@
 """DPO (`data.name="dpo"`, `mptrain.train.dpo`) against TRL's `DPOTrainer` 1.16 on the same pairs.
 
 The figures of `tests/train/dpo_fixture/reference.npz` are TRL's own, made by
-`scripts/make_dpo_fixture.py` in a venv of its own, on `tests/hf/fixture`'s tiny Llama in fp32:
+`tests/train/make_dpo_fixture.py` in a venv of its own, on `tests/hf/fixture`'s tiny Llama in fp32:
 the pairs' tokens, the step-0 model's sequence log-probabilities, each loss and its gradient,
 and two steps of SGD. Here the same model and pairs go through mptrain.
 """

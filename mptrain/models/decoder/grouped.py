@@ -4,7 +4,7 @@ undefined. Two ways, by `KERNELS`:
 
   * "xla": `jax.lax.ragged_dot` with fp32 results. A TPU runs each as one grouped-matmul
     kernel (Mosaic's); XLA:CPU loops over the groups. An H100 runs it as a dense matmul of
-    every row against every group's `w` (`scripts/moe_compiled.py`: 128 times the routed
+    every row against every group's `w` (`docs/measured/moe_compiled.py`: 128 times the routed
     FLOPs and 32 GiB of temporaries for a Qwen3-30B-A3B layer at 8,192 tokens): on a GPU the
     fallback, for chips "mosaic_gpu" does not cover;
   * "mosaic_gpu": JAX's own Hopper kernels (`jax.experimental.pallas.ops.gpu`: its

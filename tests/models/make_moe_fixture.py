@@ -1,7 +1,7 @@
 """Writes transformers' own figures for `tests/models/moe_test.py` (run in a venv of its own,
-as scripts/make_hf_fixture.py is):
+as tests/hf/make_fixture.py is):
 
-    /tmp/hfvenv/bin/python scripts/make_moe_fixture.py
+    /tmp/hfvenv/bin/python tests/models/make_moe_fixture.py
 
 `tests/models/moe_fixture.npz`: for Qwen3-MoE's sparse block (8 experts, top 2, renormalised)
 and Mixtral's (4 experts, top 2), fp32, random weights of order one: the block's input `x`
@@ -18,7 +18,7 @@ from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "models" / "moe_fixture.npz"
+OUT = Path(__file__).resolve().with_name("moe_fixture.npz")
 
 
 def block(module, generator, name: str, out: dict) -> None:

@@ -3,7 +3,7 @@ mptrain never imports torch, transformers or trl):
 
     python3 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install transformers==5.24.0 torch safetensors numpy trl==1.16.0
-    /tmp/hfvenv/bin/python scripts/make_dpo_fixture.py
+    /tmp/hfvenv/bin/python tests/train/make_dpo_fixture.py
 
 The folder `tests/train/dpo_fixture/` holds the inputs, committed: `tokenizer.json` (mptrain's
 byte tokenizer, `data.sft.tokenizer_of("bytes").save(...)`), `tokenizer_config.json` (its
@@ -37,9 +37,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "tests" / "train" / "dpo_fixture"
-MODEL = ROOT / "tests" / "hf" / "fixture"
+HERE = Path(__file__).resolve().parent  # tests/train
+OUT = HERE / "dpo_fixture"
+MODEL = HERE.parent / "hf" / "fixture"
 LENGTH = 64
 LOSSES = {
     "sigmoid": (["sigmoid"], [1.0], 0.0),

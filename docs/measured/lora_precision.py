@@ -7,15 +7,17 @@ once per seed and variant, the variants alternating, each as `python -m mptrain.
 each run's final eval loss, and from the fp32 run's checkpoints (one a step) the fraction of
 adapter updates that bf16 params would have lost: elements whose fp32 update is not zero but
 leaves the param's bf16 value where it was. Prints a table and writes JSON. A workdir that holds
-a finished run is read, not trained again.
+a finished run is read, not trained again. The figures in docs/fine-tuning.md ("Adapters in
+fp32, the base in bf16") are its.
 
-  python scripts/lora_precision.py --out=/tmp/lora_precision     # 3 seeds: about 10 minutes
+  python docs/measured/lora_precision.py --out=/tmp/lora_precision   # 3 seeds: about 10 minutes
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import statistics
 import subprocess
 import sys
@@ -24,9 +26,9 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from precision_band import final_eval_loss  # scripts/ is on the path of a script run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+final_eval_loss = runpy.run_path(str(ROOT / "scripts" / "precision_band.py"))["final_eval_loss"]
 CONFIG = f"--config={ROOT / 'configs' / 'llama3.py'}:tiny"
 VARIANTS = {
     "fp32 adapters": ["--config.precision=bf16-mixed"],

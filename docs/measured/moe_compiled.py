@@ -1,7 +1,7 @@
 """What XLA compiles the mixture-of-experts MLP's grouped matmuls to, for an H100 and a TPU that
 are not here (`python -m mptrain.plan`'s deviceless compile; needs `pip install 'mptrain[plan]'`):
 
-    JAX_PLATFORMS=cpu python scripts/moe_compiled.py --out=/tmp/moe_compiled.json
+    JAX_PLATFORMS=cpu python docs/measured/moe_compiled.py --out=/tmp/moe_compiled.json
 
 One Qwen3-30B-A3B MoE layer (width 2,048, 128 experts of 768, top 8), bf16, a batch of
 `--tokens` tokens, its forward and backward on one device, by each grouped-matmul kernel a

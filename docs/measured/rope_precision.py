@@ -10,9 +10,10 @@ rotating q and k:
 q and k are random bf16 values (what the projections hand over), with Llama 3.1 8B's
 frequencies (head size 128, theta 500,000, Llama 3 scaling 8 / 1 / 4 / 8,192). Scores are taken
 with bf16 operands and fp32 accumulation in both, as the attention kernels do; the reference
-rotates the same bf16 q and k in float64, so only the rotation's rounding is measured.
+rotates the same bf16 q and k in float64, so only the rotation's rounding is measured. The
+figures in docs/models-and-data.md ("Llama-class models") are its.
 
-    python scripts/rope_precision.py [--out=rope_precision.json]
+    python docs/measured/rope_precision.py [--out=rope_precision.json]
 """
 
 import argparse

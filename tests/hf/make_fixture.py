@@ -1,11 +1,13 @@
-"""Writes HuggingFace Llama folders made by transformers itself, for `mptrain.hf`'s tests and
-for timing its loader. mptrain never imports torch or transformers: run this in a venv of its
-own (the CPU is enough; plain PyPI, no extra index):
+"""Writes HuggingFace folders made by transformers itself (Llamas; with `--families`, the other
+families the decoder reads), for `mptrain.hf`'s tests, beside them, and for timing its loader.
+mptrain never imports torch or transformers: run this in a venv of its own (the CPU is enough;
+plain PyPI, no extra index), from the repository's root:
 
     python3 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install transformers torch safetensors numpy
-    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py                 # tests/hf/fixture
-    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py --size=1b --out=/tmp/llama1b
+    /tmp/hfvenv/bin/python tests/hf/make_fixture.py                  # tests/hf/fixture
+    /tmp/hfvenv/bin/python tests/hf/make_fixture.py --families       # tests/hf/families
+    /tmp/hfvenv/bin/python tests/hf/make_fixture.py --size=1b --out=/tmp/llama1b
 
 `--size=tiny` (the default) writes the committed fixture, well under 1 MB:
 
@@ -36,9 +38,10 @@ Each also holds `generate.npz`: transformers' greedy `generate` from three promp
 
 `--check=DIR` loads a folder (one `mptrain.hf.save` or `mptrain.export --format=hf` wrote, say)
 with transformers and prints the largest difference of its logits from a reference.npz's
-(`--reference`, default the fixture's): that transformers reads what mptrain writes.
+(`--reference`, default the fixture's): that transformers reads what mptrain writes
+(`scripts/hf_export_check.py` runs it so on a run's export).
 
-    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py --check=/tmp/exported
+    /tmp/hfvenv/bin/python tests/hf/make_fixture.py --check=/tmp/exported
 """
 
 import argparse
@@ -51,7 +54,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent  # tests/hf: the fixtures' folder
 SHAPES = {  # the tiny fixture's
     "vocab_size": 300,
     "hidden_size": 48,
@@ -401,7 +404,7 @@ def main() -> None:
     parser.add_argument("--size", choices=("tiny", "1b"), default="tiny")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", type=Path, default=None)
-    parser.add_argument("--reference", type=Path, default=ROOT / "tests/hf/fixture/reference.npz")
+    parser.add_argument("--reference", type=Path, default=HERE / "fixture/reference.npz")
     parser.add_argument(
         "--generate", action="store_true", help="only write the fixtures' generate.npz"
     )
@@ -410,9 +413,9 @@ def main() -> None:
     )
     parser.add_argument("--only", default="", help="with --families: these, comma-separated")
     args = parser.parse_args()
-    fixture = args.out or ROOT / "tests" / "hf" / "fixture"
+    fixture = args.out or HERE / "fixture"
     if args.families:
-        families = args.out or ROOT / "tests" / "hf" / "families"
+        families = args.out or HERE / "families"
         for name in args.only.split(",") if args.only else FAMILIES:
             write_family(families / name, name)
         if not args.only:
