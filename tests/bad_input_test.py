@@ -61,6 +61,7 @@ class _SigtermMidEval(trainer.Trainer):
         return super().evaluate(state, source, counting)
 
 
+@pytest.mark.slow  # a variant: make test keeps SIGTERM after a step
 def test_a_stop_signal_during_a_long_evaluation_stops_within_a_batch(tmp_path):
     config = tiny_config(eval_steps=100_000, eval_every_steps=4, num_train_steps=8)
     stopping = _SigtermMidEval(config, tmp_path)
@@ -159,6 +160,7 @@ def test_export_flag_errors_are_one_line(args, says, capsys):
     assert err.startswith(f"mptrain.export: error: {says}")
 
 
+@pytest.mark.slow  # a variant: make test keeps a refused resume compiling nothing
 def test_a_refused_resume_gives_one_advice_in_clean_sentences(tmp_path, capsys):
     assert run_cli(tmp_path, "--config.num_train_steps=2", capsys=capsys)[0] == 0
     code, err = run_cli(tmp_path, "--config.model.d_model=64", capsys=capsys)
@@ -264,6 +266,7 @@ def test_a_disk_full_at_start_is_exit_1_in_one_line(tmp_path, capsys, monkeypatc
     assert f"could not write {tmp_path / 'run' / '.lock'}: disk full" in err
 
 
+@pytest.mark.slow  # a variant: make test keeps a record's storage failure named in one line
 def test_a_record_that_cannot_be_written_stops_after_a_checkpoint(tmp_path, capsys, monkeypatch):
     real_append = curves.append
 
@@ -337,6 +340,7 @@ def test_every_setting_without_effect_is_told_at_start(overrides, warned):
     assert unused.settings(tiny_config()) == []
 
 
+@pytest.mark.slow  # a variant: make test keeps the other settings told at start
 def test_more_eval_steps_than_the_eval_split_holds_are_told(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     mptrain.run(tiny_config(num_train_steps=2, eval_steps=500), tmp_path)
@@ -344,6 +348,7 @@ def test_more_eval_steps_than_the_eval_split_holds_are_told(tmp_path, caplog):
     assert "an evaluation repeats them" in caplog.text
 
 
+@pytest.mark.slow  # two runs of their own: make test keeps the default rule's matmuls
 def test_the_casting_rule_does_what_it_says(tmp_path):
     """keep_fp32='.*' under bf16-mixed hands every param to the model in fp32, and every layer
     of the zoo then runs its matmul in fp32: the report says so, and the run is not the

@@ -19,6 +19,7 @@ bench = runpy.run_path(str(ROOT / "scripts" / "bench.py"))
 report = bench["report"]  # scripts/bench_report.py
 
 
+@pytest.mark.slow  # scripts/bench.py's runs: each side compiles its own steps
 @pytest.mark.parametrize(
     "model, case",
     [
@@ -26,7 +27,7 @@ report = bench["report"]  # scripts/bench_report.py
         ("lm", "bf16-mixed"),
         ("lm", "fp16-mixed+dyn"),
         ("resnet", "bf16-mixed+dyn"),
-        pytest.param("resnet", "bf16-pure", marks=pytest.mark.slow),
+        ("resnet", "bf16-pure"),
     ],
 )
 def test_the_hand_written_side_trains_the_same_model(model, case, tmp_path):
@@ -66,6 +67,7 @@ def traced_reports(config, tmp_path, sources):
     return forward, audit.precision_report(mptrain.make_train_step(trainer.loss_fn), state, batch)
 
 
+@pytest.mark.slow  # scripts/bench.py traces each LM's step anew
 @pytest.mark.parametrize("name, case", [("default", "fp32"), ("lm_gpt2s", "fp16-mixed+dyn")])
 def test_lm_flops_from_the_config_are_what_the_traced_program_computes(name, case, tmp_path):
     """The LM's model FLOPs, written out from the config, against the dots JAX traces: exactly
@@ -106,6 +108,7 @@ def resnet_forward_flops(config) -> tuple[int, int]:
     return total + 2 * channels * m.num_classes, stem
 
 
+@pytest.mark.slow  # scripts/bench.py traces the ResNet's programs anew
 def test_resnet_flops_are_three_traced_forward_passes_of_its_shapes(tmp_path):
     """Other models' FLOPs are 3x the audit's count of the traced forward pass; for the ResNet
     that is 3x its convolutions and head written out. (The traced step itself is no measure:
@@ -190,6 +193,7 @@ def test_an_lm_of_over_a_tflop_a_step_runs_tiny_on_a_cpu_unless_full():
     assert report.lm_flops(runpy.run_path(gpt2s)["get_config"](None)) > 10e12
 
 
+@pytest.mark.slow  # scripts/bench.py end to end; make test keeps its MFU and peak tables
 def test_bench_writes_its_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench["main"](

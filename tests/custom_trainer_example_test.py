@@ -2,6 +2,7 @@
 
 import runpy
 
+import pytest
 from helpers import ROOT, plain_orbax_state, run_cli_process
 
 from mptrain.train import launch
@@ -15,6 +16,7 @@ def test_the_config_names_a_trainer_subclass():
     assert cls.loss_fn is not trainer_lib.Trainer.loss_fn
 
 
+@pytest.mark.slow  # a CLI run: custom_trainer_test keeps a Trainer subclass in this process
 def test_runs_from_the_command_line(tmp_path):
     result = run_cli_process(
         "--config=examples/custom_trainer/config.py:tiny", f"--workdir={tmp_path}"

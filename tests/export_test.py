@@ -146,11 +146,11 @@ def test_an_export_reads_a_workdir_without_writing_or_deleting_there(finished_ru
     assert after == before
 
 
-@pytest.fixture(params=["read-only filesystem", "disk full", "permission denied"])
+@pytest.fixture
 def unwritable(request, tmp_path):
     """A folder the export cannot be written into: on a read-only tmpfs, or a tmpfs of 64 KiB
     (where this process may mount one, as root can), or without write permission (where the
-    process is not root, which writes anywhere)."""
+    process is not root, which writes anywhere). Its test chooses which: `request.param`."""
     folder = tmp_path / "locked"
     folder.mkdir()
     if request.param != "permission denied":
@@ -168,6 +168,15 @@ def unwritable(request, tmp_path):
         folder.chmod(0o755)
 
 
+@pytest.mark.parametrize(
+    "unwritable",
+    [  # variants: make test keeps permission denied
+        pytest.param("read-only filesystem", marks=pytest.mark.slow),
+        pytest.param("disk full", marks=pytest.mark.slow),
+        "permission denied",
+    ],
+    indirect=True,
+)
 def test_an_out_that_cannot_be_written_is_exit_1_naming_it(finished_run, unwritable):
     folder, says = unwritable
     out = folder / "export"
@@ -262,6 +271,15 @@ def test_an_hf_export_it_cannot_make_is_one_line_exit_2(
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
 
 
+@pytest.mark.parametrize(
+    "unwritable",
+    [  # a variant: make test keeps a full disk and permission denied
+        pytest.param("read-only filesystem", marks=pytest.mark.slow),
+        "disk full",
+        "permission denied",
+    ],
+    indirect=True,
+)
 def test_an_hf_export_that_cannot_be_written_is_exit_1_naming_it(llama_run, unwritable, export_cli):
     folder, says = unwritable
     code, err = export_cli(f"--workdir={llama_run[0]}", f"--out={folder / 'hf'}", "--format=hf")

@@ -28,19 +28,9 @@ from mptrain.models import nnx as nnx_models
 CONFIG = f"--config={ROOT / 'examples' / 'nnx_trainer' / 'config.py'}:tiny"
 
 
-# One preset in make test; the others (a CLI process each, about 15 s cold) in make test-slow.
-SLOW = pytest.mark.slow
-
-
-@pytest.mark.parametrize(
-    "precision",
-    [
-        pytest.param("fp32", marks=SLOW),
-        "bf16-mixed",
-        pytest.param("fp16-mixed", marks=SLOW),
-        pytest.param("bf16-pure", marks=SLOW),
-    ],
-)
+# A CLI process each, about 15 s cold: make test keeps the example's batch statistics.
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"])
 def test_trains_from_the_command_line_under_every_preset(precision, tmp_path):
     result = run_cli_process(CONFIG, f"--workdir={tmp_path}", f"--config.precision={precision}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,6 +50,7 @@ def _example_trainer(tmp_path, **overrides):
     return NNXTrainer(config, tmp_path)
 
 
+@pytest.mark.slow  # moved by the programs it compiles; make test keeps its batch statistics
 def test_bf16_mixed_step_runs_its_matmuls_in_bf16_and_scatters_nothing(tmp_path):
     trainer = _example_trainer(tmp_path)
     batch = trainer.build_datasets()[0].get_batch(0)
@@ -74,12 +65,14 @@ def test_bf16_mixed_step_runs_its_matmuls_in_bf16_and_scatters_nothing(tmp_path)
     assert "scatter" not in program  # the embedding is a one-hot matmul (see the example)
 
 
+@pytest.mark.slow  # a variant: make test keeps the example's batch statistics
 def test_per_layer_numerics_on_an_nnx_model_record_nothing_and_harm_nothing(tmp_path):
     # the recorder intercepts linen module calls; an NNX model trains with an empty table
     assert run_cli(tmp_path, "--config.numerics.per_layer=True", config=CONFIG)[0] == 0
     assert int(plain_orbax_state(tmp_path, 8)["step"]) == 8
 
 
+@pytest.mark.slow  # a variant: trainer_test keeps byte-identical resume
 def test_resume_is_byte_identical(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ("--config.optimizer.schedule=constant",)
@@ -139,6 +132,7 @@ def test_nnx_rngs_held_by_the_module_are_refused_with_a_clear_error():
         nnx_models.wrap(Dropping(nnx.Rngs(0)))
 
 
+@pytest.mark.slow  # a variant: make test keeps the example's batch statistics
 def test_the_example_chooses_attention_by_the_zoos_rule_and_keeps_its_params(monkeypatch):
     import sys
 

@@ -252,6 +252,7 @@ def test_keys_the_config_file_set_are_not_warned_of_when_the_command_line_moots_
     assert len(unused.settings(from_python)) == 4  # no command line: every key is the user's
 
 
+@pytest.mark.slow  # a CLI run: audit_test keeps the state's bytes per param
 def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     overrides = ["--config.precision=bf16-pure", "--config.param_rounding=kahan"]
@@ -263,6 +264,7 @@ def test_kahan_compensation_is_counted_in_the_state_bytes(tmp_path, caplog):
     assert "compensation" in report
 
 
+@pytest.mark.slow  # eight devices: trainer_test keeps data-parallel and FSDP meshes
 @pytest.mark.default_mesh
 def test_the_default_mesh_trains_on_every_device(tmp_path):
     assert config_lib.base_config().mesh.data == -1 and config_lib.base_config().mesh.fsdp == 1

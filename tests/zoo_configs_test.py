@@ -79,14 +79,12 @@ TWO_STEP_RUNS = {
 }
 
 
-# lm_gpt2s and lm_1b are transformer_lm at other sizes (compiled in make test-plan for an H100):
-# their two CPU steps, 10 s each on a fresh machine, run in make test-slow.
+# make test keeps the default LM's two steps; the other configs compile programs of their own
+# and run in make test-slow. lm_gpt2s and lm_1b are transformer_lm at other sizes (compiled in
+# make test-plan for an H100): their two CPU steps take 10 s each on a fresh machine.
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.slow) if n in ("lm_gpt2s", "lm_1b") else n
-        for n in TWO_STEP_RUNS
-    ],
+    [n if n == "default" else pytest.param(n, marks=pytest.mark.slow) for n in TWO_STEP_RUNS],
 )
 def test_two_steps_of_every_tiny_config_run(name, tmp_path, caplog):
     overrides, logged = TWO_STEP_RUNS[name]
@@ -110,6 +108,7 @@ def test_lm_configs_differ_only_in_precision_and_loss_scale():
     assert full.model.d_model > load_config("default").model.d_model
 
 
+@pytest.mark.slow  # programs no other test compiles; make test keeps the default LM's two steps
 @needs_tfds
 def test_mnist_cnn_tiny_trains_on_mock_data(tmp_path):
     import tensorflow_datasets as tfds
@@ -138,6 +137,7 @@ class RecordingTrainer(trainer_lib.Trainer):
         return train, evaluation
 
 
+@pytest.mark.slow  # make test keeps fp16 batch statistics through a skipped step
 @needs_tfds
 def test_cifar10_resnet_tiny_fp16_keeps_fp32_batch_stats_and_resumes_them(tmp_path):
     import tensorflow_datasets as tfds

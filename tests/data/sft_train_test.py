@@ -1,6 +1,6 @@
 """SFT end to end (issue 44): `configs/llama3.py:sft_tiny` learns the embedded set's answers,
 and a run killed with kill -9 part-way through an epoch resumes onto the uninterrupted run's
-bytes. Slow: each trains for minutes on this CPU (`make test-slow`)."""
+bytes. Slow: each trains for a minute or more on this CPU (`make test-slow`)."""
 
 import sys
 
@@ -17,13 +17,17 @@ from helpers import (
 from mptrain.train import trainer as trainer_lib
 
 CONFIG = f"{ROOT / 'configs' / 'llama3.py'}:sft_tiny"
+STEPS = 100  # of the shipped 400: the eval loss is below half by step 60 already (0.45 of it)
 
 
 @pytest.mark.slow
-def test_400_steps_of_sft_tiny_halve_the_completion_only_eval_loss(tmp_path):
-    """bf16-mixed, the config as shipped: the eval loss (on the held-out functions' docstrings
-    only) after 400 steps is below half the untrained model's."""
-    config = load_config("llama3", "sft_tiny", **{"data.cache_dir": str(tmp_path / "cache")})
+def test_100_steps_of_sft_tiny_halve_the_completion_only_eval_loss(tmp_path):
+    """bf16-mixed, the config as shipped cut to 100 steps (its warmup of 40, then the cosine
+    over the rest): the eval loss (on the held-out functions' docstrings only) after 100 steps
+    is below half the untrained model's. At 2026-12-06: 5.619 untrained, 2.384 at step 100
+    (0.42 of it; 400 steps reach 1.658)."""
+    keys = {"num_train_steps": STEPS, "data.cache_dir": str(tmp_path / "cache")}
+    config = load_config("llama3", "sft_tiny", **keys)
     trainer = trainer_lib.Trainer(config, tmp_path / "run")
     first = trainer.evaluate(trainer.init_state())["eval_loss"]
     trainer.train_and_evaluate()
@@ -33,8 +37,8 @@ def test_400_steps_of_sft_tiny_halve_the_completion_only_eval_loss(tmp_path):
         if "eval_loss" in row
     }
     print(f"sft_tiny: eval loss {first:.4f} at step 0, then {evals}")
-    assert config.precision == "bf16-mixed" and max(evals) == 400
-    assert evals[400] < first / 2, (first, evals)
+    assert config.precision == "bf16-mixed" and max(evals) == STEPS
+    assert evals[STEPS] < first / 2, (first, evals)
 
 
 def _command(workdir, cache):

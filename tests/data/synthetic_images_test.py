@@ -54,6 +54,7 @@ _WITHOUT_TENSORFLOW = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # CLI runs: make test keeps the images' shapes and the ResNet's two steps
 @pytest.mark.parametrize("name", IMAGE_CONFIGS)
 def test_tiny_image_configs_train_from_the_cli_without_tensorflow(name, tmp_path):
     config, workdir = ROOT / "configs" / f"{name}.py", tmp_path / "run"

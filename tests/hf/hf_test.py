@@ -1,5 +1,5 @@
 """`mptrain.hf` against HuggingFace transformers itself, without torch: the committed folders
-under `tests/hf/fixture` (written by `scripts/make_hf_fixture.py`, which says how) hold a tiny
+under `tests/hf/fixture` (written by `tests/hf/make_fixture.py`, which says how) hold a tiny
 random LlamaForCausalLM (grouped-query attention, head_dim apart from width / heads, Llama 3
 rope scaling with an original context of 16 that the 48 reference positions pass; and a tied
 variant with plain RoPE) and the fp32 logits transformers computed for fixed ids.
@@ -101,6 +101,7 @@ def _interleaved(params, model_config):
 # ---- transformers' logits -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # a variant: make test keeps the bf16 logits' bound against transformers
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unscanned"])
 @pytest.mark.parametrize("variant", ["untied", "tied"])
 def test_loaded_weights_give_transformers_fp32_logits(variant, scan_layers):
@@ -137,7 +138,10 @@ def test_the_loaded_config_as_it_comes_builds_the_folders_model():
     assert as_dict["d_model"] == model_config["d_model"] and as_dict["absent"] == 3
 
 
-@pytest.mark.parametrize("variant", ["untied", "tied"])
+@pytest.mark.parametrize(
+    "variant",
+    ["untied", pytest.param("tied", marks=pytest.mark.slow)],  # a variant
+)
 def test_bf16_mixed_logits_stay_within_the_stated_bound(variant):
     folder = FOLDERS[variant]
     ids, want = _reference(folder)
@@ -149,6 +153,7 @@ def test_bf16_mixed_logits_stay_within_the_stated_bound(variant):
     assert 1e-3 < error < BF16_BOUND, error  # bf16 did run, and stayed within the bound
 
 
+@pytest.mark.slow  # a variant: make test keeps the bf16 logits against transformers
 def test_the_fixture_tells_a_wrong_qk_order_and_ignored_rope_scaling_apart():
     """What the fixture is for: loaders that get either detail wrong still run, and give
     logits far outside even the bf16 bound."""

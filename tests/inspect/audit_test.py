@@ -227,6 +227,7 @@ def test_a_gather_from_a_bf16_table_is_named_as_a_bf16_scatter_add(tmp_path, cap
     assert "GPU hazards" in written and f"audit_test.py:{line}" in written
 
 
+@pytest.mark.slow  # a program no other test compiles: make test keeps the bf16 table's gather
 def test_a_gather_from_an_fp32_table_is_listed_as_nondeterministic_and_not_warned(tmp_path):
     line = _line("# the fp32 gather")
     config = tiny_config()
@@ -255,6 +256,7 @@ class PoolTrainer(mptrain.Trainer):
         return PoolNet()
 
 
+@pytest.mark.slow  # its own programs: make test keeps the bf16 table's gather
 def test_a_max_pool_shows_its_select_and_scatter(tmp_path):
     data = {"inputs": np.ones((4, 16, 16, 3), np.float32), "targets": np.zeros(4, np.int32)}
     report = audit.precision_report(*_step_and_args(PoolTrainer(tiny_config(), tmp_path), data))
@@ -275,7 +277,11 @@ class SummingTrainer(mptrain.Trainer):
 
 
 @needs_devices(2)
-@pytest.mark.parametrize("trainer_class", [mptrain.Trainer, SummingTrainer])
+@pytest.mark.parametrize(
+    "trainer_class",
+    # a variant: make test keeps the framework's own fp32 sum
+    [mptrain.Trainer, pytest.param(SummingTrainer, marks=pytest.mark.slow)],
+)
 def test_a_sum_across_devices_in_bf16_is_named_and_the_framework_sums_in_fp32(
     trainer_class, tmp_path
 ):

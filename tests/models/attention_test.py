@@ -137,8 +137,11 @@ def _repeated_kv_attention(q, k, v):
 
 
 # [B, L, H, D] = 2 x 16 x 8 x 8 q: 4 query heads a kv head; one kv head (multi-query); 8
-# (multi-head, the program of before grouping).
-@pytest.mark.parametrize("kv_heads", [2, 1, 8])
+# (multi-head, the program of before grouping). make test keeps the grouped case.
+@pytest.mark.parametrize(
+    "kv_heads",
+    [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)],
+)
 def test_grouped_materialized_attention_is_attention_over_kv_heads_repeated_per_query_head(
     kv_heads,
 ):
@@ -179,15 +182,16 @@ def test_the_dropout_hook_sees_grouped_probabilities_as_b_h_l_l():
 
 
 # The test model's heads ([B, L, H, D] = 2 x 16 x 4 x 8) and GPT-2 small's (12 heads of 64),
-# each also grouped: 2 query heads a kv head, one kv head, 3 query heads a kv head.
+# each also grouped: 2 query heads a kv head, one kv head, 3 query heads a kv head. make test
+# keeps the test model's heads; the other shapes and groupings run in make test-slow.
 @pytest.mark.parametrize(
     ("shape", "kv_heads"),
     [
         ((2, 16, 4, 8), 4),
-        ((2, 64, 12, 64), 12),
-        ((2, 16, 4, 8), 2),
-        ((2, 16, 4, 8), 1),
-        ((2, 64, 12, 64), 4),
+        pytest.param((2, 64, 12, 64), 12, marks=pytest.mark.slow),
+        pytest.param((2, 16, 4, 8), 2, marks=pytest.mark.slow),
+        pytest.param((2, 16, 4, 8), 1, marks=pytest.mark.slow),
+        pytest.param((2, 64, 12, 64), 4, marks=pytest.mark.slow),
     ],
     ids=["mha-4", "mha-12", "gqa-4-2", "mqa-4-1", "gqa-12-4"],
 )
@@ -487,16 +491,17 @@ def test_auto_is_the_pallas_flash_kernel_on_a_tpu_and_says_why_not(
 _BF16_GAPS, _FP32_GAPS = (jnp.bfloat16, 2e-2, 6e-2), (jnp.float32, 2e-5, 1e-4)
 
 
-# Interpret mode is slow (seconds a case): each grouping once, 4:2 in fp32, whose tight gaps
-# would catch a kv head read for the wrong query head or example; one kv head in bf16, in
-# `make test-slow` (8 s cold).
+# Interpret mode is slow (seconds a case, 8 s cold), so all of it runs in `make test-slow`: each
+# grouping once, 4:2 in fp32, whose tight gaps would catch a kv head read for the wrong query
+# head or example.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dtype", "forward", "gradient"),
     [
         (2, 2, *_BF16_GAPS),
         (2, 2, *_FP32_GAPS),
         (4, 2, *_FP32_GAPS),
-        pytest.param(4, 1, *_BF16_GAPS, marks=pytest.mark.slow),
+        (4, 1, *_BF16_GAPS),
     ],
     ids=["mha-2-bf16", "mha-2-fp32", "gqa-4-2-fp32", "mqa-4-1-bf16"],
 )

@@ -109,7 +109,11 @@ def _ref_forward(p, tokens, c):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"num_kv_heads": 1}, {"num_kv_heads": 4}, {"num_kv_heads": 2, "tie_embeddings": True}],
+    [  # make test keeps the grouped heads; the other two are variants, in make test-slow
+        {"num_kv_heads": 1},
+        pytest.param({"num_kv_heads": 4}, marks=pytest.mark.slow),
+        pytest.param({"num_kv_heads": 2, "tie_embeddings": True}, marks=pytest.mark.slow),
+    ],
     ids=["gqa_4to1", "mha_1to1", "gqa_2to1_tied"],
 )
 def test_the_fp32_forward_equals_a_numpy_reference_past_the_original_context(overrides):
@@ -146,9 +150,10 @@ def _unstacked(params, num_layers):
     return rest
 
 
-@pytest.mark.parametrize(
-    "remat", ["full", "minimal", pytest.param("minimal_with_context", marks=pytest.mark.slow)]
-)
+# make test keeps scan and full remat against unrolled layers without remat on the dense-first
+# expert folder's two stacks (experts_test), one program for both sides
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "minimal", "minimal_with_context"])
 def test_scan_and_remat_compute_what_unrolled_layers_without_remat_do(remat):
     tokens = _tokens()
     targets = jnp.roll(tokens, -1, axis=1)

@@ -46,8 +46,19 @@ def _ulps(found, expected, dtype):
     return np.abs(np.asarray(found, np.float32) - expected) / ulp
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("chunk", [1, 3, 4, None, L, 4 * L])  # 3 pads L; None: one chunk here
+# make test keeps four of the twelve: chunks that pad L (3) and one chunk (None) in fp32, L in
+# bf16 and 4 L in fp32; the rest, the same function at more chunkings, in make test-slow
+_CHUNKINGS_KEPT = {(3, jnp.float32), (None, jnp.float32), (L, jnp.bfloat16), (4 * L, jnp.float32)}
+
+
+@pytest.mark.parametrize(
+    "chunk, dtype",
+    [
+        (c, d) if (c, d) in _CHUNKINGS_KEPT else pytest.param(c, d, marks=pytest.mark.slow)
+        for c in [1, 3, 4, None, L, 4 * L]  # 3 pads L; None: one chunk here
+        for d in [jnp.float32, jnp.bfloat16]
+    ],
+)
 def test_chunked_loss_and_gradients_are_the_unchunked_ones(dtype, chunk):
     args = _inputs(dtype)
     expected, (d_hidden, d_kernel) = _value_and_grads(_reference, *args)
@@ -104,6 +115,7 @@ def test_masked_targets_are_left_out_of_the_mean():
         assert not np.any(np.asarray(f_hidden)[np.asarray(targets) < 0])
 
 
+@pytest.mark.slow  # a variant: make test keeps the chunked loss against the unchunked
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_a_batch_without_a_valid_target_has_loss_0_and_zero_gradients(dtype):
     hidden, kernel, _ = _inputs(dtype)
@@ -115,6 +127,7 @@ def test_a_batch_without_a_valid_target_has_loss_0_and_zero_gradients(dtype):
     assert {key: float(np.abs(v).max()) for key, v in out.items()} == dict.fromkeys(out, 0.0)
 
 
+@pytest.mark.slow  # make test keeps the z-loss's value at the model (transformer_lm_test)
 def test_z_loss_is_the_mean_squared_log_normaliser():
     hidden, kernel, targets = _inputs(jnp.float32)
     targets, kept = _masked(targets)
@@ -164,7 +177,11 @@ def _sizes(program: str) -> set[int]:
     return {int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes}
 
 
-@pytest.mark.parametrize("chunk", [4, None])
+@pytest.mark.parametrize(
+    # a variant: make test keeps the automatic rule's chunks
+    "chunk",
+    [pytest.param(4, marks=pytest.mark.slow), None],
+)
 def test_no_array_of_the_batch_times_the_vocabulary_exists(chunk, monkeypatch):
     # chunk=None takes 4 positions here: the automatic rule, with a budget of 4 x V logits
     monkeypatch.setattr(lm_loss, "AUTO_CHUNK_ELEMENTS", 4 * V)
@@ -184,7 +201,7 @@ def test_no_array_of_the_batch_times_the_vocabulary_exists(chunk, monkeypatch):
 
 
 @needs_devices(4)
-@pytest.mark.parametrize("chunk", [4, 3])
+@pytest.mark.parametrize("chunk", [4, pytest.param(3, marks=pytest.mark.slow)])  # a variant
 def test_a_batch_split_over_devices_is_not_gathered(chunk):
     """The chunks split the sequence axis, so each device keeps its rows: the step's only
     collectives are the all-reduces of the sums (loss, token count, the kernel's gradient)."""

@@ -164,7 +164,10 @@ def small_resnet_variables():
     )
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],  # a variant
+)
 def test_batch_stats_update_in_fp32_and_eval_uses_them(small_resnet_variables, dtype):
     model = resnet.ResNet(stage_sizes=(1,), width=4, dtype=dtype)
     x = jnp.asarray(_batch("resnet")["inputs"], dtype)

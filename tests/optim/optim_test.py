@@ -289,8 +289,15 @@ def test_sgd_rejects_a_second_moment_dtype_other_than_the_default():
     "make",
     [
         lambda: optim.adamw(optax.linear_schedule(1e-3, 0.0, 10), weight_decay=0.1),
-        lambda: optim.adamw(1e-3, mu_dtype="bfloat16", nu_dtype="bfloat16"),
-        lambda: optim.adamw(1e-3, mu_dtype="q8", nu_dtype="q8", q8_min_size=64),
+        # variants: make test keeps the fp32 and SGD states
+        pytest.param(
+            lambda: optim.adamw(1e-3, mu_dtype="bfloat16", nu_dtype="bfloat16"),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            lambda: optim.adamw(1e-3, mu_dtype="q8", nu_dtype="q8", q8_min_size=64),
+            marks=pytest.mark.slow,
+        ),
         lambda: optim.sgd(optax.constant_schedule(0.1), momentum=0.9, nesterov=True),
     ],
     ids=["adamw", "adamw-bf16", "adamw-q8", "sgd-nesterov"],

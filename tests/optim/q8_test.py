@@ -200,6 +200,7 @@ SMALL = "--config.optimizer.q8_min_size=1024"  # more of the tiny model's tensor
 CONSTANT = "--config.optimizer.schedule=constant"  # a 4-step run is the first half of an 8-step one
 
 
+@pytest.mark.slow  # the resume is the Trainer's: trainer_test keeps byte-identical resume
 def test_a_resumed_q8_run_equals_the_uninterrupted_one(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_cli(straight, *Q8_FLAGS, SMALL, CONSTANT, "--config.num_train_steps=8")[0] == 0

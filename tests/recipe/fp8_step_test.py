@@ -92,6 +92,7 @@ def test_a_skipped_step_leaves_the_fp8_state_bit_identical(tmp_path):
     assert_trees_bytes_equal(jax.device_get(new.model_state), jax.device_get(state.model_state))
 
 
+@pytest.mark.slow  # the resume is the Trainer's: trainer_test keeps byte-identical resume
 def test_a_resumed_fp8_run_equals_the_uninterrupted_one(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     flags = ["--config.precision=fp8-mixed", "--config.optimizer.schedule=constant"]
@@ -130,6 +131,7 @@ def test_fp8_on_a_model_without_fp8_layers_is_a_config_error(name, tmp_path, cap
     assert code == 2 and "has no fp8 matmuls" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a run: make test keeps fp8's steps, skips and the recipe's choices
 def test_micro_batches_of_one_batch_give_one_history_entry_with_the_batchs_amaxes(tmp_path):
     whole = _trainer(tmp_path / "whole").build_datasets()[0].get_batch(0)  # 8 sequences
     after = {}
@@ -178,6 +180,7 @@ def test_an_update_whose_amax_outgrew_its_scale_is_counted():
     np.testing.assert_array_equal(meta["saturated"], [0, 1, 0])
 
 
+@pytest.mark.slow  # a run: make test keeps fp8's steps, skips and the recipe's choices
 def test_a_layer_clipped_again_and_again_is_named_at_the_log_step(tmp_path, monkeypatch, caplog):
     # scales stuck at 1e-6: every fp8 operand saturates at every update
     real_init = fp8.init_meta
@@ -204,6 +207,7 @@ def test_a_bad_fp8_setting_exits_2_naming_it(key, value, tmp_path, capsys):
     assert code == 2 and f"config.{key}=" in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # moved by the programs it compiles; make test keeps fp8's steps
 def test_the_config_chooses_the_recipe_the_layers_and_the_step_use(tmp_path):
     config = tiny_config(**{**FP8, "fp8.scaling": "current", "fp8.history": 16, "fp8.margin": 2})
     recipe = config_lib.policy_of(config).fp8

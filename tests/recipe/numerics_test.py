@@ -91,6 +91,7 @@ def injected(tmp_path_factory):
     return run, calls
 
 
+@pytest.mark.slow  # a second variant; make test keeps the fp16 overflow's module
 @pytest.mark.parametrize("direction", [0, 1], ids=["forward", "backward"])
 def test_every_injection_site_is_named_with_its_direction(injected, direction):
     run, calls = injected
@@ -163,6 +164,7 @@ def test_tables_measured_on_demand_are_the_tables_measured_always(injected):
         )
 
 
+@pytest.mark.slow  # a variant: make test keeps the sites' names and the fp16 overflow's module
 def test_the_precision_report_counts_an_ordinary_steps_matmuls(injected):
     # The measuring replay runs on log and skipped steps only: the report leaves it out.
     run, _ = injected

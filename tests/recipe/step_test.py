@@ -96,7 +96,11 @@ def _counts(opt_state):
     return [int(c) for _, c in optax.tree_utils.tree_get_all_with_path(opt_state, "count")]
 
 
-@pytest.mark.parametrize("cause", ["nan_batch", "fp16_overflow"])
+@pytest.mark.parametrize(
+    "cause",
+    # a variant: make test keeps the skip of an fp16 overflow
+    [pytest.param("nan_batch", marks=pytest.mark.slow), "fp16_overflow"],
+)
 def test_non_finite_step_is_skipped_without_touching_the_state(cause):
     model, batch = MLP(), _data()
     policy = "fp16-mixed" if cause == "fp16_overflow" else "bf16-mixed"

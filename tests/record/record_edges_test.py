@@ -139,6 +139,7 @@ def test_matmul_precision_under_16_bit_compute_says_it_has_no_effect():
     assert not [line for line in unused.settings(kept) if "matmul_precision" in line]
 
 
+@pytest.mark.slow  # a variant: fault_tolerance_test keeps the exit 3 diagnostic
 def test_the_exit_3_message_names_the_checkpoint_it_wrote(tmp_path, capsys):
     code, err = run_cli(
         tmp_path,

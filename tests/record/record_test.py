@@ -62,7 +62,7 @@ class _StopAt(trainer_lib.Trainer):
         return [*super().build_hooks(run), stop]
 
 
-@pytest.mark.parametrize("at", [3, 7])
+@pytest.mark.parametrize("at", [3, pytest.param(7, marks=pytest.mark.slow)])  # a variant
 def test_a_stop_inside_a_log_interval_logs_what_the_straight_run_logs(at, straight, tmp_path):
     stopped = _StopAt(tiny_config(**KEYS), tmp_path)
     stopped.at = at
@@ -99,6 +99,7 @@ class _CrashAfterSaving(trainer_lib.Trainer):
         return [*super().build_hooks(run), crash]
 
 
+@pytest.mark.slow  # a variant: make test keeps the records dropped past a checkpoint
 def test_a_log_step_checkpointed_has_its_line_written_first(tmp_path):
     keys = {**KEYS, "num_train_steps": 9, "log_every_steps": 3, "checkpoint_every_steps": 3}
     mptrain.run(tiny_config(**keys), tmp_path / "straight")

@@ -181,6 +181,7 @@ def test_round_trip_is_bit_identical(tmp_path, states, target):
     assert meta["fingerprint"] == fingerprints.fingerprint(state)
 
 
+@pytest.mark.slow  # its own programs: make test keeps the other states' round trips
 def test_bf16_kahan_state_round_trips(tmp_path, bf16_state):
     state = bf16_state
     assert state.params["w"].dtype == jnp.bfloat16

@@ -16,7 +16,13 @@ import pytest
 from helpers import ROOT, assert_trees_bytes_equal, checkpoint_steps_on_disk, plain_orbax_state
 
 TRIALS = 20
+# The interrupted runs' length, far past where the kills leave them (2026-12-06: default.py
+# checkpointed step 42 by its 20th kill, llama3.py step 9 by its 6th), so each kill interrupts.
 STEPS = 400
+# The interrupted run then resumes to a few steps past its newest checkpoint, and the straight
+# run trains to that step: with a constant learning rate and no warmup, a run's steps do not
+# depend on num_train_steps, which a resume may move (to no less than its checkpoint's step).
+PAST_THE_LAST_CHECKPOINT = 5
 
 
 def _command(workdir, steps=STEPS, checkpoint_every=3, config="default.py"):
@@ -28,6 +34,7 @@ def _command(workdir, steps=STEPS, checkpoint_every=3, config="default.py"):
         f"--workdir={workdir}",
         f"--config.num_train_steps={steps}",
         "--config.optimizer.schedule=constant",
+        "--config.optimizer.warmup_steps=0",
         f"--config.checkpoint_every_steps={checkpoint_every}",  # often: kills land in saves
         "--config.log_every_steps=5",
         "--config.eval_every_steps=50",
@@ -38,6 +45,14 @@ def _command(workdir, steps=STEPS, checkpoint_every=3, config="default.py"):
 def _env():
     # conftest's persistent compilation cache is in os.environ: later starts skip compiling
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+
+
+def _end(workdir) -> int:
+    """The step to finish at: a few past `workdir`'s newest checkpoint, which must exist (else
+    no kill or Ctrl-C has left anything to resume from)."""
+    newest = max(checkpoint_steps_on_disk(workdir), default=0)
+    assert newest > 0, "no checkpoint on disk after the interruptions"
+    return newest + PAST_THE_LAST_CHECKPOINT
 
 
 @pytest.mark.slow
@@ -51,7 +66,7 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(
 ):
     rng = random.Random(0)
     crashed, env = tmp_path / "crashed", _env()
-    command = lambda workdir: _command(workdir, config=config)
+    command = lambda workdir, steps=STEPS: _command(workdir, steps, config=config)
     kills = 0
     while kills < trials:
         proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
@@ -68,18 +83,20 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(
         proc.wait()
         kills += 1
     assert kills >= trials, f"the run finished after only {kills} kills; raise STEPS"
-    final = subprocess.run(command(crashed), cwd=ROOT, env=env, capture_output=True, text=True)
+    end = _end(crashed)
+    final = subprocess.run(command(crashed, end), cwd=ROOT, env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-3000:]
 
     straight = tmp_path / "straight"
-    done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(command(straight, end), cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_trees_bytes_equal(plain_orbax_state(straight, STEPS), plain_orbax_state(crashed, STEPS))
+    assert_trees_bytes_equal(plain_orbax_state(straight, end), plain_orbax_state(crashed, end))
+    print(f"kill -9 ({config}): {kills} kills, then resumed to step {end}")
 
 
 # Each Ctrl-C lands a random number of steps (0 to 30) into a run, at a random moment of a step
 # or of a save (one every 3 steps), so a trial moves the run on by 15 steps on average on any
-# machine: 20 trials stay well short of STORM_STEPS.
+# machine: 20 trials stay well short of STORM_STEPS (then the run resumes to `_end`).
 STORM_STEPS = 800
 
 
@@ -115,15 +132,18 @@ def test_ctrl_c_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
         assert not list((stopped / "checkpoints").glob("*tmp*"))  # no save left half-done
     steps = [int(m.group(1)) for m in map(re.compile(r"at step (\d+);").search, lines) if m]
     assert len(steps) >= TRIALS // 2, lines  # most landed in the loop, not in the start-up
-    final = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    end = _end(stopped)
+    resume = _command(stopped, end)
+    final = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True)
     assert final.returncode == 0, final.stderr[-3000:]
 
     # The uninterrupted run saves only at its end: saving changes nothing of the training.
     straight = tmp_path / "straight"
-    once = _command(straight, STORM_STEPS, checkpoint_every=STORM_STEPS)
+    once = _command(straight, end, checkpoint_every=end)
     done = subprocess.run(once, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert_trees_bytes_equal(
-        plain_orbax_state(straight, STORM_STEPS), plain_orbax_state(stopped, STORM_STEPS)
+    assert_trees_bytes_equal(plain_orbax_state(straight, end), plain_orbax_state(stopped, end))
+    print(
+        f"Ctrl-C storm: stopped at steps {steps}; {len(lines) - len(steps)} while starting up; "
+        f"resumed to step {end}"
     )
-    print(f"Ctrl-C storm: stopped at steps {steps}; {len(lines) - len(steps)} while starting up")

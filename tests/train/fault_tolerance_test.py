@@ -93,6 +93,7 @@ def test_runaway_non_finite_steps_exit_3_with_a_diagnostic(tmp_path, capsys):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))
 
 
+@pytest.mark.slow  # a variant: make test keeps exit 3 for runaway non-finite steps
 def test_a_dynamic_scale_stuck_at_its_minimum_exits_3(tmp_path, capsys):
     code, err = run_cli(
         tmp_path,
@@ -159,7 +160,11 @@ class _SigtermAt(trainer_lib.Trainer):
         return [*super().build_hooks(run), kill_at_3]
 
 
-@pytest.mark.parametrize("moment, stopped_at", [("step", 3), ("eval", 4)])
+@pytest.mark.parametrize(
+    "moment, stopped_at",
+    # during eval, a second moment of the same stop: make test keeps the stop after a step
+    [("step", 3), pytest.param("eval", 4, marks=pytest.mark.slow)],
+)
 def test_sigterm_checkpoints_then_resume_is_exact(moment, stopped_at, tmp_path):
     trainer = _SigtermAt(tiny_config(), tmp_path)
     trainer.moment = moment
@@ -236,6 +241,7 @@ def _resumes_to_the_same_state(workdir, finished, *overrides):
     assert_trees_bytes_equal(plain_orbax_state(finished, LAST), plain_orbax_state(workdir, LAST))
 
 
+@pytest.mark.slow  # a CLI process: make test keeps SIGTERM at a step, in this process
 def test_sigterm_to_the_cli_exits_75_within_seconds(tmp_path):
     # While starting up (restoring, compiling): nothing to save, so it exits at once.
     proc = _start_cli(tmp_path)
@@ -252,6 +258,7 @@ def test_sigterm_to_the_cli_exits_75_within_seconds(tmp_path):
     assert "SIGTERM received; checkpointing" in err and "preempted (SIGTERM) at" in err
 
 
+@pytest.mark.slow  # a CLI process: make test keeps SIGTERM at a step, resumed exactly
 def test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact(tmp_path, finished_cli_run):
     proc = _start_cli(tmp_path, *FINITE)
     _wait_for(lambda: 10 in checkpoint_steps_on_disk(tmp_path), proc, every=0.01)
@@ -264,6 +271,7 @@ def test_ctrl_c_mid_run_checkpoints_the_steps_done_and_resume_is_exact(tmp_path,
     _resumes_to_the_same_state(tmp_path, finished_cli_run)
 
 
+@pytest.mark.slow  # a variant: make test keeps SIGTERM at a step and a signal at start-up
 def test_ctrl_c_during_a_save_lets_it_finish_then_stops(tmp_path, finished_cli_run):
     # Saves every 2 steps take about half of the run; the test catches one in flight by its
     # folder (orbax writes `<step>.orbax-checkpoint-tmp` and renames it when complete).
@@ -318,6 +326,7 @@ def test_a_signal_while_starting_up_exits_75_at_once_with_one_line(name, moment,
         assert not workdir.exists()  # it stopped before touching anything
 
 
+@pytest.mark.slow  # a variant: make test keeps SIGTERM at a step and a signal at start-up
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
 def test_a_second_ctrl_c_exits_at_once_with_130_and_the_run_still_resumes(
     tmp_path, finished_cli_run
@@ -374,6 +383,7 @@ print("still running after one Ctrl-C", flush=True)
 """
 
 
+@pytest.mark.slow  # a variant: make test keeps SIGTERM at a step and a signal at start-up
 def test_a_forked_worker_does_not_turn_one_ctrl_c_into_two():
     # A child forked without exec inherits the wakeup fd: unless it is reset there, its own
     # SIGINT reaches the parent's watcher as a second Ctrl-C (exit 130 at once).
@@ -435,6 +445,7 @@ def test_disk_full_keeps_older_checkpoints(tmp_path, monkeypatch, capsys):
     assert int(restored["step"]) == 4
 
 
+@pytest.mark.slow  # a refused resume: make test keeps workdir_test's (exit 2, nothing touched)
 def test_resuming_with_another_model_or_precision_is_refused(tmp_path, capsys):
     assert run_cli(tmp_path, "--config.num_train_steps=4", capsys=capsys)[0] == 0
     code, err = run_cli(tmp_path, "--config.model.d_model=48", capsys=capsys)
@@ -455,6 +466,7 @@ def _flip_a_byte_in_the_largest_data_file(step_dir: Path):
     target.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # a variant: make test keeps an exact resume (trainer_test)
 def test_corrupt_newest_checkpoint_falls_back_and_finishes_identically(tmp_path):
     straight = tmp_path / "straight"
     mptrain.run(tiny_config(), straight)

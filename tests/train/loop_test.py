@@ -37,6 +37,7 @@ def test_four_steps_per_call_are_four_single_steps_to_the_byte(single_steps, tmp
         assert event_series(tmp_path, tag) == event_series(single_steps, tag), tag
 
 
+@pytest.mark.slow  # a variant: make test keeps four steps a call equal to four single steps
 def test_four_steps_per_call_resume_to_the_same_bytes(single_steps, tmp_path):
     mptrain.run(tiny_config(steps_per_call=4, num_train_steps=4, **LOG4), tmp_path)
     mptrain.run(tiny_config(steps_per_call=4, **LOG4), tmp_path)  # resumes at step 4

@@ -43,6 +43,7 @@ def two_process_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # processes: make test keeps meshes and FSDP in this process
 @needs_devices(4)
 def test_two_processes_train_like_one_process_with_four_devices(two_process_run, tmp_path):
     mptrain.run(tiny_config(precision="fp32", **{"mesh.data": 2, "mesh.fsdp": 2}), tmp_path)

@@ -100,6 +100,7 @@ def pause_save(step: int, signals: str) -> None:
     ocp.path.atomicity.AtomicRenameTemporaryPath.finalize = finalize
 
 
+@pytest.mark.slow  # a run and an export at once; make test keeps the export's own tests
 def test_an_export_while_the_run_saves_leaves_the_save_alone(tmp_path, straight):
     workdir, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
@@ -345,6 +346,7 @@ def test_write_json_gives_what_the_umask_gives(tmp_path, umask, mask):
     assert _mode(tmp_path / "deep") == 0o777 & ~mask
 
 
+@pytest.mark.slow  # a variant: make test keeps an export's modes under the umask
 def test_a_runs_json_files_follow_the_umask(tmp_path, umask, capfd):
     # fp16 with a huge loss scale: both steps overflow, so both get a numerics table.
     overrides = ["--config.precision=fp16-mixed", "--config.numerics.per_layer=True"]
@@ -379,6 +381,7 @@ def test_a_resume_that_cannot_continue_is_exit_2_and_touches_nothing(
     assert _snapshot(workdir) == before
 
 
+@pytest.mark.slow  # a variant: make test keeps a resume that compares the model keys
 def test_a_resume_with_other_intervals_or_learning_rate_goes_on(tmp_path, straight, capfd):
     workdir = _copy(straight, tmp_path)
     shutil.rmtree(workdir / "checkpoints" / "8")
