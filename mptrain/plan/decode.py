@@ -48,7 +48,7 @@ def plan_decode(config: Any, target_name: str, batch: int = 1, context: int = 20
     params = jax.eval_shape(lambda p: decode.unscanned(model, p)[1], params)  # as decoded
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), params)
     model = model.clone(scan_layers=False)
-    shape = model.shape
+    shape = model.specs[0].shape
     cache_shape = (batch, shape.num_kv_heads, context, shape.head_dim)
     one = jax.ShapeDtypeStruct(cache_shape, model.dtype, sharding=where)
     cache = tuple(decode.KVCache(one, one) for _ in range(model.num_layers))

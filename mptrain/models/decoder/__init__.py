@@ -5,9 +5,10 @@ of layer kinds at a time where they differ: `stack`) and rematerialised by name.
 
 The package: this module (its keys, `settings`, `create_model`, what a layout needs of it and
 its `RECORD`), `model` (the module, `Llama`), `blocks` (norms, attention, the MLP and each
-layer's `Shape`), `stack` (the scanned layers), `moe` and `grouped` (a mixture of experts and
-its grouped matmuls), `rope`, `context_attention` (cuDNN's attention over a split sequence) and
-`decode` (the KV cache). It is the zoo's: it may import `mptrain.models`' shared parts and below.
+layer's `BlockSpec` of parts), `stack` (the scanned layers), `moe` and `grouped` (a mixture of
+experts and its grouped matmuls), `rope`, `context_attention` (cuDNN's attention over a split
+sequence) and `decode` (the KV cache). It is the zoo's: it may import `mptrain.models`' shared
+parts and below.
 
 The blocks (`blocks`): RMSNorm, grouped-query attention with rotary positions (RoPE, with
 Llama 3's frequency scaling), RMSNorm, a SwiGLU MLP; tied or untied embeddings; and the
@@ -78,7 +79,7 @@ from mptrain.models.record import Record
 from mptrain.recipe import fp8 as fp8_lib
 
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
-# setting of the switches of `blocks.Shape`, and the names its folder gives them.
+# setting of the parts of `blocks.BlockSpec`, and the names its folder gives them.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
 FAMILIES += ("qwen3_moe", "mixtral")  # with a mixture of experts (`moe`)
 SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
@@ -89,7 +90,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, 
 # (factor, low_freq_factor, high_freq_factor, original_max_len), ("linear", factor), or
 # ("longrope", short factors, long factors, original_max_len, attention_factor) (Phi-3's);
 # `family`: the folder it exports as; `attn_bias`, `qk_norm`, `sliding_window` and Gemma's
-# `norm_plus_one`, `post_norms`, `attn_softcap`, `mlp_act`: `blocks.Shape`'s switches;
+# `norm_plus_one`, `post_norms`, `attn_softcap`, `mlp_act`: settings of a layer's parts
+# (`blocks.BlockSpec`, built by `layer_specs`);
 # `query_pre_attn_scalar` (None: head_dim) scales the scores by its -1/2 power.
 # `layer_types` (None: every layer sliding where `sliding_window` is set, else full) names each
 # layer's attention, SLIDING or FULL; `rope_local_theta` (None: rope_theta) is the RoPE base of
@@ -232,12 +234,10 @@ def create_model(
         grouped.kernel_for(keys["expert_matmul"], machine, compute_dtype),
         machine.sms,
     )
-    shapes = layer_shapes(keys)
     return Llama(
         vocab_size=keys["vocab_size"],
         num_layers=keys["num_layers"],
-        shape=shapes[0],
-        layer_shapes=shapes if len(set(shapes)) > 1 else (),
+        specs=layer_specs(keys),
         embed_scale=keys["embed_scale"],
         final_softcap=keys["final_softcap"],
         aux_loss_coef=keys["router_aux_loss_coef"] if keys["num_experts"] else 0.0,
@@ -254,7 +254,7 @@ def create_model(
     )
 
 
-# --------------------------------------------------------------- each layer's Shape
+# --------------------------------------------------------------- each layer's spec
 
 
 def nope_layers(value: Any, layers: int) -> tuple[int, ...] | None:
@@ -289,8 +289,10 @@ def layer_types(keys: dict) -> tuple[str, ...] | None:
     return tuple(kinds)
 
 
-def layer_shapes(keys: dict[str, Any]) -> tuple[blocks.Shape, ...]:
-    """Each layer's `Shape` for the checked settings `keys` (`settings`)."""
+def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
+    """Each layer's `BlockSpec` for the checked settings `keys` (`settings`): its sizes, its
+    attention (a sliding or a full layer's window and RoPE base, `layer_types`; none for a
+    NoPE layer), its norms, and its feed-forward (experts, but in `dense_layers`)."""
     scaling = keys["rope_scaling"]
     long = scaling is not None and scaling[0] == "longrope"
     # partial RoPE: the first int(head_dim * factor) dimensions of a head rotate, as transformers
@@ -299,45 +301,42 @@ def layer_shapes(keys: dict[str, Any]) -> tuple[blocks.Shape, ...]:
         float(f) for f in rope.rope_frequencies(rotary, theta, scaling)
     )
     scalar = keys["query_pre_attn_scalar"]
-    base = blocks.Shape(
-        d_model=keys["d_model"],
-        num_heads=keys["num_heads"],
-        num_kv_heads=keys["num_kv_heads"],
-        head_dim=keys["head_dim"],
-        d_ff=keys["d_ff"],
-        norm_eps=float(keys["norm_eps"]),
+    shape = blocks.Shape(keys["d_model"], keys["num_heads"], keys["num_kv_heads"], keys["head_dim"])
+    qk_norm = ("width" if keys["qk_norm_width"] else "head") if keys["qk_norm"] else None
+    attention = blocks.AttentionSpec(
+        bias=keys["attn_bias"],
+        qk_norm=qk_norm,
+        scale=None if scalar is None else float(scalar) ** -0.5,
+        softcap=keys["attn_softcap"],
+        window=keys["sliding_window"],
         inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
         longrope=rope.longrope(rotary, keys["rope_theta"], scaling) if long else None,
-        attn_bias=keys["attn_bias"],
-        qk_norm=keys["qk_norm"],
-        window=keys["sliding_window"],
-        norm_plus_one=keys["norm_plus_one"],
-        pre_norms=keys["pre_norms"],
-        post_norms=keys["post_norms"],
-        qk_norm_width=keys["qk_norm_width"],
-        attn_scale=None if scalar is None else float(scalar) ** -0.5,
-        attn_softcap=keys["attn_softcap"],
-        mlp_act=keys["mlp_act"],
     )
-    local, full = base, base
+    norms = blocks.NormSpec(
+        float(keys["norm_eps"]), keys["norm_plus_one"], keys["pre_norms"], keys["post_norms"]
+    )
+    local, full = attention, attention
     if keys["layer_types"] is not None:
         if keys["rope_local_theta"] is not None:
             local_freq = frequencies(keys["rope_local_theta"], None)
-            local = dataclasses.replace(base, inv_freq=local_freq, longrope=None)
-        full = dataclasses.replace(base, window=None)
+            local = dataclasses.replace(attention, inv_freq=local_freq, longrope=None)
+        full = dataclasses.replace(attention, window=None)
     kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
     nope, dense = set(keys["nope_layers"] or ()), set(keys["dense_layers"] or ())
-    experts = {}
+    mlp, experts = blocks.MlpSpec(keys["d_ff"], keys["mlp_act"]), None
     if keys["num_experts"]:
-        experts = {"experts": keys["num_experts"], "top_k": keys["experts_per_token"]}
-        experts |= {"expert_d_ff": keys["expert_d_ff"], "norm_topk": keys["norm_topk_prob"]}
-        experts["router_fp32"] = keys["router_fp32"]
-        experts["expert_kernel"] = keys["expert_kernel"]
+        experts = blocks.MoeSpec(
+            keys["num_experts"], keys["experts_per_token"], keys["expert_d_ff"],
+            keys["norm_topk_prob"], keys["router_fp32"], keys["expert_kernel"],
+        )  # fmt: skip
     return tuple(
-        dataclasses.replace(
-            shape, **({"inv_freq": ()} if i in nope else {}), **({} if i in dense else experts)
+        blocks.BlockSpec(
+            shape,
+            dataclasses.replace(a, inv_freq=()) if i in nope else a,
+            norms,
+            experts if experts is not None and i not in dense else mlp,
         )
-        for i, shape in enumerate(local if kind == SLIDING else full for kind in kinds)
+        for i, a in enumerate(local if kind == SLIDING else full for kind in kinds)
     )
 
 
@@ -350,7 +349,7 @@ def check_mesh(config, model: Llama, example: Any) -> None:
     mesh = config.mesh
     context, tensor = mesh.get("context", 1), mesh.get("tensor", 1)
     if (expert := mesh.get("expert", 1)) != 1:  # an equal part of every layer's experts
-        experts = {s.experts for s in (model.shape, *model.layer_shapes)} - {0}
+        experts = {s.experts for s in model.specs} - {0}
         if not experts:
             raise ValueError(
                 f"mesh.expert={expert}: model.num_experts="
@@ -375,7 +374,7 @@ def _check_context(config, model: Llama, context: int, example: Any) -> None:
     know); and sequences that `2 x context` equal chunks divide."""
     where = f"mesh.context={context}"
     attention = f"model.attention={config.model.get('attention', 'auto')!r}"
-    windows = any(s.window for s in (model.shape, *model.layer_shapes))
+    windows = any(s.attention.window for s in model.specs)
     packed = example is not None and "segment_ids" in example
     if model.implementation == "cudnn" and (windows or packed):
         what = "a sliding window (model.sliding_window)" if windows else "packed rows"
@@ -383,7 +382,7 @@ def _check_context(config, model: Llama, context: int, example: Any) -> None:
             f"{where}: {attention} runs cuDNN here, whose split attention does not take "
             f"{what} yet; set model.attention='materialized'"
         )
-    if any(s.longrope for s in (model.shape, *model.layer_shapes)):
+    if any(s.attention.longrope for s in model.specs):
         raise ValueError(
             f"{where}: model.rope_scaling is longrope, whose switch reads a row's largest "
             "position, which a split sequence's devices do not each hold; use mesh.context=1"
@@ -402,8 +401,9 @@ def _check_tensor(config, model: Llama, tensor: int, context: int, example: Any)
     heads, key-value heads, MLP units and a vocabulary it divides, and a part of every sequence
     (per context device) it divides by tokens."""
     where = f"mesh.tensor={tensor}"
-    s, keys = model.shape, config.model
-    if any(shape.experts for shape in (s, *model.layer_shapes)):
+    spec, keys = model.specs[0], config.model
+    s, a = spec.shape, spec.attention
+    if any(layer.experts for layer in model.specs):
         raise ValueError(f"{where}: model.num_experts={keys.num_experts}: a mixture of experts "
                          "is split by mesh.expert, not by a tensor axis yet")  # fmt: skip
     kv = s.num_kv_heads
@@ -413,15 +413,15 @@ def _check_tensor(config, model: Llama, tensor: int, context: int, example: Any)
             f"copying a head to {tensor // kv} devices is not built yet; use a mesh.tensor "
             f"that divides {kv}"
         )
-    sizes = {"num_heads": s.num_heads, "num_kv_heads": kv, "d_ff": s.d_ff}
+    sizes = {"num_heads": s.num_heads, "num_kv_heads": kv, "d_ff": spec.ffn.d_ff}
     for key, value in {**sizes, "vocab_size": model.vocab_size}.items():
         if value % tensor:
             raise ValueError(
                 f"{where}: does not divide model.{key}={value}; each device of the group holds "
                 f"an equal part of it"
             )
-    if s.attn_bias == "all" or s.qk_norm_width:
-        key = "attn_bias='all'" if s.attn_bias == "all" else "qk_norm_width=True"
+    if a.bias == "all" or a.qk_norm == "width":
+        key = "attn_bias='all'" if a.bias == "all" else "qk_norm_width=True"
         raise ValueError(
             f"{where}: model.{key} is not split over a tensor axis yet (the out projection's "
             "bias, a norm across every head); use mesh.fsdp"

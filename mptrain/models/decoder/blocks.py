@@ -1,23 +1,26 @@
-"""The decoder's blocks (`mptrain.models.decoder`'s): RMSNorm, attention, the SwiGLU MLP, and
-`Shape`, what a block needs to know: its sizes, and the switches by which the families the
-decoder reads differ from the Llama (as settings, not copies of the model):
+"""The decoder's blocks (`mptrain.models.decoder`'s): RMSNorm, attention, the gated MLP or a
+mixture of experts, and `BlockSpec`, what a block is, composed of its parts: its sizes
+(`Shape`), its attention (`AttentionSpec`), its norms (`NormSpec`) and its feed-forward
+(`MlpSpec` or `MoeSpec`). The families the decoder reads differ from the Llama in these parts'
+settings, not in copies of the model (the decoder's settings build a spec a layer, `layer_specs`):
 
-  * ``attn_bias``: ``"none"``, ``"qkv"`` (Qwen2: q, k, v with bias, o without) or ``"all"``
-    (a Llama's or Qwen3's ``attention_bias``: the four projections);
-  * ``qk_norm``: Qwen3's RMSNorm over each head's q and k (its own scale a head dimension),
-    after the projection and before RoPE, in fp32 as every norm here; with ``qk_norm_width``
-    OLMo 2's, over the whole projection (all heads) before it is split into heads;
-  * ``window``: a sliding window (Mistral's ``sliding_window``; Qwen's, Gemma's on the layers
+  * attention: its projections' ``bias``, ``"none"``, ``"qkv"`` (Qwen2: q, k, v with bias, o
+    without) or ``"all"`` (a Llama's or Qwen3's ``attention_bias``: the four projections);
+    ``qk_norm`` ``"head"``, Qwen3's RMSNorm over each head's q and k (its own scale a head
+    dimension), after the projection and before RoPE, in fp32 as every norm here, or
+    ``"width"``, OLMo 2's, over the whole projection (all heads) before it is split into heads;
+    a sliding ``window`` (Mistral's ``sliding_window``; Qwen's, Gemma's on the layers
     ``layer_types`` names): a query sees itself and the ``window - 1`` keys before it, as
-    transformers' ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``). ``window`` and
-    ``inv_freq`` (a RoPE base of its own, or none) may differ from layer to layer: the decoder
-    takes a `Shape` a layer (`mptrain.models.decoder`'s ``layer_shapes``);
-  * Gemma's: ``norm_plus_one`` (RMSNorm scales by ``1 + w``, ``w`` from 0, in fp32),
-    ``post_norms`` (a norm after the attention and after the MLP too, four a block),
-    ``pre_norms`` False (OLMo 2's block: norms after the attention and the MLP only),
-    ``attn_scale`` (the scores' scale, ``query_pre_attn_scalar ** -0.5``, where it is not
-    ``head_dim ** -0.5``), ``attn_softcap`` (``cap * tanh(s / cap)`` on the fp32 scores, before
-    the mask) and ``mlp_act`` ``"gelu_tanh"`` (GELU's tanh form, in fp32, for SwiGLU's SiLU).
+    transformers' ``sliding_window_overlay`` masks (``kv_idx > q_idx - window``); RoPE's
+    ``inv_freq`` (a base of its own, or none: NoPE) and Phi-3's ``longrope``, which may differ
+    from layer to layer; Gemma's scores' ``scale`` (``query_pre_attn_scalar ** -0.5``, where it
+    is not ``head_dim ** -0.5``) and ``softcap`` (``cap * tanh(s / cap)`` on the fp32 scores,
+    before the mask);
+  * norms: Gemma's ``plus_one`` (RMSNorm scales by ``1 + w``, ``w`` from 0, in fp32) and
+    ``post`` (a norm after the attention and after the feed-forward too, four a block); OLMo 2's
+    block has no ``pre`` norms (norms after the attention and the MLP only);
+  * feed-forward: a dense MLP (``act`` ``"gelu_tanh"``: GELU's tanh form, in fp32, for
+    SwiGLU's SiLU), or a mixture of experts (`moe`).
 
 Every matmul takes compute-dtype operands; the fp32 islands are the llama module doc's.
 """
@@ -93,45 +96,95 @@ def dense(features: int, name: str, fp8: Any = None, lora: Any = None, bias: boo
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A block's sizes and switches (hashable: a static part of the module; the module doc)."""
+    """A block's sizes."""
 
     d_model: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    d_ff: int
-    norm_eps: float
-    inv_freq: tuple[float, ...]  # RoPE's, `rope_frequencies`
-    longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
-    attn_bias: str = "none"
-    qk_norm: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """How a block attends (the module doc): its projections' `bias` (`ATTN_BIASES`), `qk_norm`
+    (None, `"head"`: Qwen3's over each head, `"width"`: OLMo 2's over the whole projection),
+    the scores' `scale` (None: `head_dim ** -0.5`) and `softcap`, a sliding `window`, and RoPE:
+    its frequencies `inv_freq` (none: a layer without positions) and Phi-3's `longrope`."""
+
+    bias: str = "none"
+    qk_norm: str | None = None
+    scale: float | None = None
+    softcap: float | None = None
     window: int | None = None
-    norm_plus_one: bool = False
-    pre_norms: bool = True
-    post_norms: bool = False
-    qk_norm_width: bool = False
-    attn_scale: float | None = None
-    attn_softcap: float | None = None
-    mlp_act: str = "silu"
-    experts: int = 0  # a mixture of experts' MLP (`moe.MoE`) where not 0
-    top_k: int = 0
-    expert_d_ff: int = 0
-    norm_topk: bool = True
+    inv_freq: tuple[float, ...] = ()  # `rope.rope_frequencies`
+    longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """A block's RMSNorms: their `eps`, Gemma's `plus_one` (``1 + w``), and where they sit:
+    before the attention and the MLP (`pre`; OLMo 2's block has none), after them (`post`:
+    Gemma's four a block)."""
+
+    eps: float
+    plus_one: bool = False
+    pre: bool = True
+    post: bool = False
+
+    def make(self, dtype: layers.Dtype, name: str, names: tuple = (axes_lib.EMBED,)) -> RMSNorm:
+        return RMSNorm(self.eps, dtype, self.plus_one, names, name=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpSpec:
+    """A dense gated MLP: `d_ff` hidden units, SwiGLU's SiLU or GELU's tanh form (`act`)."""
+
+    d_ff: int
+    act: str = "silu"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A mixture of experts' MLP (`moe.MoE`): `experts` of `d_ff` units, `top_k` a token,
+    renormalised (`normalise`), the router in fp32 (`router_fp32`), the grouped matmuls'
+    `kernel` and the GPU's multiprocessors (`grouped.matmul`)."""
+
+    experts: int
+    top_k: int
+    d_ff: int
+    normalise: bool = True
     router_fp32: bool = True
-    expert_kernel: tuple[str, int] = ("xla", 0)  # `grouped.matmul`'s kernel, the GPU's SMs
+    kernel: tuple[str, int] = ("xla", 0)
 
-    def norm(self, dtype: layers.Dtype, name: str, names: tuple = (axes_lib.EMBED,)) -> RMSNorm:
-        return RMSNorm(self.norm_eps, dtype, self.norm_plus_one, names, name=name)
 
-    def part(self, ways: int) -> Shape:
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """What a block is, composed of its parts (hashable: a static part of the module): its
+    sizes, its attention, its norms and its feed-forward, an MLP or experts."""
+
+    shape: Shape
+    attention: AttentionSpec
+    norms: NormSpec
+    ffn: MlpSpec | MoeSpec
+
+    @property
+    def experts(self) -> int:  # 0: a dense MLP
+        return self.ffn.experts if isinstance(self.ffn, MoeSpec) else 0
+
+    def part(self, ways: int) -> BlockSpec:
         """One device's part of a tensor group of `ways` (`mptrain.parallel.tensor`): its heads,
         its key-value heads and its MLP units."""
-        heads, kv, units = self.num_heads // ways, self.num_kv_heads // ways, self.d_ff // ways
-        return dataclasses.replace(self, num_heads=heads, num_kv_heads=kv, d_ff=units)
+        s = self.shape
+        heads, kv = s.num_heads // ways, s.num_kv_heads // ways
+        shape = dataclasses.replace(s, num_heads=heads, num_kv_heads=kv)
+        ffn = self.ffn
+        if isinstance(ffn, MlpSpec):
+            ffn = dataclasses.replace(ffn, d_ff=ffn.d_ff // ways)
+        return dataclasses.replace(self, shape=shape, ffn=ffn)
 
 
 class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
-    shape: Shape
+    spec: BlockSpec
     dtype: layers.Dtype
     implementation: str
     fp8: Any = None
@@ -139,8 +192,9 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
 
     @nn.compact
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
-        s, (batch, length, _) = self.shape, x.shape
-        bias = lambda name: s.attn_bias == "all" or (s.attn_bias == "qkv" and name != "o")
+        s, a, (batch, length, _) = self.spec.shape, self.spec.attention, x.shape
+        norm_of = self.spec.norms.make
+        bias = lambda name: a.bias == "all" or (a.bias == "qkv" and name != "o")
         run = lambda n, name, h: layers.run_in(
             self.dtype, dense(n, name, self.fp8, self.lora, bias(name)), h
         )
@@ -149,29 +203,29 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         # attention kernel takes: no slices of a fused qkv output, no concatenated gradient.
         def project(n, name, tag):
             out = checkpoint_name(run(n * s.head_dim, name, x), tag)
-            norm = s.qk_norm and name != "v"  # before RoPE: over each head, or all of them
-            if norm and s.qk_norm_width:  # the projection's whole width: its heads' names
-                out = s.norm(self.dtype, f"{name}_norm", PROJECTIONS[name][1:])(out)
+            norm = a.qk_norm if name != "v" else None  # before RoPE: over a head, or all
+            if norm == "width":  # the projection's whole width: its heads' names
+                out = norm_of(self.dtype, f"{name}_norm", PROJECTIONS[name][1:])(out)
             out = out.reshape(batch, length, n, s.head_dim)
-            if norm and not s.qk_norm_width:  # a head's dimensions, never split
-                out = s.norm(self.dtype, f"{name}_norm", (None,))(out)
+            if norm == "head":  # a head's dimensions, never split
+                out = norm_of(self.dtype, f"{name}_norm", (None,))(out)
             return out
 
         q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
         k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
-        if s.inv_freq:  # none: a layer without positions (NoPE)
-            inv_freq = np.asarray(s.inv_freq, np.float32)
-            rope = lambda t: apply_rope(t, positions, inv_freq, s.longrope)
+        if a.inv_freq:  # none: a layer without positions (NoPE)
+            inv_freq = np.asarray(a.inv_freq, np.float32)
+            rope = lambda t: apply_rope(t, positions, inv_freq, a.longrope)
             q, k = rope(q), rope(k)
-        how = {"window": s.window, "scale": s.attn_scale, "softcap": s.attn_softcap}
+        how = {"window": a.window, "scale": a.scale, "softcap": a.softcap}
         local = view.current() if cache is None else None  # the step's per-device layout
         split = local and local.sequence()
         if split is not None and self.implementation == "cudnn":  # `context_attention`
             index = jax.lax.axis_index(split.axis)
             kernel = context_attention.CUDNN
             out = context_attention.split_attention(
-                q, k, v, index, split.size, split.gather, kernel, s.attn_scale
+                q, k, v, index, split.size, split.gather, kernel, a.scale
             )
         elif split is not None and self.implementation == "flash":  # `splash.split_attention`
             ids = None if segments is None else segments.ids
@@ -212,8 +266,9 @@ def _keys(k, v, positions, segments) -> tuple:
     return gather(k), gather(v), how
 
 
-class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with mlp_act="gelu_tanh"
-    shape: Shape
+class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with act="gelu_tanh"
+    spec: MlpSpec
+    d_model: int
     dtype: layers.Dtype
     fp8: Any = None
     lora: Any = None
@@ -224,21 +279,22 @@ class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x)); GeGLU with mlp_act
             layers.run_in(self.dtype, dense(n, name, self.fp8, self.lora), h), tag
         )
         gate, up, down = remat_lib.PROJECTIONS[4:7]
-        h = run(self.shape.d_ff, "gate", gate, x)
-        if self.shape.mlp_act == "gelu_tanh":  # in fp32, as torch computes a 16-bit GELU
+        h = run(self.spec.d_ff, "gate", gate, x)
+        if self.spec.act == "gelu_tanh":  # in fp32, as torch computes a 16-bit GELU
             h = nn.gelu(h.astype(jnp.float32), approximate=True).astype(h.dtype)
         else:
             h = nn.silu(h)
-        h = h * run(self.shape.d_ff, "up", up, x)
-        return run(self.shape.d_model, "down", down, h)
+        h = h * run(self.spec.d_ff, "up", up, x)
+        return run(self.d_model, "down", down, h)
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``post_norms``
-    (Gemma's) ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``; without
-    ``pre_norms`` too (OLMo 2's) ``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; with ``norms.post``
+    (Gemma's) ``x + norm(attn(norm(x)))``, then ``x + norm(ffn(norm(x)))``; without
+    ``norms.pre`` too (OLMo 2's) ``x + norm(attn(x))``, then ``x + norm(ffn(x))``. The
+    feed-forward is its spec's: a dense MLP, or a mixture of experts."""
 
-    shape: Shape
+    spec: BlockSpec
     dtype: layers.Dtype
     implementation: str
     fp8: Any = None
@@ -249,8 +305,9 @@ class Block(nn.Module):
         stats = None
         if isinstance(x, tuple):  # (x, the router statistics of the layers before)
             x, stats = x
-        s, x = self.shape, checkpoint_name(x, remat_lib.BLOCK_INPUT)
-        pre = lambda name, h: s.norm(self.dtype, name)(h) if s.pre_norms else h
+        s, x = self.spec, checkpoint_name(x, remat_lib.BLOCK_INPUT)
+        norm = lambda name: s.norms.make(self.dtype, name)
+        pre = lambda name, h: norm(name)(h) if s.norms.pre else h
         # a tensor group's part of the heads and units, between its gather and its scatter
         local = view.current() if cache is None else None
         split = local and local.tensor()
@@ -263,20 +320,22 @@ class Block(nn.Module):
         if cache is not None:
             h, cache = h
         h = out(h)
-        if s.post_norms:
-            h = s.norm(self.dtype, "attn_post_norm")(h)
+        if s.norms.post:
+            h = norm("attn_post_norm")(h)
         x = x + h
         h = pre("mlp_norm", x)
-        if s.experts:
+        if isinstance(s.ffn, MoeSpec):
             mask = None if segments is None else segments.ids > 0  # no padding in the stats
-            experts = moe.MoE(s.experts, s.top_k, s.expert_d_ff, s.norm_topk, self.dtype,
-                              s.router_fp32, s.expert_kernel, name="moe")  # fmt: skip
+            e = s.ffn
+            experts = moe.MoE(e.experts, e.top_k, e.d_ff, e.normalise, self.dtype,
+                              e.router_fp32, e.kernel, name="moe")  # fmt: skip
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:
-            h = out(MLP(part, self.dtype, self.fp8, self.lora, name="mlp")(into(h)))
-        if s.post_norms:
-            h = s.norm(self.dtype, "mlp_post_norm")(h)
+            mlp = MLP(part.ffn, s.shape.d_model, self.dtype, self.fp8, self.lora, name="mlp")
+            h = out(mlp(into(h)))
+        if s.norms.post:
+            h = norm("mlp_post_norm")(h)
         x = x + h
         x = x if stats is None else (x, stats)
         return x if cache is None else (x, cache)

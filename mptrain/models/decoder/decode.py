@@ -129,7 +129,7 @@ def make_decoder(
     `PAD` after a row's stop token. With `keep_logits`, `(tokens, logits)`: the fp32 logits
     `[max_new_tokens, B, V]` each token was drawn from (what the tests hold against a full
     forward pass). `model` is a zoo Llama (`models.create`)."""
-    shape = model.shape
+    shape = model.specs[0].shape  # the cache's heads and head size: every layer's
 
     layers_model = model
 
@@ -177,8 +177,8 @@ def make_decoder(
 
 def longrope_switch(model: Any) -> int | None:
     """Where a model's longrope (Phi-3's) switches to its long frequencies, or None."""
-    shapes = model.layer_shapes or (model.shape,)
-    return next((s.longrope.switch for s in shapes if s.longrope is not None), None)
+    ropes = [spec.attention.longrope for spec in model.specs]
+    return next((rope.switch for rope in ropes if rope is not None), None)
 
 
 def pad_prompts(

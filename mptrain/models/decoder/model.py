@@ -21,7 +21,7 @@ from mptrain.models import layers, lm_loss
 from mptrain.models import remat as remat_lib
 from mptrain.models import segments as segments_lib
 from mptrain.models.decoder import moe, stack
-from mptrain.models.decoder.blocks import Block, Shape
+from mptrain.models.decoder.blocks import Block, BlockSpec
 from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import sharding, view
 from mptrain.recipe import fp8 as fp8_lib
@@ -43,7 +43,7 @@ class Llama(nn.Module):
 
     vocab_size: int
     num_layers: int
-    shape: Shape
+    specs: tuple[BlockSpec, ...]  # each layer's (`blocks.BlockSpec`)
     max_len: int
     dtype: layers.Dtype = jnp.float32
     tie_embeddings: bool = False
@@ -54,7 +54,6 @@ class Llama(nn.Module):
     z_loss: float = 0.0
     fp8: Any = None
     lora: Any = None  # a `lora.Spec`: low-rank adapters on the projections (`models.lora`)
-    layer_shapes: tuple[Shape, ...] = ()  # each layer's, where they differ; else `shape`'s
     embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
     final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
     aux_loss_coef: float = 0.0  # the load-balancing loss's weight (a mixture of experts)
@@ -72,7 +71,8 @@ class Llama(nn.Module):
         local = view.current() if cache is None else None  # the step's per-device layout
         split = local and local.tensor()  # `mptrain.parallel.tensor`
         vocab = self.vocab_size // (split.size if split else 1)
-        embed = layers.Embed(vocab, self.shape.d_model, self.dtype, init, name="embed")
+        width = self.specs[0].shape.d_model
+        embed = layers.Embed(vocab, width, self.dtype, init, name="embed")
         if split is None:
             x = embed(tokens)
         else:  # this device's part of the vocabulary, summed over the group by tokens
@@ -80,17 +80,17 @@ class Llama(nn.Module):
             mine = (ids >= 0) & (ids < vocab)
             x = split.scatter(jnp.where(mine[..., None], embed(jnp.where(mine, ids, 0)), 0))
         if self.embed_scale:  # Gemma's: the scalar in the activations' dtype, as in transformers
-            x = x * jnp.asarray(self.shape.d_model**0.5, x.dtype)
+            x = x * jnp.asarray(width**0.5, x.dtype)
         if positions is None:
             positions = jnp.arange(length, dtype=jnp.int32)
-        experts = [self._shape(i).experts for i in range(self.num_layers)]
+        experts = [spec.experts for spec in self.specs]
         routed = max(experts) and cache is None  # the routers' statistics ride with x
         x = (x, jnp.zeros((2, max(experts)), jnp.float32)) if routed else x
         x = self._blocks(x, positions, segments, cache)
         if cache is not None:
             x, cache = x
         x, stats = x if routed else (x, None)
-        x = self.shape.norm(self.dtype, "final_norm")(x)
+        x = self.specs[-1].norms.make(self.dtype, "final_norm")(x)
         x = x if split is None else split.gather(x)  # every token, the head's part of the vocab
         if logits_at is not None:  # [B, 1, D]: one position a row
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
@@ -107,14 +107,11 @@ class Llama(nn.Module):
             out |= {"moe/aux_loss": aux, "moe/expert_share": share}
         return out if cache is None else (out, cache)
 
-    def _shape(self, layer: int) -> Shape:
-        return self.layer_shapes[layer] if self.layer_shapes else self.shape
-
     def _blocks(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         policy = None if cache is not None else remat_lib.make_policy(self.remat)
         # fp8 in blocks [start, stop); the first and last `fp8.bf16_layers` stay in bf16
         start, stop = fp8_lib.fp8_layers(self.fp8, self.num_layers)
-        args = lambda i: (self._shape(i), self.dtype, self.implementation, self._fp8(i), self.lora)
+        args = lambda i: (self.specs[i], self.dtype, self.implementation, self._fp8(i), self.lora)
         if not self.scan_layers:
             cls = Block if policy is None else nn.remat(Block, policy=policy)
             caches = []
@@ -128,15 +125,15 @@ class Llama(nn.Module):
         if cache is not None:
             raise ValueError("decoding runs the layers unrolled: decode.unscanned(model, params)")
         # the stacks: runs of layers whose params have one shape (`stack.stacks`)
-        stacks = stack.stacks([self._shape(i) for i in range(self.num_layers)])
-        block = lambda shape, fp8: Block(
-            shape, self.dtype, self.implementation, fp8, self.lora, parent=None
+        stacks = stack.stacks(list(self.specs))
+        block = lambda spec, fp8: Block(
+            spec, self.dtype, self.implementation, fp8, self.lora, parent=None
         )  # applied to one layer's slice at a time
 
         def init(rng, x, positions):  # a key a layer, as one stack of every layer would have
             keys, found = jax.random.split(rng, self.num_layers), {}
             for s in stacks:
-                first = block(self._shape(s.first), None)
+                first = block(self.specs[s.first], None)
                 layer = jax.vmap(lambda k, b=first: b.init(k, x, positions)["params"])
                 found[s.key] = axes_lib.stacked(layer(keys[s.first : s.stop]))  # `layers` first
             return found[()] if () in found else {s.key[0]: found[s.key] for s in stacks}
@@ -157,8 +154,8 @@ class Llama(nn.Module):
         )
 
         def period(a: int, b: int) -> tuple:  # layers a..b-1's blocks: one period of them
-            shapes = [self._shape(i) for i in range(a, b)]
-            return tuple(block(s, self._fp8(a)) for s in shapes[: stack.period(shapes)])
+            specs = list(self.specs[a:b])
+            return tuple(block(s, self._fp8(a)) for s in specs[: stack.period(specs)])
 
         parts = _pieces(stacks, start, stop)
         spans = [(Block(*args(a), parent=None), a, b) for _, a, b, fp8 in parts if fp8]

@@ -41,18 +41,19 @@ class Stack:
     key: tuple[str, ...] = ()
 
 
-def stacks(shapes: list) -> tuple[Stack, ...]:
-    """The stacks of layers with `shapes` (a `blocks.Shape` a layer): the runs of layers whose
-    params have one shape, those whose shapes differ only in what no param holds (the window,
-    the RoPE frequencies)."""
-    kind = lambda s: dataclasses.replace(s, window=None, inv_freq=(), longrope=None)
+def stacks(specs: list) -> tuple[Stack, ...]:
+    """The stacks of layers with `specs` (a `blocks.BlockSpec` a layer): the runs of layers
+    whose params have one shape, those whose specs differ only in what no param holds (the
+    attention's window and RoPE)."""
+    plain = lambda a: dataclasses.replace(a, window=None, inv_freq=(), longrope=None)
+    kind = lambda s: dataclasses.replace(s, attention=plain(s.attention))
     runs, start = [], 0
-    for i in range(1, len(shapes) + 1):
-        if i == len(shapes) or kind(shapes[i]) != kind(shapes[start]):
+    for i in range(1, len(specs) + 1):
+        if i == len(specs) or kind(specs[i]) != kind(specs[start]):
             runs.append((start, i))
             start = i
     if len(runs) == 1:
-        return (Stack(0, len(shapes)),)
+        return (Stack(0, len(specs)),)
     return tuple(Stack(a, b, (sharding.stack_key(a, b),)) for a, b in runs)
 
 
