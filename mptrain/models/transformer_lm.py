@@ -1,5 +1,9 @@
 """A byte-level, decoder-only transformer language model with fp32 islands.
 
+It stays a model of its own rather than a family of the decoder (`models/decoder`): it is the
+yardstick (`make run`, the PyTorch comparison of `configs/lm_gpt2s.py`), whose figures must not
+move when the decoder changes.
+
 Mixed-precision contract: the framework passes parameters already cast to the compute dtype
 (``dtype``; e.g. bf16) while fp32 master copies live in the train state. Inside the model:
 
