@@ -8,7 +8,7 @@ Arguments:
 - `8b`: Llama 3.1 8B (8.03B params: width 4,096, 32 layers, 32 heads over 8 kv heads of 128,
   MLP 14,336, vocabulary 128,256, untied; RoPE theta 500,000 with Llama 3 scaling 8 / 1 / 4 /
   8,192), sequences of 8,192. Planned for 8 H100s (80 GB): FSDP 8, global batch 16 (2 a
-  device), remat `minimal` (the projections' outputs kept, attention recomputed): 63.0 GiB a
+  device), remat `minimal` (the projections' outputs kept, attention recomputed): 62.6 GiB a
   device in the plan, above the 59.3 GiB that JAX takes of an 80 GB GPU by default (75%), so
   the config sets `memory_fraction=0.85` (67.2 GiB), which the run gives JAX before it starts
   and the plan plans against. `minimal_with_context` plans 67.1 GiB, above the
@@ -27,7 +27,7 @@ Arguments:
   mptrain grew from set out to do: sequences of 8,192 split over context groups of 4 (fsdp 2
   x context 4: params and state over all 8), a global batch of 2 sequences (16,384 tokens a
   step), remat `full`, and what costs quality: bf16-pure params with stochastic rounding and
-  8-bit moments (docs/optimizer-state.md and docs/precision.md measure both). Planned: 72.5
+  8-bit moments (docs/optimizer-state.md and docs/precision.md measure both). Planned: 69.5
   GiB a device (`memory_fraction=0.93`: 73.6), floor 1,364 ms a step (docs/make-it-fit.md).
 - `70b_2nodes`: the same recipe on two nodes of 8 H100s, 16 sequences a step: tensor 8 within
   each node (heads, MLP and vocabulary split, the norms on each device's tokens) and fsdp 2
@@ -215,7 +215,7 @@ def get_config(arg: str | None = None):
         c.batch_size = 16
         c.mesh.data, c.mesh.fsdp = 1, 8
         c.data.seq_len = 8192
-        c.memory_fraction = 0.85  # of each 80 GB H100: the plan's 63.0 GiB is above JAX's 75%
+        c.memory_fraction = 0.85  # of each 80 GB H100: the plan's 62.6 GiB is above JAX's 75%
         if arg == "8b_sft":
             _sft(c, 8192)
             c.model.vocab_size = 128_256  # the plan's: a real run's folder sets its own
@@ -240,7 +240,7 @@ def get_config(arg: str | None = None):
         # bf16 params with stochastic rounding, no fp32 master, and 8-bit moments
         c.precision, c.param_rounding = "bf16-pure", "stochastic"
         c.optimizer.mu_dtype = c.optimizer.nu_dtype = "q8"
-        c.memory_fraction = 0.93  # of an 80 GB H100 (73.6 GiB): the plan needs 72.5
+        c.memory_fraction = 0.93  # of an 80 GB H100 (73.6 GiB): the plan needs 69.5
         if arg == "70b_2nodes":  # tensor 8 on each node's NVLink, fsdp 2 over the network
             c.batch_size = 16
             c.mesh.fsdp, c.mesh.context, c.mesh.tensor = 2, 1, 8

@@ -371,7 +371,7 @@ def test_the_8b_on_packed_sft_rows_fits_with_cudnns_packed_layout_and_the_same_f
 
 def test_the_70b_full_fine_tune_fits_one_node_of_8_h100s_as_shipped():
     """configs/llama3.py:70b_node (issue 57): fsdp 2 x context 4, bf16-pure and q8 moments;
-    it fits the 0.93 share (72.5 GiB of 73.6 planned on 2026-11-28), each sequence's attention
+    it fits the 0.93 share (69.5 GiB of 73.6 planned on 2026-12-06), each sequence's attention
     in cuDNN's calls (two a chunk: `context_attention`), no [B, H, L, L] buffer, the keys and
     values gathered over the context axis and the weights over fsdp x context."""
     result = planned("llama3", "70b_node")
