@@ -11,8 +11,9 @@ Arguments:
   device), remat `minimal` (the projections' outputs kept, attention recomputed): 62.6 GiB a
   device in the plan, above the 59.3 GiB that JAX takes of an 80 GB GPU by default (75%), so
   the config sets `memory_fraction=0.85` (67.2 GiB), which the run gives JAX before it starts
-  and the plan plans against. `minimal_with_context` plans 67.1 GiB, above the
-  share of memory XLA compiles for, and XLA's own rematerialisation then adds 117 TFLOP a step.
+  and the plan plans against. `minimal_with_context` plans 66.4 GiB, 99% of that share and
+  above the 60.7 GiB XLA compiles for (its own rematerialisation recomputes 1.9 TFLOP a step),
+  for a floor no lower (942.8 ms against 940.8).
   torchtitan's published run of this model, batch and mesh (8 H100s, FSDP 8, selective
   activation checkpointing, torch.compile) peaks at 77.0 GiB. On one H100, `python -m
   mptrain.plan --config=configs/llama3.py:8b --target=h100 --devices=1 --fit
@@ -32,7 +33,7 @@ Arguments:
 - `70b_2nodes`: the same recipe on two nodes of 8 H100s, 16 sequences a step: tensor 8 within
   each node (heads, MLP and vocabulary split, the norms on each device's tokens) and fsdp 2
   across the nodes. Planned: 48.0 GiB a device, floor 4.71 s a step, compute-bound, against
-  FSDP 16's 10.7 s bound by the network (docs/make-it-fit.md#when-a-tensor-axis-pays).
+  FSDP 16's 10.5 s bound by the network (docs/make-it-fit.md#when-a-tensor-axis-pays).
 - `1b`: Llama 3.2 1B (width 2,048, 16 layers, 32 heads over 8 kv heads of 64, MLP 8,192, tied
   embeddings; RoPE scaling 32 / 1 / 4 / 8,192). Planned for one H100: batch 8 of 8,192, remat
   `minimal`, `memory_fraction=0.92` (72.8 GiB of the H100's 79.1; the plan needs 69.5).

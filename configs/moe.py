@@ -11,7 +11,7 @@ Arguments:
   48 layers of 32 heads over 4 kv heads of 128 with q and k norms, each layer 128 experts of
   768 with 8 a token renormalised, vocabulary 151,936, RoPE theta 1,000,000), on 8 H100s:
   fsdp 2 x expert 4 (each device 32 of a layer's experts), a global batch of 8 x 8,192; the
-  moments in bf16 and remat `full`, which `--fit` finds (fp32 moments plan 84.5 GiB).
+  moments in bf16 and remat `full`, which `--fit` finds (fp32 moments plan 84.6 GiB).
 - `qwen3_30b_a3b_lora`: the same with rank-16 adapters (alpha 32) on the attention's
   projections over a frozen bf16 base, on fsdp 8 (its floor is 0.62 of fsdp 2 x expert 4's:
   the experts' frozen weights gathered move fewer bytes than the group's tokens).
