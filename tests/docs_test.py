@@ -39,8 +39,8 @@ NOT_RUN = {
     "gpu-benchmarks": "they are sized for a GPU",
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
-    "sft-tiny": "400 steps: make test-slow's tests/data/sft_train_test.py runs them",
-    "dpo-tiny": "tests/train/dpo_train_test.py runs 100 of its steps in two precisions (slow)",
+    "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs the first 100",
+    "dpo-tiny": "tests/train/dpo_train_test.py runs 40 of its steps in two precisions (slow)",
 }
 MAX_STEPS = 8
 FILE_LANGS = ("python", "json")  # what a `file` block may be: a script, a config, a jsonl

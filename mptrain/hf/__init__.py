@@ -162,7 +162,7 @@ def load_params(path: str | os.PathLike, target: Any, *, scan_layers: bool = Tru
     hold a whole param's slices on the host before the first copy). `scan_layers` must agree
     with `target`'s layout. A tensor that is missing, or whose shape disagrees with the target,
     is a `ConfigError` naming the file, the tensor and both shapes."""
-    config = read_config(path)
+    config, target = read_config(path), axes.unboxed(target)
     top = {_keys(p)[0] for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
     if (sharding.STACKED in top) != scan_layers:
         raise errors.ConfigError(
@@ -267,7 +267,9 @@ def save(
     `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards and their index when the
     tensors exceed `max_shard_bytes`. Each tensor is rounded to `dtype` (round-to-nearest-even;
     float16 values past its range are an error, not infinities). `params` (numpy or jax
-    arrays, scanned or not) must have the shapes `model_config` gives."""
+    arrays, scanned or not, boxed with their declared axes as `model.init` gives them or not)
+    must have the shapes `model_config` gives."""
+    params = axes.unboxed(params)
     with errors.config_errors():
         out_dtype = dtypes.parse_dtype(dtype, "dtype")
         errors.check_integer("max_shard_bytes", max_shard_bytes, 1)

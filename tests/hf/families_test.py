@@ -26,6 +26,7 @@ from hf.hf_test import BF16_BOUND, _error, _reference
 from mptrain import errors, export, generate, hf
 from mptrain.models import decoder as llama
 from mptrain.models.decoder import decode
+from mptrain.parallel import axes
 
 FAMILIES = Path(__file__).parent / "families"
 NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
@@ -174,6 +175,16 @@ def test_greedy_decoding_is_transformers_generate_token_for_token(name, tmp_path
     greedy, none = decode.Sampling().values(), decode.stops([])
     out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
     np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+
+
+def test_params_boxed_with_their_axes_save_as_plain_ones(tmp_path):
+    """`model.init` gives each param in its declared axes' box: `hf.save` writes the values."""
+    model_config, params = hf.load(FAMILIES / "qwen3")
+    boxed = jax.tree.map(lambda x: axes.Param(x, names=(None,) * np.ndim(x)), params)
+    for name, tree in (("plain", params), ("boxed", boxed)):
+        hf.save(tmp_path / name, model_config, tree, "float32")
+    read = lambda name: (tmp_path / name / "model.safetensors").read_bytes()
+    assert read("boxed") == read("plain")
 
 
 def test_a_family_written_back_reads_as_it_was_read(tmp_path):
