@@ -460,13 +460,16 @@ def packed_and_alone(model, params, tokens, weights):
 
 
 def kill_9_and_resume(
-    command, straight: Path, crashed: Path, at_step: int, devices: int = 1
+    command, straight: Path, crashed: Path, at_step: int, devices: int = 1, cached: bool = True
 ) -> bytes:
     """Runs `command(straight)` (a CLI command line for that workdir) to its end on `devices`
     fake CPU devices; starts `command(crashed)`, kills it with SIGKILL once its checkpoint
     `at_step` is down, and runs it again to its end, which must resume. Returns that run's
-    stderr."""
+    stderr. `cached=False`: each run compiles its programs anew, without the session's
+    persistent compilation cache."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    if not cached:
+        env["JAX_COMPILATION_CACHE_DIR"] = ""
     done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)

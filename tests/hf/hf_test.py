@@ -112,7 +112,7 @@ def test_loaded_weights_give_transformers_fp32_logits(variant, scan_layers):
     model = llama.create_model(
         ml_collections.ConfigDict({**model_config, "scan_layers": scan_layers})
     )
-    init = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    init = axes.unboxed(jax.eval_shape(model.init, jax.random.key(0), ids)["params"])
     assert jax.tree.structure(init) == jax.tree.structure(params)
     assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(
         lambda a: (a.shape, a.dtype), init
