@@ -19,6 +19,7 @@ if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
 
 import jax
 import pytest
+from jax._src import compiler as _compiler
 
 from mptrain import config as config_lib
 
@@ -37,6 +38,21 @@ for _key, _value in _CACHE.items():
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# XLA's CPU runtime (jax 0.10.2) can deadlock running a program over several devices that it
+# loaded back from the persistent cache: each device's thread may enter a different collective
+# first (tests/parallel/expert_mesh_test.py has one). Compiled in the process, the same program
+# runs. So a test process compiles such programs itself; xdist's two workers, which would load
+# each other's, compile them twice, and the cache still stores them (the count of programs).
+_cache_read = _compiler._cache_read
+
+
+def _compile_multi_device_cpu_programs(name, key, options, backend, devices):
+    if backend.platform == "cpu" and len(devices) > 1:
+        return None, None
+    return _cache_read(name, key, options, backend, devices)
+
+
+_compiler._cache_read = _compile_multi_device_cpu_programs
 # A GPU runs fp32 matmuls in TF32 (10 mantissa bits) by default. The tests compare the recipe's
 # numbers with references and with each other, not the hardware's shortcuts: full fp32 there.
 if jax.default_backend() != "cpu":
