@@ -39,7 +39,7 @@ NOT_RUN = {
     "gpu-benchmarks": "they are sized for a GPU",
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
-    "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs the first 100",
+    "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs it cut to 60",
     "dpo-tiny": "tests/train/dpo_train_test.py runs 40 of its steps in two precisions (slow)",
 }
 MAX_STEPS = 8

@@ -171,13 +171,13 @@ def test_a_tpu_step_over_its_hbm_exits_4_with_the_verdict_first():
 
 def test_with_peft_adapters_fit_where_full_training_fits_nowhere_and_the_price_is_said():
     # STATE on 22 MB: full training at its leanest (bf16 params, 8-bit moments) is still over;
-    # rank-16 adapters over the frozen bf16 base fit, and the table says what is not measured
+    # rank-16 adapters over the frozen bf16 base fit, and the table says what is not measured.
+    # The search tries adapters after every level of full training, the levels a search
+    # without `peft` tries: none of those fits
     config = load_config("lm_gpt2s", "tiny", **STATE)
-    full, adapters = (
-        plan_lib.fit(config, chip_with(22), 1),
-        plan_lib.fit(config, chip_with(22), 1, peft=True),
-    )
-    assert not full.fits and adapters.fits
+    adapters = plan_lib.fit(config, chip_with(22), 1, peft=True)
+    full = [c for c in adapters.tried if "lora.rank" not in c.knobs]
+    assert full and not any(c.fits for c in full) and adapters.fits
     assert adapters.best.knobs["lora.rank"] == 16 and "lora.base_dtype" not in adapters.best.knobs
     assert adapters.best.memory < 22 * MB
     assert fit_lib.QUALITY in str(adapters) and "--config.lora.rank=16" in str(adapters)
