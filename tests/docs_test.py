@@ -8,8 +8,9 @@ above a block says more: `<!-- file: PATH -->` (the reader writes the block, `py
 Ctrl-C: SIGINT once it prints its first progress line, then exit code 75 is required) and
 `<!-- not run: NAME -->` (skipped, and NAME must be one of `NOT_RUN` below, so that skipping a
 new block takes a change here too).
-Commands run shortened: a config of this repository at its `:tiny` size, at most 8 steps,
-`/tmp/...` inside the page's scratch folder. Each page runs in a scratch folder of its own (with
+Commands run shortened: a config of this repository at its `:tiny` size, at most 8 steps; a
+config the page writes, 2,000 steps (what getting-started.md prints holds by then); `/tmp/...`
+inside the page's scratch folder. Each page runs in a scratch folder of its own (with
 `configs/`, `examples/` and `scripts/` linked in), so a block may use what an earlier block of
 the same page made. `run_page` also drives tests/getting_started_test.py, from a fresh venv.
 """
@@ -43,6 +44,7 @@ NOT_RUN = {
     "dpo-tiny": "tests/train/dpo_train_test.py runs 40 of its steps in two precisions (slow)",
 }
 MAX_STEPS = 8
+PAGE_STEPS = 2_000  # a config the page writes (README's and getting-started's: 20,000)
 FILE_LANGS = ("python", "json")  # what a `file` block may be: a script, a config, a jsonl
 CONTINUES = "# continues the block above"  # a Python block's first line: it runs on its names
 REPO_DIRS = ("configs", "examples", "scripts")  # linked into each scratch folder
@@ -99,7 +101,8 @@ def shortened(words: list[str], scratch: Path, python: str = sys.executable) -> 
             w, capped = f"--config.num_train_steps={min(int(w.split('=')[1]), MAX_STEPS)}", True
         out.append(w)
     ours = any(w.startswith("--config=") and w[9:].startswith(REPO_DIRS) for w in words)
-    return [*out, f"--config.num_train_steps={MAX_STEPS}"] if ours and not capped else out
+    steps = MAX_STEPS if ours else PAGE_STEPS
+    return out if capped else [*out, f"--config.num_train_steps={steps}"]
 
 
 def _expand(words: list[str], env: dict[str, str]) -> list[str]:
@@ -237,6 +240,7 @@ def test_every_skip_named_is_used_and_the_pages_have_blocks():
 def test_the_shortening_is_the_documented_one(tmp_path):
     text = (ROOT / "docs" / "design.md").read_text()
     assert ":tiny" in text and f"at most {MAX_STEPS} steps" in text
+    assert f"a config the page writes, {PAGE_STEPS:,} steps" in text
     words = shlex.split("python -m mptrain.main --config=configs/default.py --workdir=/tmp/t")
     words += ["--config.num_train_steps=200"]
     assert shortened(words, tmp_path)[1:] == [
@@ -249,7 +253,7 @@ def test_the_shortening_is_the_documented_one(tmp_path):
     sized = ["python", "-m", "mptrain.main", "--config=configs/llama3.py:moe_tiny"]
     assert shortened(sized, tmp_path)[3:] == [*sized[3:], f"--config.num_train_steps={MAX_STEPS}"]
     own = ["python", "-m", "mptrain.main", "--config=config.py", "--workdir=runs/x"]
-    assert shortened(own, tmp_path)[3:] == own[3:]  # a reader's own config as is
+    assert shortened(own, tmp_path)[3:] == [*own[3:], f"--config.num_train_steps={PAGE_STEPS}"]
 
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
