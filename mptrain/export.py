@@ -157,6 +157,7 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
     import ml_collections
 
     from mptrain import config as config_lib
+    from mptrain.parallel import layout
     from mptrain.train import checkpoint, init_from, launch
 
     config_path, checkpoints = workdir / "config.json", workdir / "checkpoints"
@@ -168,7 +169,10 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
         saved = json.loads(config_path.read_text())
         if not isinstance(saved, dict):
             raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-        saved["mesh"] = {**saved.get("mesh", {}), "data": 1, "fsdp": 1}  # whole, on one device
+        # whole, on one device: a checkpoint restores onto any mesh, whatever axes it trained on
+        saved["mesh"] = {**saved.get("mesh", {}), **dict.fromkeys(layout.AXES, 1)}
+        if isinstance(saved.get("model"), dict) and "expert_matmul" in saved["model"]:
+            saved["model"]["expert_matmul"] = "auto"  # the kernel of the chip here, not the run's
         saved["distributed"] = dict.fromkeys(("coordinator_address", "num_processes", "process_id"))
         _without_a_lost_tokenizer(saved)
         config = ml_collections.ConfigDict(saved)

@@ -254,6 +254,53 @@ def test_a_run_whose_tokenizer_is_gone_still_exports_its_weights(llama_run, tmp_
     assert_trees_bytes_equal(params, plain_orbax_state(workdir, 20)["params"])
 
 
+def _trained_on(llama_run, tmp_path, **mesh) -> Path:
+    """A copy of `llama_run` whose config.json says it trained on `mesh` (a checkpoint is the
+    same arrays whatever mesh wrote it)."""
+    workdir = Path(shutil.copytree(llama_run[0], tmp_path / "run"))
+    config = json.loads((workdir / "config.json").read_text())
+    config["mesh"] |= mesh
+    (workdir / "config.json").write_text(json.dumps(config))
+    return workdir
+
+
+def test_a_run_trained_on_context_and_tensor_axes_is_read_onto_one_device(llama_run, tmp_path):
+    """Sweep 2026-12-06, X25 and X27: the run is read onto one device whatever axes it trained
+    on (the export once kept the context, tensor and expert axes, and was refused where fewer
+    devices were than they take: make test-slow runs it in a process of one device)."""
+    from mptrain import hf
+
+    workdir = _trained_on(llama_run, tmp_path, data=1, fsdp=2, context=2, tensor=2)
+    config, _ = export.read_run(workdir)
+    assert {axis: config.mesh[axis] for axis in config.mesh} == dict.fromkeys(config.mesh, 1)
+    export.export(workdir, tmp_path / "out", "float32", format="hf")
+    _, params = hf.load(tmp_path / "out", scan_layers=True)
+    assert_trees_bytes_equal(params, plain_orbax_state(workdir, 20)["params"])
+
+
+@pytest.mark.slow  # processes of one device: their own programs
+def test_a_run_trained_on_a_context_mesh_exports_and_answers_in_a_process_of_one_device(
+    llama_run, tmp_path
+):
+    """Sweep 2026-12-06, X27 and X28: `python -m mptrain.export` and `python -m mptrain.generate
+    --workdir` where one device is, of a run of fsdp 2 x context 4."""
+    from mptrain import hf
+
+    workdir = _trained_on(llama_run, tmp_path, data=1, fsdp=2, context=4)
+    done = run_cli_process(
+        f"--workdir={workdir}", f"--out={tmp_path / 'out'}", "--format=hf", "--dtype=float32",
+        module="mptrain.export",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, params = hf.load(tmp_path / "out", scan_layers=True)
+    assert_trees_bytes_equal(params, plain_orbax_state(workdir, 20)["params"])
+    done = run_cli_process(
+        f"--workdir={workdir}", "--prompt=def ", "--max_new_tokens=4", module="mptrain.generate",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[0] def " in done.stdout and "1 answers from" in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
