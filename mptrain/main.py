@@ -113,6 +113,7 @@ def _checked_config_file(parser, argv: list[str]):
                     "ConfigDict; build it from mptrain.config.base_config() and return it"
                 )
             for key in self.overrides:
+                _declared_default(config, key)
                 section = config
                 for part in key.split("."):
                     if not isinstance(section, ml_collections.ConfigDict):
@@ -128,6 +129,27 @@ def _checked_config_file(parser, argv: list[str]):
             return config
 
     return Checked()
+
+
+def _declared_default(config, key: str) -> None:
+    """For an override `model.X` (or `data.X`) that the file's config leaves out, where X is
+    one of the `CONFIG_KEYS` of the model (the data source) the config names: X set to its
+    default, so that the override applies (the MoE keys on `configs/llama3.py:moe_tiny`, say).
+    A default of None stays out: a command line cannot override a None."""
+    from mptrain import data, models
+
+    part, _, name = key.partition(".")
+    section = config.get(part) if part in ("model", "data") else None
+    if section is None or not name or "." in name or name in section:
+        return
+    find = models.import_model if part == "model" else data.import_source
+    try:
+        default = find(section.get("name")).CONFIG_KEYS.get(name)
+    except ValueError:  # a name of no module here (a Trainer's own model): nothing declared
+        return
+    if default is not None:
+        with section.unlocked():  # config_flags locks what a file returns
+            section[name] = default
 
 
 def _usage(flag_values) -> str:

@@ -275,3 +275,24 @@ def test_the_default_mesh_trains_on_every_device(tmp_path):
     assert "mesh 4 devices: data 4 x fsdp 1 x expert 1 x context 1" in result.stderr
     # the gradients' fp32 all-reduce over the data axis, named by the axis it spans
     assert re.search(r"collectives a step by mesh axis: data [\d.]+ MiB", result.stderr)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        f"{ROOT / 'configs' / 'llama3.py'}:moe_tiny",
+        f"{ROOT / 'configs' / 'hf.py'}:{ROOT / 'tests' / 'hf' / 'families' / 'qwen3_moe'}",
+    ],
+    ids=["moe_tiny", "hf_qwen3_moe"],
+)
+def test_every_key_the_moe_page_lists_is_a_key_of_the_moe_configs(config):
+    """Sweep 2026-12-06, E07, E08, E11: `model.expert_matmul` and `model.router_fp32` (keys of
+    docs/mixture-of-experts.md's table the config files leave at their defaults) override; the
+    model's other keys as the file set them."""
+    from mptrain import main
+
+    argv = ["main", f"--config={config}", "--config.model.expert_matmul=xla"]
+    argv += ["--config.model.router_fp32=False"]
+    model = main.parse_flags(argv, str, lambda _: None).config.model
+    assert model.expert_matmul == "xla" and model.router_fp32 is False
+    assert model.num_experts == 8
