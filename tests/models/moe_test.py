@@ -5,8 +5,10 @@ fp32."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import ROOT, normal
+import pytest
+from helpers import ROOT, normal, run_cli
 
+from mptrain.models import attention
 from mptrain.models.decoder import grouped, moe
 
 REF = np.load(ROOT / "tests" / "models" / "moe_fixture.npz")
@@ -139,3 +141,47 @@ def test_a_bf16_router_sends_near_tied_tokens_to_other_experts():
     flipped = int(np.sum(np.any(picked[False] != want, axis=-1)))
     print(f"bf16 router: {flipped} of {tokens} tokens sent to another pair of experts")
     assert flipped >= 10, flipped
+
+
+HOPPER, AMPERE = attention.Backend("gpu", (9, 0), True, 132), attention.Backend("gpu", (8, 0))
+WIDE = {"model.d_model": 2048, "model.expert_d_ff": 768}  # Qwen3-30B-A3B's
+
+
+def test_auto_takes_the_mosaic_kernel_only_where_it_runs():
+    """Sweep 2026-12-06, P08 and P17: the Mosaic kernels' blocks need widths that are multiples
+    of 128; "auto" takes XLA's grouped matmul elsewhere (a folder of width 48 on an H100 once
+    stopped in the kernel with a traceback)."""
+    assert grouped.kernel_for("auto", HOPPER, jnp.bfloat16, WIDE) == "mosaic_gpu"
+    narrow = {"model.d_model": 48, "model.expert_d_ff": 16}
+    assert grouped.kernel_for("auto", HOPPER, jnp.bfloat16, narrow) == "xla"
+    assert grouped.kernel_for("auto", HOPPER, jnp.float32, WIDE) == "xla"
+    assert grouped.kernel_for("auto", AMPERE, jnp.bfloat16, WIDE) == "xla"
+    assert grouped.kernel_for("auto", attention.Backend("cpu"), jnp.bfloat16, WIDE) == "xla"
+    assert grouped.kernel_for("xla", HOPPER, jnp.bfloat16, narrow) == "xla"
+
+
+@pytest.mark.parametrize(
+    "backend, dtype, widths, says",
+    [
+        (attention.Backend("cpu"), jnp.bfloat16, WIDE, "this step runs on cpu"),
+        (AMPERE, jnp.bfloat16, WIDE, "a GPU of compute capability 8.0"),
+        (HOPPER, jnp.float32, WIDE, "the compute dtype is float32"),
+        (HOPPER, jnp.bfloat16, {"model.d_model": 48, "model.expert_d_ff": 768}, "model.d_model=48"),
+    ],
+    ids=["cpu", "ampere", "fp32", "width"],
+)
+def test_the_mosaic_kernel_where_it_cannot_run_is_refused_naming_why(backend, dtype, widths, says):
+    with pytest.raises(ValueError, match="model.expert_matmul='mosaic_gpu'") as info:
+        grouped.kernel_for("mosaic_gpu", backend, dtype, widths)
+    assert says in str(info.value) and "'xla' runs anywhere" in str(info.value)
+
+
+def test_the_mosaic_kernel_on_a_cpu_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """Sweep 2026-12-06, E13: the run once made its workdir, then died in 1,961 lines."""
+    config = f"--config={ROOT / 'configs' / 'llama3.py'}:moe_tiny"
+    code, err = run_cli(
+        tmp_path / "run", "--config.model.expert_matmul=mosaic_gpu", capsys=capsys, config=config
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "model.expert_matmul='mosaic_gpu'" in err and "this step runs on cpu" in err
+    assert not (tmp_path / "run").exists()

@@ -230,10 +230,11 @@ def create_model(
         chunk, z_loss = (None, 0.0) if loss is None else lm_loss.settings(loss)
     logging.info("mptrain: attention: %s", choice)
     machine = backend or attention_lib.local_backend()  # the experts' matmuls: by the chip
-    keys["expert_kernel"] = (
-        grouped.kernel_for(keys["expert_matmul"], machine, compute_dtype),
-        machine.sms,
-    )
+    kernel = "xla"  # a dense model's: never run
+    if keys["num_experts"]:
+        widths = {"model.d_model": keys["d_model"], "model.expert_d_ff": keys["expert_d_ff"]}
+        kernel = grouped.kernel_for(keys["expert_matmul"], machine, compute_dtype, widths)
+    keys["expert_kernel"] = (kernel, machine.sms)
     return Llama(
         vocab_size=keys["vocab_size"],
         num_layers=keys["num_layers"],

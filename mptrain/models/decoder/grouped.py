@@ -15,9 +15,11 @@ undefined. Two ways, by `KERNELS`:
     0.09 GiB of temporaries. Operands in bf16 or fp16, `K` and `N` multiples of 128.
 
 "auto" (`kernel_for`) takes "mosaic_gpu" on a Hopper GPU (compute capability 9.x) with 16-bit
-operands, "xla" elsewhere. `REFERENCE` stands in for the Mosaic kernels with XLA's ops of the
-same signatures, so the custom VJP's wiring is tested on a CPU (`tests/models/moe_test.py`);
-the kernels' own numbers are JAX's, checked on an H100 by `scripts/gpu_check.py`.
+operands and widths that are multiples of 128, "xla" elsewhere; "mosaic_gpu" asked for where it
+cannot run is refused before anything compiles. `REFERENCE` stands in for the Mosaic kernels
+with XLA's ops of the same signatures, so the custom VJP's wiring is tested on a CPU
+(`tests/models/moe_test.py`); the kernels' own numbers are JAX's, checked on an H100 by
+`scripts/gpu_check.py`.
 """
 
 from __future__ import annotations
@@ -102,14 +104,39 @@ def custom_vjp(kernels: Kernels):
     return matmul
 
 
-def kernel_for(setting: str, backend: Any, dtype: Any) -> str:
+WIDTH_MULTIPLE = 128  # the Mosaic kernels' K and N: the model's and each expert's widths
+
+
+def kernel_for(setting: str, backend: Any, dtype: Any, widths: dict[str, int]) -> str:
     """The kernel `setting` ("auto" or one of `KERNELS`) names for `backend`
-    (`attention.Backend`) and operands of `dtype`."""
-    if setting != "auto":
-        return setting
-    hopper = backend is not None and backend.platform == "gpu" and backend.compute_capability
-    hopper = bool(hopper) and backend.compute_capability[0] == 9
-    return "mosaic_gpu" if hopper and jnp.dtype(dtype).itemsize == 2 else "xla"
+    (`attention.Backend`), operands of `dtype` and the matmuls' `widths` (`{"model.d_model":
+    ..., "model.expert_d_ff": ...}`). "auto" takes "mosaic_gpu" where it runs, "xla" elsewhere;
+    "mosaic_gpu" where it cannot run is a `ValueError` naming the key and what stands in its
+    way, raised before anything compiles."""
+    capability = backend.compute_capability if backend is not None else None
+    hopper = backend is not None and backend.platform == "gpu" and bool(capability)
+    hopper = hopper and capability[0] == 9
+    odd = {key: width for key, width in widths.items() if width % WIDTH_MULTIPLE}
+    if not hopper:
+        where = backend.platform if backend is not None else "unknown"
+        if where == "gpu":
+            where = f"a GPU of compute capability {'.'.join(map(str, capability or ()))}"
+        why = f"runs on a Hopper GPU (compute capability 9.x) only; this step runs on {where}"
+    elif jnp.dtype(dtype).itemsize != 2:
+        why = f"takes 16-bit operands; the compute dtype is {jnp.dtype(dtype).name}"
+    elif odd:
+        shown = ", ".join(f"{key}={width}" for key, width in odd.items())
+        why = f"takes widths that are multiples of {WIDTH_MULTIPLE}; {shown}"
+    else:
+        why = ""
+    if setting == "auto":
+        return "xla" if why else "mosaic_gpu"
+    if setting == "mosaic_gpu" and why:
+        raise ValueError(
+            f"model.expert_matmul='mosaic_gpu': JAX's Mosaic GPU kernel {why}; 'xla' runs "
+            "anywhere, and 'auto' takes the kernel where it can"
+        )
+    return setting
 
 
 def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str, sms: int = 0):
