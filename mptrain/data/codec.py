@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from mptrain.data import chat, sft, template, tokenize
+from mptrain.data import chat, dpo, sft, template, tokenize
 
 SFT_BYTES = "sft-bytes"  # `data.sft`'s byte tokenizer (with Llama 3's markers)
 
@@ -62,15 +62,16 @@ def of_tokenizer(
 
 
 def of_run(config: Any) -> Codec:
-    """The `Codec` of a run's data: `data.sft`'s tokenizer, template and tokens, or the text
-    data's tokenizer (bytes, or a tokenizer.json and its folder's template)."""
-    if config.data.name == "sft":
-        s = sft.settings(config)
+    """The `Codec` of a run's data: `data.sft`'s tokenizer, template and tokens (a DPO run's
+    pairs are read with the same), or the text data's tokenizer (bytes, or a tokenizer.json and
+    its folder's template)."""
+    if config.data.name in ("sft", "dpo"):
+        s = sft.settings(config) if config.data.name == "sft" else dpo.settings(config).base
         spec = SFT_BYTES if s.tokenizer == sft.BYTES else s.tokenizer
         codec = of_tokenizer(spec, s.template, s.tokens)
         stops = sorted({*codec.stop_ids, s.eos_id})  # what the run's pairs end with
         return dataclasses.replace(codec, stop_ids=stops)
-    if config.data.name not in ("text", "sft"):
+    if config.data.name != "text":
         raise ValueError(
             f"data.name={config.data.name!r}: the run's text has no tokenizer here to read "
             "prompts with; give the model's folder (--hf), which holds one"

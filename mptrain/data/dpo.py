@@ -184,6 +184,12 @@ def encode(pair: Any, s: Settings, tokenizer: Any) -> tuple[np.ndarray, np.ndarr
         render = lambda m, g=False: chat.render(s.base.template, m, g, **tokens)
         ids = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
         prompt, chosen, rejected = ids(render(p, True)), ids(render(p + c)), ids(render(p + r))
+    if chosen == rejected:  # other texts, the same tokens: "x" and "x" + the eos, say
+        field = s.fields[1:]
+        raise ValueError(
+            f"{field[0]!r} and {field[1]!r} are other texts of the same tokens: the pair "
+            "prefers nothing"
+        )
     start = min(_prefix_length(prompt, chosen), _prefix_length(prompt, rejected))
     if start < 1:
         raise ValueError("the prompt renders to no token before its completions")
@@ -234,6 +240,12 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
         stats["truncated"] += longer
         stats["pairs"] += 1
         rows.append(np.stack([_row(chosen, start, length), _row(rejected, start, length)], 1))
+    if stats["dropped"] and len(rows) < 2:
+        raise errors.ConfigError(
+            f"config.data.too_long='drop': {stats['dropped']} of {len(pairs)} pairs are longer "
+            f"than data.seq_len={length} and left out, {len(rows)} left; a run needs a pair to "
+            "train on and one to evaluate: use a longer data.seq_len"
+        )
     held_out = round(len(rows) * s.base.eval_fraction)
     if not 1 <= held_out < len(rows):
         raise errors.ConfigError(

@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import zlib
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -180,12 +182,7 @@ class DPOTrainer(trainer.Trainer):
         computed there first where no run of this model on these pairs has."""
         kept = self.workdir / WORKDIR_FILE
         if saved_step is not None:
-            if not kept.exists():
-                raise errors.ConfigError(
-                    f"dpo.reference='precomputed': {kept} is gone; the run's reference cannot "
-                    "be made again from a checkpoint past step 0. Start a new --workdir"
-                )
-            return np.asarray(json.loads(kept.read_text())["logps"], np.float32)
+            return _kept(kept, len(train_source.rows) + len(eval_source.rows))
         if jax.process_count() > 1:
             raise errors.ConfigError(
                 "dpo.reference='precomputed' is computed by one process; with several, use "
@@ -212,6 +209,39 @@ class DPOTrainer(trainer.Trainer):
         what = "DPO reference log-probabilities"
         logps, _ = token_cache.load(path, np.dtype(np.float32), pairs.base.cache_dir, write, what)
         logps = np.asarray(logps).reshape(-1, 2)
-        files.write_json(kept, {"model": model, "logps": logps.tolist()})
+        _keep(kept, model, logps)
         logging.info("mptrain: dpo: the reference's log-probabilities: %s (and %s)", path, kept)
         return logps
+
+
+def _keep(kept: Path, model: str, logps: np.ndarray) -> None:
+    """Writes the reference's `[pairs, 2]` sums to the workdir's `kept`, with their CRC-32."""
+    logps = np.asarray(logps, np.float32)
+    crc = zlib.crc32(logps.tobytes())
+    files.write_json(kept, {"model": model, "logps": logps.tolist(), "crc32": crc})
+
+
+def _kept(kept: Path, pairs: int) -> np.ndarray:
+    """The `[pairs, 2]` sums a run's workdir keeps, checked before a resume trusts them: read
+    whole, of the run's pairs, equal to their CRC-32 (written beside them; a file from before
+    it was is checked for its shape only). A `ConfigError` naming the file otherwise: the
+    reference cannot be made again from a checkpoint past step 0."""
+    what = f"dpo.reference='precomputed': {kept}"
+    again = (
+        "the reference cannot be made again from a checkpoint past step 0: start a new --workdir"
+    )
+    if not kept.exists():
+        raise errors.ConfigError(f"{what} is gone; {again}")
+    try:
+        saved = json.loads(kept.read_text())
+        logps = np.asarray(saved["logps"], np.float32)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise errors.ConfigError(f"{what} is damaged ({errors.first_line(e)}); {again}") from None
+    if logps.shape != (pairs, 2):
+        raise errors.ConfigError(
+            f"{what} is damaged: it holds sums of shape {list(logps.shape)}, the run's {pairs} "
+            f"pairs take [{pairs}, 2]; {again}"
+        )
+    if "crc32" in saved and zlib.crc32(logps.tobytes()) != saved["crc32"]:
+        raise errors.ConfigError(f"{what} is damaged: its sums do not match their CRC-32; {again}")
+    return logps

@@ -160,6 +160,11 @@ def test_fp32_matches_trl_step_0_and_two_sgd_steps(tmp_path, name, reference):
     [
         ({"prompt": "a", "chosen": "b"}, "no 'rejected'"),
         ({"prompt": "a", "chosen": "b", "rejected": "b"}, "'chosen' equals 'rejected'"),
+        # sweep 2026-12-06, D11b: the eos the pair ends with anyway
+        (
+            {"prompt": "a", "chosen": "b<|end_of_text|>", "rejected": "b"},
+            "'chosen' and 'rejected' are other texts of the same tokens",
+        ),
         ({"prompt": "a", "chosen": " ", "rejected": "c"}, "an empty completion"),
         ({"prompt": "x" * 40, "chosen": "b", "rejected": "c"}, "fill data.seq_len=32"),
     ],
@@ -210,3 +215,62 @@ def test_a_bad_setting_is_one_line_naming_the_key(tmp_path, key, value, says):
     with pytest.raises(errors.ConfigError) as e:
         config_lib.validate(config)
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_dpo_runs_prompts_are_read_with_the_tokenizer_and_template_of_its_pairs(tmp_path):
+    """Sweep 2026-12-06, X20: `python -m mptrain.generate --workdir` of a DPO run reads prompts
+    as the run read its pairs (it once said the run had no tokenizer, as SFT's answer)."""
+    from mptrain.data import codec
+
+    config = pairs_config(tmp_path, "chats")
+    found, pairs = codec.of_run(config), dpo_data.settings(config).base
+    assert found.template == pairs.template and found.tokens == pairs.tokens
+    assert pairs.eos_id in found.stop_ids
+    text = found.prompt([{"role": "user", "content": "Capital of France?"}])
+    tokenizer = sft.tokenizer_of(pairs.tokenizer)
+    assert found.encode(text, False) == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_pairs_all_dropped_as_too_long_name_the_length_not_the_eval_split(tmp_path):
+    """Sweep 2026-12-06, D14: every pair longer than the row under `data.too_long='drop'` once
+    read "data.eval_fraction=0.34: of 0 pairs it holds out 0"."""
+    config = pairs_config(tmp_path, **{"data.too_long": "drop", "data.seq_len": 4})
+    with pytest.raises(errors.ConfigError) as e:
+        dpo_data.build(dpo_data.settings(config))
+    message = str(e.value)
+    assert "data.too_long='drop'" in message and "data.seq_len=4" in message, message
+    assert "eval_fraction" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("gone", "is gone"),
+        ("cut", "is damaged (Expecting"),
+        ("half", "it holds sums of shape [3, 2], the run's 6 pairs take [6, 2]"),
+        ("one value", "its sums do not match their CRC-32"),
+    ],
+)
+def test_the_workdirs_reference_is_checked_before_a_resume_trusts_it(tmp_path, damage, says):
+    """Sweep 2026-12-06, D33, D34b, D34c: `dpo_reference.json` cut mid-number (once a 50-line
+    traceback), holding half the pairs (an IndexError), or with one value changed (trusted, and
+    the run went on onto another reference): one line naming the file."""
+    kept = tmp_path / dpo.WORKDIR_FILE
+    logps = -np.arange(1, 13, dtype=np.float32).reshape(6, 2) * 1.37
+    dpo._keep(kept, "a model", logps)
+    np.testing.assert_array_equal(dpo._kept(kept, 6), logps)
+    saved, text = json.loads(kept.read_text()), kept.read_text()
+    if damage == "gone":
+        kept.unlink()
+    elif damage == "cut":
+        kept.write_text(text[: text.index("]") - 3])
+    elif damage == "half":
+        kept.write_text(json.dumps({**saved, "logps": saved["logps"][:3]}))
+    else:
+        saved["logps"][2][1] += 1.0
+        kept.write_text(json.dumps(saved))
+    with pytest.raises(errors.ConfigError) as e:
+        dpo._kept(kept, 6)
+    message = str(e.value)
+    assert message.startswith(f"dpo.reference='precomputed': {kept} ") and says in message
+    assert message.endswith("start a new --workdir") and "\n" not in message
