@@ -147,9 +147,15 @@ def folder_config(path: str) -> dict:
 def folder_template(folder: dict, tokenizer: str, **bounds) -> template.Template | None:
     """The chat template in `folder` (the content of the `tokenizer_config.json` beside the
     tokenizer.json `tokenizer`), named by its file; None where it has none."""
-    if not folder.get("chat_template"):
+    found = folder.get("chat_template")
+    if not found:
         return None
     where = f"the chat_template of {os.path.join(os.path.dirname(tokenizer), CONFIG_FILE)}"
+    if not isinstance(found, str | list):  # a template's text, or named templates
+        raise ValueError(
+            f"{where} is {found!r}, a {type(found).__name__}: not a template's text (a string, "
+            'or a list of {"name", "template"})'
+        )
     return template.Template(chat.template_of("folder", folder), where, **bounds)
 
 

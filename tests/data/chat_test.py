@@ -88,6 +88,19 @@ def test_the_template_of_a_folder_is_its_tokenizer_config_chat_template(tmp_path
         chat.template_of("chatml")
 
 
+def test_a_folder_template_that_is_no_text_is_named_with_its_file(tmp_path):
+    """Sweep 2026-12-06, H79: `"chat_template": 42` in a folder's tokenizer_config.json, and
+    no `data.chat_template` set, once read "data.chat_template='folder': ... has none"."""
+    from mptrain.data import sft
+
+    tokenizer = str(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError) as e:
+        sft.folder_template({"chat_template": 42}, tokenizer)
+    message = str(e.value)
+    assert message.startswith(f"the chat_template of {tmp_path / 'tokenizer_config.json'} is 42")
+    assert "not a template's text" in message and "data.chat_template" not in message
+
+
 @pytest.mark.parametrize(
     "example, says",
     [
