@@ -10,8 +10,10 @@ Qwen2, Qwen3, Qwen3-MoE, Mixtral, ...: `mptrain.hf.families`), with the recipe o
         --config.data.files=pairs.jsonl --config.lora.rank=16
 
 Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer),
-`sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md), or
-`dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md). The
+`sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md),
+`dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md), or `tiny` (the repository's
+own test folder, `tests/hf/fixture`: a Llama of 2 layers and 300 tokens, on the embedded
+text, 8 steps). The
 model section is the folder's own (`mptrain.hf.read_config`: its family and that family's
 switches); everything else is `configs/llama3.py`'s and may be overridden.
 """
@@ -26,4 +28,10 @@ def get_config(arg: str | None = None):
             "configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR, dpo=DIR)"
         )
     llama3 = runpy.run_path(os.path.join(os.path.dirname(__file__), "llama3.py"))
+    if arg == "tiny":  # the contract's variant for tests (docs/design.md)
+        folder = os.path.join(os.path.dirname(__file__), os.pardir, "tests", "hf", "fixture")
+        c = llama3["get_config"](f"hf={os.path.normpath(folder)}")
+        c.num_train_steps = c.checkpoint_every_steps = c.eval_every_steps = 8
+        c.log_every_steps, c.eval_steps, c.optimizer.warmup_steps = 4, 2, 2
+        return c
     return llama3["get_config"](arg if arg.startswith(("sft=", "dpo=")) else f"hf={arg}")

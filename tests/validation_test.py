@@ -296,3 +296,13 @@ def test_every_key_the_moe_page_lists_is_a_key_of_the_moe_configs(config):
     model = main.parse_flags(argv, str, lambda _: None).config.model
     assert model.expert_matmul == "xla" and model.router_fp32 is False
     assert model.num_experts == 8
+
+
+def test_configs_hf_takes_tiny_as_every_config_file_does():
+    """Sweep 2026-12-06: `configs/hf.py:tiny` read `tiny` as a folder ("tiny: no such file");
+    the contract (docs/design.md) has every config file take it. It is the repository's own
+    test folder, which validates as a run."""
+    config = load_config("hf", "tiny")
+    assert config.init_from.endswith("tests/hf/fixture") and config.num_train_steps == 8
+    assert config.model.vocab_size == 300 and config.model.num_layers == 2
+    mptrain.config.validate(config)
