@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     except errors.ConfigError as e:
         main_lib.usage_error(str(e))
     if not result.fits:
-        sys.stdout.write(result.verdict() + "\n\n")
+        ways = f"to make it fit: {result.ways_to_fit()}\n" if not flag_values.fit else ""
+        sys.stdout.write(result.verdict() + "\n" + ways + "\n")
     sys.stdout.write(str(result))
     sys.stdout.flush()
     if flag_values.json:

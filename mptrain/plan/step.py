@@ -103,6 +103,18 @@ class Plan:
             f"buffers: {where}"
         )
 
+    def ways_to_fit(self) -> str:
+        """What makes a step that does not fit fit: `--fit`'s search, and where the data axis
+        keeps the whole state on each of its devices, the state split over them."""
+        ways = "--fit searches the memory knobs (precision, moments, remat, micro-batches)"
+        data, fsdp = self.mesh.get("data", 1), self.mesh.get("fsdp", 1)
+        if data > 1:
+            ways += (
+                f"; the data axis keeps the whole state on each of its {data} devices: "
+                f"--config.mesh.data=1 --config.mesh.fsdp={data * fsdp} splits it over them"
+            )
+        return ways
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self) | {"fits": self.fits, "verdict": self.verdict()}
         return json.dumps(data, indent=2)

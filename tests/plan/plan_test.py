@@ -219,11 +219,24 @@ def test_a_config_that_cannot_fit_exits_4_naming_the_largest_buffers(tmp_path):
         f"--json={tmp_path / 'plan.json'}",
     )
     assert done.returncode == plan_lib.EXIT_DOES_NOT_FIT, done.stderr[-2000:]
-    first = done.stdout.splitlines()[0]
+    first, second = done.stdout.splitlines()[:2]
     assert first.startswith("does not fit: needs ") and "of 59.3; largest buffers: " in first
     assert "transformer_lm.py:" in first
+    assert second.startswith("to make it fit: --fit searches the memory knobs"), second
+    assert "mesh.fsdp" not in second  # one device: no data axis to split the state over
     data = json.loads((tmp_path / "plan.json").read_text())
     assert not data["fits"] and data["memory"]["total"] > data["capacity"]
+
+
+def test_a_plan_that_does_not_fit_on_a_data_axis_names_the_split_that_would():
+    """Sweep 2026-12-06: Qwen3-8B on data 8 read "does not fit: needs 141.8 GiB of 59.3" and
+    named neither --fit nor mesh.fsdp, which make it fit."""
+    plan = object.__new__(plan_lib.Plan)
+    plan.mesh = {"data": 8, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert plan.ways_to_fit().endswith(
+        "the data axis keeps the whole state on each of its 8 devices: "
+        "--config.mesh.data=1 --config.mesh.fsdp=8 splits it over them"
+    )
 
 
 def test_the_gpt2s_plan_exits_0_and_prints_the_report():
