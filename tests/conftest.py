@@ -17,9 +17,19 @@ from pathlib import Path
 if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# XLA's CPU runtime sizes the thread pool that runs a program's thunks to the machine's cores
+# (or $NPROC), and each collective waiting for its other devices holds one of those threads: on
+# 2 cores, 4 or 8 fake devices whose independent collectives start in different orders take
+# every thread and the step deadlocks until XLA aborts it 40 s later ("Termination timeout for
+# `all gather` ... Expected 4 threads to join the rendezvous"). helpers.xla_cpu_threads gives a
+# process with several devices threads enough; this process, and the CLI processes the tests
+# start with its environment, get them before JAX makes its CPU client.
+from helpers import fake_devices, with_xla_cpu_threads  # makes no JAX client
+
+os.environ.update(with_xla_cpu_threads(os.environ, fake_devices(os.environ)))
+
 import jax
 import pytest
-from jax._src import compiler as _compiler
 
 from mptrain import config as config_lib
 
@@ -38,22 +48,6 @@ for _key, _value in _CACHE.items():
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# XLA's CPU runtime (jax 0.10.2) deadlocks running some programs over several devices that it
-# loaded back from the persistent cache: each device's thread enters a different collective
-# first (tests/parallel/expert_mesh_test.py has one, every time; compiled in the process, it
-# runs). So a test process compiles such programs itself, and xdist's two workers, which would
-# load each other's, compile them twice; the cache still stores them (the count of programs).
-# A fresh compile was seen to hang once too, rarely: this removes the hang that always happens.
-_cache_read = _compiler._cache_read
-
-
-def _compile_multi_device_cpu_programs(name, key, options, backend, devices):
-    if backend.platform == "cpu" and len(devices) > 1:
-        return None, None
-    return _cache_read(name, key, options, backend, devices)
-
-
-_compiler._cache_read = _compile_multi_device_cpu_programs
 # A GPU runs fp32 matmuls in TF32 (10 mantissa bits) by default. The tests compare the recipe's
 # numbers with references and with each other, not the hardware's shortcuts: full fp32 there.
 if jax.default_backend() != "cpu":

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import ROOT
+from helpers import ROOT, fake_cpu_env
 
 from mptrain import generate
 from mptrain.data import chat, sft, tokenize
@@ -146,7 +146,6 @@ def test_the_command_answers_from_a_folder_in_one_batch(folder, capsys, tmp_path
 def test_answering_from_a_live_runs_workdir_leaves_the_run_alone(tmp_path, capsys):
     """While a run trains (a subprocess, checkpoints every 5 steps), the command answers from
     its newest complete checkpoint; the run takes no notice and ends as it would have."""
-    import os
     import subprocess
     import sys
     import time
@@ -157,7 +156,7 @@ def test_answering_from_a_live_runs_workdir_leaves_the_run_alone(tmp_path, capsy
         f"--workdir={workdir}", "--config.num_train_steps=60", "--config.checkpoint_every_steps=5",
         "--config.eval_every_steps=60", "--config.eval_steps=1",
     ]  # fmt: skip
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = fake_cpu_env(1)
     run = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (workdir / "checkpoints" / "10").exists():

@@ -58,6 +58,27 @@ def stderr_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not _PLUGIN_CHATTER.match(line)]
 
 
+# Threads a fake CPU device for XLA's thunks, where a process has several (conftest says why).
+# 4 a device ran the expert mesh's step that deadlocked at 2; a process of one device keeps
+# XLA's own count (the cores): more threads than cores made a tiny model's steps 15-19% slower.
+XLA_CPU_THREADS_PER_DEVICE = 4
+
+
+def fake_devices(env) -> int:
+    """The fake CPU devices that `env`'s XLA_FLAGS asks for (1 if it names none)."""
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
+    return int(found[1]) if found else 1
+
+
+def with_xla_cpu_threads(env, devices: int) -> dict[str, str]:
+    """`env` with $NPROC, the size of XLA's CPU thread pool, set for `devices` devices."""
+    env = dict(env)
+    env.pop("NPROC", None)
+    if devices > 1:
+        env["NPROC"] = str(XLA_CPU_THREADS_PER_DEVICE * devices)
+    return env
+
+
 def fake_cpu_env(devices: int) -> dict[str, str]:
     """The environment of a process with `devices` fake CPU devices. With more than one, the
     process runs on the CPU even where there is an accelerator: such tests are about meshes and
@@ -65,7 +86,7 @@ def fake_cpu_env(devices: int) -> dict[str, str]:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     if devices > 1:
         env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return with_xla_cpu_threads(env, devices)
 
 
 def load_config(name: str, arg: str | None = "tiny", **overrides):
@@ -460,16 +481,13 @@ def packed_and_alone(model, params, tokens, weights):
 
 
 def kill_9_and_resume(
-    command, straight: Path, crashed: Path, at_step: int, devices: int = 1, cached: bool = True
+    command, straight: Path, crashed: Path, at_step: int, devices: int = 1
 ) -> bytes:
     """Runs `command(straight)` (a CLI command line for that workdir) to its end on `devices`
     fake CPU devices; starts `command(crashed)`, kills it with SIGKILL once its checkpoint
     `at_step` is down, and runs it again to its end, which must resume. Returns that run's
-    stderr. `cached=False`: each run compiles its programs anew, without the session's
-    persistent compilation cache."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    if not cached:
-        env["JAX_COMPILATION_CACHE_DIR"] = ""
+    stderr."""
+    env = fake_cpu_env(devices)
     done = subprocess.run(command(straight), cwd=ROOT, env=env, capture_output=True)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)

@@ -4,7 +4,6 @@ should.
 Slow (each trial starts a fresh process): `make test-slow` runs them; `make test` skips them.
 """
 
-import os
 import random
 import re
 import signal
@@ -13,7 +12,13 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, assert_trees_bytes_equal, checkpoint_steps_on_disk, plain_orbax_state
+from helpers import (
+    ROOT,
+    assert_trees_bytes_equal,
+    checkpoint_steps_on_disk,
+    fake_cpu_env,
+    plain_orbax_state,
+)
 
 TRIALS = 20
 # Each Ctrl-C costs a process start (about 6 s on a 2-core machine): ten land in steps and in
@@ -47,7 +52,7 @@ def _command(workdir, steps=STEPS, checkpoint_every=3, config="default.py"):
 
 def _env():
     # conftest's persistent compilation cache is in os.environ: later starts skip compiling
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return fake_cpu_env(1)
 
 
 def _end(workdir) -> int:
