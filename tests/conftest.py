@@ -17,21 +17,15 @@ from pathlib import Path
 if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# XLA's CPU runtime sizes the thread pool that runs a program's thunks to the machine's cores
-# (or $NPROC), and each collective waiting for its other devices holds one of those threads: on
-# 2 cores, 4 or 8 fake devices whose independent collectives start in different orders take
-# every thread and the step deadlocks until XLA aborts it 40 s later ("Termination timeout for
-# `all gather` ... Expected 4 threads to join the rendezvous"). helpers.xla_cpu_threads gives a
-# process with several devices threads enough; this process, and the CLI processes the tests
-# start with its environment, get them before JAX makes its CPU client.
-from helpers import fake_devices, with_xla_cpu_threads  # makes no JAX client
-
-os.environ.update(with_xla_cpu_threads(os.environ, fake_devices(os.environ)))
-
 import jax
 import pytest
 
 from mptrain import config as config_lib
+from mptrain import runtime
+
+# Threads enough in XLA's CPU pool for this process's 8 fake devices (`runtime.set_cpu_threads`,
+# which every run's start-up calls): JAX makes its CPU client below, before any run starts.
+runtime.set_cpu_threads()
 
 # Dozens of tests (and the CLI processes they start) compile the same tiny programs: one
 # persistent compilation cache for the session, its xdist workers and their subprocesses. It

@@ -58,35 +58,16 @@ def stderr_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not _PLUGIN_CHATTER.match(line)]
 
 
-# Threads a fake CPU device for XLA's thunks, where a process has several (conftest says why).
-# 4 a device ran the expert mesh's step that deadlocked at 2; a process of one device keeps
-# XLA's own count (the cores): more threads than cores made a tiny model's steps 15-19% slower.
-XLA_CPU_THREADS_PER_DEVICE = 4
-
-
-def fake_devices(env) -> int:
-    """The fake CPU devices that `env`'s XLA_FLAGS asks for (1 if it names none)."""
-    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
-    return int(found[1]) if found else 1
-
-
-def with_xla_cpu_threads(env, devices: int) -> dict[str, str]:
-    """`env` with $NPROC, the size of XLA's CPU thread pool, set for `devices` devices."""
-    env = dict(env)
-    env.pop("NPROC", None)
-    if devices > 1:
-        env["NPROC"] = str(XLA_CPU_THREADS_PER_DEVICE * devices)
-    return env
-
-
 def fake_cpu_env(devices: int) -> dict[str, str]:
     """The environment of a process with `devices` fake CPU devices. With more than one, the
     process runs on the CPU even where there is an accelerator: such tests are about meshes and
-    processes, and one GPU cannot be eight devices."""
+    processes, and one GPU cannot be eight devices. Its $NPROC is its own start-up's
+    (`runtime.set_cpu_threads`), not this process's."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.pop("NPROC", None)
     if devices > 1:
         env["JAX_PLATFORMS"] = "cpu"
-    return with_xla_cpu_threads(env, devices)
+    return env
 
 
 def load_config(name: str, arg: str | None = "tiny", **overrides):

@@ -8,3 +8,7 @@ Megatron's sequence parallelism). It imports only the base modules: the optimize
 and the models build on it, and hand it what it needs (a policy, an 8-bit tensor's own
 `shardings`) as values.
 """
+
+from mptrain.parallel import cpu_channels
+
+cpu_channels.install()  # before any step is lowered: the CPU's collectives each their own id
