@@ -136,6 +136,25 @@ def create_mesh(mesh: Any, batch_size: int, devices: Any = None) -> Mesh:
     return Mesh(np.asarray(devices[: math.prod(shape)]).reshape(shape), AXES)
 
 
+def full_mesh(mesh: Mesh) -> Mesh:
+    """`mesh` with the five axes (`AXES`, in that order): a user's own mesh of some of them
+    (`Mesh(devices, ("data", "fsdp"))`, say) gets the others at size 1. A `ValueError` names an
+    axis that is none of the five."""
+    if mesh.axis_names == AXES:
+        return mesh
+    unknown = [name for name in mesh.axis_names if name not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh axes {tuple(mesh.axis_names)}: {', '.join(map(repr, unknown))} is none of "
+            f"mptrain's {AXES} (parallel.layout); name the mesh's axes from them (an axis left "
+            "out has size 1)"
+        )
+    order = sorted(range(len(mesh.axis_names)), key=lambda i: AXES.index(mesh.axis_names[i]))
+    devices = np.transpose(mesh.devices, order)
+    shape = [mesh.shape.get(axis, 1) for axis in AXES]
+    return Mesh(devices.reshape(shape), AXES)
+
+
 def axes(mesh: Mesh, name: str) -> tuple[str, ...]:
     """The mesh axes `RULES` first gives the logical `name`, those of more than one device."""
     return tuple(axis for axis in _first(name) if mesh.shape[axis] > 1)
@@ -209,12 +228,14 @@ def batch_specs(mesh: Mesh, batch: Any, stacked: bool = False) -> Any:
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
     """The rows of a batch leaf split over `RULES["rows"]` (a sequence's tokens, on a context
-    axis, take `batch_shardings`)."""
+    axis, take `batch_shardings`). `mesh`: any of the five axes (`full_mesh`)."""
+    mesh = full_mesh(mesh)
     return NamedSharding(mesh, batch_spec(mesh, stacked=stacked))
 
 
 def batch_shardings(mesh: Mesh, batch: Any, stacked: bool = False) -> Any:
-    """`batch_specs` as `NamedSharding`s."""
+    """`batch_specs` as `NamedSharding`s. `mesh`: any of the five axes (`full_mesh`)."""
+    mesh = full_mesh(mesh)
     specs = batch_specs(mesh, batch, stacked)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 

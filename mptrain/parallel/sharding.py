@@ -123,8 +123,9 @@ def state_shardings(mesh: Mesh, state: Any, axes: axes_lib.Axes | None = None) -
     (`layout.param_spec`; `axes`: the declared params, default the state's own), held whole
     where none. A leaf that stands for one tensor in several arrays (an 8-bit moment,
     `optim.q8.Q8`: codes and scales) is split as that tensor, each of its arrays as its
-    `shardings(spec, mesh)` says."""
+    `shardings(spec, mesh)` says. `mesh`: any of the five axes (`layout.full_mesh`)."""
     axes = axes_of(state, axes)
+    mesh = layout.full_mesh(mesh)
 
     def one(path, x):
         shape = x.shape if one_tensor(x) else np.shape(x)

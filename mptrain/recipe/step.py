@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mptrain import dtypes
 from mptrain.optim import layerwise
-from mptrain.parallel import sharding
+from mptrain.parallel import layout, sharding
 from mptrain.recipe import fp8 as fp8_lib
 from mptrain.recipe import loss_scale as loss_scale_lib
 from mptrain.recipe import numerics
@@ -99,9 +99,10 @@ def make_train_step(
 ) -> Callable[[train_state_lib.TrainState, Any], tuple[train_state_lib.TrainState, dict]]:
     """Returns `train_step(state, batch) -> (state, metrics)`; the caller jits it.
 
-    `mesh`: a mesh of several devices (its five axes `data`, `fsdp`, `expert`, `context`,
-    `tensor`: `parallel.layout`) makes the gradient and its reduction explicit: params gathered
-    in the compute dtype, gradients reduced in fp32, one finiteness count (see
+    `mesh`: a mesh of several devices (of the five axes `data`, `fsdp`, `expert`, `context`,
+    `tensor`: `parallel.layout`; one it leaves out has size 1) makes the gradient and its
+    reduction explicit: params gathered in the compute dtype, gradients reduced in fp32, one
+    finiteness count (see
     `mptrain.parallel.sharding`); the state's params are split as they declared
     (`state.axes`). Jit the step with the state in `sharding.state_shardings(mesh, state)` and
     the batch in `layout.batch_shardings(mesh, batch)`.
@@ -113,6 +114,8 @@ def make_train_step(
     numerics. The table is then measured by differentiating once more, instrumented, in a
     `lax.cond` branch: the same inputs, so the same values, non-finite ones included.
     """
+
+    mesh = None if mesh is None else layout.full_mesh(mesh)
 
     def train_step(state: train_state_lib.TrainState, batch: Any):
         with state.policy.matmuls():  # float32 matmuls at the policy's precision
@@ -225,7 +228,9 @@ def make_eval_step(
 ) -> Callable[[train_state_lib.TrainState, Any], dict[str, jax.Array]]:
     """Returns `eval_step(state, batch) -> metrics`, the forward pass under the state's policy;
     on a `mesh` with a context axis, laid out as the train step is (`sharding.forward_fn`: each
-    device its part of each sequence, in `layout.balanced`'s order)."""
+    device its part of each sequence, in `layout.balanced`'s order). `mesh`: as the train
+    step's."""
+    mesh = None if mesh is None else layout.full_mesh(mesh)
 
     def eval_step(state: train_state_lib.TrainState, batch: Any):
         policy = state.policy

@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import needs_devices, tiny_config
+from jax.sharding import Mesh
 
 import mptrain
 from mptrain.inspect import audit
@@ -21,10 +22,13 @@ def _compiled_step(precision, data, fsdp, tmp_path):
     tokens = np.zeros((config.batch_size, config.data.seq_len + 1), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     state = trainer.init_state(batch)
-    shardings = sharding.state_shardings(trainer.mesh, state)
+    # the user's own mesh of the two axes it splits, as the first releases documented it: the
+    # other three are size 1 (the trainer's mesh, the same program)
+    mesh = Mesh(np.asarray(jax.devices()[: data * fsdp]).reshape(data, fsdp), ("data", "fsdp"))
+    shardings = sharding.state_shardings(mesh, state)
     step = jax.jit(
-        mptrain.make_train_step(trainer.loss_fn, mesh=trainer.mesh),
-        in_shardings=(shardings, layout.batch_sharding(trainer.mesh)),
+        mptrain.make_train_step(trainer.loss_fn, mesh=mesh),
+        in_shardings=(shardings, layout.batch_sharding(mesh)),
         out_shardings=(shardings, None),
     )
     kept = set(state.policy.kept_fp32_paths(state.params))
@@ -102,3 +106,16 @@ def test_start_up_under_fsdp_8_holds_an_eighth_of_the_state_per_device(tmp_path)
     state, largest = _state_bytes(shapes), max(_state_bytes(x) for x in jax.tree.leaves(shapes))
     assert peaks[1] >= state  # whole, on one device
     assert peaks[8] <= 1.15 * (state / 8 + largest)  # an eighth, plus about one leaf in flight
+
+
+def test_a_mesh_axis_that_is_none_of_the_five_is_refused_by_name():
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match=r"'model' is none of mptrain's \('data', 'fsdp'"):
+        layout.full_mesh(mesh)
+    assert layout.full_mesh(Mesh(np.asarray(jax.devices()[:1]), ("fsdp",))).shape == {
+        "data": 1,
+        "fsdp": 1,
+        "expert": 1,
+        "context": 1,
+        "tensor": 1,
+    }
