@@ -79,6 +79,18 @@ def mesh(config, count: int, devices: Any = None) -> dict[str, Any]:
     return found or every or {"mesh.data": -1, "mesh.fsdp": count}
 
 
+def sharded(config, count: int, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The mesh of `knobs` (over the config's) with its data axis folded into fsdp: each device
+    then holds 1 / (data x fsdp) of the state where it held 1 / fsdp, for the same rows a device
+    and no FLOPs more; {} where data is 1 already."""
+    at = lambda key, default: knobs.get(key, get(config, key, default))
+    fsdp = at("mesh.fsdp", 1)
+    others = at("mesh.expert", 1) * at("mesh.context", 1) * at("mesh.tensor", 1)
+    data = at("mesh.data", -1)
+    data = count // (fsdp * others) if data == -1 else data
+    return {"mesh.data": 1, "mesh.fsdp": data * fsdp} if data > 1 else {}
+
+
 def split(config, rows: int, count: int, devices: Any = None) -> dict[str, Any] | None:
     """A mesh of `count` devices for a batch of `rows` sequences fewer than the devices: FSDP
     over the rows, each sequence split over the rest (`mesh.context`), params over all; {}

@@ -3,6 +3,9 @@
 Starting from the config as given, the memory knobs mptrain owns are tried in the order of
 what they cost, each candidate by a deviceless compile of the real step (`plan_step.plan`):
 
+0. free: where a data axis holds the whole state on each of its devices, that axis folded into
+   fsdp (`mesh.data=1`, `mesh.fsdp` x data): the same rows a device, 1 / data of the state;
+   the search below starts from that mesh.
 1. free: the loss in chunks of 256 positions (`loss.chunk_tokens`), where it is one chunk;
    and the run's share of a GPU's memory up to 95% (`memory_fraction=0.95`, where the plan's
    own environment does not set `XLA_PYTHON_CLIENT_MEM_FRACTION`): no FLOPs.
@@ -134,7 +137,9 @@ class Fit:
             f"the run stands ({self.device_memory / GiB:.1f} GiB on the device); "
             f"{len(self.tried)} compile{'s' * (len(self.tried) != 1)} in {self.seconds:.0f} s",
             "",
-            "  GiB a device, state bytes a param, floor of a global batch (every micro-batch)",
+            "  GiB a device, state bytes a param (params and optimizer state: the moments, and "
+            "with accum > 1 the fp32 gradient sum, 4 more), floor of a global batch (every "
+            "micro-batch)",
             f"  {'GiB':>7} {'state B/param':>13} {'floor ms':>9} {'bound':<11} {'fits':<9} knobs",
         ]
         for c in self.tried:
@@ -218,6 +223,11 @@ def fit(
         measure(dict(base) | split)
     if given.fits and not given.fraction:
         return _found(chip, count, capacity, done, _best(done), started)
+    if fold := shape_knobs.sharded(config, count, base):  # the data axis's copies: FSDP's
+        base = dict(base) | fold
+        given = measure(base)
+        if given.fits and not given.fraction:
+            return _found(chip, count, capacity, done, _best(done), started)
     base = base | shape_knobs.chunk(config)  # a new dict: `given` keeps its own knobs
     remats = shape_knobs.remat_ladder(config)
     micro = shape_knobs.micro_batches(config, count, on)

@@ -181,3 +181,16 @@ def test_with_peft_adapters_fit_where_full_training_fits_nowhere_and_the_price_i
     assert adapters.best.knobs["lora.rank"] == 16 and "lora.base_dtype" not in adapters.best.knobs
     assert adapters.best.memory < 22 * MB
     assert fit_lib.QUALITY in str(adapters) and "--config.lora.rank=16" in str(adapters)
+
+
+def test_a_data_axis_that_copies_the_state_is_folded_into_fsdp_before_any_knob():
+    """The planted best: on 8 devices of 40 MB, data 8 holds the whole 5 M-param state on each
+    (0.08 GiB); fsdp 8 fits as given, with no knob. The search found nothing in 4 compiles
+    (each precision level at data 8, 88 s), where it now takes 2 (sweep 2026-12-06: Qwen3-8B on
+    data 8 got fsdp 4 x context 2, 4 micro-batches and bf16 moments, 618.5 ms, for fsdp 8's
+    442.4 ms)."""
+    config = load_config("lm_gpt2s", "tiny", **(STATE | {"batch_size": 8, "mesh.data": -1}))
+    found = plan_lib.fit(config, chip_with(40), 8)
+    assert found.best is not None and found.best.knobs == {"mesh.data": 1, "mesh.fsdp": 8}
+    assert len(found.tried) == 2 and not found.tried[0].fits, str(found)
+    assert found.best.state_bytes_per_param == pytest.approx(12.0, abs=0.1)
