@@ -221,17 +221,17 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
         try:
             chosen, rejected, start = encode(pair, s, tokenizer)
         except ValueError as e:
-            raise errors.ConfigError(f"config.data.files: {where}: {e}") from None
+            raise errors.ConfigError(f"{sources.key(s.base.files)}: {where}: {e}") from None
         top = int(max(chosen.max(), rejected.max()))
         if top >= s.base.vocab:
             raise errors.ConfigError(
-                f"config.data.files: {where}: token id {top} >= {s.base.vocab}"
+                f"{sources.key(s.base.files)}: {where}: token id {top} >= {s.base.vocab}"
             )
         longer = max(len(chosen), len(rejected)) > length + 1
         if longer and (s.base.too_long == "drop" or start >= length + 1):
             if s.base.too_long == "truncate":
                 raise errors.ConfigError(
-                    f"config.data.files: {where}: the prompt's {start} tokens fill "
+                    f"{sources.key(s.base.files)}: {where}: the prompt's {start} tokens fill "
                     f"data.seq_len={length}: no completion token would be left; use a longer "
                     "data.seq_len, or data.too_long='drop' to leave such pairs out"
                 )

@@ -37,7 +37,14 @@ def embedded() -> Iterator[tuple[str, dict]]:
             first = doc.split("\n\n")[0].strip() if doc else ""
             prompt = f"{name}({ast.unparse(node.args)})\n"
             if len(first) >= 20 and len(prompt) + len(first) <= EMBEDDED_MAX_CHARS:
-                yield f"{rel} line {node.lineno}", {"prompt": prompt, "completion": first}
+                where = f"the standard library's {rel} line {node.lineno}"
+                yield where, {"prompt": prompt, "completion": first}
+
+
+def key(files: Any) -> str:
+    """What a refusal of one example names as its source: `config.data.files`, or the embedded
+    set where none is set."""
+    return "config.data.files" if files else "config.data.files unset, the embedded set"
 
 
 def _functions(body: list, prefix: str) -> Iterator[tuple[str, Any]]:

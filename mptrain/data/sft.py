@@ -284,10 +284,12 @@ def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
                 s.train_on_prompt, **s.tokens,
             )  # fmt: skip
         except ValueError as e:
-            raise errors.ConfigError(f"config.data.files: {where}: {e}") from None
+            raise errors.ConfigError(f"{sources.key(s.files)}: {where}: {e}") from None
         top = int(ids.max(initial=0))
         if top >= s.vocab:  # a template's marker that is no token of this tokenizer's, say
-            raise errors.ConfigError(f"config.data.files: {where}: token id {top} >= {s.vocab}")
+            raise errors.ConfigError(
+                f"{sources.key(s.files)}: {where}: token id {top} >= {s.vocab}"
+            )
         out.append((ids, loss))
     return out
 

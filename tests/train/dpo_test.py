@@ -181,6 +181,16 @@ def test_a_bad_pair_is_one_line_naming_file_and_line(tmp_path, capsys, line, say
     assert "\n" not in message
 
 
+def test_a_bad_pair_of_the_embedded_set_names_the_set_not_a_file(tmp_path):
+    """Sweep 2026-12-06 (seen beside F01): with no data.files it read "config.data.files:
+    _collections_abc.py line 220: the prompt's 69 tokens fill data.seq_len=64"."""
+    config = pairs_config(tmp_path, **{"data.files": None, "data.seq_len": 8})
+    with pytest.raises(errors.ConfigError) as e:
+        dpo_data.build(dpo_data.settings(config))
+    first = "config.data.files unset, the embedded set: the standard library's "
+    assert str(e.value).startswith(first) and "fill data.seq_len=8" in str(e.value)
+
+
 def test_a_bad_pair_from_the_command_line_is_exit_2_and_one_line(tmp_path, capsys):
     files = tmp_path / "bad.jsonl"
     files.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
