@@ -240,17 +240,17 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
         stats["truncated"] += longer
         stats["pairs"] += 1
         rows.append(np.stack([_row(chosen, start, length), _row(rejected, start, length)], 1))
-    if stats["dropped"] and len(rows) < 2:
+    if stats["dropped"] and len(rows) < 1 + bool(s.base.eval_fraction):
         raise errors.ConfigError(
             f"config.data.too_long='drop': {stats['dropped']} of {len(pairs)} pairs are longer "
             f"than data.seq_len={length} and left out, {len(rows)} left; a run needs a pair to "
             "train on and one to evaluate: use a longer data.seq_len"
         )
     held_out = round(len(rows) * s.base.eval_fraction)
-    if not 1 <= held_out < len(rows):
+    if s.base.eval_fraction and not 1 <= held_out < len(rows):
         raise errors.ConfigError(
             f"config.data.eval_fraction={s.base.eval_fraction:g}: of {len(rows)} pairs it "
-            f"holds out {held_out}; each side needs at least one"
+            f"holds out {held_out}; each side needs at least one (0: no eval, all train)"
         )
     stats["train"], stats["eval"] = len(rows) - held_out, held_out
     return np.stack(rows), stats
@@ -330,8 +330,9 @@ def check_config(config: Any) -> dict[str, Any]:
     return dict.fromkeys(PLANES, jax.ShapeDtypeStruct((1, 2, s.base.seq_len), np.int32))
 
 
-def create_sources(config: Any) -> tuple[PairSource, PairSource]:
-    """Host-side: `(train, eval)` sources of pairs (the module doc)."""
+def create_sources(config: Any) -> tuple[PairSource, PairSource | None]:
+    """Host-side: `(train, eval)` sources of pairs (the module doc); eval None where
+    `data.eval_fraction` is 0."""
     with errors.config_errors():
         s = settings(config)
         tokenize.check_vocab(config, s.base.vocab, s.base.tokenizer)
@@ -350,5 +351,7 @@ def create_sources(config: Any) -> tuple[PairSource, PairSource]:
     train = st["train"]
     return (
         PairSource(rows[:train], config.batch_size, config.seed),
-        PairSource(rows[train:], config.batch_size, config.seed, random=False),
+        PairSource(rows[train:], config.batch_size, config.seed, random=False)
+        if st["eval"]
+        else None,
     )

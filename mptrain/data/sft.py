@@ -15,10 +15,10 @@ assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
     `"bytes"`); or a name of `chat.BUILTIN`, `"folder"`, or a template's own Jinja2 text.
     Each render is bounded (`mptrain.data.template`): `data.template_max_seconds` and
     `data.template_max_chars` (the text and every value the template makes).
-  * Rows: the last `data.eval_fraction` of the examples are held out; each side is packed
-    into rows of `data.seq_len` (`packing.pack`: first-fit decreasing, `data.packing=False`
-    for one example a row); an example longer than a row is cut to it or left out
-    (`data.too_long`), and a warning counts them.
+  * Rows: the last `data.eval_fraction` of the examples are held out (0: none, and the run
+    does not evaluate); each side is packed into rows of `data.seq_len` (`packing.pack`:
+    first-fit decreasing, `data.packing=False` for one example a row); an example longer than
+    a row is cut to it or left out (`data.too_long`), and a warning counts them.
   * Cache: the rows are built once into `data.cache_dir` (`token_cache.load`: a lock, a
     staged file renamed into place, a CRC-32 record checked before each read), named by a
     hash of the files, the tokenizer, the template and every setting here.
@@ -181,9 +181,7 @@ def settings(config: Any) -> Settings:
     """`config.data` checked (a `ValueError` naming the bad key), the tokenizer loaded."""
     keys = errors.settings(config.data, CONFIG_KEYS)
     seq_len = errors.check_integer("data.seq_len", keys["seq_len"], 1, errors.INT32_MAX)
-    fraction = errors.check_number(
-        "data.eval_fraction", keys["eval_fraction"], 0.0, 1.0, open_low=True
-    )
+    fraction = errors.check_number("data.eval_fraction", keys["eval_fraction"], 0.0, 1.0)
     too_long = errors.check_choice("data.too_long", keys["too_long"], ("truncate", "drop"))
     most = keys["max_segments"]
     most = min(MAX_SEGMENTS, seq_len) if most is None else most
@@ -313,16 +311,17 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     rows) and their record's `{"train": stats, "eval": stats}`."""
     examples = encoded(s)
     held_out = round(len(examples) * s.eval_fraction)
-    if not 1 <= held_out < len(examples):
+    if s.eval_fraction and not 1 <= held_out < len(examples):
         raise errors.ConfigError(
             f"config.data.eval_fraction={s.eval_fraction:g}: of {len(examples)} examples it "
-            f"holds out {held_out}; each side needs at least one"
+            f"holds out {held_out}; each side needs at least one (0: no eval, all train)"
         )
     sides = examples[: len(examples) - held_out], examples[len(examples) - held_out :]
     packed = [
-        packing.pack(side, s.seq_len, s.too_long, s.packing, s.max_segments) for side in sides
+        packing.pack(side, s.seq_len, s.too_long, s.packing, s.max_segments)
+        for side in sides[: 2 if held_out else 1]
     ]
-    for name, side in zip(("train", "eval"), packed, strict=True):
+    for name, side in zip(("train", "eval"), packed, strict=False):
         if not len(side.inputs):
             raise errors.ConfigError(
                 f"config.data.too_long='drop': every {name} example is longer than "
@@ -341,7 +340,7 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     rows = np.concatenate(
         [np.stack([getattr(p, plane) for plane in packing.PLANES], axis=1) for p in packed]
     )
-    return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1])}
+    return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1]) if held_out else None}
 
 
 def rows_of(s: Settings) -> tuple[np.ndarray, dict]:
@@ -351,9 +350,8 @@ def rows_of(s: Settings) -> tuple[np.ndarray, dict]:
         rows, stats = build(s)
         token_cache.write_array(rows, path, {"sft": stats})
         where = f"{len(s.files)} files" if s.files else "the embedded set"
-        return (
-            f"packed {stats['train']['examples'] + stats['eval']['examples']:,} examples of {where}"
-        )
+        count = sum(side["examples"] for side in stats.values() if side)
+        return f"packed {count:,} examples of {where}"
 
     return token_cache.load(s.path(), np.dtype(np.int32), s.cache_dir, write, "packed SFT rows")
 
@@ -375,6 +373,9 @@ def report(s: Settings, record: dict) -> None:
     """Start-up's lines: the rows, the real-token rate, what was cut or left out."""
     for name in ("train", "eval"):
         st = record["sft"][name]
+        if st is None:
+            logging.info("data: sft eval: none (data.eval_fraction=0): no evaluation")
+            continue
         rate = st["real_tokens"] / max(1, st["rows"] * s.seq_len)
         logging.info(
             "data: sft %s: %s examples in %s rows of %d tokens (%s), real-token rate %.1f%%, "
@@ -391,8 +392,9 @@ def report(s: Settings, record: dict) -> None:
             )  # fmt: skip
 
 
-def create_sources(config: Any) -> tuple[packing.PackedSource, packing.PackedSource]:
-    """Host-side: `(train, eval)` sources of packed rows (the module doc)."""
+def create_sources(config: Any) -> tuple[packing.PackedSource, packing.PackedSource | None]:
+    """Host-side: `(train, eval)` sources of packed rows (the module doc); eval None where
+    `data.eval_fraction` is 0."""
     with errors.config_errors():
         s = settings(config)
         tokenize.check_vocab(config, s.vocab, s.tokenizer)
@@ -404,5 +406,7 @@ def create_sources(config: Any) -> tuple[packing.PackedSource, packing.PackedSou
         packing.PackedSource(rows[:train], config.batch_size, config.seed, max_segments=most),
         packing.PackedSource(
             rows[train:], config.batch_size, config.seed, random=False, max_segments=most
-        ),
+        )
+        if record["sft"]["eval"]
+        else None,
     )

@@ -174,15 +174,17 @@ class DPOTrainer(trainer.Trainer):
         if self.dpo["reference"] == "precomputed":
             logps = self._precomputed(state, saved_step, train_source, eval_source)
             train_source.reference = logps[: len(train_source.rows)]
-            eval_source.reference = logps[len(train_source.rows) :]
+            if eval_source is not None:
+                eval_source.reference = logps[len(train_source.rows) :]
         return state
 
     def _precomputed(self, state, saved_step, train_source, eval_source) -> np.ndarray:
         """fp32 `[pairs, 2]` (train, then eval): the workdir's on a resume, else the cache's,
         computed there first where no run of this model on these pairs has."""
         kept = self.workdir / WORKDIR_FILE
+        sources = [s for s in (train_source, eval_source) if s is not None]
         if saved_step is not None:
-            return _kept(kept, len(train_source.rows) + len(eval_source.rows))
+            return _kept(kept, sum(len(s.rows) for s in sources))
         if jax.process_count() > 1:
             raise errors.ConfigError(
                 "dpo.reference='precomputed' is computed by one process; with several, use "
@@ -197,7 +199,7 @@ class DPOTrainer(trainer.Trainer):
 
         def write(path: str) -> str:
             out = []
-            for source in (train_source, eval_source):
+            for source in sources:
                 n, size = len(source.rows), self.config.batch_size
                 for start in range(0, n, size):
                     batch = source.batch_of(np.arange(start, start + size) % n)

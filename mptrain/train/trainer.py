@@ -111,10 +111,13 @@ class Trainer:
             run.record(step, self.last_eval, draw=True)
             sample(step)
 
-        return [  # the speed of the steps is `Run.report`'s (`throughput`)
+        evaluations = [  # none without an eval split (data.eval_fraction=0)
             periodic_actions.PeriodicCallback(
                 every_steps=cfg.eval_every_steps, on_steps=last, callback_fn=evaluate
-            ),
+            )
+        ]
+        return [  # the speed of the steps is `Run.report`'s (`throughput`)
+            *(evaluations if run.eval_source is not None else []),
             periodic_actions.PeriodicCallback(
                 every_steps=cfg.checkpoint_every_steps,
                 on_steps=last,
@@ -271,8 +274,10 @@ class Trainer:
         traced = jitted.trace(state, batches, totals)
         train_step = traced.lower().compile()
         report = audit.make_report(traced.jaxpr, train_step, (state,), config=cfg)
-        eval_step = jax.jit(self.make_eval_step())
-        eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
+        eval_step = None  # no eval split (data.eval_fraction=0): no evaluation
+        if eval_source is not None:
+            eval_step = jax.jit(self.make_eval_step())
+            eval_step = eval_step.lower(state, self.device_batch(eval_source, 0)).compile()
         run = loop.Run(
             config=cfg,
             state=state,

@@ -347,3 +347,13 @@ def test_the_runs_end_of_text_token_ends_its_answers_too(tmp_path):
     config = _config(tmp_path, tokenizer=str(folder), eos_token="<|im_end|>")
     end = sft.tokenizer_of(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
     assert end in codec.of_run(config).stop_ids
+
+
+def test_eval_fraction_0_packs_every_example_for_training_and_no_eval_source(tmp_path):
+    files = [_write(tmp_path / "pairs.jsonl", PAIRS), _write(tmp_path / "chats.jsonl", CHATS)]
+    config = _config(tmp_path, files=files, eval_fraction=0.0, seq_len=256)
+    train, evaluation = sft.create_sources(config)
+    segments = train.rows[:, 2]
+    assert evaluation is None and sum(len(np.unique(s[s > 0])) for s in segments) == 40
+    with pytest.raises(errors.ConfigError, match=r"holds out 0; .* \(0: no eval, all train\)"):
+        sft.create_sources(_config(tmp_path, files=files, eval_fraction=0.01, seq_len=256))

@@ -181,6 +181,26 @@ def test_a_bad_pair_is_one_line_naming_file_and_line(tmp_path, capsys, line, say
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("reference", ["copy", pytest.param("precomputed", marks=pytest.mark.slow)])
+def test_eval_fraction_0_trains_on_every_pair_and_never_evaluates(tmp_path, reference):
+    """Sweep 2026-12-06: 4 pairs were refused ("of 4 pairs it holds out 0; each side needs at
+    least one") and data.eval_fraction=0 too ("must be > 0"); TRL trains without an eval split.
+    Here the fixture's pairs twice, all 8 trained on (the `copy` case's step, compiled once)."""
+    copy = {"mesh.data": -1, "batch_size": 8, "loss.chunk_tokens": 8}
+    keys = {"data.eval_fraction": 0.0, "dpo.reference": reference}
+    config = pairs_config(tmp_path, **keys, **(copy if reference == "copy" else {}))
+    train, held_out = dpo_data.create_sources(config)
+    assert len(train.rows) == 8 and held_out is None
+    trainer = dpo.DPOTrainer(config, tmp_path / "run")
+    trainer.train_and_evaluate()
+    rows = history_without_timings(tmp_path / "run")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2] and trainer.last_eval is None
+    assert not any(key.startswith("eval_") for r in rows for key in r)
+    if reference == "precomputed":
+        saved = json.loads((tmp_path / "run" / dpo.WORKDIR_FILE).read_text())
+        assert np.asarray(saved["logps"]).shape == (8, 2)
+
+
 def test_a_bad_pair_of_the_embedded_set_names_the_set_not_a_file(tmp_path):
     """Sweep 2026-12-06 (seen beside F01): with no data.files it read "config.data.files:
     _collections_abc.py line 220: the prompt's 69 tokens fill data.seq_len=64"."""
