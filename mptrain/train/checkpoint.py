@@ -188,7 +188,8 @@ class Checkpointer:
             where = f"{self.directory}/{step}"
             what = self.directory if step is None else f"the checkpoint of step {step} ({where})"
             kept = [s for s in self.all_steps() if s != step]
-            error = files.storage_error(e, what, f"; the older ones are intact (steps {kept})")
+            older = f"the older ones are intact (steps {kept})" if kept else "there is no older one"
+            error = files.storage_error(e, what, f"; {older}")
             if error is None:
                 raise
             self._pending, self._failed = None, True

@@ -220,6 +220,14 @@ def test_every_storage_failure_of_a_save_is_one_storage_error(
     assert_trees_bytes_equal(restored, state)
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_there_is_no_older_one(tmp_path, monkeypatch):
+    """Sweep 2026-12-06: it read "the older ones are intact (steps [])"."""
+    _fail_array_writes(monkeypatch, 1, errno.ENOSPC)
+    with checkpoint.Checkpointer(tmp_path) as ckpt, pytest.raises(errors.StorageError) as info:
+        ckpt.save(1, {"w": jnp.arange(256.0)}, {})
+    assert str(info.value).endswith("disk full (No space left on device); there is no older one")
+
+
 @pytest.mark.parametrize("error", [TimeoutError("barrier timed out"), ConnectionResetError()])
 def test_a_timeout_or_a_lost_connection_is_no_storage_failure(error):
     # An OSError, but not the disk's: it must surface as itself, not as "could not write".
