@@ -168,7 +168,19 @@ def _profile(run: Run) -> str | None:
     )
 
 
-NUMBERS = [_warmup, _accumulation, _eval_steps, _profile]
+def _label_smoothing(run: Run) -> str | None:
+    dpo = run.config.get("dpo")
+    smoothing = dpo.get("label_smoothing") if dpo else None
+    loss = dpo.get("loss", "sigmoid") if dpo else None
+    if not smoothing or loss not in ("hinge", "ipo"):
+        return None
+    return (
+        f"dpo.label_smoothing={smoothing!r}: no effect, dpo.loss={loss!r} has no label "
+        "smoothing (the sigmoid and robust losses do)"
+    )
+
+
+NUMBERS = [_warmup, _accumulation, _eval_steps, _profile, _label_smoothing]
 
 
 def settings(config: Any, eval_batches: int | None = None, policy: Any = None) -> list[str]:

@@ -304,3 +304,15 @@ def test_the_workdirs_reference_is_checked_before_a_resume_trusts_it(tmp_path, d
     message = str(e.value)
     assert message.startswith(f"dpo.reference='precomputed': {kept} ") and says in message
     assert message.endswith("start a new --workdir") and "\n" not in message
+
+
+def test_label_smoothing_under_a_loss_without_it_is_warned_about(tmp_path):
+    """Sweep 2026-12-06, D24: dpo.label_smoothing=0.2 with dpo.loss='hinge' was taken silently."""
+    from mptrain import unused
+
+    said = lambda loss: unused.settings(
+        pairs_config(tmp_path, **{"dpo.loss": loss, "dpo.label_smoothing": 0.2})
+    )
+    want = "dpo.label_smoothing=0.2: no effect, dpo.loss='hinge' has no label smoothing"
+    assert [line for line in said("hinge") if line.startswith(want)], said("hinge")
+    assert not [line for line in said("robust") if "label_smoothing" in line]
