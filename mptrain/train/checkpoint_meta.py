@@ -81,6 +81,14 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
             f"{old!r}; its fp8 scaling state has another layout (which matmuls run in fp8, how "
             f"many amaxes each keeps). Resume with --config.fp8.{key}={old!r}"
         )
+    elif changed.get("dpo.reference", (None,))[0] is not None:
+        old, new = changed["dpo.reference"]
+        problem = (
+            f"config.dpo.reference={new!r}: the checkpoint {where} was trained with "
+            f"dpo.reference={old!r}; step 0 fixed that reference (a copy of the weights in the "
+            f"state, sums computed ahead, or the adapters off). Resume with "
+            f"--config.dpo.reference={old!r}"
+        )
     elif isinstance(wanted, int) and wanted < step:
         problem = (
             f"config.num_train_steps={wanted}: the checkpoint {where} is at step {step} already; "

@@ -316,3 +316,17 @@ def test_label_smoothing_under_a_loss_without_it_is_warned_about(tmp_path):
     want = "dpo.label_smoothing=0.2: no effect, dpo.loss='hinge' has no label smoothing"
     assert [line for line in said("hinge") if line.startswith(want)], said("hinge")
     assert not [line for line in said("robust") if "label_smoothing" in line]
+
+
+def test_a_resume_with_another_reference_is_refused_naming_dpo_reference():
+    """Sweep 2026-12-06, D36/D37: precomputed <-> copy was refused with ~900 characters about
+    model_state['dpo_reference'] tensors that never named dpo.reference."""
+    from mptrain.train import checkpoint_meta
+
+    saved = {"model": {"name": "llama"}, "dpo": {"reference": "precomputed"}}
+    meta = {"step": 2, "config": saved, "policy": "fp32"}
+    asked = {"model": {"name": "llama"}, "dpo": {"reference": "copy"}, "num_train_steps": 4}
+    with pytest.raises(errors.ConfigError, match=r"^config\.dpo\.reference='copy': .* "):
+        checkpoint_meta.check_resumable(meta, "fp32", asked, "in runs/x")
+    same = {**asked, "dpo": {"reference": "precomputed", "beta": 0.2}}
+    checkpoint_meta.check_resumable(meta, "fp32", same, "in runs/x")  # beta: logged, taken
