@@ -12,9 +12,16 @@ def render(plan: Any) -> str:
     largest buffers, matmul FLOPs by dtype, attention, hazards, collectives, kernels and the
     roofline floor with the side that binds."""
     mesh = " x ".join(f"{axis} {size}" for axis, size in plan.mesh.items())
+    idle = getattr(plan, "idle", 0)
+    idle = (
+        f"; {idle} of the {plan.devices + idle} devices asked for sit idle (the mesh's axes "
+        "multiply to fewer: mesh.data=-1 takes every device)"
+        if idle
+        else ""
+    )
     lines = [
         f"plan: {plan.precision} on {plan.devices} x {plan.description} ({plan.target}), "
-        f"mesh {mesh}",
+        f"mesh {mesh}{idle}",
         f"  per device and per step; {'refused' if plan.refused else 'compiled'} for the target "
         f"on this host in {plan.compile_seconds:.1f} s (jax {plan.jax_version}); nothing ran",
         "",

@@ -73,6 +73,7 @@ class Plan:
     axis_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # `hlo.by_axis`
     axis_overlap: dict[str, dict] = dataclasses.field(default_factory=dict)  # `hlo.overlap`
     involuntary: list[str] = dataclasses.field(default_factory=list)  # XLA's resharding remat
+    idle: int = 0  # devices asked for (--devices) that the config's mesh leaves out
 
     @property
     def fits(self) -> bool:
@@ -170,9 +171,12 @@ def plan(
         if not str(e).startswith(_OUT_OF_MEMORY):
             raise
         seconds = time.monotonic() - started
-        return _refused(chip, trainer, state, inputs, str(e), seconds, jax.__version__, share)
+        refused = _refused(chip, trainer, state, inputs, str(e), seconds, jax.__version__, share)
+        refused.idle = count - trainer.mesh.size
+        return refused
     seconds = time.monotonic() - started
     result = _read(chip, trainer, compiled, state, sample, seconds, jax.__version__, share)
+    result.idle = count - trainer.mesh.size
     result.xla_remat = plan_memory.logged_remat(log)
     result.involuntary = [line for line in log.splitlines() if plan_memory.INVOLUNTARY in line]
     near = result.memory["total"] > 0.6 * chip.memory_bytes  # where XLA may have recomputed

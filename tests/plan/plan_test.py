@@ -551,3 +551,11 @@ def test_fsdp_across_nodes_prices_the_network_and_is_bound_by_it():
     floor = result.floor
     assert set(floor["network"]) == {"network"} and floor["bound"] == "collectives"
     assert floor["collectives_s"] > 3 * floor["memory_s"], floor
+
+
+def test_devices_the_mesh_leaves_out_are_said_to_sit_idle():
+    """Sweep 2026-12-06, P11: 70b_node (a mesh of 8) on --devices=16 planned "8 x NVIDIA
+    H100" without a word of the 8 others."""
+    planned = plan_lib.plan(load_config("llama3", "tiny", **{"mesh.data": 1}), "h100", 4)
+    first = str(planned).splitlines()[0]
+    assert planned.idle == 3 and "; 3 of the 4 devices asked for sit idle" in first, first
