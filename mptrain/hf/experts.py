@@ -65,18 +65,20 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
             "input in training is not built; set it to 0"
         )
     get = lambda key, default=None: raw.get(key) if raw.get(key) is not None else default
-    experts = get("num_local_experts", get("num_experts"))
+    experts_key = "num_local_experts" if get("num_local_experts") is not None else "num_experts"
+    experts = get(experts_key)
     mixtral = family == "mixtral"
-    d_ff = get("intermediate_size") if mixtral else get("moe_intermediate_size")
+    d_ff_key = "intermediate_size" if mixtral else "moe_intermediate_size"
+    d_ff = get(d_ff_key)
     for key, value in (("num_experts", experts), ("expert d_ff", d_ff)):
         if value is None:
             raise errors.ConfigError(f"{file}: no {key}, which a {family} config.json must give")
     out = {
-        "num_experts": checked(file, "num_experts", experts, int),
+        "num_experts": checked(file, experts_key, experts, int),  # the file's own key
         "experts_per_token": checked(
             file, "num_experts_per_tok", get("num_experts_per_tok", 2), int
         ),
-        "expert_d_ff": checked(file, "moe_intermediate_size", d_ff, int),
+        "expert_d_ff": checked(file, d_ff_key, d_ff, int),
         # as they are: the decoder's own rules check them (`moe.check`), naming this file
         "norm_topk_prob": True if mixtral else get("norm_topk_prob", False),
         "router_aux_loss_coef": get("router_aux_loss_coef", 0.001),

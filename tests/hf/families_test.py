@@ -257,6 +257,9 @@ def _edited(folder, tmp_path, edit):
         ("qwen3_moe", lambda c: c.update(mlp_only_layers="1"), "mlp_only_layers='1'"),
         ("qwen3_moe", lambda c: c.update(norm_topk_prob="yes"), "norm_topk_prob='yes': must"),
         ("mixtral", lambda c: c.update(router_aux_loss_coef=-1), "router_aux_loss_coef=-1"),
+        # sweep 2026-12-06, H67: the file's own key, not the decoder's num_experts
+        ("mixtral", lambda c: c.update(num_local_experts="4"), "num_local_experts='4'"),
+        ("mixtral", lambda c: c.update(intermediate_size=0), "json: intermediate_size=0"),
     ],
 )
 def test_what_the_decoder_cannot_run_is_one_line_naming_the_file_and_key(
