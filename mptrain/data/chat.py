@@ -54,6 +54,14 @@ BUILTIN = {
 }
 
 
+# a conversation with no template to render it (`data.chat_template` None and no folder's)
+NO_TEMPLATE = (
+    "a conversation, and no chat template to render it: data.chat_template is None and the "
+    "tokenizer's folder has none (no chat_template in a tokenizer_config.json beside its "
+    "tokenizer.json); set data.chat_template to one of {names}, or to a template's text"
+)
+
+
 def template_of(spec: str, folder_config: dict | None = None) -> str:
     """The chat template `spec` names: a name of `BUILTIN`, or `"folder"` for the one in
     `folder_config` (a `tokenizer_config.json`'s content: its `chat_template`, a string or a
@@ -199,7 +207,7 @@ def encode(example: Any, tokenizer: Any, template: Template | str | None, eos_id
         raise ValueError("'tools' must be a list of objects (function schemas)")
     if "messages" in example:
         if template is None:
-            raise ValueError("a conversation, and data.chat_template is None")
+            raise ValueError(NO_TEMPLATE.format(names=", ".join(map(repr, BUILTIN))))
         template, messages = _template(template), check_messages(example["messages"])
         _check_read(template, messages, tools)
         text, spans = conversation_spans(template, messages, tools, **tokens)

@@ -180,7 +180,7 @@ def encode(pair: Any, s: Settings, tokenizer: Any) -> tuple[np.ndarray, np.ndarr
         prompt, chosen, rejected = ids(p), ids(p + c), ids(p + r)
     else:
         if s.base.template is None:
-            raise ValueError("a conversation, and data.chat_template is None")
+            raise ValueError(chat.NO_TEMPLATE.format(names=", ".join(map(repr, chat.BUILTIN))))
         render = lambda m, g=False: chat.render(s.base.template, m, g, **tokens)
         ids = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
         prompt, chosen, rejected = ids(render(p, True)), ids(render(p + c)), ids(render(p + r))

@@ -231,3 +231,14 @@ def test_generation_blocks_decide_which_tokens_carry_the_loss(tokenizer):
         chat.encode(
             {"messages": messages}, tokenizer, MARKED.replace("'assistant' %}", "'x' %}", 1), 0
         )
+
+
+def test_a_conversation_with_no_template_names_the_folder_s_and_the_key(tokenizer):
+    """Sweep 2026-12-06, H73: a folder without tokenizer_config.json read "a conversation, and
+    data.chat_template is None", as though the key alone were missing."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ValueError) as e:
+        chat.encode({"messages": messages}, tokenizer, None, 0)
+    assert "the tokenizer's folder has none (no chat_template in a tokenizer_config.json" in str(
+        e.value
+    ) and "data.chat_template to one of 'llama3'" in str(e.value)
