@@ -58,7 +58,7 @@ BUILTIN = {
 NO_TEMPLATE = (
     "a conversation, and no chat template to render it: data.chat_template is None and the "
     "tokenizer's folder has none (no chat_template in a tokenizer_config.json beside its "
-    "tokenizer.json); set data.chat_template to one of {names}, or to a template's text"
+    "tokenizer.json); set data.chat_template to a built-in name ({names}) or a template's text"
 )
 
 

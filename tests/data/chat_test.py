@@ -241,4 +241,4 @@ def test_a_conversation_with_no_template_names_the_folder_s_and_the_key(tokenize
         chat.encode({"messages": messages}, tokenizer, None, 0)
     assert "the tokenizer's folder has none (no chat_template in a tokenizer_config.json" in str(
         e.value
-    ) and "data.chat_template to one of 'llama3'" in str(e.value)
+    ) and "data.chat_template to a built-in name ('llama3'" in str(e.value)
