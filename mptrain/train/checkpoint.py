@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging as std_logging
 import os
 import re
 import shutil
@@ -193,6 +194,7 @@ class Checkpointer:
             if error is None:
                 raise
             self._pending, self._failed = None, True
+            _quiet_unretrieved()
             raise error from e
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict] | None:
@@ -323,6 +325,30 @@ class Checkpointer:
                 logging.warning("Removed %s/%s, left by an interrupted save", self.directory, name)
                 removed.append(name)
         return removed
+
+
+# What asyncio logs, at the loop's end or when the garbage collector takes them, of the write
+# tasks of a failed save whose exceptions nobody awaited: orbax writes a checkpoint's arrays in
+# several tasks, and raises the first failure, which the run tells in one line
+_UNRETRIEVED = ("Task exception was never retrieved", "Future exception was never retrieved")
+
+
+class _ToldAlready(std_logging.Filter):
+    """Drops asyncio's record of an unretrieved storage failure (`files.storage_cause`): the
+    failed save's one StorageError line said it. Any other unretrieved exception is kept."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        told = isinstance(error, Exception) and files.storage_cause(error) is not None
+        return not (told and record.getMessage().startswith(_UNRETRIEVED))
+
+
+def _quiet_unretrieved() -> None:
+    """Once a save has failed (sweep 2026-12-06, F01: 13 lines of asyncio's "Task exception
+    was never retrieved" and an orbax traceback after the one line, 1 run of 2)."""
+    asyncio_log = std_logging.getLogger("asyncio")
+    if not any(isinstance(f, _ToldAlready) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_ToldAlready())
 
 
 def _tree(state: Any) -> Any:
