@@ -285,6 +285,8 @@ def get_config(arg: str | None = None):
         c.optimizer.warmup_steps = 30
         _dpo(c, 256)  # 95% of the pairs fit (median 102 tokens); the rest are left out:
         c.data.too_long = "drop"  # a function's signature alone can fill a row
+    elif arg.partition("=")[0] in ("hf", "sft", "dpo") and not arg.partition("=")[2].strip():
+        raise ValueError(f"{arg!r}: name the model's folder after '=' ({arg}DIR)")
     elif arg.startswith("hf="):
         _fine_tune(c, arg[3:])
     elif arg.startswith("sft="):

@@ -306,3 +306,12 @@ def test_configs_hf_takes_tiny_as_every_config_file_does():
     assert config.init_from.endswith("tests/hf/fixture") and config.num_train_steps == 8
     assert config.model.vocab_size == 300 and config.model.num_layers == 2
     mptrain.config.validate(config)
+
+
+@pytest.mark.parametrize("arg", ["sft=", "dpo= ", "hf="])
+def test_a_folder_variant_with_no_folder_is_refused_naming_it(arg):
+    """Sweep 2026-12-06, H89: `configs/hf.py:sft=` read the config.json of the folder the
+    command ran in."""
+    for name in ("hf", "llama3") if arg != "hf=" else ("llama3",):  # hf.py:DIR has no hf=
+        with pytest.raises(ValueError, match=r"name the model's folder after '='"):
+            load_config(name, arg)
