@@ -57,7 +57,8 @@ RUN_CHOICES = frozenset(
     {"attention", "scan_layers", "remat", "dropout_rate", "bn_momentum", "max_len"}
 )
 FORMS = (
-    "a HuggingFace Llama folder (config.json and *.safetensors), an mptrain workdir (with "
+    "a HuggingFace folder of a decoder mptrain reads (config.json and *.safetensors), an "
+    "mptrain workdir (with "
     "checkpoints/) or one of its checkpoints (checkpoints/<step>)"
 )
 
@@ -65,7 +66,7 @@ FORMS = (
 @dataclasses.dataclass(frozen=True)
 class Pretrained:
     """The params `read` made for step 0, in the state's shardings and dtypes, and where they
-    came from, for the start-up line (`DIR (HF Llama, N params)`)."""
+    came from, for the start-up line (`DIR (HF Qwen3ForCausalLM, N params)`)."""
 
     params: Any
     origin: str
@@ -103,6 +104,7 @@ def load(config: Any, target: Any) -> Pretrained:
     """`config.init_from`'s params made into `target` (abstract params with shardings; the
     module doc says what is checked on the way). Raises `errors.ConfigError`."""
     from mptrain import hf
+    from mptrain.hf import families
 
     path = Path(config.init_from)
     where = f"config.init_from={config.init_from!r}"
@@ -118,7 +120,8 @@ def load(config: Any, target: Any) -> Pretrained:
             params = hf.load_params(path, target, scan_layers=sharding.STACKED in target)
         if bad := fingerprints.nonfinite_params({"params": params}):  # as for a checkpoint's
             raise errors.ConfigError(f"{where}: non-finite params in {', '.join(bad)}")
-        return Pretrained(params, f"{path} (HF Llama, {_count(params):,} params)")
+        architecture = families.FAMILIES[model["family"]].architecture  # Qwen3ForCausalLM, ...
+        return Pretrained(params, f"{path} (HF {architecture}, {_count(params):,} params)")
     except OSError as e:  # a folder that cannot be listed or read, whichever reader says so
         what = f"{where}: cannot read {e.filename or path}: {e.strerror or e}"
         raise errors.ConfigError(what) from None

@@ -12,6 +12,7 @@ and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read 
 transformers' own, each switch shown to matter, the folder written back."""
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -287,15 +288,18 @@ def test_a_family_refuses_switches_its_folder_cannot_hold(tmp_path):
 
 
 @SLOW
-def test_configs_hf_fine_tunes_a_family_and_exports_it_as_that_family(tmp_path, capsys):
+def test_configs_hf_fine_tunes_a_family_and_exports_it_as_that_family(tmp_path, capsys, caplog):
     """`configs/hf.py:DIR` on the Qwen3 folder: a few steps from its weights, then the export
     is a Qwen3 folder again (transformers' reading of it: scripts/hf_export_check.py)."""
     flags = ["--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2"]
     flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
     flags += ["--config.eval_steps=1"]
     config = f"--config={ROOT / 'configs' / 'hf.py'}:{FAMILIES / 'qwen3'}"
-    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
+    with caplog.at_level(logging.INFO):
+        code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
     assert code == 0, err[-2000:]
+    # its architecture, not "HF Llama" (sweep 2026-12-06, worth a look)
+    assert f"initialised from {FAMILIES / 'qwen3'} (HF Qwen3ForCausalLM, " in caplog.text
     export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert written["architectures"] == ["Qwen3ForCausalLM"]

@@ -155,7 +155,10 @@ def _cases(tmp_path, finetune):
     fixture = hf_flag(FIXTURE)
     return [
         ([fixture, f"--config.init_from={tmp_path}/gone"], [f"{tmp_path}/gone", "no such"]),
-        ([fixture, f"--config.init_from={tmp_path}/empty"], ["empty", "HuggingFace Llama"]),
+        (
+            [fixture, f"--config.init_from={tmp_path}/empty"],
+            ["empty", "a HuggingFace folder of a decoder mptrain reads"],
+        ),
         ([fixture, f"--config.init_from={tmp_path}/no_steps"], ["no finished checkpoint"]),
         ([fixture, "--config.model.d_ff=32"], ["config.model.d_ff=32", "d_ff=64"]),
         ([hf_flag(narrower)], ["tensor", "mlp", "[2, 32, 48]"]),
