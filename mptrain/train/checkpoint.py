@@ -388,7 +388,7 @@ def check_continues(checkpointer: Checkpointer, policy, config: dict) -> None:
         with contextlib.suppress(InvalidCheckpointError):
             meta = checkpointer.read_meta(steps[-1])
             where = f"{checkpointer.directory}/{steps[-1]}"
-            checkpoint_meta.check_resumable(meta, str(policy), config, where)
+            checkpoint_meta.check_resumable(meta, str(policy), config, where, tell=False)
 
 
 def resume(checkpointer: Checkpointer, state: Any, policy, config: dict) -> tuple[Any, Any, Any]:

@@ -52,9 +52,11 @@ def shown(diffs: list[str], limit: int = 5) -> str:
     return "; ".join(diffs[:limit]) + more
 
 
-def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
+def check_resumable(meta: dict, policy: str, config: dict, where: str, tell: bool = True) -> None:
     """Raises `ConfigError` when `config` cannot continue the checkpoint at `where`. A model key
-    that only one of the two configs has (another mptrain version's) is not a difference."""
+    that only one of the two configs has (another mptrain version's) is not a difference. A key
+    changed that may change is said once, as a warning, where `tell` (the resume's check; the
+    early check before the state is built passes False)."""
     saved, new = (meta.get("config") or {}).get("model"), config.get("model")
     both = set(saved) & set(new) if isinstance(saved, dict) and isinstance(new, dict) else ()
     changed = changes(meta.get("config") or {}, config)
@@ -96,8 +98,11 @@ def check_resumable(meta: dict, policy: str, config: dict, where: str) -> None:
         )
     if problem:
         raise errors.ConfigError(f"{problem}, or use another --workdir to start a new run")
-    for key, (old, new) in changed.items():
-        logging.info("mptrain: config.%s changed since the checkpoint: %r -> %r", key, old, new)
+    for key, (old, new) in changed.items() if tell else ():
+        logging.warning(
+            "mptrain: config.%s changed since the checkpoint: %r -> %r; the run goes on with %r",
+            key, old, new, new,
+        )  # fmt: skip
 
 
 def _fp8_layout(saved: dict, config: dict, policy: str) -> tuple[str, Any, Any] | None:

@@ -7,6 +7,7 @@ and two steps of SGD. Here the same model and pairs go through mptrain.
 """
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -329,4 +330,26 @@ def test_a_resume_with_another_reference_is_refused_naming_dpo_reference():
     with pytest.raises(errors.ConfigError, match=r"^config\.dpo\.reference='copy': .* "):
         checkpoint_meta.check_resumable(meta, "fp32", asked, "in runs/x")
     same = {**asked, "dpo": {"reference": "precomputed", "beta": 0.2}}
-    checkpoint_meta.check_resumable(meta, "fp32", same, "in runs/x")  # beta: logged, taken
+    checkpoint_meta.check_resumable(meta, "fp32", same, "in runs/x")  # beta: said, taken
+
+
+def test_a_key_changed_at_a_resume_is_one_warning(caplog):
+    """Sweep 2026-12-06, D35: a dpo.beta changed between a run and its resume was logged at
+    INFO, twice (the early check before the state is built, then the resume's)."""
+    from mptrain.train import checkpoint_meta
+
+    saved = {"model": {"name": "llama"}, "dpo": {"beta": 0.1}}
+    meta = {"step": 2, "config": saved, "policy": "fp32"}
+    asked = {"model": {"name": "llama"}, "dpo": {"beta": 0.2}, "num_train_steps": 4}
+    with caplog.at_level(logging.INFO):
+        checkpoint_meta.check_resumable(meta, "fp32", asked, "in runs/x", tell=False)  # early
+        checkpoint_meta.check_resumable(meta, "fp32", asked, "in runs/x")  # the resume's
+    said = [r for r in caplog.records if "config.dpo.beta changed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert (
+        said[0]
+        .getMessage()
+        .endswith(
+            "config.dpo.beta changed since the checkpoint: 0.1 -> 0.2; the run goes on with 0.2"
+        )
+    )
