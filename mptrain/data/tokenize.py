@@ -226,9 +226,16 @@ def check_vocab(config: Any, vocab: int, tokenizer: str) -> None:
     `model.vocab_size`: else a `ValueError` naming both."""
     size = model_vocab(config)
     if size is not None and vocab > size:
+        pretrained = config.get("init_from")
+        fix = (  # a pretrained embedding has its rows: the tokenizer must be of that model
+            f"the weights of init_from={pretrained!r} have {size:,} rows; use the tokenizer "
+            "made for them (the folder's tokenizer.json)"
+            if pretrained
+            else f"set model.vocab_size to at least {vocab:,}"
+        )
         raise ValueError(
             f"data.tokenizer={tokenizer!r}: its vocabulary of {vocab:,} tokens exceeds "
-            f"model.vocab_size={size:,}; set model.vocab_size to at least {vocab:,}"
+            f"model.vocab_size={size:,}; {fix}"
         )
 
 

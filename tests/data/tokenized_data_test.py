@@ -338,6 +338,19 @@ def test_validate_takes_a_tokenizer_that_fits_model_vocab_size(corpus_dir, token
     assert "exceeds model.vocab_size=256" in _error(config_lib.validate, lm)
 
 
+def test_a_tokenizer_too_big_for_pretrained_weights_points_at_their_tokenizer():
+    """Sweep 2026-12-06, H82: over a folder's weights it said "set model.vocab_size to at least
+    1,000", which the weights' 300 rows then refused."""
+    from mptrain.data import tokenize
+
+    config = load_config("llama3", "tiny", **{"model.vocab_size": 200, "init_from": "/m/llama"})
+    with pytest.raises(ValueError) as e:
+        tokenize.check_vocab(config, 256, "bytes")
+    assert "the weights of init_from='/m/llama' have 200 rows; use the tokenizer made" in str(
+        e.value
+    ) and "set model.vocab_size" not in str(e.value)
+
+
 def test_validate_checks_the_byte_vocabulary_too():
     small = load_config("llama3", "tiny", **{"model.vocab_size": 200})
     message = _error(config_lib.validate, small)
