@@ -151,6 +151,12 @@ def _texts(pair: Any, fields: tuple[str, str, str]) -> tuple[Any, Any, Any]:
         c, r = _conversation(c, chosen), _conversation(r, rejected)
         if p is None:  # an implicit prompt: the turns both conversations begin with
             n = _prefix_length(c, r)
+            if not n:
+                raise ValueError(
+                    f"no {prompt!r}, and {chosen!r} and {rejected!r} differ from their first "
+                    "turn: the prompt is the turns both begin with, and they share none; give "
+                    f"a {prompt!r} list of messages or conversations that begin alike"
+                )
             p, c, r = c[:n], c[n:], r[n:]
         if p == [] or not isinstance(p, list):
             raise ValueError(f"{prompt!r} must be a non-empty list of messages")

@@ -168,6 +168,17 @@ def test_fp32_matches_trl_step_0_and_two_sgd_steps(tmp_path, name, reference):
         ),
         ({"prompt": "a", "chosen": " ", "rejected": "c"}, "an empty completion"),
         ({"prompt": "x" * 40, "chosen": "b", "rejected": "c"}, "fill data.seq_len=32"),
+        # sweep 2026-12-06, D06: it named a 'prompt' field the line does not have
+        (
+            {
+                "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                "rejected": [
+                    {"role": "user", "content": "x"},
+                    {"role": "assistant", "content": "c"},
+                ],
+            },
+            "and 'chosen' and 'rejected' differ from their first turn",
+        ),
     ],
 )
 def test_a_bad_pair_is_one_line_naming_file_and_line(tmp_path, capsys, line, says):
