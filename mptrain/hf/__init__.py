@@ -54,6 +54,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from mptrain import dtypes, errors, models
 from mptrain.hf import config_file, families, names
@@ -243,7 +244,15 @@ def _read(reader: hf_io.Reader, leaf: names.Leaf, index: tuple, dtype: Any) -> n
 def _check_unused(reader: hf_io.Reader, leaves: list[names.Leaf], config: dict) -> None:
     used = {name for leaf in leaves for name in leaf.names}
     if config["tie_embeddings"]:
-        used.add(names.TOP_NAMES[("head", "kernel")][0])
+        head = names.TOP_NAMES[("head", "kernel")][0]
+        used.add(head)
+        if head in reader.files:  # transformers drops it too; a user may have meant otherwise
+            logging.warning(
+                "mptrain: %s holds %s, which config.json's tie_word_embeddings=true leaves "
+                "unread: the head is the embedding, as in transformers; set it to false to "
+                "read this head",
+                reader.files[head], head,
+            )  # fmt: skip
     unused = sorted(n for n in reader.files if n not in used and not _IGNORED.fullmatch(n))
     if unused:
         raise errors.ConfigError(

@@ -361,3 +361,18 @@ def test_a_multimodal_gemma_3_folder_reads_as_its_text_model():
     assert jax.tree.all(jax.tree.map(np.array_equal, params, text_params))
     _, want = _reference(FAMILIES / "gemma3-multimodal")
     np.testing.assert_array_equal(want, _reference(FAMILIES / "gemma3")[1])
+
+
+def test_a_tied_folder_that_holds_a_head_says_it_is_not_read(tmp_path, caplog):
+    """Sweep 2026-12-06, H27: a folder with its own lm_head.weight and tie_word_embeddings true
+    lost that head without a word (transformers too)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "gemma2"
+    shutil.copytree(FAMILIES / "gemma2", folder)
+    tensors = load_file(folder / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embedding * 2}, folder / "model.safetensors")
+    with caplog.at_level(logging.WARNING):
+        hf.load(folder)
+    assert "holds lm_head.weight, which config.json's tie_word_embeddings=true" in caplog.text
