@@ -222,12 +222,17 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     eval) and their record."""
     tokenizer = sft.tokenizer_of(s.base.tokenizer)
     pairs = embedded() if not s.base.files else list(sources.in_files(s.base.files))
-    length, rows, stats = s.base.seq_len, [], {"pairs": 0, "truncated": 0, "dropped": 0}
+    length, rows = s.base.seq_len, []
+    stats = {"pairs": 0, "truncated": 0, "dropped": 0, "other_turns": 0}
     for where, pair in pairs:
         try:
             chosen, rejected, start = encode(pair, s, tokenizer)
         except ValueError as e:
             raise errors.ConfigError(f"{sources.key(s.base.files)}: {where}: {e}") from None
+        completions = _texts(pair, s.fields)[1:]  # a conversation's turns past the prompt
+        stats["other_turns"] += isinstance(completions[0], list) and any(
+            m.get("role") != "assistant" for side in completions for m in side
+        )
         top = int(max(chosen.max(), rejected.max()))
         if top >= s.base.vocab:
             raise errors.ConfigError(
@@ -353,6 +358,13 @@ def create_sources(config: Any) -> tuple[PairSource, PairSource | None]:
             "data: dpo: %d pairs longer than data.seq_len=%d were %s", st["truncated"] or
             st["dropped"], s.base.seq_len, "cut to it (data.too_long='truncate')"
             if st["truncated"] else "left out (data.too_long='drop')",
+        )  # fmt: skip
+    if st.get("other_turns"):  # D07, D08, D13 of sweep 2026-12-06
+        logging.warning(
+            "data: dpo: %d pairs' completions hold turns other than the assistant's (a user's or "
+            "the system's, where the two conversations part before them): each is trained on as "
+            "part of the completion, as TRL does; put the turns both share in 'prompt' to keep "
+            "them out", st["other_turns"],
         )  # fmt: skip
     train = st["train"]
     return (

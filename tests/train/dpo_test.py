@@ -364,3 +364,20 @@ def test_a_key_changed_at_a_resume_is_one_warning(caplog):
             "config.dpo.beta changed since the checkpoint: 0.1 -> 0.2; the run goes on with 0.2"
         )
     )
+
+
+def test_pairs_whose_completions_hold_user_turns_are_counted_in_a_warning(tmp_path, caplog):
+    """Sweep 2026-12-06, D07/D08/D13: conversations parting at a user turn trained the user's
+    question as completion without a word (TRL does the same)."""
+    turn = lambda role, text: {"role": role, "content": text}
+    files = tmp_path / "parted.jsonl"
+    good = (PAIRS / "chats.jsonl").read_text()
+    parted = {
+        "chosen": [turn("system", "Be brief."), turn("user", "a?"), turn("assistant", "b")],
+        "rejected": [turn("system", "Be brief."), turn("user", "x?"), turn("assistant", "c")],
+    }
+    files.write_text(good + json.dumps(parted) + "\n" + good)
+    config = pairs_config(tmp_path, **{"data.files": str(files)})
+    with caplog.at_level(logging.WARNING):
+        dpo_data.create_sources(config)
+    assert "data: dpo: 1 pairs' completions hold turns other than the assistant's" in caplog.text
