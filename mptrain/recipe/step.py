@@ -102,10 +102,9 @@ def make_train_step(
     `mesh`: a mesh of several devices (of the five axes `data`, `fsdp`, `expert`, `context`,
     `tensor`: `parallel.layout`; one it leaves out has size 1) makes the gradient and its
     reduction explicit: params gathered in the compute dtype, gradients reduced in fp32, one
-    finiteness count (see
-    `mptrain.parallel.sharding`); the state's params are split as they declared
-    (`state.axes`). Jit the step with the state in `sharding.state_shardings(mesh, state)` and
-    the batch in `layout.batch_shardings(mesh, batch)`.
+    finiteness count (see `mptrain.parallel.sharding`); the state's params are split as they
+    declared (`state.axes`). Jit the step with the state in
+    `sharding.state_shardings(mesh, state)` and the batch in `layout.batch_shardings(mesh, batch)`.
     `per_layer`: also record every module call's numerics (`mptrain.recipe.numerics`): the
     metrics get `numerics` (the table) and `numerics_origin` (where the first non-finite value
     appeared). Off, the step is exactly the step without it. `measure_when(state) -> bool[]` (with

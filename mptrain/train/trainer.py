@@ -111,13 +111,13 @@ class Trainer:
             run.record(step, self.last_eval, draw=True)
             sample(step)
 
-        evaluations = [  # none without an eval split (data.eval_fraction=0)
-            periodic_actions.PeriodicCallback(
+        evaluations = (  # none without an eval split (data.eval_fraction=0)
+            [] if run.eval_source is None else [periodic_actions.PeriodicCallback(
                 every_steps=cfg.eval_every_steps, on_steps=last, callback_fn=evaluate
-            )
-        ]
+            )]
+        )  # fmt: skip
         return [  # the speed of the steps is `Run.report`'s (`throughput`)
-            *(evaluations if run.eval_source is not None else []),
+            *evaluations,
             periodic_actions.PeriodicCallback(
                 every_steps=cfg.checkpoint_every_steps,
                 on_steps=last,
