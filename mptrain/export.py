@@ -11,8 +11,7 @@ with an index, `export.json`, and the run's tokenizer files (`tokenizer.json`, a
 `tokenizer_config.json` and `special_tokens_map.json` where they are) when its
 `data.tokenizer` names one; `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads it.
 Another model under `--format=hf`, or `--keep_fp32` with it (a folder holds one dtype), exits 2
-with one line and writes nothing. The folder is written beside `--out` and renamed to it once
-whole; what a killed export left beside it, the next export to that `--out` removes.
+with one line and writes nothing.
 A LoRA run (`config.lora`) exports its base with the adapters merged, `W + (alpha/rank) B A`
 computed in fp32 and rounded once to `--dtype` (under `--format=orbax` and `hf` alike; the base
 is read from its `init_from` and checked against the fingerprint its checkpoints name), or
@@ -29,7 +28,9 @@ sidecar (source workdir, step and fingerprint, the run's config and policy, the 
 leaf). Bad usage (a missing workdir, a step with no checkpoint, an unknown dtype, an `--out`
 that is not empty, a bad regex) and a workdir it cannot use (a corrupt `config.json`, no usable
 checkpoint) exit 2 with one line and write nothing; an `--out` it cannot write (full, read-only,
-denied) exits 1 with one line naming it and the cause.
+denied) exits 1 with one line naming it and the cause. Every format's folder is written beside
+`--out` (`.NAME.export-HOST-PID`) and renamed to it once whole; a failed export removes it, and
+what a killed one left, the next export to that `--out` removes.
 
 It only reads the workdir, which may belong to a run still training: it never writes or deletes
 there (a half-written checkpoint is that run's save in progress, not a leftover) and exports
@@ -38,6 +39,7 @@ the newest checkpoint that is finished and valid.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -142,9 +144,12 @@ def export(
     }
     if format in ("hf", "peft"):
         sidecar["format"] = format
-        _save_hf(out, config, params, dtype, sidecar)
-    else:
-        standalone.save_standalone(out, params, sidecar)
+    with _written(out) as staging:
+        if format in ("hf", "peft"):
+            _save_hf(staging, config, params, dtype, format)
+        else:
+            standalone.save_params(staging, params)
+        files.write_json(staging / "export.json", sidecar)
     return sidecar
 
 
@@ -209,48 +214,73 @@ def _weights(config: Any, state: Any) -> Any:
     return lora.merged(state.model_params, keys["alpha"] / keys["rank"])
 
 
-def _save_hf(out: Path, config: Any, params: Any, dtype: str, sidecar: dict) -> None:
-    """`hf.save` of `params` (numpy, already in `dtype`), or under `--format=peft` a PEFT
-    adapter folder of them (`hf.peft`), into a folder made beside `out` and renamed to it once
-    whole (all or nothing), with the run's tokenizer files and `sidecar`."""
+def _save_hf(staging: Path, config: Any, params: Any, dtype: str, format: str) -> None:
+    """`hf.save` of `params` (numpy, already in `dtype`) into `staging`, or under
+    `--format=peft` a PEFT adapter folder of them (`hf.peft`), with the run's tokenizer files."""
     import shutil
 
     from absl import logging
 
     from mptrain import config as config_lib
-    from mptrain import files, hf
+    from mptrain import hf
     from mptrain.hf import peft
 
     tokenizer = _tokenizer_files(config)
+    if format == "peft":
+        model = hf.read_settings(config_lib.to_dict(config.model))
+        peft.save(staging, params, config.lora, config.get("init_from"), model)
+    else:
+        hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
+    for path in tokenizer:
+        shutil.copyfile(path, staging / path.name)
+    if tokenizer:
+        logging.info("mptrain.export: tokenizer files %s", ", ".join(p.name for p in tokenizer))
+
+
+@contextlib.contextmanager
+def _written(out: Path):
+    """Yields the folder an export writes (`_staging(out)`, beside `out`), renamed to `out` once
+    the block returns: all or nothing, with the modes the umask gives. On a failure the folder
+    is removed and a storage failure raised as one `errors.StorageError` naming `out`."""
     staging = _staging(out)
     try:
         staging.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()  # 0777 less the umask, as the orbax export's
-        if sidecar["format"] == "peft":
-            model = hf.read_settings(config_lib.to_dict(config.model))
-            peft.save(staging, params, config.lora, config.get("init_from"), model)
-        else:
-            hf.save(staging, config_lib.to_dict(config.model), params, dtype=dtype)
-        for path in tokenizer:
-            shutil.copyfile(path, staging / path.name)
-        files.write_json(staging / "export.json", sidecar)
+        staging.mkdir()  # 0777 less the umask: mkdtemp's 0700 would hide the export
+        yield staging
         if out.is_dir():  # an empty folder the user made for it
             out.rmdir()
         staging.rename(out)
     except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, errors.StorageError):  # hf.save's names a file of the staging folder
+        _remove(staging)
+        if isinstance(e, errors.StorageError):  # one that names a file of the staging folder
             e = RuntimeError(str(e))  # its cause, told as the export's
         error = files.storage_error(e, f"the export at {out}")
         if error is None:
             raise
         raise error from e
-    if tokenizer:
-        logging.info("mptrain.export: tokenizer files %s", ", ".join(p.name for p in tokenizer))
+
+
+def _remove(folder: Path) -> None:
+    """Removes `folder` of a failed export once no write has landed in it for `_SETTLE_S`:
+    orbax raises the first write of a save that fails while tensorstore's others go on and make
+    their folders anew (CI at stop 77: a disk-full export left `params.orbax-checkpoint-tmp/`
+    behind; 3 runs of 40 on a loaded 64 KiB tmpfs here). 30 s at most."""
+    import shutil
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        shutil.rmtree(folder, ignore_errors=True)
+        time.sleep(_SETTLE_S)
+        if not folder.exists() or time.monotonic() > deadline:
+            return
+
+
+_SETTLE_S = 1.0
 
 
 def _staging(out: Path) -> Path:
-    """The folder an HF export writes before it is renamed to `out`: beside it, named by `out`,
+    """The folder an export writes before it is renamed to `out`: beside it, named by `out`,
     this host and this process (`.NAME.export-HOST-PID`). Those that exports to `out` killed on
     this host left (gigabytes, for a real model) are removed first, each told; a live
     process's, or another host's, are left alone."""

@@ -1,10 +1,13 @@
 """`python -m mptrain.export`: a run's params in the dtype they serve in, restorable with plain
 orbax, and bad usage that writes nothing."""
 
+import errno
 import json
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -20,7 +23,7 @@ from helpers import (
     stderr_lines,
 )
 
-from mptrain import export
+from mptrain import errors, export
 from mptrain.train import checkpoint, standalone
 
 
@@ -391,3 +394,20 @@ def test_the_staging_folders_that_killed_exports_to_out_left_are_removed_first(t
     assert [r.getMessage() for r in caplog.records] == [
         f"mptrain.export: removed {killed}, left by an export that was killed"
     ]
+
+
+def test_a_failed_export_outwaits_the_writes_that_go_on_after_its_failure(tmp_path):
+    """orbax raises a save's first failed write while tensorstore's others go on and make their
+    folders anew (CI, stop 77: a disk-full export left `params.orbax-checkpoint-tmp/` behind):
+    one landing 0.3 s after the failure must not outlive the export."""
+
+    def late_write(folder: Path) -> None:
+        time.sleep(0.3)
+        (folder / "params.orbax-checkpoint-tmp" / "ocdbt.process_0").mkdir(parents=True)
+
+    out = tmp_path / "out"
+    with pytest.raises(errors.StorageError, match="disk full"), export._written(out) as staging:
+        threading.Thread(target=late_write, args=(staging,)).start()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    time.sleep(0.5)
+    assert not list(tmp_path.iterdir())

@@ -70,7 +70,7 @@ class CheckpointMismatchError(ValueError):
 
 
 # Each orbax thread that sees a write fail logs it (a hundred lines of traceback) before orbax
-# raises it to its caller; `Checkpointer` and `save_standalone` raise it as one line.
+# raises it to its caller; `Checkpointer` and the export raise it as one line.
 files.quiet_storage_failures("/orbax/")
 
 

@@ -270,8 +270,9 @@ def test_a_storage_error_inside_a_job_is_told_as_the_job(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files, "_write_text", full)
     out = tmp_path / "exports" / "e"
-    with pytest.raises(errors.StorageError) as info:
-        standalone.save_standalone(out, {"w": jnp.zeros(2, jnp.float32)}, {"step": 1})
+    with pytest.raises(errors.StorageError) as info, export._written(out) as staging:
+        standalone.save_params(staging, {"w": jnp.zeros(2, jnp.float32)})
+        files.write_json(staging / "export.json", {"step": 1})
     assert str(info.value).startswith(f"could not write the export at {out}: disk full")
     assert not out.exists() and os.listdir(out.parent) == []
 
