@@ -164,6 +164,7 @@ def _sft(c, seq_len: int, files=None, tokenizer: str = "bytes") -> None:
     c.data.chat_template = config_dict.placeholder(str)  # None: the folder's ("bytes": llama3)
     c.data.seq_len = seq_len
     c.data.eval_fraction = 0.05
+    c.data.eval_files = config_dict.placeholder(object)  # None: eval_fraction of files held out
     c.data.train_on_prompt = False
     c.data.too_long = "truncate"
     c.data.packing = True

@@ -18,9 +18,9 @@ completion's tokens carry the loss; chosen and rejected share the prompt's.
     a row is cut to it (`data.too_long="truncate"`, TRL's `keep_start`) or the pair left out
     (`"drop"`); a warning counts them. A pair whose prompt alone fills the row is an error
     under "truncate" (it would keep no completion token) and left out, counted, under "drop".
-  * The tokenizer, the chat template, the held-out fraction and the cache are `data.sft`'s (the
-    same keys); the pairs are built once into `data.cache_dir`, named by a hash of the files
-    and every setting.
+  * The tokenizer, the chat template, the eval side (the last `data.eval_fraction` of the
+    pairs, or those of `data.eval_files`) and the cache are `data.sft`'s (the same keys); the
+    pairs are built once into `data.cache_dir`, named by a hash of the files and every setting.
   * Batches: batch `i` takes pairs `i * batch_size ...` of a shuffle drawn from
     `(seed, epoch)`: a pure function of `(seed, i)`. `batch_size` counts pairs. Each batch is
     `{"inputs", "targets"}`, int32 `[batch, 2, seq_len]` (chosen, then rejected), and
@@ -56,6 +56,7 @@ REFERENCE = "reference_logps"  # the batch key of precomputed reference log-prob
 # The keys this source reads under `config.data`, with their defaults (the module doc).
 CONFIG_KEYS = {
     "files": None,
+    "eval_files": None,
     "tokenizer": sft.BYTES,
     "chat_template": None,
     "seq_len": 512,
@@ -69,7 +70,15 @@ CONFIG_KEYS = {
     "template_max_chars": sft.CONFIG_KEYS["template_max_chars"],
     "template_max_seconds": sft.CONFIG_KEYS["template_max_seconds"],
 }
-_SHARED = ("files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "too_long")
+_SHARED = (
+    "files",
+    "eval_files",
+    "tokenizer",
+    "chat_template",
+    "seq_len",
+    "eval_fraction",
+    "too_long",
+)
 _SHARED += ("eos_token", "cache_dir", "template_max_chars", "template_max_seconds")
 
 
@@ -217,32 +226,30 @@ def _row(ids: np.ndarray, start: int, length: int) -> np.ndarray:
     return out
 
 
-def build(s: Settings) -> tuple[np.ndarray, dict]:
-    """The pairs' rows (int32 `[pairs, 2 planes, 2 (chosen, rejected), seq_len]`; train, then
-    eval) and their record."""
-    tokenizer = sft.tokenizer_of(s.base.tokenizer)
-    pairs = embedded() if not s.base.files else list(sources.in_files(s.base.files))
+def _rows(s: Settings, side: str, tokenizer: Any, stats: dict) -> list[np.ndarray]:
+    """The rows of `data.files`' pairs (`side="train"`; the embedded set where it is unset) or
+    of `data.eval_files'` ("eval"), `stats` counted; a bad pair is a `ConfigError`."""
+    files = s.base.eval_files if side == "eval" else s.base.files
+    key = "config.data.eval_files" if side == "eval" else sources.key(files)
+    pairs = embedded() if not files else list(sources.in_files(files, key))
     length, rows = s.base.seq_len, []
-    stats = {"pairs": 0, "truncated": 0, "dropped": 0, "other_turns": 0}
     for where, pair in pairs:
         try:
             chosen, rejected, start = encode(pair, s, tokenizer)
         except ValueError as e:
-            raise errors.ConfigError(f"{sources.key(s.base.files)}: {where}: {e}") from None
+            raise errors.ConfigError(f"{key}: {where}: {e}") from None
         completions = _texts(pair, s.fields)[1:]  # a conversation's turns past the prompt
         stats["other_turns"] += isinstance(completions[0], list) and any(
-            m.get("role") != "assistant" for side in completions for m in side
+            m.get("role") != "assistant" for turns in completions for m in turns
         )
         top = int(max(chosen.max(), rejected.max()))
         if top >= s.base.vocab:
-            raise errors.ConfigError(
-                f"{sources.key(s.base.files)}: {where}: token id {top} >= {s.base.vocab}"
-            )
+            raise errors.ConfigError(f"{key}: {where}: token id {top} >= {s.base.vocab}")
         longer = max(len(chosen), len(rejected)) > length + 1
         if longer and (s.base.too_long == "drop" or start >= length + 1):
             if s.base.too_long == "truncate":
                 raise errors.ConfigError(
-                    f"{sources.key(s.base.files)}: {where}: the prompt's {start} tokens fill "
+                    f"{key}: {where}: the prompt's {start} tokens fill "
                     f"data.seq_len={length}: no completion token would be left; use a longer "
                     "data.seq_len, or data.too_long='drop' to leave such pairs out"
                 )
@@ -251,17 +258,31 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
         stats["truncated"] += longer
         stats["pairs"] += 1
         rows.append(np.stack([_row(chosen, start, length), _row(rejected, start, length)], 1))
-    if stats["dropped"] and len(rows) < 1 + bool(s.base.eval_fraction):
+    if stats["dropped"] and len(rows) < 1 + bool(s.base.eval_fraction) * (side == "train"):
         raise errors.ConfigError(
-            f"config.data.too_long='drop': {stats['dropped']} of {len(pairs)} pairs are longer "
-            f"than data.seq_len={length} and left out, {len(rows)} left; a run needs a pair to "
-            "train on and one to evaluate: use a longer data.seq_len"
+            f"config.data.too_long='drop': {stats['dropped']} of {len(pairs)} pairs of {key} "
+            f"are longer than data.seq_len={length} and left out, {len(rows)} left; a run needs "
+            "a pair to train on and one to evaluate: use a longer data.seq_len"
         )
-    held_out = round(len(rows) * s.base.eval_fraction)
+    return rows
+
+
+def build(s: Settings) -> tuple[np.ndarray, dict]:
+    """The pairs' rows (int32 `[pairs, 2 planes, 2 (chosen, rejected), seq_len]`; train, then
+    eval) and their record."""
+    tokenizer = sft.tokenizer_of(s.base.tokenizer)
+    stats = {"pairs": 0, "truncated": 0, "dropped": 0, "other_turns": 0}
+    rows = _rows(s, "train", tokenizer, stats)
+    if s.base.eval_files:  # the eval side is theirs, whole
+        evals = _rows(s, "eval", tokenizer, stats)
+        rows, held_out = rows + evals, len(evals)
+    else:
+        held_out = round(len(rows) * s.base.eval_fraction)
     if s.base.eval_fraction and not 1 <= held_out < len(rows):
         raise errors.ConfigError(
             f"config.data.eval_fraction={s.base.eval_fraction:g}: of {len(rows)} pairs it "
-            f"holds out {held_out}; each side needs at least one (0: no eval, all train)"
+            f"holds out {held_out}; each side needs at least one (0: no eval, all train; or "
+            "data.eval_files: the eval pairs' own files)"
         )
     stats["train"], stats["eval"] = len(rows) - held_out, held_out
     return np.stack(rows), stats
@@ -350,8 +371,9 @@ def create_sources(config: Any) -> tuple[PairSource, PairSource | None]:
     rows, record = rows_of(s)
     st = record["dpo"]
     logging.info(
-        "data: dpo: %s pairs (%s train, %s held out) in rows of %d tokens",
-        f"{st['pairs']:,}", f"{st['train']:,}", f"{st['eval']:,}", s.base.seq_len,
+        "data: dpo: %s pairs (%s train, %s %s) in rows of %d tokens",
+        f"{st['pairs']:,}", f"{st['train']:,}", f"{st['eval']:,}",
+        "eval of data.eval_files" if s.base.eval_files else "held out", s.base.seq_len,
     )  # fmt: skip
     if st["truncated"] or st["dropped"]:
         logging.warning(

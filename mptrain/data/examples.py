@@ -89,6 +89,6 @@ def _parsed(text: bytes, where: str, key: str) -> Any:
         raise errors.ConfigError(f"{key}: {where}: not JSON ({errors.first_line(e)})") from None
 
 
-def in_files(paths: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+def in_files(paths: tuple[str, ...], key: str = "config.data.files") -> Iterator[tuple[str, Any]]:
     for path in paths:
-        yield from read_examples(path)
+        yield from read_examples(path, key)

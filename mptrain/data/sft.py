@@ -16,9 +16,11 @@ assistant's turns (and a pair's completion) unless `data.train_on_prompt`.
     Each render is bounded (`mptrain.data.template`): `data.template_max_seconds` and
     `data.template_max_chars` (the text and every value the template makes).
   * Rows: the last `data.eval_fraction` of the examples are held out (0: none, and the run
-    does not evaluate); each side is packed into rows of `data.seq_len` (`packing.pack`:
-    first-fit decreasing, `data.packing=False` for one example a row); an example longer than
-    a row is cut to it or left out (`data.too_long`), and a warning counts them.
+    does not evaluate), or the eval examples are those of `data.eval_files` (globbed as
+    `data.files`, none of them among its files; `data.eval_fraction` is then not read); each
+    side is packed into rows of `data.seq_len` (`packing.pack`: first-fit decreasing,
+    `data.packing=False` for one example a row); an example longer than a row is cut to it or
+    left out (`data.too_long`), and a warning counts them.
   * Cache: the rows are built once into `data.cache_dir` (`token_cache.load`: a lock, a
     staged file renamed into place, a CRC-32 record checked before each read), named by a
     hash of the files, the tokenizer, the template and every setting here.
@@ -69,6 +71,7 @@ CONFIG_FILE = "tokenizer_config.json"  # beside a tokenizer.json: its template a
 # The keys this source reads under `config.data`, with their defaults (the module doc).
 CONFIG_KEYS = {
     "files": None,
+    "eval_files": None,  # None: the eval examples are the last data.eval_fraction of files
     "tokenizer": BYTES,
     "chat_template": None,
     "seq_len": 512,
@@ -95,6 +98,7 @@ class Settings:
     """`config.data` of an SFT run, checked; what the rows depend on."""
 
     files: tuple[str, ...]  # empty: the embedded set
+    eval_files: tuple[str, ...]  # empty: the last eval_fraction of files is the eval side
     tokenizer: str  # "bytes" or a tokenizer.json's path
     template: template.Template | None  # the chat template, its source and its bounds
     tokens: dict  # bos_token / eos_token for the template
@@ -112,10 +116,12 @@ class Settings:
 
     def key(self) -> str:
         """The cache file's name: a hash of everything the rows depend on."""
-        stats = [(p, s.st_size, s.st_mtime_ns) for p in self.files for s in [os.stat(p)]]
+        stat = lambda files: [(p, s.st_size, s.st_mtime_ns) for p in files for s in [os.stat(p)]]
+        stats = stat(self.files)
         if not self.files:  # the embedded set: this Python's standard library
             stats = [sys.version, text.stdlib_root()]
         what = dataclasses.asdict(self) | {"files": stats, "cache_dir": None}
+        what["eval_files"] = stat(self.eval_files) if self.eval_files else None
         what["template"] = self.template and self.template.text  # not its bounds or its name
         what["version"] = FORMAT_VERSION
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
@@ -211,9 +217,17 @@ def settings(config: Any) -> Settings:
     for name, value in zip(("messages", "prompt", "completion"), fields, strict=True):
         if not isinstance(value, str) or not value:
             raise ValueError(f"data.{name}_field={value!r}: must be a field's name")
-    files = ()
+    files = eval_files = ()
     if keys["files"] is not None:
         files = tokenize.find_files("data.files", keys["files"], SUFFIXES)
+    if keys["eval_files"] is not None:
+        eval_files = tokenize.find_files("data.eval_files", keys["eval_files"], SUFFIXES)
+        if both := sorted(set(files) & set(eval_files)):
+            raise ValueError(
+                f"data.eval_files={keys['eval_files']!r}: {both[0]} is one of data.files too: "
+                "the run would evaluate on examples it trains on"
+            )
+        fraction = 0.0  # the eval side is the files', not a fraction of data.files
     cache_dir = keys["cache_dir"]
     if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
         raise ValueError(f"data.cache_dir={cache_dir!r}: must be a folder's path or None")
@@ -235,8 +249,9 @@ def settings(config: Any) -> Settings:
     eos = tokenize.eos_id(loaded, path, eos_token)
     vocab = loaded.get_vocab_size(with_added_tokens=True)
     return Settings(
-        files, path, chat_template, tokens, eos, seq_len, fraction, keys["train_on_prompt"],
-        too_long, keys["packing"], most, fields, cache_dir, vocab, digest,
+        files, eval_files, path, chat_template, tokens, eos, seq_len, fraction,
+        keys["train_on_prompt"], too_long, keys["packing"], most, fields, cache_dir, vocab,
+        digest,
     )  # fmt: skip
 
 
@@ -269,11 +284,14 @@ def _standard(example: Any, fields: tuple[str, str, str]) -> Any:
     raise ValueError(f"neither {messages!r} nor {prompt!r} and {completion!r}")
 
 
-def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every example's `(ids, loss)`, in the files' order; a `ConfigError` names the first bad
-    one (its file, line and what is wrong)."""
+def encoded(s: Settings, side: str = "train") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every example's `(ids, loss)`, in the files' order: `data.files`' (`side="train"`) or
+    `data.eval_files'` ("eval"); a `ConfigError` names the first bad one (its file, line and
+    what is wrong)."""
     tokenizer = tokenizer_of(s.tokenizer)
-    examples = sources.embedded() if not s.files else sources.in_files(s.files)
+    files = s.eval_files if side == "eval" else s.files
+    key = "config.data.eval_files" if side == "eval" else sources.key(files)
+    examples = sources.embedded() if not files else sources.in_files(files, key)
     out = []
     for where, example in examples:
         try:
@@ -282,12 +300,10 @@ def encoded(s: Settings) -> list[tuple[np.ndarray, np.ndarray]]:
                 s.train_on_prompt, **s.tokens,
             )  # fmt: skip
         except ValueError as e:
-            raise errors.ConfigError(f"{sources.key(s.files)}: {where}: {e}") from None
+            raise errors.ConfigError(f"{key}: {where}: {e}") from None
         top = int(ids.max(initial=0))
         if top >= s.vocab:  # a template's marker that is no token of this tokenizer's, say
-            raise errors.ConfigError(
-                f"{sources.key(s.files)}: {where}: token id {top} >= {s.vocab}"
-            )
+            raise errors.ConfigError(f"{key}: {where}: token id {top} >= {s.vocab}")
         out.append((ids, loss))
     return out
 
@@ -310,11 +326,16 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     """The rows (int32 `[rows, 4, seq_len]`: `packing.PLANES`; the train rows, then the eval
     rows) and their record's `{"train": stats, "eval": stats}`."""
     examples = encoded(s)
-    held_out = round(len(examples) * s.eval_fraction)
+    if s.eval_files:  # the eval side is theirs, whole
+        evals = encoded(s, "eval")
+        examples, held_out = examples + evals, len(evals)
+    else:
+        held_out = round(len(examples) * s.eval_fraction)
     if s.eval_fraction and not 1 <= held_out < len(examples):
         raise errors.ConfigError(
             f"config.data.eval_fraction={s.eval_fraction:g}: of {len(examples)} examples it "
-            f"holds out {held_out}; each side needs at least one (0: no eval, all train)"
+            f"holds out {held_out}; each side needs at least one (0: no eval, all train; or "
+            "data.eval_files: the eval examples' own files)"
         )
     sides = examples[: len(examples) - held_out], examples[len(examples) - held_out :]
     packed = [
@@ -350,6 +371,7 @@ def rows_of(s: Settings) -> tuple[np.ndarray, dict]:
         rows, stats = build(s)
         token_cache.write_array(rows, path, {"sft": stats})
         where = f"{len(s.files)} files" if s.files else "the embedded set"
+        where += f" and {len(s.eval_files)} eval files" if s.eval_files else ""
         count = sum(side["examples"] for side in stats.values() if side)
         return f"packed {count:,} examples of {where}"
 
@@ -380,7 +402,8 @@ def report(s: Settings, record: dict) -> None:
         logging.info(
             "data: sft %s: %s examples in %s rows of %d tokens (%s), real-token rate %.1f%%, "
             "%s tokens carry the loss",
-            name, f"{st['examples']:,}", f"{st['rows']:,}", s.seq_len,
+            f"{name} (data.eval_files)" if name == "eval" and s.eval_files else name,
+            f"{st['examples']:,}", f"{st['rows']:,}", s.seq_len,
             "packed" if s.packing else "one a row", 100 * rate, f"{st['loss_tokens']:,}",
         )  # fmt: skip
         if st["truncated"] or st["dropped"]:

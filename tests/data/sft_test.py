@@ -355,5 +355,28 @@ def test_eval_fraction_0_packs_every_example_for_training_and_no_eval_source(tmp
     train, evaluation = sft.create_sources(config)
     segments = train.rows[:, 2]
     assert evaluation is None and sum(len(np.unique(s[s > 0])) for s in segments) == 40
-    with pytest.raises(errors.ConfigError, match=r"holds out 0; .* \(0: no eval, all train\)"):
+    with pytest.raises(
+        errors.ConfigError, match=r"holds out 0; .* \(0: no eval, all train; or data.eval_files"
+    ):
         sft.create_sources(_config(tmp_path, files=files, eval_fraction=0.01, seq_len=256))
+
+
+def test_eval_files_are_the_eval_side_whole_and_none_of_them_trains(tmp_path):
+    """Issue 70: a small set trains whole, its eval examples in files of their own
+    (`data.eval_files`, as TRL's eval_dataset); `data.eval_fraction` is not read then."""
+    train_file = _write(tmp_path / "train.jsonl", PAIRS)
+    eval_file = _write(tmp_path / "eval.jsonl", CHATS)
+    config = _config(tmp_path, files=train_file, eval_files=eval_file, eval_fraction=0.5)
+    config.data.seq_len = 256
+    train, evaluation = sft.create_sources(config)
+    examples = lambda source: sum(len(np.unique(s[s > 0])) for s in source.rows[:, 2])
+    assert (examples(train), examples(evaluation)) == (30, 10)
+    assert not (train.rows[:, 0] == sft.BYTE_VOCAB - 3).any()  # no chat's header in training
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": 3}\n')
+    with pytest.raises(errors.ConfigError, match=rf"^config.data.eval_files: {bad} line 1: "):
+        sft.create_sources(_config(tmp_path, files=train_file, eval_files=str(bad)))
+    with pytest.raises(ValueError, match=rf"{eval_file} is one of data.files too"):
+        sft.settings(_config(tmp_path, files=str(tmp_path / "*.jsonl"), eval_files=eval_file))
+    with pytest.raises(ValueError, match=r"^data.eval_files='nowhere\*': matches no file"):
+        sft.settings(_config(tmp_path, eval_files="nowhere*"))

@@ -213,6 +213,19 @@ def test_eval_fraction_0_trains_on_every_pair_and_never_evaluates(tmp_path, refe
         assert np.asarray(saved["logps"]).shape == (8, 2)
 
 
+def test_eval_files_hold_the_eval_pairs_and_every_pair_of_files_trains(tmp_path):
+    """Issue 70: the eval pairs in files of their own (`data.eval_files`, TRL's eval_dataset);
+    every pair of `data.files` trains and `data.eval_fraction` is not read."""
+    keys = {"data.eval_files": str(PAIRS / "chats.jsonl"), "data.eval_fraction": 0.5}
+    train, held_out = dpo_data.create_sources(pairs_config(tmp_path, **keys))
+    alone = dpo_data.build(dpo_data.settings(pairs_config(tmp_path, "chats")))[0]
+    assert len(train.rows) == 8 and np.array_equal(held_out.rows, alone[:4])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    with pytest.raises(errors.ConfigError, match=rf"^config.data.eval_files: {bad} line 1: "):
+        dpo_data.create_sources(pairs_config(tmp_path, **{"data.eval_files": str(bad)}))
+
+
 def test_a_bad_pair_of_the_embedded_set_names_the_set_not_a_file(tmp_path):
     """Sweep 2026-12-06 (seen beside F01): with no data.files it read "config.data.files:
     _collections_abc.py line 220: the prompt's 69 tokens fill data.seq_len=64"."""
