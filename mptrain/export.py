@@ -96,7 +96,7 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")
     files.check_output("--out", out, folder=True)
-    config, restored = read_run(workdir, step)
+    config, restored = read_run(workdir, step, base=format != "peft")  # peft: adapters alone
     from mptrain import models
     from mptrain.models import lora
 
@@ -111,6 +111,15 @@ def export(
             f"--format=peft: the run in {workdir} trains no adapters (config.lora.rank is "
             "None); --format=hf writes its weights"
         )
+    base = config.get("init_from")
+    if format == "peft" and base is not None and not Path(base).exists():  # X17
+        from absl import logging
+
+        logging.warning(
+            "mptrain.export: the run's base folder %s is gone; adapter_config.json names it as "
+            "the run had it (base_model_name_or_path): load the adapters onto the base where "
+            "it is now", base,
+        )  # fmt: skip
     state, meta = restored
     params = jax.device_get(state.params if format == "peft" else _weights(config, state))
     dtypes, kept = {}, []
@@ -153,11 +162,13 @@ def export(
     return sidecar
 
 
-def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
+def read_run(workdir: Path, step: int | None = None, base: bool = True) -> tuple[Any, tuple]:
     """`(config, (state, meta))` of the run in `workdir`: its `config.json` (on one device)
     and its checkpoint `step` (None: the newest complete one), read only, without the run's
-    lock, so a live run goes on. A `WorkdirError` for a folder that is no run, or holds no
-    checkpoint that restores; a `ConfigError` for a `step` it does not hold."""
+    lock, so a live run goes on. A LoRA run's frozen base is read too (from its `init_from`),
+    unless `base` is False: the adapters alone, all in the checkpoint. A `WorkdirError` for a
+    folder that is no run, or holds no checkpoint that restores; a `ConfigError` for a `step`
+    it does not hold."""
     import jax
     import ml_collections
 
@@ -199,6 +210,8 @@ def read_run(workdir: Path, step: int | None = None) -> tuple[Any, tuple]:
     if restored is None:
         raise errors.WorkdirError(f"--workdir={workdir}: holds no checkpoint")
     state, meta = restored  # a LoRA run's base is read as its resume reads it
+    if not base:
+        return config, restored
     where = f"{checkpoints}/{meta['step']}"
     return config, (init_from.with_run_base(trainer, state, meta, lambda: init(*args), where), meta)
 

@@ -7,7 +7,9 @@ The model is the one training runs (`models.create`: the same modules and params
 can drift), read from a workdir (its newest complete checkpoint, read only: a live run goes
 on) or a HuggingFace Llama folder (`--hf`). Prompts come from `--prompt` (repeatable) or a
 `.jsonl` file (`--prompts`: a `"prompt"` field, or `"messages"` for `--chat`); `--chat`
-renders each through the chat template as `data.sft` does, with the generation prompt.
+renders each through the chat template as `data.sft` does, with the generation prompt, within
+`--template_max_seconds` and `--template_max_chars` (default: the run's `data.template_max_*`,
+or the bounds training has by default: `mptrain.data.template`).
 
 How it decodes (`mptrain.models.decoder.decode`):
   * The prompts are one batch, right-padded to the longest; each row has its own positions.
@@ -136,6 +138,23 @@ def read_prompts(path: str, chat: bool) -> list:
     return prompts
 
 
+def template_bounds(seconds: float | None, chars: int | None) -> dict:
+    """`Template` fields of the flags given (a `ConfigError` names a bad one)."""
+    from mptrain.data import template
+
+    bounds = {}
+    try:
+        if seconds is not None:
+            most = template.MAX_SECONDS_AT_MOST
+            check = errors.check_number("--template_max_seconds", seconds, 0, most, open_low=True)
+            bounds["max_seconds"] = check
+        if chars is not None:
+            bounds["max_chars"] = errors.check_integer("--template_max_chars", chars, 1)
+    except ValueError as e:
+        raise errors.ConfigError(str(e)) from None
+    return bounds
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -155,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts", help="a .jsonl file of prompts ('prompt' or 'messages')")
     parser.add_argument("--chat", action="store_true", help="through the chat template")
+    parser.add_argument("--template_max_seconds", type=float, help="a render's time at most")
+    parser.add_argument("--template_max_chars", type=int, help="what a render makes at most")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top_k", type=int, default=0, help="0: every token")
@@ -190,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             cache_dtype = args.cache_dtype
         if args.out:
             files.check_output("--out", args.out)
+        bounds = template_bounds(args.template_max_seconds, args.template_max_chars)
         speaker = load(args.workdir, args.hf, args.step, args.precision)
+        if speaker.codec.template is not None:  # its errors name these flags (X11c)
+            chat = dataclasses.replace(speaker.codec.template, bounds="--template_max_", **bounds)
+            speaker.codec = dataclasses.replace(speaker.codec, template=chat)
         answers = answer(speaker, prompts, args.max_new_tokens, sampling, args.seed, cache_dtype)
     except (errors.ConfigError, errors.WorkdirError, errors.StorageError) as e:
         sys.stderr.write(f"mptrain.generate: error: {e}\n")

@@ -98,6 +98,8 @@ def _run(capsys, *argv):
             "--out={tmp}/p.jsonl/a.jsonl: {tmp}/p.jsonl is a file, not a folder",
         ),
         (["--hf={tmp}", "--prompt=x", "--out={tmp}"], "--out={tmp}: is a folder"),
+        (["--hf={tmp}", "--prompt=x", "--template_max_seconds=0"], "--template_max_seconds=0.0: "),
+        (["--hf={tmp}", "--prompt=x", "--template_max_chars=0"], "--template_max_chars=0: must"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
@@ -113,6 +115,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     assert code == 2 and not out, (code, out, err)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert says.format(tmp=tmp_path) in err, err
+
+
+def test_a_template_that_runs_on_names_the_flag_that_bounds_it(tmp_path, capsys):
+    """Sweep 2026-12-06, X11c: it stopped at "data.template_max_seconds=2", a setting generate
+    has no flag for."""
+    looping = _with_tokenizer(FIXTURE, tmp_path / "looping")
+    config = json.loads((looping / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    )
+    (looping / "tokenizer_config.json").write_text(json.dumps(config))
+    argv = [f"--hf={looping}", "--chat", "--prompt=x", "--template_max_seconds=0.25"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and not out, err
+    assert err.strip().endswith("ran past --template_max_seconds=0.25"), err
 
 
 def test_a_prompt_past_the_models_context_is_refused(folder, capsys):

@@ -206,7 +206,7 @@ def settings(config: Any) -> Settings:
             "data.template_max_seconds",
             keys["template_max_seconds"],
             0.0,
-            3600.0,
+            template.MAX_SECONDS_AT_MOST,
             open_low=True,
         ),
     }

@@ -35,17 +35,21 @@ from typing import Any
 
 MAX_CHARS = 4_000_000  # about a million tokens: past any context a run trains on
 MAX_SECONDS = 2.0  # a chat template renders a conversation in well under a millisecond
+MAX_SECONDS_AT_MOST = 3600.0  # what the bound on time may be set to
 
 
 @dataclasses.dataclass(frozen=True)
 class Template:
     """A chat template: its Jinja2 `text`, its `source` as errors name it ("the built-in
-    'llama3'", "the chat_template of DIR/tokenizer_config.json"), and the bounds on one render."""
+    'llama3'", "the chat_template of DIR/tokenizer_config.json"), the bounds on one render, and
+    what sets them as a bound's error names it (`bounds + "seconds"`: a run's config keys, or
+    `mptrain.generate`'s flags)."""
 
     text: str
     source: str = "data.chat_template"
     max_chars: int = MAX_CHARS
     max_seconds: float = MAX_SECONDS
+    bounds: str = "data.template_max_"
 
 
 class _Exceeded(Exception):
@@ -77,8 +81,9 @@ def render_marked(template: Template, **context: Any) -> tuple[str, list[tuple[i
         compiled = _compiled(template.text, template.max_chars)
         with _deadline(template.max_seconds):
             marked = compiled.render(**context)
-    except _Exceeded as e:
-        raise ValueError(f"the chat template ({template.source}) {e}") from None
+    except _Exceeded as e:  # its message names the bound as {bounds}seconds or {bounds}chars
+        why = str(e).replace("{bounds}", template.bounds)
+        raise ValueError(f"the chat template ({template.source}) {why}") from None
     except RecursionError:
         why = "recursed past Python's limit"
         raise ValueError(f"the chat template ({template.source}) {why}") from None
@@ -129,7 +134,7 @@ class _Timer:
 def _on_alarm(signum, frame):
     if _Timer.active:
         _Timer.active = False
-        raise _Exceeded(f"ran past data.template_max_seconds={_Timer.seconds:g}")
+        raise _Exceeded(f"ran past {{bounds}}seconds={_Timer.seconds:g}")
 
 
 class _deadline:
@@ -153,7 +158,7 @@ class _deadline:
 
             def tracer(frame, event, arg):
                 if time.monotonic() > end:
-                    raise _Exceeded(f"ran past data.template_max_seconds={self.seconds:g}")
+                    raise _Exceeded(f"ran past {{bounds}}seconds={self.seconds:g}")
                 return tracer
 
             self.previous = sys.gettrace()
@@ -259,9 +264,7 @@ def _compiled(text: str, max_chars: int):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def too_big(what: str, size: int):
-        raise _Exceeded(
-            f"{what} of {size:,} characters, past data.template_max_chars={max_chars:,}"
-        )
+        raise _Exceeded(f"{what} of {size:,} characters, past {{bounds}}chars={max_chars:,}")
 
     def sized(value: Any) -> Any:
         if (size := _length(value)) > max_chars:

@@ -28,7 +28,7 @@ from helpers import (
     step0,
 )
 
-from mptrain import models
+from mptrain import errors, models
 from mptrain.models import lora
 from mptrain.optim import q8
 from mptrain.parallel import axes, sharding
@@ -238,6 +238,20 @@ def test_exports_merge_in_fp32_or_write_a_peft_adapter_under_peft_names(tuned, t
     assert sorted(config["target_modules"]) == sorted(
         f"{n}_proj" for n in ("q", "k", "v", "o", "gate", "up", "down")
     )
+    # the base folder moved (sweep 2026-12-06, X17): the adapters are all in the checkpoint,
+    # so the PEFT folder is the same; the merge, which needs the base, names init_from
+    moved = Path(shutil.copytree(tuned["workdir"], tmp_path / "moved"))
+    saved = json.loads((moved / "config.json").read_text())
+    saved["init_from"] = str(tmp_path / "gone")
+    (moved / "config.json").write_text(json.dumps(saved))
+    export.export(moved, tmp_path / "peft-moved", dtype="float32", format="peft")
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        again = (tmp_path / "peft-moved" / name).read_bytes()
+        assert again == (tmp_path / "peft" / name).read_bytes().replace(
+            str(tuned["folder"]).encode(), str(tmp_path / "gone").encode()
+        )
+    with pytest.raises(errors.ConfigError, match=r"config.init_from=.*gone.*: no such folder"):
+        export.export(moved, tmp_path / "hf-moved", dtype="float32", format="hf")
 
 
 @pytest.mark.slow  # a second model: make test's are the Llama's, scanned and not
