@@ -64,9 +64,9 @@ MODULE_KEYS = {
     },
     "data.tokens": {"files", "dtype", "seq_len", "eval_fraction"},
     "data.sft": {
-        "files", "eval_files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "train_on_prompt",
-        "too_long", "packing", "max_segments", "messages_field", "prompt_field",
-        "completion_field", "eos_token", "cache_dir", "template_max_chars",
+        "files", "eval_files", "tokenizer", "chat_template", "seq_len", "eval_fraction",
+        "train_on_prompt", "too_long", "packing", "max_segments", "messages_field",
+        "prompt_field", "completion_field", "eos_token", "cache_dir", "template_max_chars",
         "template_max_seconds",
     },
     "data.dpo": {

@@ -34,12 +34,71 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mptrain import errors
 from mptrain.models import layers
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 STD_EPS = 1e-4  # TRL's, added to the standard deviation
+# `config.grpo`'s keys with their defaults: TRL's (`GRPOConfig`, 1.16) where TRL has the key;
+# `soft_punish_cache` is the length over which `soft_overlong_punishment_reward` ramps.
+SETTINGS = {
+    "reward_funcs": None,
+    "reward_weights": None,
+    "num_generations": 8,
+    "loss_type": "dapo",
+    "beta": 0.0,
+    "epsilon": 0.2,
+    "epsilon_high": None,
+    "num_iterations": 1,
+    "scale_rewards": "group",
+    "importance_sampling_level": "token",
+    "max_completion_length": 512,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "soft_punish_cache": 0,
+}
+
+
+def settings(grpo: Any, batch_size: int) -> dict[str, Any]:
+    """`config.grpo` checked (a `ValueError` names the bad key); `epsilon_high` resolved.
+    `batch_size` counts completions, as TRL's does: a multiple of `num_generations`."""
+    keys = errors.settings(grpo or {}, SETTINGS)
+    g = errors.check_integer("grpo.num_generations", keys["num_generations"], 2)
+    if batch_size % g:
+        raise ValueError(
+            f"batch_size={batch_size} with grpo.num_generations={g}: the batch counts "
+            f"completions, {g} of each prompt; give a multiple of {g}"
+        )
+    keys["num_generations"] = g
+    keys["loss_type"] = errors.check_choice("grpo.loss_type", keys["loss_type"], LOSS_TYPES)
+    keys["scale_rewards"] = errors.check_choice(
+        "grpo.scale_rewards", keys["scale_rewards"], SCALE_REWARDS
+    )
+    keys["importance_sampling_level"] = errors.check_choice(
+        "grpo.importance_sampling_level", keys["importance_sampling_level"], LEVELS
+    )
+    keys["beta"] = errors.check_number("grpo.beta", keys["beta"], 0.0)
+    keys["epsilon"] = errors.check_number("grpo.epsilon", keys["epsilon"], 0.0, 1.0, open_low=True)
+    high = keys["epsilon"] if keys["epsilon_high"] is None else keys["epsilon_high"]
+    keys["epsilon_high"] = errors.check_number("grpo.epsilon_high", high, 0.0, open_low=True)
+    keys["num_iterations"] = errors.check_integer("grpo.num_iterations", keys["num_iterations"], 1)
+    keys["max_completion_length"] = errors.check_integer(
+        "grpo.max_completion_length", keys["max_completion_length"], 1
+    )
+    keys["temperature"] = errors.check_number(
+        "grpo.temperature", keys["temperature"], 0.0, open_low=True
+    )
+    top_p = keys["top_p"]
+    if isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+        raise ValueError(f"grpo.top_p={top_p!r}: must be in (0, 1] (1: every token)")
+    keys["top_k"] = errors.check_integer("grpo.top_k", keys["top_k"], 0)
+    keys["soft_punish_cache"] = errors.check_integer(
+        "grpo.soft_punish_cache", keys["soft_punish_cache"], 0
+    )
+    return keys
 
 
 def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:

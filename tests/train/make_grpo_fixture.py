@@ -135,7 +135,9 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     np.savez_compressed(OUT / "reference.npz", **out)
     (OUT / "settings.json").write_text(
-        json.dumps({"prompts": PROMPTS, "weights": WEIGHTS, "max_completion_length": MAX_COMPLETION})
+        json.dumps(
+            {"prompts": PROMPTS, "weights": WEIGHTS, "max_completion_length": MAX_COMPLETION}
+        )
         + "\n"
     )
     print(f"wrote {OUT / 'reference.npz'}: {len(out)} arrays")
