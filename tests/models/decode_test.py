@@ -31,9 +31,9 @@ def scanned():
 
 def _check_steps_against_a_full_forward(model, params):
     prompts, lengths = decode.pad_prompts(PROMPTS, model.max_len, STEPS)
-    run = decode.make_decoder(model, STEPS, keep_logits=True)
+    run = decode.make_decoder(model, STEPS, keep_logits=True, keep_logps=True)
     greedy, none = decode.Sampling().values(), decode.stops([])
-    tokens, logits = run(params, prompts, lengths, greedy, 0, none)
+    tokens, logits, _ = run(params, prompts, lengths, greedy, 0, none)
     tokens, logits = np.asarray(tokens), np.asarray(logits)
     assert (tokens >= 0).all()  # no stop token: every row runs all its steps
     # each row's prompt and what it generated, right-padded: one causal forward pass
@@ -72,7 +72,7 @@ def test_sampling_is_the_same_for_a_seed_and_stops_at_a_stop_token(scanned):
     the same tokens twice, another seed others; greedy is argmax; a stop token ends its row."""
     model, params = scanned
     prompts, lengths = decode.pad_prompts(PROMPTS, model.max_len, STEPS)
-    keep = decode.make_decoder(model, STEPS, keep_logits=True)  # the test above's program
+    keep = decode.make_decoder(model, STEPS, keep_logits=True, keep_logps=True)  # as above
     run = lambda *args: keep(*args)[0]
     hot, none = (
         decode.Sampling(temperature=1.5, top_k=20, top_p=0.95).values(),
@@ -80,6 +80,13 @@ def test_sampling_is_the_same_for_a_seed_and_stops_at_a_stop_token(scanned):
     )
     one, again = (np.asarray(run(params, prompts, lengths, hot, 7, none)) for _ in range(2))
     np.testing.assert_array_equal(one, again)
+    # each drawn token's log-probability, over the whole vocabulary at the temperature (before
+    # top-k and top-p): what GRPO holds against the trainer's (issue 71)
+    _, logits, logps = (np.asarray(x) for x in keep(params, prompts, lengths, hot, 7, none))
+    scaled = np.swapaxes(logits, 0, 1) / 1.5
+    full = scaled - jax.scipy.special.logsumexp(scaled, axis=-1, keepdims=True)
+    want = np.take_along_axis(full, one[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(logps, want, rtol=0, atol=1e-5)
     assert not np.array_equal(one, np.asarray(run(params, prompts, lengths, hot, 8, none)))
     stop = int(one[1, 3])  # a token row 1 draws at its fourth step: the same draws stop there
     stopped = np.asarray(run(params, prompts, lengths, hot, 7, decode.stops([stop])))

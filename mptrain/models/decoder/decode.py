@@ -119,16 +119,32 @@ def stops(ids: Sequence[int]) -> np.ndarray:
     return np.asarray(ids + [-2] * (MAX_STOPS - len(ids)), np.int32)
 
 
+def token_logps(logits: jax.Array, tokens: jax.Array, sampling: jax.Array) -> jax.Array:
+    """fp32 `[B]`: each drawn token's log-probability under the distribution it was drawn from
+    before top-k and top-p cut it (`log_softmax(logits / temperature)` over the whole
+    vocabulary; the logits themselves where greedy), what a trainer's log-probability of the
+    same token is compared with (TRL's and vLLM's processed log-probs). 0 at `PAD`."""
+    temperature = sampling[0]
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)
+    picked = jnp.take_along_axis(scaled, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    return jnp.where(tokens == PAD, 0.0, picked - jax.nn.logsumexp(scaled, axis=-1))
+
+
 def make_decoder(
-    model: Any, max_new_tokens: int, cache_dtype: Any = None, keep_logits: bool = False
+    model: Any,
+    max_new_tokens: int,
+    cache_dtype: Any = None,
+    keep_logits: bool = False,
+    keep_logps: bool = False,
 ) -> Callable:
     """`decode(params, prompts, lengths, sampling, seed, stop) -> tokens` (jitted): `prompts`
     int32 `[B, T]` right-padded, `lengths` `[B]` (each at least 1), `sampling` a `Sampling`'s
     `values()`, `seed` an int, `stop` the stop tokens (`stops(ids)`): all run-time values, so
     one program serves every setting; `tokens` int32 `[B, max_new_tokens]`,
-    `PAD` after a row's stop token. With `keep_logits`, `(tokens, logits)`: the fp32 logits
-    `[max_new_tokens, B, V]` each token was drawn from (what the tests hold against a full
-    forward pass). `model` is a zoo Llama (`models.create`)."""
+    `PAD` after a row's stop token. With `keep_logits` the fp32 logits `[max_new_tokens, B, V]`
+    each token was drawn from (what the tests hold against a full forward pass), and with
+    `keep_logps` each token's log-probability `[B, max_new_tokens]` (`token_logps`), follow
+    `tokens` in a tuple, in that order. `model` is a zoo Llama (`models.create`)."""
     shape = model.specs[0].shape  # the cache's heads and head size: every layer's
 
     layers_model = model
@@ -150,14 +166,17 @@ def make_decoder(
         tokens = jnp.full((batch, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
         kept = jnp.zeros((max_new_tokens, *logits[:, 0].shape), jnp.float32)
         kept = kept.at[0].set(logits[:, 0]) if keep_logits else kept
+        logps = jnp.zeros((batch, max_new_tokens), jnp.float32)
+        if keep_logps:
+            logps = logps.at[:, 0].set(token_logps(logits[:, 0], first, sampling))
         done = jnp.isin(first, stop)
 
         def more(carry):
-            t, _, _, _, done, _ = carry
+            t, _, _, _, done, _, _ = carry
             return (t < max_new_tokens) & ~jnp.all(done)
 
         def step(carry):
-            t, last, cache, tokens, done, kept = carry
+            t, last, cache, tokens, done, kept, logps = carry
             position = (lengths + t - 1)[:, None]  # the last token's: it goes in slot n + t - 1
             logits, cache = model.apply(
                 {"params": params}, last[:, None], positions=position, cache=cache
@@ -165,12 +184,15 @@ def make_decoder(
             token = sample(logits[:, 0], jax.random.fold_in(key, t), sampling)
             token = jnp.where(done, PAD, token)
             kept = kept.at[t].set(logits[:, 0]) if keep_logits else kept
+            if keep_logps:
+                logps = logps.at[:, t].set(token_logps(logits[:, 0], token, sampling))
             tokens = tokens.at[:, t].set(token)
-            return t + 1, token, cache, tokens, done | jnp.isin(token, stop), kept
+            return t + 1, token, cache, tokens, done | jnp.isin(token, stop), kept, logps
 
-        carry = (jnp.int32(1), first, cache, tokens, done, kept)
-        _, _, _, tokens, _, kept = jax.lax.while_loop(more, step, carry)
-        return (tokens, kept) if keep_logits else tokens
+        carry = (jnp.int32(1), first, cache, tokens, done, kept, logps)
+        _, _, _, tokens, _, kept, logps = jax.lax.while_loop(more, step, carry)
+        out = (tokens, *([kept] if keep_logits else []), *([logps] if keep_logps else []))
+        return out if len(out) > 1 else tokens
 
     return jax.jit(decode)
 
