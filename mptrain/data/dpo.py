@@ -273,17 +273,9 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     tokenizer = sft.tokenizer_of(s.base.tokenizer)
     stats = {"pairs": 0, "truncated": 0, "dropped": 0, "other_turns": 0}
     rows = _rows(s, "train", tokenizer, stats)
-    if s.base.eval_files:  # the eval side is theirs, whole
-        evals = _rows(s, "eval", tokenizer, stats)
-        rows, held_out = rows + evals, len(evals)
-    else:
-        held_out = round(len(rows) * s.base.eval_fraction)
-    if s.base.eval_fraction and not 1 <= held_out < len(rows):
-        raise errors.ConfigError(
-            f"config.data.eval_fraction={s.base.eval_fraction:g}: of {len(rows)} pairs it "
-            f"holds out {held_out}; each side needs at least one (0: no eval, all train; or "
-            "data.eval_files: the eval pairs' own files)"
-        )
+    evals = _rows(s, "eval", tokenizer, stats) if s.base.eval_files else []  # theirs, whole
+    rows += evals
+    held_out = sft.held_out(s.base, len(rows), len(evals), "pairs")
     stats["train"], stats["eval"] = len(rows) - held_out, held_out
     return np.stack(rows), stats
 

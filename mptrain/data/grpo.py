@@ -141,14 +141,7 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
             if top >= s.base.vocab:
                 raise errors.ConfigError(f"{key}: {where}: token id {top} >= {s.base.vocab}")
             encoded.append(ids)
-    train = len(sides[0])
-    held_out = len(encoded) - train if s.base.eval_files else round(train * s.base.eval_fraction)
-    if s.base.eval_fraction and not 1 <= held_out < len(encoded):
-        raise errors.ConfigError(
-            f"config.data.eval_fraction={s.base.eval_fraction:g}: of {len(encoded)} prompts it "
-            f"holds out {held_out}; each side needs at least one (0: no eval; or "
-            "data.eval_files: the eval prompts' own files)"
-        )
+    held_out = sft.held_out(s.base, len(encoded), len(encoded) - len(sides[0]), "prompts")
     longest = max(len(ids) for ids in encoded)
     rows = np.zeros((len(encoded), 1 + longest), np.int32)
     for i, ids in enumerate(encoded):

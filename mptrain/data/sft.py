@@ -322,25 +322,31 @@ def _stats(packed: packing.Packed) -> dict:
     }
 
 
+def held_out(s: Settings, total: int, evals: int, unit: str) -> int:
+    """How many of the last of `total` items (`unit`: examples, pairs, prompts) the eval side
+    holds: the `evals` of `data.eval_files` where it is set, else the last `data.eval_fraction`;
+    a `ConfigError` where a fraction leaves a side empty."""
+    count = evals if s.eval_files else round(total * s.eval_fraction)
+    if s.eval_fraction and not 1 <= count < total:
+        raise errors.ConfigError(
+            f"config.data.eval_fraction={s.eval_fraction:g}: of {total} {unit} it holds out "
+            f"{count}; each side needs at least one (0: no eval, all train; or "
+            f"data.eval_files: the eval {unit}' own files)"
+        )
+    return count
+
+
 def build(s: Settings) -> tuple[np.ndarray, dict]:
     """The rows (int32 `[rows, 4, seq_len]`: `packing.PLANES`; the train rows, then the eval
     rows) and their record's `{"train": stats, "eval": stats}`."""
     examples = encoded(s)
-    if s.eval_files:  # the eval side is theirs, whole
-        evals = encoded(s, "eval")
-        examples, held_out = examples + evals, len(evals)
-    else:
-        held_out = round(len(examples) * s.eval_fraction)
-    if s.eval_fraction and not 1 <= held_out < len(examples):
-        raise errors.ConfigError(
-            f"config.data.eval_fraction={s.eval_fraction:g}: of {len(examples)} examples it "
-            f"holds out {held_out}; each side needs at least one (0: no eval, all train; or "
-            "data.eval_files: the eval examples' own files)"
-        )
-    sides = examples[: len(examples) - held_out], examples[len(examples) - held_out :]
+    evals = encoded(s, "eval") if s.eval_files else []  # the eval side is theirs, whole
+    examples += evals
+    held = held_out(s, len(examples), len(evals), "examples")
+    sides = examples[: len(examples) - held], examples[len(examples) - held :]
     packed = [
         packing.pack(side, s.seq_len, s.too_long, s.packing, s.max_segments)
-        for side in sides[: 2 if held_out else 1]
+        for side in sides[: 2 if held else 1]
     ]
     for name, side in zip(("train", "eval"), packed, strict=False):
         if not len(side.inputs):
@@ -361,7 +367,7 @@ def build(s: Settings) -> tuple[np.ndarray, dict]:
     rows = np.concatenate(
         [np.stack([getattr(p, plane) for plane in packing.PLANES], axis=1) for p in packed]
     )
-    return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1]) if held_out else None}
+    return rows, {"train": _stats(packed[0]), "eval": _stats(packed[1]) if held else None}
 
 
 def rows_of(s: Settings) -> tuple[np.ndarray, dict]:

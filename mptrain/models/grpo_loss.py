@@ -28,6 +28,7 @@ sum divided by the completions times `max_completion_length`. The record is TRL'
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -117,7 +118,8 @@ def advantages(
     completions in groups of `group` consecutive ones) weighted by `weights` `[F]` (the module
     doc). `record`: `reward`, `reward_std`, `frac_reward_zero_std`."""
     per_func = np.asarray(per_func, np.float32)
-    with np.errstate(invalid="ignore"), _quiet_nan_warnings():
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a group all NaN: TRL's NaN, wanted
         unscorable = np.isnan(per_func).all(axis=1)
         rewards = np.nansum(per_func * np.asarray(weights, np.float32)[None], axis=1)
         rewards = np.where(unscorable, np.nan, rewards).astype(np.float32)
@@ -136,20 +138,6 @@ def advantages(
             "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0, rtol=1e-5, atol=1e-8))),
         }
     return np.nan_to_num(adv.astype(np.float32), nan=0.0), record
-
-
-class _quiet_nan_warnings:
-    """numpy's "Mean of empty slice" where a whole group is NaN: TRL's NaN, wanted here."""
-
-    def __enter__(self):
-        import warnings
-
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._catch.__exit__(*exc)
 
 
 def loss_and_metrics(
