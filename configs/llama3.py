@@ -68,6 +68,11 @@ Arguments:
   DIR itself with the adapters off under `--config.lora.rank=16`.
 - `dpo_tiny`: `sft_tiny`'s Llama, from its own init, on the embedded pairs (a docstring chosen
   over the same words shuffled) in rows of 256; 300 steps on a 2-core CPU.
+- `grpo_tiny`: `sft_tiny`'s Llama, from its own init, learning sums of two digits by GRPO
+  (docs/rl.md): the embedded prompts `a+b=` (`data.grpo.embedded`), 4 completions of at most
+  4 tokens a prompt, 16 a step, rewarded by `answer_match_reward` and the share of digits
+  (`examples/grpo_rewards.py`); AdamW at 1e-3, fp16-mixed with dynamic loss scaling (the
+  sampler and the trainer in fp16: docs/rl.md#precision).
 - `moe_tiny`: `tiny` with a mixture of experts in each layer (8 experts of 128, 2 a token,
   renormalised, Mixtral's routing; the load-balancing loss at 0.01): `--config.mesh.expert=4`
   splits the experts over 4 devices (docs/mixture-of-experts.md).
@@ -94,7 +99,7 @@ import os
 from ml_collections import config_dict
 
 from mptrain import config as config_lib
-from mptrain.data import dpo, template
+from mptrain.data import dpo, grpo, template
 
 LLAMA3_SCALING = (8.0, 1.0, 4.0, 8192)  # factor, low_freq_factor, high_freq_factor, original
 
@@ -186,6 +191,17 @@ def _dpo(c, seq_len: int, tokenizer: str = "bytes") -> None:
         del c.data[key]
     c.data.name, c.data.chosen_field, c.data.rejected_field = "dpo", "chosen", "rejected"
     c.trainer = dpo.TRAINER
+
+
+def _grpo(c, seq_len: int, tokenizer: str = "bytes") -> None:
+    """`data.name="grpo"` (`mptrain.data.grpo`): prompts, rows of `seq_len` (prompt and
+    completion), the Trainer `mptrain.train.grpo:GRPOTrainer`, no evaluation."""
+    _sft(c, seq_len, tokenizer=tokenizer)  # the tokenizer, template and cache keys are SFT's
+    for key in [k for k in c.data if k not in (*grpo.CONFIG_KEYS, "name", "prefetch")]:
+        del c.data[key]
+    c.data.name, c.data.eval_fraction = "grpo", 0.0
+    c.trainer = grpo.TRAINER
+    c.eval_every_steps = c.num_train_steps
 
 
 def get_config(arg: str | None = None):
@@ -286,6 +302,21 @@ def get_config(arg: str | None = None):
         c.optimizer.warmup_steps = 30
         _dpo(c, 256)  # 95% of the pairs fit (median 102 tokens); the rest are left out:
         c.data.too_long = "drop"  # a function's signature alone can fill a row
+    elif arg == "grpo_tiny":
+        _tiny(c, vocab=264, max_len=64)
+        c.precision = "fp16-mixed"
+        c.num_train_steps = 200
+        c.batch_size = 16  # completions: 4 prompts a step, 4 completions each
+        c.log_every_steps = 10
+        c.checkpoint_every_steps = 100
+        c.optimizer.learning_rate = 1e-3
+        c.optimizer.warmup_steps = 10
+        _grpo(c, 16)
+        c.grpo.num_generations = 4
+        c.grpo.max_completion_length = 4
+        here = os.path.dirname(os.path.abspath(__file__))
+        digits = os.path.join(os.path.dirname(here), "examples", "grpo_rewards.py")
+        c.grpo.reward_funcs = ["answer_match_reward", f"{digits}:digits_reward"]
     elif arg.partition("=")[0] in ("hf", "sft", "dpo") and not arg.partition("=")[2].strip():
         raise ValueError(f"{arg!r}: name the model's folder after '=' ({arg}DIR)")
     elif arg.startswith("hf="):
@@ -300,7 +331,7 @@ def get_config(arg: str | None = None):
     else:
         raise ValueError(
             f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '8b_lora', '8b_qlora', "
-            "'70b', '70b_node', '1b', 'tiny', 'moe_tiny', 'sft_tiny', 'dpo_tiny', 'hf=DIR', "
-            "'sft=DIR', 'dpo=DIR'"
+            "'70b', '70b_node', '1b', 'tiny', 'moe_tiny', 'sft_tiny', 'dpo_tiny', 'grpo_tiny', "
+            "'hf=DIR', 'sft=DIR', 'dpo=DIR'"
         )
     return c

@@ -36,6 +36,12 @@ KEYS = {
     "sample.prompts", "sample.chat", "sample.max_new_tokens",
     "lora.rank", "lora.alpha", "lora.dropout", "lora.targets", "lora.base_dtype",
     "dpo.beta", "dpo.loss", "dpo.label_smoothing", "dpo.sft_weight", "dpo.reference",
+    "grpo.reward_funcs", "grpo.reward_weights", "grpo.num_generations", "grpo.loss_type",
+    "grpo.beta", "grpo.epsilon", "grpo.epsilon_high", "grpo.num_iterations",
+    "grpo.scale_rewards", "grpo.importance_sampling_level", "grpo.max_completion_length",
+    "grpo.temperature", "grpo.top_p", "grpo.top_k", "grpo.soft_punish_cache",
+    "grpo.sampling_correction", "grpo.sampling_clip_min", "grpo.sampling_clip_max",
+    "grpo.old_logps",
 }  # fmt: skip
 
 
@@ -73,6 +79,10 @@ MODULE_KEYS = {
         "files", "eval_files", "tokenizer", "chat_template", "seq_len", "eval_fraction", "too_long",
         "prompt_field", "chosen_field", "rejected_field", "eos_token", "cache_dir",
         "template_max_chars", "template_max_seconds",
+    },
+    "data.grpo": {
+        "files", "eval_files", "tokenizer", "chat_template", "seq_len", "eval_fraction",
+        "prompt_field", "eos_token", "cache_dir", "template_max_chars", "template_max_seconds",
     },
     "data.tfds": {"dataset", "train_split", "eval_split", "data_dir", "augment"},
     "data.synthetic_images": {"image_shape", "num_classes", "signal"},

@@ -8,6 +8,8 @@ functions receive (`answer=[...]`, `mptrain.data.rewards`). Plain text is tokeni
 tokenizer's own special tokens (its BOS), a rendered conversation as it is (its template wrote
 them), as TRL tokenizes both.
 
+  * `data.files` unset: the embedded prompts (`embedded`), sums of two digits, for
+    `configs/llama3.py:grpo_tiny`.
   * The tokenizer, the chat template, the end token, the cache and its folder are
     `data.sft`'s (the same keys). The eval prompts are the last `data.eval_fraction` (0 by
     default, TRL's: no eval) or those of `data.eval_files`.
@@ -99,11 +101,8 @@ def rows_in(s: Settings, side: str) -> list[tuple[str, Any, dict]]:
     `data.eval_files` ("eval"); a `ConfigError` names a row without a prompt."""
     files = s.base.eval_files if side == "eval" else s.base.files
     key = "config.data.eval_files" if side == "eval" else "config.data.files"
-    if not files:
-        raise errors.ConfigError(
-            f"{key} unset: a GRPO run samples from prompts of its own (a .jsonl file, a "
-            f"{s.field!r} a line, and the columns its rewards read)"
-        )
+    if not files and side == "train":
+        return embedded()
     out = []
     for where, row in sources.in_files(files, key):
         prompt = row.get(s.field) if isinstance(row, dict) else None
@@ -115,6 +114,16 @@ def rows_in(s: Settings, side: str) -> list[tuple[str, Any, dict]]:
             )
         out.append((where, prompt, {k: v for k, v in row.items() if k != s.field}))
     return out
+
+
+def embedded() -> list[tuple[str, Any, dict]]:
+    """The embedded prompts (`data.files` unset): the 100 sums `a+b=` of digits `a` and `b`, in
+    order, each with its `answer` (`a + b` in digits), for `answer_match_reward`."""
+    return [
+        (f"the embedded sum {a}+{b}", f"{a}+{b}=", {"answer": str(a + b)})
+        for a in range(10)
+        for b in range(10)
+    ]
 
 
 def build(s: Settings) -> tuple[np.ndarray, dict]:
@@ -185,10 +194,72 @@ class PromptSource(packing.PackedSource):
         return f"PromptSource(prompts={len(self.rows)}, batch_size={self.batch_size})"
 
 
-def sources_of(config: Any) -> tuple[PromptSource, PromptSource | None]:
+def check_run(config: Any) -> dict[str, Any]:
+    """`config.grpo` (`grpo_loss.settings`) and what a GRPO run needs of the rest; a
+    `ValueError` names the key."""
+    from mptrain import models
+    from mptrain.models import grpo_loss
+
+    g = grpo_loss.settings(config.get("grpo"), config.batch_size)
+    if config.trainer != TRAINER:
+        raise ValueError(
+            f"trainer={config.trainer!r}: data.name='grpo' trains with config.trainer={TRAINER!r}"
+        )
+    for axis in ("context", "tensor"):
+        if config.mesh.get(axis, 1) != 1:
+            raise ValueError(
+                f"mesh.{axis}={config.mesh[axis]}: a GRPO run samples and scores whole "
+                f"sequences on whole layers; use mesh.{axis}=1 (data and fsdp split the batch)"
+            )
+    if config.get("steps_per_call", 1) != 1:
+        raise ValueError(
+            f"steps_per_call={config.steps_per_call}: each GRPO step samples with the params "
+            "the step before it made; use steps_per_call=1"
+        )
+    if g["num_iterations"] != 1:
+        raise ValueError(
+            f"grpo.num_iterations={g['num_iterations']}: each batch of completions trains one "
+            "update here (1); more updates a batch are not built yet"
+        )
+    if g["beta"]:
+        raise ValueError(
+            f"grpo.beta={g['beta']}: the KL term needs a reference, which GRPO runs do not "
+            "keep yet; use grpo.beta=0 (TRL's default)"
+        )
+    if config.data.get("eval_fraction") or config.data.get("eval_files"):
+        raise ValueError(
+            "data.eval_fraction / data.eval_files: a GRPO run does not evaluate on held-out "
+            "prompts yet; leave them unset (TRL's default: no evaluation)"
+        )
+    if not getattr(models.record_of(config), "decodes", False):
+        raise ValueError(
+            f"model.name={config.model.name!r}: a GRPO run samples its completions with the "
+            f"KV-cache decoder, which decodes {models.able('decodes')}"
+        )
+    if "fp8" in str(config.precision):
+        raise ValueError(
+            f"precision={config.precision!r}: the sampler does not decode fp8 layers yet; give "
+            "bf16-mixed, fp16-mixed or fp32"
+        )
+    return g
+
+
+def check_config(config: Any) -> dict[str, Any]:
+    """What `config.validate` calls: the keys checked (`check_run` too), the tokenizer and
+    template loaded; returns one completion row's abstract shapes (the prompt and its
+    completion in `data.seq_len` tokens)."""
+    import jax
+
+    g = check_run(config)
+    s = settings(config, g["max_completion_length"])
+    tokenize.check_vocab(config, s.base.vocab, s.base.tokenizer)
+    row = jax.ShapeDtypeStruct((1, s.base.seq_len), np.int32)
+    return {"inputs": row, "targets": row}
+
+
+def create_sources(config: Any) -> tuple[PromptSource, PromptSource | None]:
     """Host-side: `(train, eval)` `PromptSource`s (eval None where there are no eval prompts),
-    `batch_size / grpo.num_generations` prompts a batch. (`data.name` names this module once
-    its Trainer, `mptrain.train.grpo`, is there: until then no config can select it.)"""
+    `batch_size / grpo.num_generations` prompts a batch."""
     from mptrain.models import grpo_loss
 
     with errors.config_errors():

@@ -41,6 +41,9 @@ from mptrain.models import layers
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+OLD_LOGPS = ("trainer", "sampler")
+BAND = (0.9, 1.1)  # the ratios whose share outside is `sampling/frac_ratio_outside_0.9_1.1`
 STD_EPS = 1e-4  # TRL's, added to the standard deviation
 # `config.grpo`'s keys with their defaults: TRL's (`GRPOConfig`, 1.16) where TRL has the key;
 # `soft_punish_cache` is the length over which `soft_overlong_punishment_reward` ramps.
@@ -60,6 +63,10 @@ SETTINGS = {
     "top_p": 1.0,
     "top_k": 0,
     "soft_punish_cache": 0,
+    "sampling_correction": "sequence_mask",
+    "sampling_clip_min": None,
+    "sampling_clip_max": 3.0,
+    "old_logps": "trainer",
 }
 
 
@@ -99,10 +106,23 @@ def settings(grpo: Any, batch_size: int) -> dict[str, Any]:
     keys["soft_punish_cache"] = errors.check_integer(
         "grpo.soft_punish_cache", keys["soft_punish_cache"], 0
     )
+    keys["sampling_correction"] = errors.check_choice(
+        "grpo.sampling_correction", keys["sampling_correction"], CORRECTIONS
+    )
+    for key in ("sampling_clip_min", "sampling_clip_max"):
+        if keys[key] is not None:
+            keys[key] = errors.check_number(f"grpo.{key}", keys[key], 0.0)
+    low, high = keys["sampling_clip_min"], keys["sampling_clip_max"]
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"grpo.sampling_clip_min={low} with grpo.sampling_clip_max={high}: the kept ratios "
+            "lie between them; give a minimum below the maximum"
+        )
+    keys["old_logps"] = errors.check_choice("grpo.old_logps", keys["old_logps"], OLD_LOGPS)
     return keys
 
 
-def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+def nanstd(x: np.ndarray, axis=None) -> np.ndarray:
     """The sample standard deviation of `x`'s non-NaN values (NaN with fewer than two)."""
     count = np.sum(~np.isnan(x), axis=axis, keepdims=True)
     mean = np.nanmean(x, axis=axis, keepdims=True)
@@ -126,15 +146,15 @@ def advantages(
         grouped = rewards.reshape(-1, group)
         mean = np.repeat(np.nanmean(grouped, axis=1), group)
         if scale == "batch":
-            std = np.broadcast_to(_nanstd(rewards), rewards.shape)
+            std = np.broadcast_to(nanstd(rewards), rewards.shape)
         else:  # "group", and "none" for the record
-            std = np.repeat(_nanstd(grouped, axis=1)[:, 0], group)
+            std = np.repeat(nanstd(grouped, axis=1)[:, 0], group)
         adv = rewards - mean
         if scale != "none":
             adv = adv / (std + np.float32(STD_EPS))
         record = {
             "reward": float(np.nanmean(rewards)),
-            "reward_std": float(_nanstd(rewards).reshape(())),
+            "reward_std": float(nanstd(rewards).reshape(())),
             "frac_reward_zero_std": float(np.mean(np.isclose(std, 0.0, rtol=1e-5, atol=1e-8))),
         }
     return np.nan_to_num(adv.astype(np.float32), nan=0.0), record
@@ -147,11 +167,14 @@ def loss_and_metrics(
     advantages: jax.Array,
     mask: jax.Array,
     s: dict[str, Any],
+    is_ratio: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`(loss, metrics)` of a batch (the module doc): `logps`, `old`, `ref` fp32 `[B, T]` (`old`
     None: `logps` without gradient; `ref` None where `beta` is 0), `advantages` `[B]`, `mask`
     `[B, T]` (the completion's tokens through its end token). `s`: `loss_type`, `beta`,
-    `epsilon`, `epsilon_high`, `importance_sampling_level`, `max_completion_length`."""
+    `epsilon`, `epsilon_high`, `importance_sampling_level`, `max_completion_length`.
+    `is_ratio`: the sampler's correction (`sampling_correction`, `[B, T]` or `[B, 1]`), which
+    multiplies each token's clipped term before the KL is added, as TRL applies vLLM's."""
     logps = logps.astype(jnp.float32)
     valid = mask.astype(bool)
     m = valid.astype(jnp.float32)
@@ -164,6 +187,8 @@ def loss_and_metrics(
     coef = jnp.exp(log_ratio)
     low, high = 1 - s["epsilon"], 1 + s["epsilon_high"]
     per_token = -jnp.minimum(coef * adv, jnp.clip(coef, low, high) * adv)
+    if is_ratio is not None:
+        per_token = per_token * jax.lax.stop_gradient(is_ratio)
     per_token = jnp.broadcast_to(per_token, logps.shape)
     metrics = {}
     if s["beta"]:
@@ -189,3 +214,49 @@ def loss_and_metrics(
     metrics["clip_ratio/high_mean"] = share(high_clipped)
     metrics["clip_ratio/region_mean"] = share(low_clipped | high_clipped)
     return loss, metrics
+
+
+def sampling_correction(
+    old: jax.Array, sampled: jax.Array, mask: jax.Array, s: dict[str, Any]
+) -> tuple[jax.Array | None, dict[str, jax.Array]]:
+    """`(is_ratio, metrics)`: the sampler/trainer mismatch of a batch, measured and corrected as
+    TRL does with vLLM (`grpo_trainer.py`, 1.16), from the trainer's log-probabilities of the
+    sampled tokens `old` (fp32 `[B, T]`, no gradient) and the sampler's `sampled`, over the
+    completion tokens `mask`:
+
+      d_t = old_t - sampled_t; the ratio exp(d_t) a token (`token_*`), exp(sum_t d_t) a
+      completion (`sequence_*`); `*_truncate` clamps it to [clip_min, clip_max], `*_mask` sets
+      it to 0 outside; `none`: no correction (`is_ratio` None), the mismatch still measured.
+
+    `metrics`, TRL's names: `sampling/sampling_logp_difference/mean|max` (|d_t| over the tokens),
+    `sampling/importance_sampling_ratio/min|mean|max` (of the corrected ratio: over the tokens,
+    or the completions at the sequence level; of the raw token ratio under `none`), and the
+    tail a mean hides, `sampling/frac_ratio_outside_0.9_1.1`: the share of tokens whose own
+    ratio exp(d_t) leaves [0.9, 1.1]."""
+    valid = mask.astype(bool)
+    d = jnp.where(valid, old.astype(jnp.float32) - sampled.astype(jnp.float32), 0.0)
+    mode, low, high = s["sampling_correction"], s["sampling_clip_min"], s["sampling_clip_max"]
+    sequence = mode.startswith("sequence")
+    ratio = jnp.exp(jnp.sum(d, axis=-1, keepdims=True) if sequence else d)
+    if mode.endswith("truncate"):
+        ratio = jnp.clip(ratio, low, high)
+    elif mode.endswith("mask"):
+        low = -jnp.inf if low is None else low
+        high = jnp.inf if high is None else high
+        ratio = jnp.where((ratio < low) | (ratio > high), 0.0, ratio)
+    counted = jnp.ones(ratio.shape, bool) if sequence else valid
+    big, token_ratio = jnp.finfo(jnp.float32).max, jnp.exp(d)
+    outside = (token_ratio < BAND[0]) | (token_ratio > BAND[1])
+    metrics = {
+        "sampling/sampling_logp_difference/mean": layers.masked_mean(jnp.abs(d), valid),
+        "sampling/sampling_logp_difference/max": jnp.max(jnp.where(valid, jnp.abs(d), 0.0)),
+        "sampling/importance_sampling_ratio/min": jnp.min(jnp.where(counted, ratio, big)),
+        "sampling/importance_sampling_ratio/mean": layers.masked_mean(
+            jnp.broadcast_to(ratio, counted.shape), counted
+        ),
+        "sampling/importance_sampling_ratio/max": jnp.max(jnp.where(counted, ratio, -big)),
+        "sampling/frac_ratio_outside_0.9_1.1": layers.masked_mean(
+            outside.astype(jnp.float32), valid
+        ),
+    }
+    return (None if mode == "none" else ratio), metrics

@@ -101,6 +101,11 @@ def _logits(h: jax.Array, kernel: jax.Array, softcap: float | None = None) -> ja
     return logits if softcap is None else capped(logits, softcap)
 
 
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """fp32 ``logits / temperature`` (a sampling temperature's distribution); 1: as they are."""
+    return logits if temperature == 1.0 else logits / jnp.float32(temperature)
+
+
 def capped(logits: jax.Array, softcap: float) -> jax.Array:
     """Gemma 2's soft-cap, ``cap * tanh(logits / cap)``, on fp32 logits."""
     return softcap * jnp.tanh(logits / softcap)
@@ -130,27 +135,29 @@ def _statistics(logits, targets, axis):
     return most + jnp.log(total), jax.lax.psum(picked, axis), correct
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked_head(hidden, kernel, targets, softcap, axis):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_head(hidden, kernel, targets, softcap, axis, temperature):
     """Per token of ``hidden [N, B, c, D]`` (N chunks), fp32 ``[N, B, c]`` each: the logsumexp
-    of its logits (soft-capped by ``softcap`` where given), its target's logit (0 for a target
-    < 0) and whether the argmax is the target (`_statistics`; ``axis``: a tensor group's, whose
-    devices each hold a part of the vocabulary, ``kernel``'s columns)."""
-    return _chunked_head_fwd(hidden, kernel, targets, softcap, axis)[0]
+    of its logits (soft-capped by ``softcap`` where given, then over ``temperature``), its
+    target's logit (0 for a target < 0) and whether the argmax is the target (`_statistics`;
+    ``axis``: a tensor group's, whose devices each hold a part of the vocabulary, ``kernel``'s
+    columns)."""
+    return _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature)[0]
 
 
-def _chunked_head_fwd(hidden, kernel, targets, softcap, axis):
+def _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature):
     compute_kernel = kernel.astype(hidden.dtype)
 
     def body(_, chunk):
         h, t = chunk
-        return None, _statistics(_logits(h, compute_kernel, softcap), t, axis)
+        logits = tempered(_logits(h, compute_kernel, softcap), temperature)
+        return None, _statistics(logits, t, axis)
 
     _, (lse, picked, correct) = jax.lax.scan(body, None, (hidden, targets))
     return (lse, picked, correct), (hidden, kernel, targets, lse)
 
 
-def _chunked_head_bwd(softcap, axis, residuals, cotangents):
+def _chunked_head_bwd(softcap, axis, temperature, residuals, cotangents):
     hidden, kernel, targets, lse = residuals
     g_lse, g_picked, _ = cotangents  # ``correct`` is a count: no gradient
     compute_kernel = kernel.astype(hidden.dtype)
@@ -160,9 +167,9 @@ def _chunked_head_bwd(softcap, axis, residuals, cotangents):
     def body(d_kernel, chunk):
         h, t, lse_c, g_lse_c, g_picked_c = chunk
         logits = _logits(h, compute_kernel, softcap)
-        softmax = jnp.exp(logits - lse_c[..., None])
+        softmax = jnp.exp(tempered(logits, temperature) - lse_c[..., None])
         picked = jnp.where(_is_target(t, logits.shape[-1]), g_picked_c[..., None], 0.0)
-        d_logits = softmax * g_lse_c[..., None] + picked
+        d_logits = tempered(softmax * g_lse_c[..., None] + picked, temperature)
         if softcap is not None:  # through cap * tanh(z / cap): times 1 - tanh^2
             d_logits = d_logits * (1.0 - jnp.square(logits / softcap))
         d_logits = d_logits.astype(h.dtype)  # the island's end
@@ -187,6 +194,7 @@ def token_loss(
     z_loss: float = 0.0,
     softcap: float | None = None,
     split: Any = None,
+    temperature: float = 1.0,
 ) -> dict[str, jax.Array]:
     """The next-token loss of ``hidden [B, L, D] @ kernel [D, V]`` against ``targets [B, L]``.
 
@@ -204,6 +212,8 @@ def token_loss(
     ``logps``: fp32 ``[B, L]``, each target's log-probability (0 where masked), which DPO sums
     per sequence (``dpo_loss``); XLA drops it where nothing reads it.
     ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
+    ``temperature``: the (capped) logits over it, the distribution a sampler at that
+    temperature draws from (a GRPO run's log-probabilities, `mptrain.train.grpo`).
     ``split``: a tensor group's (`mptrain.parallel.tensor.Split`): ``kernel`` is this device's
     part of the vocabulary, ``hidden`` and ``targets`` every token of the group; the per-token
     values are the whole vocabulary's, and each device keeps its own part of the tokens.
@@ -222,7 +232,9 @@ def token_loss(
         return jnp.moveaxis(x.reshape(batch, padded // chunk, chunk, *x.shape[2:]), 1, 0)
 
     axis = None if split is None else split.axis
-    per_token = _chunked_head(to_chunks(hidden), kernel, to_chunks(targets), softcap, axis)
+    per_token = _chunked_head(
+        to_chunks(hidden), kernel, to_chunks(targets), softcap, axis, temperature
+    )
     lse, picked, correct = (
         jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
     )
@@ -259,6 +271,7 @@ class Head(nn.Module):
     z_loss: float = 0.0
     softcap: float | None = None  # the logits' soft-cap (`capped`), Gemma 2's
     dict_out: bool = False  # with targets, always `token_loss`'s dict (a model that adds to it)
+    temperature: float = 1.0  # the logits over it (`token_loss`'s); 1 but in a GRPO run
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
@@ -275,10 +288,18 @@ class Head(nn.Module):
             raise ValueError("on a tensor axis the head takes targets: each device its part")
         if split is not None:
             return token_loss(x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss,
-                              softcap=self.softcap, split=split)  # fmt: skip
+                              softcap=self.softcap, split=split,
+                              temperature=self.temperature)  # fmt: skip
         if targets is None or (whole and not self.z_loss and not self.dict_out):
             logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
-            return logits if self.softcap is None else capped(logits, self.softcap)
+            logits = logits if self.softcap is None else capped(logits, self.softcap)
+            return tempered(logits, self.temperature)
         return token_loss(
-            x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss, softcap=self.softcap
+            x,
+            kernel,
+            targets,
+            chunk=self.chunk,
+            z_loss=self.z_loss,
+            softcap=self.softcap,
+            temperature=self.temperature,
         )

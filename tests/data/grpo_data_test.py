@@ -44,7 +44,7 @@ def _fresh():
 
 def test_prompts_are_tokenized_as_trl_does_and_keep_their_columns(tmp_path):
     files = [_write(tmp_path / "a.jsonl", ROWS), _write(tmp_path / "b.jsonl", CHATS)]
-    train, held_out = grpo.sources_of(_config(tmp_path, files=files))
+    train, held_out = grpo.create_sources(_config(tmp_path, files=files))
     assert held_out is None and len(train.rows) == 16  # TRL's default: no eval
     tokenizer = sft.tokenizer_of(sft.BYTES)
     plain = tokenizer.encode(ROWS[3]["prompt"], add_special_tokens=True).ids  # its BOS
@@ -61,14 +61,14 @@ def test_prompts_are_tokenized_as_trl_does_and_keep_their_columns(tmp_path):
     )
     batch = train.get_batch(5)  # 8 completions of 4 generations: 2 prompts a batch
     assert batch["prompt_ids"].shape == (2, train.rows.shape[1] - 1)
-    again = grpo.sources_of(_config(tmp_path, files=files))[0].get_batch(5)
+    again = grpo.create_sources(_config(tmp_path, files=files))[0].get_batch(5)
     assert all(np.array_equal(batch[k], again[k]) for k in batch)  # from (seed, i) alone
 
 
 def test_eval_prompts_come_from_their_own_files(tmp_path):
     train_file, eval_file = _write(tmp_path / "t.jsonl", ROWS), _write(tmp_path / "e.jsonl", CHATS)
     config = _config(tmp_path, files=train_file, eval_files=eval_file)
-    train, held_out = grpo.sources_of(config)
+    train, held_out = grpo.create_sources(config)
     assert (len(train.rows), len(held_out.rows)) == (12, 4)
     assert held_out.columns == [{"answer": c["answer"]} for c in CHATS]
 
@@ -84,7 +84,6 @@ def test_eval_prompts_come_from_their_own_files(tmp_path):
         ([{"prompt": ""}], {}, "line 1: no 'prompt'"),
         ([{"prompt": "x" * 60}], {}, "line 1: the prompt's 60 tokens leave no room for its"),
         (ROWS[:3], {"eval_fraction": 0.1}, "of 3 prompts it holds out 0"),
-        (None, {}, "config.data.files unset: a GRPO run samples from prompts of its own"),
         (ROWS, {"seq_len": 16}, "data.seq_len=16 with grpo.max_completion_length=16"),
         (ROWS, {"prompt_field": 3}, "data.prompt_field=3: must be a field's name"),
     ],
@@ -92,7 +91,7 @@ def test_eval_prompts_come_from_their_own_files(tmp_path):
 def test_a_bad_prompt_or_setting_is_one_line_naming_it(tmp_path, rows, keys, says):
     files = None if rows is None else _write(tmp_path / "p.jsonl", rows)
     with pytest.raises(errors.ConfigError) as e:
-        grpo.sources_of(_config(tmp_path, files=files, **keys))
+        grpo.create_sources(_config(tmp_path, files=files, **keys))
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

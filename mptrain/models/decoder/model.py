@@ -57,6 +57,9 @@ class Llama(nn.Module):
     embed_scale: bool = False  # the embeddings times sqrt(d_model), in the compute dtype
     final_softcap: float | None = None  # the logits' soft-cap (`lm_loss.capped`)
     aux_loss_coef: float = 0.0  # the load-balancing loss's weight (a mixture of experts)
+    # the logits (and the loss's and log-probabilities') over it: a GRPO run scores its
+    # completions at its sampling temperature (`mptrain.train.grpo`); 1 otherwise
+    temperature: float = 1.0
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -95,7 +98,8 @@ class Llama(nn.Module):
         if logits_at is not None:  # [B, 1, D]: one position a row
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
-                            self.final_softcap, dict_out=bool(routed), name="head")  # fmt: skip
+                            self.final_softcap, dict_out=bool(routed),
+                            temperature=self.temperature, name="head")  # fmt: skip
         kernel = None
         if self.tie_embeddings:
             kernel = axes_lib.unboxed(embed.variables["params"]["embedding"]).T.astype(self.dtype)
