@@ -316,7 +316,7 @@ def get_config(arg: str | None = None):
         c.grpo.max_completion_length = 4
         here = os.path.dirname(os.path.abspath(__file__))
         digits = os.path.join(os.path.dirname(here), "examples", "grpo_rewards.py")
-        c.grpo.reward_funcs = ["answer_match_reward", f"{digits}:digits_reward"]
+        c.grpo.reward_funcs = ("answer_match_reward", f"{digits}:digits_reward")
     elif arg.partition("=")[0] in ("hf", "sft", "dpo") and not arg.partition("=")[2].strip():
         raise ValueError(f"{arg!r}: name the model's folder after '=' ({arg}DIR)")
     elif arg.startswith("hf="):
