@@ -120,3 +120,33 @@ def test_a_prompt_past_the_context_is_refused_naming_it():
         decode.pad_prompts([[1, 2], [3] * 60], max_len=64, max_new_tokens=8)
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         decode.pad_prompts([[]], max_len=64, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("targets", [None, "attn/(q|v)"])
+def test_the_unrolled_layers_keep_the_adapters_the_scanned_stack_has(targets):
+    """A LoRA run's decoder (samples, GRPO's sampler) unrolls the scanned layers: each unrolled
+    layer's projections adapt as the stack's did (a stack's target `attn/q` is `layers_1/attn/q`
+    unrolled; before, the unrolled layers dropped every adapter of a `lora.targets` run and of
+    GRPO's default, which names every projection)."""
+    from mptrain import config as config_lib
+    from mptrain import models
+
+    base = config_lib.base_config()
+    base.lora.rank, base.lora.targets = 4, targets
+    from mptrain.parallel import axes as axes_lib
+
+    model = models.create(llama_config(), config_lib.policy_of(base), lora=base.lora)
+    tokens = jax.ShapeDtypeStruct((1, 4), np.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+    made = {}
+
+    def unroll(params):  # traced only: nothing compiles
+        made["model"], params = decode.unscanned(model, params)
+        return params
+
+    jax.eval_shape(unroll, axes_lib.unboxed(params))
+    unrolled = made["model"].lora
+    for name in ("q", "v", "k"):
+        want = model.lora.adapts(("attn", name))
+        assert unrolled.adapts(("layers_1", "attn", name)) == want, name
+    assert want is (targets is None)  # k: adapted only where every projection is

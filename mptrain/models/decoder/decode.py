@@ -60,7 +60,21 @@ def unscanned(model: Any, params: Any) -> tuple[Any, Any]:
         for i in range(jax.tree.leaves(tree)[0].shape[0]):
             layers[f"layers_{first + i}"] = jax.tree.map(lambda a, i=i: a[i], tree)
     rest = {k: v for k, v in params.items() if k != sharding.STACKED}
-    return model.clone(scan_layers=False), rest | layers
+    return model.clone(scan_layers=False, lora=_unrolled(model)), rest | layers
+
+
+def _unrolled(model: Any) -> Any:
+    """The model's LoRA spec as its unrolled layers see themselves: a scanned block's projection
+    is `attn/q` to itself, the same unrolled `layers_3/attn/q`; a spec's targets name the
+    first, so each is named both ways (else the unrolled model would drop every adapter)."""
+    from mptrain.models import lora as lora_lib
+
+    spec = getattr(model, "lora", None)
+    if spec is None or spec.targets == lora_lib.ALL:
+        return spec
+    layers = range(model.num_layers)
+    each = lambda paths: frozenset(paths) | {f"layers_{i}/{p}" for p in paths for i in layers}
+    return dataclasses.replace(spec, targets=each(spec.targets), projections=each(spec.projections))
 
 
 @dataclasses.dataclass(frozen=True)
