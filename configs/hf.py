@@ -8,10 +8,13 @@ Qwen2, Qwen3, Qwen3-MoE, Mixtral, ...: `mptrain.hf.families`), with the recipe o
         --config.data.files=chats.jsonl
     python -m mptrain.main --config=configs/hf.py:dpo=/models/Qwen3-0.6B --workdir=runs/dpo \
         --config.data.files=pairs.jsonl --config.lora.rank=16
+    python -m mptrain.main --config=configs/hf.py:grpo=/models/Qwen3-0.6B --workdir=runs/rl \
+        --config.data.files=prompts.jsonl --config.grpo.reward_funcs=answer_match_reward
 
 Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer),
 `sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md),
-`dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md), or `tiny` (the repository's
+`dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md), `grpo=DIR` (GRPO on prompts
+and the rewards `grpo.reward_funcs` names, docs/rl.md), or `tiny` (the repository's
 own test folder, `tests/hf/fixture`: a Llama of 2 layers and 300 tokens, on the embedded
 text, 8 steps). The
 model section is the folder's own (`mptrain.hf.read_config`: its family and that family's
@@ -25,7 +28,8 @@ import runpy
 def get_config(arg: str | None = None):
     if not arg:
         raise ValueError(
-            "configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR, dpo=DIR)"
+            "configs/hf.py needs a folder: --config=configs/hf.py:DIR (or sft=DIR, dpo=DIR, "
+            "grpo=DIR)"
         )
     llama3 = runpy.run_path(os.path.join(os.path.dirname(__file__), "llama3.py"))
     if arg == "tiny":  # the contract's variant for tests (docs/design.md)
@@ -34,4 +38,5 @@ def get_config(arg: str | None = None):
         c.num_train_steps = c.checkpoint_every_steps = c.eval_every_steps = 8
         c.log_every_steps, c.eval_steps, c.optimizer.warmup_steps = 4, 2, 2
         return c
-    return llama3["get_config"](arg if arg.startswith(("sft=", "dpo=")) else f"hf={arg}")
+    kinds = ("sft=", "dpo=", "grpo=")
+    return llama3["get_config"](arg if arg.startswith(kinds) else f"hf={arg}")

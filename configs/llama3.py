@@ -66,13 +66,18 @@ Arguments:
   `data.name="dpo"` (`--config.data.files=pairs.jsonl`: prompt, chosen, rejected), AdamW at
   5e-7 (TRL's), beta 0.1, the sigmoid loss; the reference a frozen copy of DIR's weights, or
   DIR itself with the adapters off under `--config.lora.rank=16`.
+- `grpo=DIR`: GRPO of the Llama in DIR on prompts (docs/rl.md): `hf=DIR` with
+  `data.name="grpo"` (`--config.data.files=prompts.jsonl`: a `prompt` a line and the columns
+  the rewards read; `--config.grpo.reward_funcs=...`), TRL's defaults (AdamW at 1e-6 decaying
+  linearly, 8 completions a prompt of at most 512 tokens, the `dapo` loss, no KL), rows of
+  256 prompt tokens and the completion; `--config.lora.rank=16` for adapters.
 - `dpo_tiny`: `sft_tiny`'s Llama, from its own init, on the embedded pairs (a docstring chosen
   over the same words shuffled) in rows of 256; 300 steps on a 2-core CPU.
 - `grpo_tiny`: `sft_tiny`'s Llama, from its own init, learning sums of two digits by GRPO
   (docs/rl.md): the embedded prompts `a+b=` (`data.grpo.embedded`), 4 completions of at most
   4 tokens a prompt, 16 a step, rewarded by `answer_match_reward` and the share of digits
-  (`examples/grpo_rewards.py`); AdamW at 1e-3, fp16-mixed with dynamic loss scaling (the
-  sampler and the trainer in fp16: docs/rl.md#precision).
+  (`examples/grpo_rewards.py`); AdamW at 1e-3 (constant after 10 warmup steps), fp16-mixed
+  with dynamic loss scaling (the sampler and the trainer in fp16: docs/rl.md#precision).
 - `moe_tiny`: `tiny` with a mixture of experts in each layer (8 experts of 128, 2 a token,
   renormalised, Mixtral's routing; the load-balancing loss at 0.01): `--config.mesh.expert=4`
   splits the experts over 4 devices (docs/mixture-of-experts.md).
@@ -102,6 +107,7 @@ from mptrain import config as config_lib
 from mptrain.data import dpo, grpo, template
 
 LLAMA3_SCALING = (8.0, 1.0, 4.0, 8192)  # factor, low_freq_factor, high_freq_factor, original
+FOLDER_KINDS = ("hf", "sft", "dpo", "grpo")  # the arguments `KIND=DIR` naming a model's folder
 
 
 def _llama3(c, d_model, layers, heads, kv_heads, d_ff, vocab=128_256):
@@ -311,13 +317,14 @@ def get_config(arg: str | None = None):
         c.checkpoint_every_steps = 100
         c.optimizer.learning_rate = 1e-3
         c.optimizer.warmup_steps = 10
+        c.optimizer.schedule = "constant"  # a run's steps then do not depend on its length
         _grpo(c, 16)
         c.grpo.num_generations = 4
         c.grpo.max_completion_length = 4
         here = os.path.dirname(os.path.abspath(__file__))
         digits = os.path.join(os.path.dirname(here), "examples", "grpo_rewards.py")
         c.grpo.reward_funcs = ("answer_match_reward", f"{digits}:digits_reward")
-    elif arg.partition("=")[0] in ("hf", "sft", "dpo") and not arg.partition("=")[2].strip():
+    elif arg.partition("=")[0] in FOLDER_KINDS and not arg.partition("=")[2].strip():
         raise ValueError(f"{arg!r}: name the model's folder after '=' ({arg}DIR)")
     elif arg.startswith("hf="):
         _fine_tune(c, arg[3:])
@@ -328,10 +335,18 @@ def get_config(arg: str | None = None):
         _fine_tune(c, arg[4:])
         c.optimizer.learning_rate, c.optimizer.warmup_steps = 5e-7, 10  # TRL's DPO defaults
         _dpo(c, c.data.seq_len, tokenizer=arg[4:])
+    elif arg.startswith("grpo="):
+        _fine_tune(c, arg[5:])
+        c.optimizer.learning_rate, c.optimizer.warmup_steps = 1e-6, 0  # TRL's GRPO defaults
+        c.optimizer.schedule = "linear"  # TRL's (transformers') default decay
+        c.batch_size = 8  # completions: one prompt's num_generations (8, TRL's)
+        c.log_every_steps = 10
+        _grpo(c, c.data.seq_len, tokenizer=arg[5:])
+        c.data.seq_len = min(c.model.max_len, 256 + c.grpo.max_completion_length)
     else:
         raise ValueError(
             f"unknown config argument {arg!r}; valid: '8b', '8b_sft', '8b_lora', '8b_qlora', "
             "'70b', '70b_node', '1b', 'tiny', 'moe_tiny', 'sft_tiny', 'dpo_tiny', 'grpo_tiny', "
-            "'hf=DIR', 'sft=DIR', 'dpo=DIR'"
+            "'hf=DIR', 'sft=DIR', 'dpo=DIR', 'grpo=DIR'"
         )
     return c

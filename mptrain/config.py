@@ -128,13 +128,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.dpo.reference = "auto"  # "adapters" | "copy" | "precomputed" | "auto" (docs/dpo.md)
     # GRPO on prompts (data.name="grpo"): docs/rl.md; TRL's keys and defaults (`models.grpo_loss`)
     c.grpo = ml_collections.ConfigDict()
-    c.grpo.reward_funcs = None  # module:function or a built-in name, or a list of them
-    c.grpo.reward_weights = None  # one number a reward (None: 1.0 each)
+    # module:function or a built-in name, or a tuple of them
+    c.grpo.reward_funcs = config_dict.placeholder(object)
+    c.grpo.reward_weights = config_dict.placeholder(object)  # one number a reward (None: 1.0 each)
     c.grpo.num_generations = 8  # completions a prompt; batch_size counts completions
     c.grpo.loss_type = "dapo"  # "grpo" | "bnpo" | "dr_grpo" | "dapo"
     c.grpo.beta = 0.0  # the KL term's weight against the reference (0: no reference)
     c.grpo.epsilon = 0.2  # the ratio's clip: [1 - epsilon, 1 + epsilon_high]
-    c.grpo.epsilon_high = None  # None: epsilon
+    c.grpo.epsilon_high = config_dict.placeholder(float)  # None: epsilon
     c.grpo.num_iterations = 1  # updates a batch of completions
     c.grpo.scale_rewards = "group"  # advantages over the std of: "group" | "batch" | "none"
     c.grpo.importance_sampling_level = "token"  # "token" | "sequence" (GSPO)
@@ -146,7 +147,8 @@ def base_config() -> ml_collections.ConfigDict:
     # the sampler/trainer mismatch's correction: "sequence_mask" (TRL's with vLLM) |
     # "sequence_truncate" | "token_mask" | "token_truncate" | "none" (measured, not corrected)
     c.grpo.sampling_correction = "sequence_mask"
-    c.grpo.sampling_clip_min = None  # the corrected ratio's bounds (None: none that side)
+    # the corrected ratio's bounds (None: none that side)
+    c.grpo.sampling_clip_min = config_dict.placeholder(float)
     c.grpo.sampling_clip_max = 3.0  # TRL's default cap
     c.grpo.old_logps = "trainer"  # the ratio's old log-probs: "trainer" | "sampler" (its own)
     c.model = ml_collections.ConfigDict()

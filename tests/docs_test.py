@@ -42,6 +42,7 @@ NOT_RUN = {
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
     "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs it cut to 60",
     "dpo-tiny": "tests/train/dpo_train_test.py runs 40 of its steps in two precisions (slow)",
+    "grpo-folder": "a model folder of the reader's; the page's runs are grpo_tiny's",
 }
 MAX_STEPS = 8
 PAGE_STEPS = 2_000  # a config the page writes (README's and getting-started's: 20,000)
@@ -352,6 +353,7 @@ SLOW_PAGES = (
     "fine-tuning.md",
     "sft.md",
     "dpo.md",
+    "rl.md",
     "mixture-of-experts.md",
     "fp8.md",
     "export.md",

@@ -31,11 +31,6 @@ def _flags(keys: dict) -> list[str]:
     return [f"--config.{k}={v}" for k, v in keys.items()]
 
 
-# A constant learning rate after the shipped warmup: the step's program then does not depend on
-# num_train_steps, and the slow tests of grpo_tiny below share theirs.
-CONSTANT = {"optimizer.schedule": "constant"}
-
-
 BAD = [
     ({"grpo.num_generations": 1}, "grpo.num_generations=1"),
     ({"grpo.num_generations": 3}, "batch_size=16 with grpo.num_generations=3"),
@@ -77,13 +72,13 @@ def _rollouts(workdir) -> list[dict]:
 
 @pytest.mark.slow  # 60 steps of grpo_tiny; its programs are the kill test's
 def test_grpo_tiny_learns_and_keeps_trls_record(tmp_path, capsys):
-    """fp16-mixed as shipped, 60 steps at a constant learning rate: the reward at step 60 is
+    """As shipped (fp16-mixed, a constant learning rate: the step's program is the other
+    tests' and docs/rl.md's), 60 steps: the reward at step 60 is
     above step 10's by 0.3 or more (2026-12-06: 0.09 at step 10, 0.98 at step 70 of the 200
     shipped). The record holds TRL's names; every logged step's completions (the first step's
     too) are in rollouts.jsonl with what a reader needs."""
     workdir = tmp_path / "run"
     keys = {"num_train_steps": 60, "log_every_steps": 10, "data.cache_dir": tmp_path / "cache"}
-    keys |= CONSTANT
     code, err = run_cli(workdir, *_flags(keys), capsys=capsys, config=TINY)
     assert code == 0, err[-3000:]
     history = _history(workdir)
@@ -114,7 +109,6 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_naming_it(tmp_path, cap
         "def short(completions, **kwargs):\n    return [1.0] * (len(completions) - 1)\n"
     )
     keys = {"grpo.reward_funcs": f"{module}:short", "data.cache_dir": tmp_path / "cache"}
-    keys |= CONSTANT
     code, err = run_cli(tmp_path / "run", *_flags(keys), capsys=capsys, config=TINY)
     assert code == 2, err[-3000:]
     assert "grpo.reward_funcs: short returned 15 values for 16 completions" in err, err[-3000:]
@@ -122,7 +116,7 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_naming_it(tmp_path, cap
 
 def _command(workdir, cache) -> list[str]:
     keys = {"num_train_steps": 12, "checkpoint_every_steps": 3, "log_every_steps": 3}
-    keys |= {"data.cache_dir": cache, **CONSTANT}
+    keys["data.cache_dir"] = cache
     return [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={workdir}", *_flags(keys)]
 
 
