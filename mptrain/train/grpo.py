@@ -31,8 +31,10 @@ The record: TRL's names (`reward`, `reward_std`, `rewards/<name>/mean|std`,
 `frac_reward_zero_std`, `completions/*`, `clip_ratio/*`, `sampling/*`), the time spent sampling
 and scoring as `generation` in the goodput line, and `rollouts.jsonl` in the workdir: a line a
 completion of every logged step (the first always), whose `step` is the history step of the
-update that trained on it. Not built yet: evaluation on held-out prompts, `beta` > 0 (a
-reference), several updates a batch (`num_iterations` > 1), a split over `mesh.context` or
+update that trained on it. The KL term (`beta` > 0) is taken against the base with the
+adapters off, a LoRA run's (`reference_logps`, a forward pass before the update's). Not built
+yet: evaluation on held-out prompts, `beta` > 0 in a full fine-tune (a frozen step-0 copy, as
+DPO's), several updates a batch (`num_iterations` > 1), a split over `mesh.context` or
 `mesh.tensor`.
 """
 
@@ -45,11 +47,12 @@ import numpy as np
 from absl import logging
 
 from mptrain import errors
+from mptrain.data import dpo as dpo_data
 from mptrain.data import grpo as grpo_data
 from mptrain.data import rewards as rewards_lib
 from mptrain.models import dpo_loss, grpo_loss
 from mptrain.models.decoder import decode
-from mptrain.parallel import layout
+from mptrain.parallel import layout, sharding
 from mptrain.record import curves
 from mptrain.train import loop, trainer
 
@@ -113,8 +116,11 @@ class GRPOTrainer(trainer.Trainer):
         old = None
         if g["old_logps"] == "sampler":  # the ratio carries the mismatch: nothing on top
             old, is_ratio = sampled, None
+        ref = batch.get(dpo_data.REFERENCE)  # beta > 0: the base's (`reference_logps`)
+        if g["beta"] and ref is None:  # a trace of the loss alone: the policy as its own
+            ref = jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss.loss_and_metrics(
-            logps, old, None, batch["advantages"], mask, g, is_ratio
+            logps, old, ref, batch["advantages"], mask, g, is_ratio
         )
         extra = trainer.model_metrics(out)
         if "moe/aux_loss" in extra:
@@ -122,6 +128,39 @@ class GRPOTrainer(trainer.Trainer):
         record = batch["record"]
         host = {name: record[0, k] for k, name in enumerate(self.record_names)}
         return loss, (new_state, {**metrics, **mismatch, **host, **extra})
+
+    def reference_logps(self, state, batch) -> jax.Array:
+        """Traced. fp32 `[B, L]`: the reference's log-probabilities of the batch's targets, no
+        gradient: the base without its adapters (`state.frozen`, a LoRA run's), read in the
+        policy's dtypes and laid out on the mesh as the update's forward is."""
+        policy = self.policy
+
+        def forward(params, model_state, batch):
+            variables = {"params": params, **model_state}
+            out = self.model.apply(variables, batch["inputs"], targets=batch["targets"])
+            return dpo_loss.token_logps(out, batch["targets"])
+
+        with policy.matmuls():
+            if self.mesh.size > 1:
+                run = sharding.forward_fn(forward, policy, self.mesh, per_row=True, axes=state.axes)
+                logps = run(state.frozen, state.model_state, batch)
+            else:
+                logps = forward(
+                    sharding.cast_params(policy, state.frozen), state.model_state, batch
+                )
+        return jax.lax.stop_gradient(logps.astype(jax.numpy.float32))
+
+    def make_train_step(self):
+        """The Trainer's step; with `beta` > 0 the reference's log-probabilities first."""
+        inner = super().make_train_step()
+        if not self.grpo["beta"]:
+            return inner
+
+        def train_step(state, batch, totals):
+            batch = {**batch, dpo_data.REFERENCE: self.reference_logps(state, batch)}
+            return inner(state, batch, totals)
+
+        return train_step
 
     # ---- the loop ---------------------------------------------------------------------------
 

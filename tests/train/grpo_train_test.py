@@ -38,7 +38,7 @@ BAD = [
     ({"grpo.reward_funcs": "answer_match"}, "neither a built-in"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type='ppo'"),
     ({"grpo.sampling_correction": "clip"}, "grpo.sampling_correction='clip'"),
-    ({"grpo.beta": 0.04}, "grpo.beta=0.04: the KL term needs a reference"),
+    ({"grpo.beta": 0.04}, "grpo.beta=0.04: the KL term needs a reference: under LoRA the base"),
     ({"grpo.num_iterations": 2}, "grpo.num_iterations=2"),
     ({"data.seq_len": 4}, "data.seq_len=4 with grpo.max_completion_length=4"),
     ({"mesh.tensor": 2}, "mesh.tensor=2: a GRPO run samples"),
@@ -154,3 +154,16 @@ def test_fsdp_4_x_data_2_samples_and_trains_as_one_device_and_fp32_sampler_agree
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["reward"] - b["reward"]) < 1e-6
         assert a["sampling/sampling_logp_difference/max"] < 1e-5, a
         assert b["sampling/sampling_logp_difference/max"] < 1e-5, b
+
+
+@pytest.mark.slow  # adapters: programs of their own
+def test_under_lora_the_kl_term_is_taken_against_the_base_with_the_adapters_off(tmp_path, capsys):
+    """beta 0.04, LoRA rank 8: the reference is the frozen base, so while the adapters are zero
+    (step 1, and step 2 after the warmup's zero first update) the KL term is exactly 0; once
+    they move it is not, and the loss holds beta times it."""
+    keys = {"num_train_steps": 6, "log_every_steps": 1, "data.cache_dir": tmp_path / "cache"}
+    keys |= {"lora.rank": 8, "grpo.beta": 0.04, "optimizer.learning_rate": 1e-2}
+    code, err = run_cli(tmp_path / "run", *_flags(keys), capsys=capsys, config=TINY)
+    assert code == 0, err[-3000:]
+    kl = [r["kl"] for r in _history(tmp_path / "run")]
+    assert kl[:2] == [0.0, 0.0] and all(x > 0 for x in kl[2:]), kl
