@@ -199,7 +199,6 @@ def check_run(config: Any) -> dict[str, Any]:
     `ValueError` names the key."""
     from mptrain import models
     from mptrain.models import grpo_loss
-    from mptrain.models import lora as lora_lib
 
     g = grpo_loss.settings(config.get("grpo"), config.batch_size)
     if config.trainer != TRAINER:
@@ -221,12 +220,6 @@ def check_run(config: Any) -> dict[str, Any]:
         raise ValueError(
             f"grpo.num_iterations={g['num_iterations']}: each batch of completions trains one "
             "update here (1); more updates a batch are not built yet"
-        )
-    if g["beta"] and not lora_lib.enabled(config):
-        raise ValueError(
-            f"grpo.beta={g['beta']}: the KL term needs a reference: under LoRA the base with "
-            "the adapters off (lora.rank); a frozen copy for a full fine-tune is not built yet; "
-            "use grpo.beta=0 (TRL's default) or adapters"
         )
     if config.data.get("eval_fraction") or config.data.get("eval_files"):
         raise ValueError(

@@ -42,12 +42,11 @@ from mptrain import errors, files
 from mptrain.data import dpo as dpo_data
 from mptrain.data import token_cache
 from mptrain.models import dpo_loss
-from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import layout, sharding
-from mptrain.train import fingerprints, trainer
+from mptrain.train import fingerprints, reference, trainer
 
 TRAINER = dpo_data.TRAINER
-REFERENCE = "dpo_reference"  # the model_state key of the "copy" reference
+REFERENCE = reference.KEY  # the model_state key of the "copy" reference
 WORKDIR_FILE = "dpo_reference.json"  # the "precomputed" reference's copy in the workdir
 
 
@@ -69,8 +68,7 @@ class DPOTrainer(trainer.Trainer):
     def init_variables(self, rng: jax.Array, batch: dict[str, Any]) -> dict[str, Any]:
         variables = self.model.init({"params": rng}, batch["inputs"][:, 0], train=False)
         if self.dpo["reference"] == "copy":  # step 0's params, as the policy's forward reads them
-            params = axes_lib.unboxed(variables["params"])  # split as the params are
-            variables = {**variables, REFERENCE: self.policy.cast_params(params)}
+            variables = reference.add(self.policy, variables)
         return variables
 
     def token_logps(self, params, model_state, batch, train: bool = True):
@@ -88,12 +86,12 @@ class DPOTrainer(trainer.Trainer):
     def loss_fn(self, params, model_state, batch, rng):
         """Traced. The DPO loss of a batch of pairs and TRL's metrics (`dpo_loss`); a batch
         without the reference's sums (a trace of the loss alone) takes the policy's own."""
-        model_state = {k: v for k, v in model_state.items() if k != REFERENCE}
+        model_state = reference.without(model_state)
         per_token, new_state, extra = self.token_logps(params, model_state, batch)
-        reference = batch.get(dpo_data.REFERENCE)
-        if reference is None:
-            reference = dpo_loss.sequence_logps(per_token, batch["targets"])
-        loss, metrics = dpo_loss.loss_and_metrics(per_token, batch["targets"], reference, self.dpo)
+        ref = batch.get(dpo_data.REFERENCE)
+        if ref is None:
+            ref = dpo_loss.sequence_logps(per_token, batch["targets"])
+        loss, metrics = dpo_loss.loss_and_metrics(per_token, batch["targets"], ref, self.dpo)
         if "moe/aux_loss" in extra:  # as TRL adds it where the model outputs router logits
             loss = loss + self.model.aux_loss_coef * extra["moe/aux_loss"]
         return loss, (new_state, {**metrics, **extra})
@@ -113,7 +111,7 @@ class DPOTrainer(trainer.Trainer):
     def reference_logps(self, params, model_state, batch, axes=None) -> jax.Array:
         """Traced. fp32 `[B, 2]`: the sums of `params`' log-probabilities, no gradient; `axes`:
         their declared axes (the state's), by which a mesh splits them."""
-        model_state = {k: v for k, v in model_state.items() if k != REFERENCE}
+        model_state = reference.without(model_state)
 
         def forward(p, model_state, batch):
             per_token = self.token_logps(p, model_state, batch, train=False)[0]
@@ -137,23 +135,11 @@ class DPOTrainer(trainer.Trainer):
                 self.reference_params(state), state.model_state, batch, state.axes
             )
             batch = {**batch, dpo_data.REFERENCE: logps}
-        rest = {k: v for k, v in state.model_state.items() if k != REFERENCE}
-        return state.replace(model_state=rest), batch
+        return state.replace(model_state=reference.without(state.model_state)), batch
 
     def make_train_step(self):
-        inner = super().make_train_step()
-
-        def train_step(state, batch, totals):
-            copy = state.model_state.get(REFERENCE)
-            without, batch = self._with_reference(state, batch)
-            new_state, metrics, totals = inner(without, batch, totals)
-            if copy is not None:  # handed back untouched: the same buffers, donated and kept
-                new_state = new_state.replace(
-                    model_state={**new_state.model_state, REFERENCE: copy}
-                )
-            return new_state, metrics, totals
-
-        return train_step
+        prepare = lambda state, batch: self._with_reference(state, batch)[1]
+        return reference.keeping(super().make_train_step(), prepare)
 
     def make_eval_step(self):
         inner = super().make_eval_step()
@@ -165,12 +151,7 @@ class DPOTrainer(trainer.Trainer):
         sources; a resume keeps what its checkpoint and workdir hold."""
         fresh = saved_step is None and self.config.init_from is not None
         if self.dpo["reference"] == "copy" and fresh:  # else the init's copy is step 0's
-            old = state.model_state[REFERENCE]
-            places = jax.tree.map(lambda x: x.sharding, old)
-            copy = jax.jit(self.policy.cast_params, out_shardings=places)(state.params)
-            for x in jax.tree.leaves(old):
-                x.delete()
-            state = state.replace(model_state={**state.model_state, REFERENCE: copy})
+            state = reference.refreshed(self.policy, state)
         if self.dpo["reference"] == "precomputed":
             logps = self._precomputed(state, saved_step, train_source, eval_source)
             train_source.reference = logps[: len(train_source.rows)]

@@ -32,10 +32,10 @@ The record: TRL's names (`reward`, `reward_std`, `rewards/<name>/mean|std`,
 and scoring as `generation` in the goodput line, and `rollouts.jsonl` in the workdir: a line a
 completion of every logged step (the first always), whose `step` is the history step of the
 update that trained on it. The KL term (`beta` > 0) is taken against the base with the
-adapters off, a LoRA run's (`reference_logps`, a forward pass before the update's). Not built
-yet: evaluation on held-out prompts, `beta` > 0 in a full fine-tune (a frozen step-0 copy, as
-DPO's), several updates a batch (`num_iterations` > 1), a split over `mesh.context` or
-`mesh.tensor`.
+adapters off, a LoRA run's, or a frozen copy of the step-0 params in a full fine-tune
+(`mptrain.train.reference`, DPO's): a forward pass before the update's (`reference_logps`).
+Not built yet: evaluation on held-out prompts, several updates a batch (`num_iterations` > 1),
+a split over `mesh.context` or `mesh.tensor`.
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ from mptrain.data import dpo as dpo_data
 from mptrain.data import grpo as grpo_data
 from mptrain.data import rewards as rewards_lib
 from mptrain.models import dpo_loss, grpo_loss
+from mptrain.models import lora as lora_lib
 from mptrain.models.decoder import decode
 from mptrain.parallel import layout, sharding
 from mptrain.record import curves
-from mptrain.train import loop, trainer
+from mptrain.train import loop, reference, trainer
 
 TRAINER = grpo_data.TRAINER
 ROLLOUTS = "rollouts.jsonl"
@@ -77,6 +78,10 @@ class GRPOTrainer(trainer.Trainer):
             g["reward_funcs"], g["reward_weights"], g["max_completion_length"],
             g["soft_punish_cache"],
         )  # fmt: skip
+        # the KL term's reference: the base under LoRA, else a frozen copy of step 0's params
+        self.reference = None
+        if g["beta"]:
+            self.reference = "adapters" if lora_lib.enabled(config) else "copy"
         super().__init__(config, workdir, **kwargs)
         self.codec = grpo_data.codec_of(self.data)
         self.stop_ids = sorted({*self.codec.stop_ids, self.data.base.eos_id})
@@ -95,12 +100,25 @@ class GRPOTrainer(trainer.Trainer):
         prompts, _ = grpo_data.create_sources(self.config)
         return Rows(prompts, self), None
 
+    def init_variables(self, rng, batch):
+        variables = super().init_variables(rng, batch)
+        if self.reference == "copy":  # step 0's params, as the policy's forward reads them
+            variables = reference.add(self.policy, variables)
+        return variables
+
+    def starting(self, state, saved_step, train_source, eval_source):
+        """A fresh run from `init_from` makes its reference copy of the params it loaded."""
+        if self.reference == "copy" and saved_step is None and self.config.init_from is not None:
+            state = reference.refreshed(self.policy, state)
+        return state
+
     # ---- the update -------------------------------------------------------------------------
 
     def loss_fn(self, params, model_state, batch, rng):
         """Traced. The GRPO loss of a batch of completions, TRL's metrics, the mismatch with the
         sampler and the host's figures (`record`: a row each, every row the same)."""
         g, targets = self.grpo, batch["targets"]
+        model_state = reference.without(model_state)
         variables, mutable = {"params": params, **model_state}, list(model_state) or False
         kwargs = {"targets": targets} if getattr(self.model, "computes_loss", False) else {}
         out = self.model.apply(
@@ -131,9 +149,11 @@ class GRPOTrainer(trainer.Trainer):
 
     def reference_logps(self, state, batch) -> jax.Array:
         """Traced. fp32 `[B, L]`: the reference's log-probabilities of the batch's targets, no
-        gradient: the base without its adapters (`state.frozen`, a LoRA run's), read in the
-        policy's dtypes and laid out on the mesh as the update's forward is."""
-        policy = self.policy
+        gradient: the base without its adapters (`state.frozen`, a LoRA run's), or the frozen
+        copy of step 0's params (`mptrain.train.reference`), read in the policy's dtypes and
+        laid out on the mesh as the update's forward is."""
+        policy, model_state = self.policy, reference.without(state.model_state)
+        params = state.frozen if self.reference == "adapters" else state.model_state[reference.KEY]
 
         def forward(params, model_state, batch):
             variables = {"params": params, **model_state}
@@ -143,24 +163,21 @@ class GRPOTrainer(trainer.Trainer):
         with policy.matmuls():
             if self.mesh.size > 1:
                 run = sharding.forward_fn(forward, policy, self.mesh, per_row=True, axes=state.axes)
-                logps = run(state.frozen, state.model_state, batch)
+                logps = run(params, model_state, batch)
             else:
-                logps = forward(
-                    sharding.cast_params(policy, state.frozen), state.model_state, batch
-                )
+                logps = forward(sharding.cast_params(policy, params), model_state, batch)
         return jax.lax.stop_gradient(logps.astype(jax.numpy.float32))
 
     def make_train_step(self):
-        """The Trainer's step; with `beta` > 0 the reference's log-probabilities first."""
+        """The Trainer's step; with `beta` > 0 the reference's log-probabilities first, the
+        reference's copy (a full fine-tune's) kept out of the gradient's forward."""
         inner = super().make_train_step()
         if not self.grpo["beta"]:
             return inner
-
-        def train_step(state, batch, totals):
-            batch = {**batch, dpo_data.REFERENCE: self.reference_logps(state, batch)}
-            return inner(state, batch, totals)
-
-        return train_step
+        prepare = lambda state, batch: {
+            **batch, dpo_data.REFERENCE: self.reference_logps(state, batch)
+        }  # fmt: skip
+        return reference.keeping(inner, prepare)
 
     # ---- the loop ---------------------------------------------------------------------------
 

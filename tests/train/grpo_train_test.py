@@ -38,7 +38,6 @@ BAD = [
     ({"grpo.reward_funcs": "answer_match"}, "neither a built-in"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type='ppo'"),
     ({"grpo.sampling_correction": "clip"}, "grpo.sampling_correction='clip'"),
-    ({"grpo.beta": 0.04}, "grpo.beta=0.04: the KL term needs a reference: under LoRA the base"),
     ({"grpo.num_iterations": 2}, "grpo.num_iterations=2"),
     ({"data.seq_len": 4}, "data.seq_len=4 with grpo.max_completion_length=4"),
     ({"mesh.tensor": 2}, "mesh.tensor=2: a GRPO run samples"),
@@ -156,13 +155,16 @@ def test_fsdp_4_x_data_2_samples_and_trains_as_one_device_and_fp32_sampler_agree
         assert b["sampling/sampling_logp_difference/max"] < 1e-5, b
 
 
-@pytest.mark.slow  # adapters: programs of their own
-def test_under_lora_the_kl_term_is_taken_against_the_base_with_the_adapters_off(tmp_path, capsys):
-    """beta 0.04, LoRA rank 8: the reference is the frozen base, so while the adapters are zero
-    (step 1, and step 2 after the warmup's zero first update) the KL term is exactly 0; once
-    they move it is not, and the loss holds beta times it."""
+@pytest.mark.slow  # programs of their own: the reference's forward
+@pytest.mark.parametrize("rank", [8, None], ids=["lora", "full"])
+def test_the_kl_term_is_taken_against_the_step_0_model(tmp_path, capsys, rank):
+    """beta 0.04: the reference is the base with the adapters off (LoRA) or a frozen copy of
+    the step-0 params in the dtypes the policy reads them in (a full fine-tune), so until the
+    params move (steps 1 and 2: the warmup's first update is zero) the KL term is exactly 0;
+    then it is not, and the loss holds beta times it."""
     keys = {"num_train_steps": 6, "log_every_steps": 1, "data.cache_dir": tmp_path / "cache"}
-    keys |= {"lora.rank": 8, "grpo.beta": 0.04, "optimizer.learning_rate": 1e-2}
+    keys |= {"grpo.beta": 0.04, "optimizer.learning_rate": 1e-2}
+    keys |= {"lora.rank": rank} if rank else {}
     code, err = run_cli(tmp_path / "run", *_flags(keys), capsys=capsys, config=TINY)
     assert code == 0, err[-3000:]
     kl = [r["kl"] for r in _history(tmp_path / "run")]
