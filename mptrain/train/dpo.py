@@ -54,11 +54,7 @@ class DPOTrainer(trainer.Trainer):
     """The Trainer on preference pairs (the module doc)."""
 
     def __init__(self, config, workdir, **kwargs):  # `devices=`, `resolved=`: the Trainer's
-        if config.data.name != "dpo":
-            raise errors.ConfigError(
-                f"config.trainer={TRAINER!r} trains on data.name='dpo' pairs, not "
-                f"data.name={config.data.name!r}"
-            )
+        trainer.require_data(config, "dpo", TRAINER, "pairs")
         with errors.config_errors():
             self.dpo = dpo_data.check_run(config)
         super().__init__(config, workdir, **kwargs)

@@ -66,11 +66,7 @@ class GRPOTrainer(trainer.Trainer):
     """The Trainer on prompts, sampling its own completions (the module doc)."""
 
     def __init__(self, config, workdir, **kwargs):  # `devices=`, `resolved=`: the Trainer's
-        if config.data.name != "grpo":
-            raise errors.ConfigError(
-                f"config.trainer={TRAINER!r} trains on data.name='grpo' prompts, not "
-                f"data.name={config.data.name!r}"
-            )
+        trainer.require_data(config, "grpo", TRAINER, "prompts")
         with errors.config_errors():
             self.grpo = g = grpo_data.check_run(config)
             self.data = grpo_data.settings(config, g["max_completion_length"])

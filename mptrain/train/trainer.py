@@ -347,6 +347,16 @@ def _apply(model: Any, variables: dict, batch: Any, train: bool, **kwargs: Any) 
     return model.apply(variables, batch["inputs"], train=train, **kwargs)
 
 
+def require_data(config: Any, name: str, trainer: str, what: str) -> None:
+    """For a Trainer that trains on `data.name=name` alone (`trainer`: its spec, `what` the
+    data's kind): a `ConfigError` naming both where the config names other data."""
+    if config.data.name != name:
+        raise errors.ConfigError(
+            f"config.trainer={trainer!r} trains on data.name={name!r} {what}, not "
+            f"data.name={config.data.name!r}"
+        )
+
+
 def model_metrics(out: Any) -> dict[str, Any]:
     """What a model's own loss dict reports beside the loss: a mixture of experts' `moe/`
     values (its load-balancing loss, each expert's share of the routed tokens)."""
