@@ -477,7 +477,7 @@ def kill_9_and_resume(
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, "the run ended before its kill: give it more steps"
     again = subprocess.run(command(crashed), cwd=ROOT, env=env, capture_output=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert b"resuming from step" in again.stderr

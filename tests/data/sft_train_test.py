@@ -48,10 +48,10 @@ def _command(workdir, cache):
         "mptrain.main",
         f"--config={CONFIG}",
         f"--workdir={workdir}",
-        "--config.num_train_steps=12",
-        "--config.checkpoint_every_steps=3",
-        "--config.log_every_steps=3",
-        "--config.eval_every_steps=6",
+        "--config.num_train_steps=8",
+        "--config.checkpoint_every_steps=2",
+        "--config.log_every_steps=2",
+        "--config.eval_every_steps=4",
         "--config.eval_steps=2",
         f"--config.data.cache_dir={cache}",
     ]
@@ -59,10 +59,10 @@ def _command(workdir, cache):
 
 @pytest.mark.slow
 def test_kill_9_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """12 steps of 131 an epoch: killed once its first checkpoints are down, then run again,
+    """8 steps of 131 an epoch: killed once its first checkpoints are down, then run again,
     the run ends with the uninterrupted run's history (timings aside) and every array."""
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 6)
+    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 4)
     assert history_without_timings(crashed) == history_without_timings(straight)
-    assert_trees_bytes_equal(plain_orbax_state(straight, 12), plain_orbax_state(crashed, 12))
+    assert_trees_bytes_equal(plain_orbax_state(straight, 8), plain_orbax_state(crashed, 8))

@@ -116,17 +116,17 @@ def _command(workdir):
         sys.executable, "-m", "mptrain.main",
         f"--config={ROOT / 'configs' / 'llama3.py'}:moe_tiny", f"--workdir={workdir}",
         "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.expert=2",
-        "--config.num_train_steps=20", "--config.checkpoint_every_steps=5",
-        "--config.log_every_steps=5", "--config.eval_every_steps=20", "--config.eval_steps=2",
+        "--config.num_train_steps=8", "--config.checkpoint_every_steps=2",
+        "--config.log_every_steps=2", "--config.eval_every_steps=8", "--config.eval_steps=2",
     ]  # fmt: skip
 
 
-@pytest.mark.slow  # three runs of 20 steps
+@pytest.mark.slow  # three runs: 8 steps, 4 and 4
 def test_kill_9_then_resume_equals_the_uninterrupted_expert_run(tmp_path):
     """`moe_tiny` on fsdp 2 x expert 2 (4 fake devices), bf16-mixed as shipped: killed once its
-    checkpoint 10 is down, run again, it ends with the uninterrupted run's bytes."""
+    checkpoint 4 is down, run again, it ends with the uninterrupted run's bytes."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    kill_9_and_resume(_command, straight, crashed, 10, devices=4)
-    want, got = plain_orbax_state(straight, 20), plain_orbax_state(crashed, 20)
+    kill_9_and_resume(_command, straight, crashed, 4, devices=4)
+    want, got = plain_orbax_state(straight, 8), plain_orbax_state(crashed, 8)
     assert want["params"]["stacked_layers"]["moe"]["gate"].shape == (2, 8, 128, 128)
     assert_trees_bytes_equal(want, got)

@@ -20,10 +20,11 @@ from helpers import (
     plain_orbax_state,
 )
 
-TRIALS = 20
-# Each Ctrl-C costs a process start (about 6 s on a 2-core machine): ten land in steps and in
-# saves alike (one every 3 steps), where twenty doubled the test's 146 s for no other moment.
-CTRL_C_TRIALS = 10
+# Each kill or Ctrl-C costs a process start (about 6 s on a 2-core machine): twelve kills and six
+# Ctrl-Cs land in steps and in saves alike (one every 3 steps); twenty and ten (2026-12-06: 52 s
+# and 82 s of make test-slow) found no other moment.
+TRIALS = 12
+CTRL_C_TRIALS = 6
 # The interrupted runs' length, far past where the kills leave them (2026-12-06: default.py
 # checkpointed step 42 by its 20th kill, llama3.py step 9 by its 6th), so each kill interrupts.
 STEPS = 400

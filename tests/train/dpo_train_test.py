@@ -57,8 +57,8 @@ def test_dpo_tiny_prefers_the_chosen_answers_and_bf16_stays_within_its_band_of_f
 
 
 def _command(workdir, cache) -> list[str]:
-    keys = {"num_train_steps": 12, "checkpoint_every_steps": 3, "eval_every_steps": 6}
-    keys |= {"log_every_steps": 3, "data.cache_dir": cache}
+    keys = {"num_train_steps": 8, "checkpoint_every_steps": 2, "eval_every_steps": 4}
+    keys |= {"log_every_steps": 2, "data.cache_dir": cache}
     flags = [f"--config.{k}={v}" for k, v in keys.items()]
     return [
         sys.executable,
@@ -71,16 +71,16 @@ def _command(workdir, cache) -> list[str]:
 
 
 def test_kill_9_mid_run_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """The reference (the "copy" of step 0's params) is checkpointed: killed after step 6's
+    """The reference (the "copy" of step 0's params) is checkpointed: killed after step 4's
     checkpoint and run again, the run ends with the uninterrupted run's history (timings
     aside) and every array, the reference's among them."""
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 6)
+    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 4)
     assert history_without_timings(crashed) == history_without_timings(straight)
-    final = plain_orbax_state(straight, 12)
+    final = plain_orbax_state(straight, 8)
     assert dpo.REFERENCE in str(jax.tree_util.tree_structure(final))
-    assert_trees_bytes_equal(final, plain_orbax_state(crashed, 12))
+    assert_trees_bytes_equal(final, plain_orbax_state(crashed, 8))
 
 
 def _start(config, workdir):

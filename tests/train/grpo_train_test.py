@@ -114,22 +114,22 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_naming_it(tmp_path, cap
 
 
 def _command(workdir, cache) -> list[str]:
-    keys = {"num_train_steps": 12, "checkpoint_every_steps": 3, "log_every_steps": 3}
+    keys = {"num_train_steps": 8, "checkpoint_every_steps": 2, "log_every_steps": 2}
     keys["data.cache_dir"] = cache
     return [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={workdir}", *_flags(keys)]
 
 
 @pytest.mark.slow  # three runs of grpo_tiny's programs
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """Killed once its step-6 checkpoint is down and run again: the history (timings aside),
+    """Killed once its step-4 checkpoint is down and run again: the history (timings aside),
     the rollouts and every array of the uninterrupted run: the prompts and the sampler's keys
     are pure functions of (seed, step)."""
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 6)
+    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 4)
     assert history_without_timings(crashed) == history_without_timings(straight)
     assert _rollouts(crashed) == _rollouts(straight)
-    assert_trees_bytes_equal(plain_orbax_state(straight, 12), plain_orbax_state(crashed, 12))
+    assert_trees_bytes_equal(plain_orbax_state(straight, 8), plain_orbax_state(crashed, 8))
 
 
 @pytest.mark.slow
