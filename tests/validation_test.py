@@ -55,7 +55,7 @@ def _one_line_exit_2(workdir, err, code, *named):
         ),
         (
             ["--config.data.name=txt"],
-            ["config.data.name='txt'", "valid: dpo, sft, synthetic_images, text, tfds"],
+            ["config.data.name='txt'", "valid: dpo, grpo, sft, synthetic_images, text, tfds"],
         ),
         # rejected rather than silently useless
         (

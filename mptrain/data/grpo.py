@@ -211,6 +211,12 @@ def check_run(config: Any) -> dict[str, Any]:
                 f"mesh.{axis}={config.mesh[axis]}: a GRPO run samples and scores whole "
                 f"sequences on whole layers; use mesh.{axis}=1 (data and fsdp split the batch)"
             )
+    processes = (config.get("distributed") or {}).get("num_processes") or 1
+    if processes > 1:
+        raise ValueError(
+            f"distributed.num_processes={processes}: a GRPO run samples and scores on one "
+            "process yet; use one process (its devices split the batch over data and fsdp)"
+        )
     if config.get("steps_per_call", 1) != 1:
         raise ValueError(
             f"steps_per_call={config.steps_per_call}: each GRPO step samples with the params "

@@ -61,6 +61,18 @@ def test_bad_input_is_one_line_naming_it_and_exit_2_before_any_compile(
     assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the run's set-up
 
 
+def test_several_processes_are_refused_naming_the_setting():
+    """Checked before jax.distributed starts (no coordinator is reached for it)."""
+    from helpers import load_config
+
+    from mptrain.data import grpo
+
+    config = load_config("llama3", "grpo_tiny")
+    config.distributed.num_processes = 2
+    with pytest.raises(ValueError, match="distributed.num_processes=2: a GRPO run samples"):
+        grpo.check_run(config)
+
+
 def _history(workdir) -> list[dict]:
     return [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines()]
 
