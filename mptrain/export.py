@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging as std_logging
 import os
 import re
 import sys
@@ -264,6 +265,10 @@ def _written(out: Path):
             out.rmdir()
         staging.rename(out)
     except BaseException as e:
+        # A failed orbax save's other writes fail too, each in a task orbax never awaits, which
+        # asyncio would print at exit ("Task exception was never retrieved", a traceback each):
+        # the one line this failure says is theirs too (CI, 2026-12-06: 7 lines on a full disk).
+        std_logging.getLogger("asyncio").setLevel(std_logging.CRITICAL)
         _remove(staging)
         if isinstance(e, errors.StorageError):  # one that names a file of the staging folder
             e = RuntimeError(str(e))  # its cause, told as the export's

@@ -411,3 +411,24 @@ def test_a_failed_export_outwaits_the_writes_that_go_on_after_its_failure(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
     time.sleep(0.5)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_exports_unawaited_writes_print_nothing_more(tmp_path, caplog):
+    """The other writes of a failed orbax save fail in tasks orbax never awaits; asyncio prints
+    each at exit ("Task exception was never retrieved", a traceback: CI, 2026-12-06, 7 lines
+    where the export says one). A failed export leaves only its own line."""
+    import asyncio
+    import gc
+
+    async def write():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    loop = asyncio.new_event_loop()
+    with pytest.raises(errors.StorageError), export._written(tmp_path / "out"):
+        task = loop.create_task(write())  # orbax holds its tasks until the save ends
+        loop.run_until_complete(asyncio.sleep(0.01))  # the write fails, its task unawaited
+        raise OSError(errno.ENOSPC, "No space left on device")
+    loop.close()
+    del task
+    gc.collect()  # the task goes: asyncio would report it now
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
