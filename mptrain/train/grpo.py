@@ -236,16 +236,17 @@ class Sampler:
     def __init__(self, trainer: GRPOTrainer, run: loop.Run):
         g, state = trainer.grpo, run.state
         self.trainer, self.g, self.prompts = trainer, g, run.train_source.prompts
-        self.cast = jax.jit(trainer.policy.cast_params)
         model = trainer.model.clone(temperature=1.0)  # the sampler divides by it itself
         decoder = decode.make_decoder(model, g["max_completion_length"], keep_logps=True)
+        cast = trainer.policy.cast_params  # inside the decoder's program: no cast copy kept
+        sample = jax.jit(lambda params, *args: decoder(cast(params), *args))
         self.sampling = decode.Sampling(g["temperature"], g["top_k"], g["top_p"]).values()
         self.stops = decode.stops(trainer.stop_ids)
         per_step = trainer.config.batch_size
         width = self.prompts.rows.shape[1] - 1  # the longest prompt: every batch's width
         ids = np.zeros((per_step, width), np.int32)
-        params = self.cast(state.model_params)  # as each step's are: laid out on the mesh
-        lowered = decoder.lower(params, ids, ids[:, 0] + 1, self.sampling, 0, self.stops)
+        params = state.model_params  # as each step's are: laid out on the mesh
+        lowered = sample.lower(params, ids, ids[:, 0] + 1, self.sampling, 0, self.stops)
         self.decode = lowered.compile()
         self.seed = trainer.config.seed
 
@@ -257,7 +258,7 @@ class Sampler:
         index = np.repeat(prompts["index"], group)
         seed = (self.seed * 1_000_003 + step) % 2**31  # the step's key: a resume draws it again
         tokens, logps = self.decode(
-            self.cast(state.model_params), ids, lengths, self.sampling, seed, self.stops
+            state.model_params, ids, lengths, self.sampling, seed, self.stops
         )
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         counts = (tokens != decode.PAD).sum(axis=1)
