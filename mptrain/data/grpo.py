@@ -222,11 +222,6 @@ def check_run(config: Any) -> dict[str, Any]:
             f"steps_per_call={config.steps_per_call}: each GRPO step samples with the params "
             "the step before it made; use steps_per_call=1"
         )
-    if g["num_iterations"] != 1:
-        raise ValueError(
-            f"grpo.num_iterations={g['num_iterations']}: each batch of completions trains one "
-            "update here (1); more updates a batch are not built yet"
-        )
     if config.data.get("eval_fraction") or config.data.get("eval_files"):
         raise ValueError(
             "data.eval_fraction / data.eval_files: a GRPO run does not evaluate on held-out "

@@ -115,51 +115,63 @@ def _is_target(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
 
 
-def _statistics(logits, targets, axis):
+def _statistics(logits, targets, axis, entropy=False):
     """Per token: the logsumexp of ``logits``, the target's logit and whether the argmax is the
     target; with ``axis`` (a tensor group's), of the group's parts of the vocabulary together:
     the max over the group, the sum of exponentials under it summed over the group, the target
-    logit from the device whose part holds it, the first index of the largest logit, in fp32."""
+    logit from the device whose part holds it, the first index of the largest logit, in fp32.
+    With ``entropy``, a fourth: the distribution's entropy, ``lse - sum(p * logits)``."""
     vocab = logits.shape[-1]
     if axis is None:
         picked = jnp.sum(jnp.where(_is_target(targets, vocab), logits, 0.0), axis=-1)
         correct = jnp.argmax(logits, axis=-1) == targets
-        return jax.nn.logsumexp(logits, axis=-1), picked, correct.astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        out = lse, picked, correct.astype(jnp.float32)
+        if entropy:
+            p = jnp.exp(logits - lse[..., None])
+            out += (lse - jnp.sum(p * logits, axis=-1),)
+        return out
     offset = jax.lax.axis_index(axis) * vocab
     picked = jnp.sum(jnp.where(_is_target(targets - offset, vocab), logits, 0.0), axis=-1)
     top = jnp.max(logits, axis=-1)
     most = jax.lax.pmax(top, axis)
-    total = jax.lax.psum(jnp.sum(jnp.exp(logits - most[..., None]), axis=-1), axis)
+    e = jnp.exp(logits - most[..., None])
+    total = jax.lax.psum(jnp.sum(e, axis=-1), axis)
     first = jnp.where(top == most, jnp.argmax(logits, axis=-1) + offset, jnp.iinfo(jnp.int32).max)
     correct = (jax.lax.pmin(first, axis) == targets).astype(jnp.float32)
-    return most + jnp.log(total), jax.lax.psum(picked, axis), correct
+    lse = most + jnp.log(total)
+    out = lse, jax.lax.psum(picked, axis), correct
+    if entropy:
+        out += (lse - jax.lax.psum(jnp.sum(e * logits, axis=-1), axis) / total,)
+    return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_head(hidden, kernel, targets, softcap, axis, temperature):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked_head(hidden, kernel, targets, softcap, axis, temperature, entropy):
     """Per token of ``hidden [N, B, c, D]`` (N chunks), fp32 ``[N, B, c]`` each: the logsumexp
     of its logits (soft-capped by ``softcap`` where given, then over ``temperature``), its
     target's logit (0 for a target < 0) and whether the argmax is the target (`_statistics`;
     ``axis``: a tensor group's, whose devices each hold a part of the vocabulary, ``kernel``'s
-    columns)."""
-    return _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature)[0]
+    columns); with ``entropy``, each token's entropy too, without gradient)."""
+    return _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature, entropy)[0]
 
 
-def _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature):
+def _chunked_head_fwd(hidden, kernel, targets, softcap, axis, temperature, entropy):
     compute_kernel = kernel.astype(hidden.dtype)
 
     def body(_, chunk):
         h, t = chunk
         logits = tempered(_logits(h, compute_kernel, softcap), temperature)
-        return None, _statistics(logits, t, axis)
+        return None, _statistics(logits, t, axis, entropy)
 
-    _, (lse, picked, correct) = jax.lax.scan(body, None, (hidden, targets))
-    return (lse, picked, correct), (hidden, kernel, targets, lse)
+    _, per_token = jax.lax.scan(body, None, (hidden, targets))
+    return per_token, (hidden, kernel, targets, per_token[0])
 
 
-def _chunked_head_bwd(softcap, axis, temperature, residuals, cotangents):
+def _chunked_head_bwd(softcap, axis, temperature, entropy, residuals, cotangents):
+    del entropy  # a figure, as ``correct`` is a count: no gradient
     hidden, kernel, targets, lse = residuals
-    g_lse, g_picked, _ = cotangents  # ``correct`` is a count: no gradient
+    g_lse, g_picked = cotangents[:2]
     compute_kernel = kernel.astype(hidden.dtype)
     if axis is not None:  # this device's part of the vocabulary: no collective backward
         targets = targets - jax.lax.axis_index(axis) * kernel.shape[-1]
@@ -195,6 +207,7 @@ def token_loss(
     softcap: float | None = None,
     split: Any = None,
     temperature: float = 1.0,
+    entropy: bool = False,
 ) -> dict[str, jax.Array]:
     """The next-token loss of ``hidden [B, L, D] @ kernel [D, V]`` against ``targets [B, L]``.
 
@@ -214,6 +227,8 @@ def token_loss(
     ``softcap``: the logits are ``cap * tanh(logits / cap)`` (Gemma 2's final soft-cap), in fp32.
     ``temperature``: the (capped) logits over it, the distribution a sampler at that
     temperature draws from (a GRPO run's log-probabilities, `mptrain.train.grpo`).
+    ``entropy``: ``entropy`` too, fp32 ``[B, L]``, each position's entropy of that distribution
+    (0 where masked), without gradient (GRPO's record).
     ``split``: a tensor group's (`mptrain.parallel.tensor.Split`): ``kernel`` is this device's
     part of the vocabulary, ``hidden`` and ``targets`` every token of the group; the per-token
     values are the whole vocabulary's, and each device keeps its own part of the tokens.
@@ -233,14 +248,14 @@ def token_loss(
 
     axis = None if split is None else split.axis
     per_token = _chunked_head(
-        to_chunks(hidden), kernel, to_chunks(targets), softcap, axis, temperature
+        to_chunks(hidden), kernel, to_chunks(targets), softcap, axis, temperature, entropy
     )
-    lse, picked, correct = (
-        jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token
-    )
+    per_token = [jnp.moveaxis(x, 0, 1).reshape(batch, padded)[:, :length] for x in per_token]
+    lse, picked, correct = per_token[:3]
     if split is not None:  # each token's loss counted once: on the device that holds it
         lse, picked, correct, valid = (split.part(lse), split.part(picked),
                                        split.own(correct), split.own(valid))  # fmt: skip
+        per_token[3:] = [split.own(x) for x in per_token[3:]]
     tokens = jnp.sum(valid, dtype=jnp.float32)
     mean = lambda x: layers.masked_mean(x, valid)  # layers.cross_entropy's
     cross_entropy, z = mean(lse - picked), mean(jnp.square(lse))
@@ -251,7 +266,7 @@ def token_loss(
         "accuracy": mean(jax.lax.stop_gradient(correct)),
         "tokens": tokens,
         "logps": jnp.where(valid, picked - lse, 0.0),
-    }
+    } | ({"entropy": jnp.where(valid, per_token[3], 0.0)} if entropy else {})
 
 
 class Head(nn.Module):
@@ -272,6 +287,7 @@ class Head(nn.Module):
     softcap: float | None = None  # the logits' soft-cap (`capped`), Gemma 2's
     dict_out: bool = False  # with targets, always `token_loss`'s dict (a model that adds to it)
     temperature: float = 1.0  # the logits over it (`token_loss`'s); 1 but in a GRPO run
+    entropy: bool = False  # with targets, `token_loss`'s dict with each token's entropy
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
@@ -289,8 +305,9 @@ class Head(nn.Module):
         if split is not None:
             return token_loss(x, kernel, targets, chunk=self.chunk, z_loss=self.z_loss,
                               softcap=self.softcap, split=split,
-                              temperature=self.temperature)  # fmt: skip
-        if targets is None or (whole and not self.z_loss and not self.dict_out):
+                              temperature=self.temperature, entropy=self.entropy)  # fmt: skip
+        plain = not (self.z_loss or self.dict_out or self.entropy)
+        if targets is None or (whole and plain):
             logits = layers.einsum_f32_out("bld,dv->blv", x, kernel.astype(x.dtype))
             logits = logits if self.softcap is None else capped(logits, self.softcap)
             return tempered(logits, self.temperature)
@@ -302,4 +319,5 @@ class Head(nn.Module):
             z_loss=self.z_loss,
             softcap=self.softcap,
             temperature=self.temperature,
+            entropy=self.entropy,
         )

@@ -33,7 +33,7 @@ MetricFn = Callable[[Any, Any, Any], dict[str, jax.Array]]
 # batch keys whose floats stay fp32 under 16-bit compute: sums of log-probabilities (DPO's
 # reference, `data.dpo`), whose differences of a few nats a bf16 rounding (0.5 at -200) would
 # swamp; a GRPO batch's advantages, its sampler's log-probabilities and the host's figures
-FP32_BATCH_KEYS = ("reference_logps", "advantages", "sampling_logps", "record")
+FP32_BATCH_KEYS = ("reference_logps", "advantages", "sampling_logps", "old_logps", "record")
 
 
 def cast_batch(policy: Any, batch: Any) -> Any:

@@ -30,7 +30,7 @@ KEYS = (
     # speed (`throughput.KEYS`, named here: this module sits below the one that measures them)
     *("step_time_s", "steps_per_sec", "tokens_per_s", "tokens_per_s_per_device"),
     *("examples_per_s", "examples_per_s_per_device", "tflops_per_device", "mfu", "goodput"),
-    *("reward", "reward_std", "frac_reward_zero_std", "kl"),  # GRPO's, TRL's names
+    *("reward", "reward_std", "frac_reward_zero_std", "kl", "entropy"),  # GRPO's, TRL's names
 )
 # ... and every value under these names' groups: DPO's and GRPO's record, as TRL names it
 # (`dpo_loss`, `mptrain.train.grpo`)

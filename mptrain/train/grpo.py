@@ -20,29 +20,40 @@ Each step:
      sampler's log-probabilities, measured every step and corrected
      (`grpo_loss.sampling_correction`, `grpo.sampling_correction`).
 
-The ratio's old log-probabilities (one update a batch: `num_iterations` 1) are the update's own
-without gradient, as TRL's, or the sampler's (`grpo.old_logps="sampler"`: the ratio then carries
-the mismatch, and no correction is made on top of it). The trainer's side of the mismatch comes
-from the update's own forward pass: the shapes, the program and the dtypes of the update, where
-a second scoring pass at other shapes would round otherwise (verl #6280: 9.87% of bf16 tokens
-moved out of [0.9, 1.1] by the batch size alone).
+The ratio's old log-probabilities, with one update a batch (`num_iterations` 1), are the
+update's own without gradient, as TRL's, or the sampler's (`grpo.old_logps="sampler"`: the
+ratio then carries the mismatch, and no correction is made on top of it). The trainer's side of
+the mismatch then comes from the update's own forward pass: the shapes, the program and the
+dtypes of the update, where a second scoring pass at other shapes would round otherwise (verl
+#6280: 9.87% of bf16 tokens moved out of [0.9, 1.1] by the batch size alone).
+
+With `num_iterations` = mu > 1, as TRL's: a batch is sampled at every mu-th step (the prompts
+of generation `step // mu`) and trains mu updates. Its old log-probabilities are scored once
+when it is sampled, by a forward pass of the update's shapes on the params that sampled it
+(`score`), and the mismatch and its correction are measured between those and the sampler's.
+The batch goes to `<workdir>/grpo_batches/<step>.npz` when it is sampled, so that a run that
+resumes between its updates trains on it again (`Batches`).
 
 The record: TRL's names (`reward`, `reward_std`, `rewards/<name>/mean|std`,
-`frac_reward_zero_std`, `completions/*`, `clip_ratio/*`, `sampling/*`), the time spent sampling
-and scoring as `generation` in the goodput line, and `rollouts.jsonl` in the workdir: a line a
-completion of every logged step (the first always), whose `step` is the history step of the
-update that trained on it. The KL term (`beta` > 0) is taken against the base with the
-adapters off, a LoRA run's, or a frozen copy of the step-0 params in a full fine-tune
-(`mptrain.train.reference`, DPO's): a forward pass before the update's (`reference_logps`).
-Not built yet: evaluation on held-out prompts, several updates a batch (`num_iterations` > 1),
-a split over `mesh.context` or `mesh.tensor`.
+`frac_reward_zero_std`, `completions/*`, `clip_ratio/*`, `sampling/*`, `entropy`), the time
+spent sampling and scoring as `generation` in the goodput line, and `rollouts.jsonl` in the
+workdir: a line a completion of every logged step (the first always), whose `step` is the
+history step of the update that trained on it. The KL term (`beta` > 0) is taken against the
+base with the adapters off, a LoRA run's, or a frozen copy of the step-0 params in a full
+fine-tune (`mptrain.train.reference`, DPO's): a forward pass before the update's
+(`reference_logps`).
+Not built yet: evaluation on held-out prompts, a split over `mesh.context` or `mesh.tensor`.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -50,7 +61,7 @@ from mptrain import errors
 from mptrain.data import dpo as dpo_data
 from mptrain.data import grpo as grpo_data
 from mptrain.data import rewards as rewards_lib
-from mptrain.models import dpo_loss, grpo_loss
+from mptrain.models import dpo_loss, grpo_loss, layers
 from mptrain.models import lora as lora_lib
 from mptrain.models.decoder import decode
 from mptrain.parallel import layout, sharding
@@ -86,10 +97,9 @@ class GRPOTrainer(trainer.Trainer):
         self.record_names = tuple(names + [f"completions/{k}" for k in LENGTHS])
 
     def build_model(self):
-        """The zoo Llama, scoring at the sampling temperature (`Llama.temperature`)."""
-        model = super().build_model()
-        t = self.grpo["temperature"]
-        return model if t == 1.0 else model.clone(temperature=t)
+        """The zoo Llama, scoring at the sampling temperature (`Llama.temperature`), each
+        token's entropy beside its log-probability (`Llama.entropy`, the record's `entropy`)."""
+        return super().build_model().clone(temperature=self.grpo["temperature"], entropy=True)
 
     def build_datasets(self) -> tuple[Any, None]:
         """`(Rows, None)`: the update's rows over the run's prompts (`Rows`); no evaluation."""
@@ -123,11 +133,9 @@ class GRPOTrainer(trainer.Trainer):
         )  # fmt: skip
         out, new_state = out if mutable else (out, model_state)
         logps, mask = dpo_loss.token_logps(out, targets), targets >= 0
-        sampled = batch["sampling_logps"]
-        is_ratio, mismatch = grpo_loss.sampling_correction(
-            jax.lax.stop_gradient(logps), sampled, mask, g
-        )
-        old = None
+        sampled, old = batch["sampling_logps"], batch.get("old_logps")  # old: mu > 1's
+        scored = jax.lax.stop_gradient(logps) if old is None else old
+        is_ratio, mismatch = grpo_loss.sampling_correction(scored, sampled, mask, g)
         if g["old_logps"] == "sampler":  # the ratio carries the mismatch: nothing on top
             old, is_ratio = sampled, None
         ref = batch.get(dpo_data.REFERENCE)  # beta > 0: the base's (`reference_logps`)
@@ -136,6 +144,7 @@ class GRPOTrainer(trainer.Trainer):
         loss, metrics = grpo_loss.loss_and_metrics(
             logps, old, ref, batch["advantages"], mask, g, is_ratio
         )
+        metrics["entropy"] = layers.masked_mean(token_entropies(out, targets), mask)
         extra = trainer.model_metrics(out)
         if "moe/aux_loss" in extra:
             loss = loss + self.model.aux_loss_coef * extra["moe/aux_loss"]
@@ -148,8 +157,18 @@ class GRPOTrainer(trainer.Trainer):
         gradient: the base without its adapters (`state.frozen`, a LoRA run's), or the frozen
         copy of step 0's params (`mptrain.train.reference`), read in the policy's dtypes and
         laid out on the mesh as the update's forward is."""
-        policy, model_state = self.policy, reference.without(state.model_state)
         params = state.frozen if self.reference == "adapters" else state.model_state[reference.KEY]
+        return self.logps_of(params, state, batch)
+
+    def policy_logps(self, state, batch) -> jax.Array:
+        """Traced. fp32 `[B, L]`: the policy's own log-probabilities of the batch's targets as
+        its params now stand, no gradient (`num_iterations` > 1's old ones)."""
+        return self.logps_of(state.model_params, state, batch)
+
+    def logps_of(self, params, state, batch) -> jax.Array:
+        """Traced: `params`' log-probabilities of the batch's targets, the forward of the update
+        in the policy's dtypes and its layout on the mesh, without gradient."""
+        policy, model_state = self.policy, reference.without(state.model_state)
 
         def forward(params, model_state, batch):
             variables = {"params": params, **model_state}
@@ -190,13 +209,15 @@ class GRPOTrainer(trainer.Trainer):
         """Host-side. Each step samples, scores and updates (the module doc); the rollouts of
         each logged step go to `rollouts.jsonl`."""
         cfg, totals, done = self.config, run.totals, run.start
+        mu, batch = self.grpo["num_iterations"], None
         for first in range(run.start, cfg.num_train_steps):
             if preemption.reached(done):
                 name = preemption.signal_name
                 logging.warning("mptrain: %s received; checkpointing step %d", name, done)
                 run.stop(done, errors.Preempted(done, name))
-            with run.clock.section("generation"), loop.allow_transfers():
-                batch, lines = self.sampler(run.state, first)
+            if first % mu == 0 or batch is None:  # batch None: resumed between its updates
+                with run.clock.section("generation"), loop.allow_transfers():
+                    batch, lines = self.sampler.batch(run, first - first % mu)
             run.state, metrics, totals = run.train_step(run.state, batch, totals)
             done = first + 1
             if jax.process_index() == 0 and (
@@ -224,6 +245,9 @@ class Rows:
             "sampling_logps": np.zeros((b, length), np.float32),
             "record": np.zeros((b, len(trainer.record_names)), np.float32),
         }
+        g = trainer.grpo
+        if g["num_iterations"] > 1 and g["old_logps"] != "sampler":  # scored when sampled
+            self.zeros["old_logps"] = np.zeros((b, length), np.float32)
 
     def get_batch(self, index: int, rows: slice = slice(None)) -> dict[str, np.ndarray]:
         return {k: v[rows] for k, v in self.zeros.items()}
@@ -236,7 +260,7 @@ class Sampler:
     def __init__(self, trainer: GRPOTrainer, run: loop.Run):
         g, state = trainer.grpo, run.state
         self.trainer, self.g, self.prompts = trainer, g, run.train_source.prompts
-        model = trainer.model.clone(temperature=1.0)  # the sampler divides by it itself
+        model = trainer.model.clone(temperature=1.0, entropy=False)  # the sampler divides itself
         decoder = decode.make_decoder(model, g["max_completion_length"], keep_logps=True)
         cast = trainer.policy.cast_params  # inside the decoder's program: no cast copy kept
         sample = jax.jit(lambda params, *args: decoder(cast(params), *args))
@@ -249,10 +273,41 @@ class Sampler:
         lowered = sample.lower(params, ids, ids[:, 0] + 1, self.sampling, 0, self.stops)
         self.decode = lowered.compile()
         self.seed = trainer.config.seed
+        self.score = self.batches = None
+        if g["num_iterations"] > 1:  # the old log-probabilities' pass, and the kept batches
+            if g["old_logps"] != "sampler":
+                rows = dict(run.train_source.get_batch(0))
+                rows.pop("old_logps")  # what it scores
+                rows = self.place(rows)
+                self.score = jax.jit(trainer.policy_logps).lower(state, rows).compile()
+            self.batches = Batches(run.workdir, run.checkpointer, g["num_iterations"])
+
+    def place(self, batch: dict) -> dict:
+        """A host batch on the run's devices, its rows split as the update's."""
+        return jax.device_put(batch, layout.batch_shardings(self.trainer.mesh, batch))
+
+    def batch(self, run: loop.Run, step: int) -> tuple[dict, list[dict]]:
+        """Generation `step`'s batch on the devices and its rollout lines: sampled (with its
+        old log-probabilities where `num_iterations` > 1, and kept), or, for a run resumed
+        between that batch's updates, read back from where it was kept."""
+        if self.batches is None:
+            host, lines = self(run.state, step)
+            return self.place(host), lines
+        if step < run.start:
+            return self.batches.load(step, self)
+        host, lines = self(run.state, step)
+        batch = self.place(host)
+        if self.score is not None:
+            batch["old_logps"] = self.score(run.state, batch)
+            host["old_logps"] = np.asarray(batch["old_logps"])
+        self.batches.save(step, host, lines)
+        return batch, lines
 
     def __call__(self, state, step: int) -> tuple[dict, list[dict]]:
+        """Host-side: generation `step`'s prompts completed and scored; the update's rows (host
+        arrays) and each completion's rollout line."""
         t, g, group = self.trainer, self.g, self.g["num_generations"]
-        prompts = self.prompts.get_batch(step)
+        prompts = self.prompts.get_batch(step // g["num_iterations"])
         ids = np.repeat(prompts["prompt_ids"], group, axis=0)
         lengths = np.repeat(prompts["prompt_lengths"], group).astype(np.int32)
         index = np.repeat(prompts["index"], group)
@@ -277,7 +332,6 @@ class Sampler:
         advantages, figures = grpo_loss.advantages(per_func, weights, group, g["scale_rewards"])
         figures |= _reward_figures(t.rewards, per_func) | _length_figures(counts, ended)
         batch = _rows(t, ids, lengths, completion_ids, logps, advantages, figures)
-        batch = jax.device_put(batch, layout.batch_shardings(t.mesh, batch))
         rewards = np.nansum(per_func * weights[None], axis=1)
         lines = []
         for r, c in enumerate(completion_ids):
@@ -296,6 +350,58 @@ class Sampler:
                 "sampling_logps": logps[r, : len(c)].tolist(),
             })  # fmt: skip
         return batch, lines
+
+
+class Batches:
+    """The batches of a run with `num_iterations` > 1, each kept from its sampling until no
+    checkpoint can resume into its updates: `<workdir>/grpo_batches/<step>.npz`, the update's
+    host arrays and the rollout lines, written whole (a temporary file renamed) before its
+    first update, so that every checkpoint taken between its updates finds it."""
+
+    FOLDER = "grpo_batches"
+
+    def __init__(self, workdir, checkpointer, mu: int):
+        self.folder, self.checkpointer, self.mu = Path(workdir) / self.FOLDER, checkpointer, mu
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"{step}.npz"
+
+    def save(self, step: int, host: dict, lines: list[dict]) -> None:
+        temporary = self.folder / f".{step}.npz.tmp"
+        with open(temporary, "wb") as f:
+            np.savez(f, **host, lines=np.asarray(json.dumps(lines)))
+            f.flush()
+            os.fsync(f.fileno())
+        temporary.replace(self.path(step))
+        # gone: a batch whose every update is behind the oldest checkpoint kept
+        oldest = min(self.checkpointer.all_steps(), default=-1)
+        for kept in self.folder.glob("*.npz"):
+            if kept.stem.isdigit() and int(kept.stem) + self.mu <= oldest:
+                kept.unlink(missing_ok=True)
+
+    def load(self, step: int, sampler: Sampler) -> tuple[dict, list[dict]]:
+        path = self.path(step)
+        if not path.exists():
+            raise errors.WorkdirError(
+                f"{path}: the batch sampled at step {step}, which this run resumes between "
+                "the updates of (grpo.num_iterations), is missing; resume from a checkpoint "
+                "at a multiple of num_iterations, or start afresh"
+            )
+        with np.load(path) as saved:
+            host = {k: saved[k] for k in saved.files if k != "lines"}
+            lines = json.loads(str(saved["lines"]))
+        return sampler.place(host), lines
+
+
+def token_entropies(out: Any, targets: jax.Array) -> jax.Array:
+    """fp32 `[B, L]`, no gradient: each position's entropy of the policy's distribution (at the
+    temperature), from the head's dict (`lm_loss.token_loss(entropy=True)`) or fp32 logits."""
+    if isinstance(out, dict):
+        return jax.lax.stop_gradient(out["entropy"])
+    logits = jax.lax.stop_gradient(out.astype(jnp.float32))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.where(targets >= 0, -jnp.sum(jnp.exp(logp) * logp, axis=-1), 0.0)
 
 
 def _reward_figures(rewards: list, per_func: np.ndarray) -> dict[str, float]:

@@ -170,6 +170,36 @@ def test_accuracy_tokens_and_log_probabilities_count_the_valid_targets():
     np.testing.assert_allclose(out["logps"], np.where(valid, picked - lse, 0), atol=1e-5)
 
 
+@needs_devices(2)
+def test_each_tokens_entropy_is_that_of_its_tempered_capped_distribution_split_or_whole():
+    """GRPO's `entropy`: each position's entropy of softmax(cap(logits) / temperature), 0 where
+    masked, from chunks that pad the length and from a tensor group holding half the vocabulary
+    each (the group's sums), against float64."""
+    from mptrain.parallel import tensor
+
+    hidden, kernel, targets = _inputs(jnp.float32)
+    targets, _ = _masked(targets)
+    cap, temperature = 3.0, 0.7
+    logits = np.asarray(hidden, np.float64) @ np.asarray(kernel, np.float64)
+    logits = cap * np.tanh(logits / cap) / temperature
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = np.where(np.asarray(targets) >= 0, -np.sum(p * np.log(p), -1), 0.0)
+    kwargs = {"softcap": cap, "temperature": temperature, "entropy": True}
+    whole = lambda h, k, t: lm_loss.token_loss(h, k, t, chunk=3, **kwargs)["entropy"]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), (tensor.AXIS,))
+    P = jax.sharding.PartitionSpec
+
+    def local(h, k, t):  # every token, this device's half of the vocabulary; its half of rows
+        split = tensor.split(2, as_bits=True)
+        return lm_loss.token_loss(h, k, t, chunk=4, split=split, **kwargs)["entropy"]
+
+    specs = (P(), P(None, tensor.AXIS), P())
+    split = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(None, tensor.AXIS))
+    for fn in (whole, split):
+        np.testing.assert_allclose(jax.jit(fn)(hidden, kernel, targets), expected, atol=1e-5)
+
+
 def _sizes(program: str) -> set[int]:
     """The element counts of the arrays an HLO program (compiled or StableHLO) names."""
     shapes = re.findall(r"\b(?:f64|f32|bf16|f16|s32|pred)\[([\d,]*)\]", program)

@@ -5,6 +5,7 @@ the uninterrupted run's history, rollouts and arrays, and fsdp 4 x data 2 sample
 one device, the sampler and the trainer agreeing in fp32."""
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -38,7 +39,6 @@ BAD = [
     ({"grpo.reward_funcs": "answer_match"}, "neither a built-in"),
     ({"grpo.loss_type": "ppo"}, "grpo.loss_type='ppo'"),
     ({"grpo.sampling_correction": "clip"}, "grpo.sampling_correction='clip'"),
-    ({"grpo.num_iterations": 2}, "grpo.num_iterations=2"),
     ({"data.seq_len": 4}, "data.seq_len=4 with grpo.max_completion_length=4"),
     ({"mesh.tensor": 2}, "mesh.tensor=2: a GRPO run samples"),
     ({"precision": "fp8-mixed"}, "precision='fp8-mixed': the sampler does not decode fp8"),
@@ -73,6 +73,33 @@ def test_several_processes_are_refused_naming_the_setting():
         grpo.check_run(config)
 
 
+def test_a_batch_is_kept_until_no_checkpoint_resumes_into_its_updates(tmp_path):
+    """`num_iterations` 2: each sampled batch is written before its first update and read back
+    bit for bit; it goes once the oldest checkpoint kept is past its updates; a resume into the
+    updates of a batch that is gone is one line naming the file (exit 2)."""
+    import types
+
+    from mptrain import errors
+    from mptrain.train import grpo
+
+    saved = []
+    checkpointer = types.SimpleNamespace(all_steps=lambda: list(saved))
+    sampler = types.SimpleNamespace(place=lambda host: host)
+    batches = grpo.Batches(tmp_path, checkpointer, mu=2)
+    host = {"old_logps": np.float32([[-0.1, -2.5e-8]]), "inputs": np.int32([[5, 6]])}
+    lines = [{"completion": "12", "sampling_logps": [-0.25]}]
+    for step in (0, 2, 4):
+        batches.save(step, {k: v + step for k, v in host.items()}, lines)
+        saved[:] = [step + 1]  # one checkpoint kept, inside the batch's updates
+    back, back_lines = batches.load(4, sampler)
+    assert back_lines == lines and set(back) == set(host)
+    for k, v in host.items():
+        assert back[k].dtype == v.dtype and back[k].tobytes() == (v + 4).tobytes()
+    assert sorted(p.name for p in (tmp_path / "grpo_batches").iterdir()) == ["2.npz", "4.npz"]
+    with pytest.raises(errors.WorkdirError, match=r"grpo_batches/0.npz: the batch sampled at"):
+        batches.load(0, sampler)
+
+
 def _history(workdir) -> list[dict]:
     return [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines()]
 
@@ -99,8 +126,9 @@ def test_grpo_tiny_learns_and_keeps_trls_record(tmp_path, capsys):
              "rewards/answer_match_reward/std", "completions/mean_length",
              "completions/clipped_ratio", "clip_ratio/region_mean",
              "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/max",
-             "sampling/frac_ratio_outside_0.9_1.1")  # fmt: skip
+             "sampling/frac_ratio_outside_0.9_1.1", "entropy")  # fmt: skip
     assert set(names) <= set(history[-1]), sorted(history[-1])
+    assert 0 < history[-1]["entropy"] < history[0]["entropy"], history  # it grew surer
     lines = _rollouts(workdir)
     assert sorted({r["step"] for r in lines}) == [1, 10, 20, 30, 40, 50, 60]
     assert len(lines) == 7 * 16
@@ -126,19 +154,23 @@ def test_a_reward_that_fails_stops_the_run_with_one_line_naming_it(tmp_path, cap
 
 
 def _command(workdir, cache) -> list[str]:
-    keys = {"num_train_steps": 8, "checkpoint_every_steps": 2, "log_every_steps": 2}
-    keys["data.cache_dir"] = cache
+    keys = {"num_train_steps": 8, "checkpoint_every_steps": 3, "log_every_steps": 2}
+    keys |= {"data.cache_dir": cache, "grpo.num_iterations": 4}  # every checkpoint inside a batch
     return [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={workdir}", *_flags(keys)]
 
 
 @pytest.mark.slow  # three runs of grpo_tiny's programs
 def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """Killed once its step-4 checkpoint is down and run again: the history (timings aside),
-    the rollouts and every array of the uninterrupted run: the prompts and the sampler's keys
-    are pure functions of (seed, step)."""
+    """Four updates a batch (`num_iterations` 4), killed once its step-3 checkpoint is down
+    (inside the first batch's updates; the next checkpoint, 6, inside the second's) and run
+    again: the history (timings aside), the rollouts and every array of the uninterrupted run.
+    The prompts and the sampler's keys are pure functions of (seed, step); the batch the
+    resumed run is inside of is read back, its old log-probabilities with it."""
     cache = tmp_path / "cache"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 4)
+    err = kill_9_and_resume(lambda workdir: _command(workdir, cache), straight, crashed, 3)
+    resumed = int(re.search(rb"resuming from step (\d+)", err).group(1))
+    assert resumed in (3, 6), err[-3000:]  # between a batch's updates
     assert history_without_timings(crashed) == history_without_timings(straight)
     assert _rollouts(crashed) == _rollouts(straight)
     assert_trees_bytes_equal(plain_orbax_state(straight, 8), plain_orbax_state(crashed, 8))

@@ -60,6 +60,7 @@ class Llama(nn.Module):
     # the logits (and the loss's and log-probabilities') over it: a GRPO run scores its
     # completions at its sampling temperature (`mptrain.train.grpo`); 1 otherwise
     temperature: float = 1.0
+    entropy: bool = False  # with targets, each token's entropy in the dict (GRPO's record)
     computes_loss = True  # takes `targets` (the Trainer's loss_fn hands them over)
 
     @nn.compact
@@ -99,7 +100,8 @@ class Llama(nn.Module):
             x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
                             self.final_softcap, dict_out=bool(routed),
-                            temperature=self.temperature, name="head")  # fmt: skip
+                            temperature=self.temperature, entropy=self.entropy,
+                            name="head")  # fmt: skip
         kernel = None
         if self.tie_embeddings:
             kernel = axes_lib.unboxed(embed.variables["params"]["embedding"]).T.astype(self.dtype)
