@@ -1,7 +1,8 @@
 """GRPO against TRL 1.16 (issue 71): the advantages from the same rewards, the per-token
-log-probabilities of the same completions, and for every loss type, beta 0 and 0.04, token and
-sequence level, with clipping on both sides, the loss, TRL's clip and KL figures and every
-parameter's gradient, all fp32 (`tests/train/make_grpo_fixture.py` says how TRL made them)."""
+log-probabilities and entropies of the same completions, and for every loss type, beta 0 and
+0.04, token and sequence level, with clipping on both sides, the loss, TRL's clip and KL figures
+and every parameter's gradient, all fp32 (`tests/train/make_grpo_fixture.py` says how TRL
+made them)."""
 
 import json
 
@@ -16,6 +17,7 @@ from helpers import ROOT
 from mptrain import config as config_lib
 from mptrain import hf, models
 from mptrain.models import grpo_loss
+from mptrain.train import grpo
 
 FIXTURE = ROOT / "tests" / "train" / "grpo_fixture"
 MODEL = ROOT / "tests" / "hf" / "fixture"  # a tiny Llama, fp32
@@ -63,31 +65,36 @@ def computed():
         logits = model.apply({"params": params}, ids)[:, start - 1 : -1]
         logits = logits.astype(jnp.float32)
         picked = jnp.take_along_axis(logits, completions[..., None], axis=-1)[..., 0]
-        return picked - jax.nn.logsumexp(logits, axis=-1)
+        targets = jnp.where(mask, completions, -1)
+        return picked - jax.nn.logsumexp(logits, axis=-1), grpo.token_entropies(logits, targets)
 
     adv = jnp.asarray(REF["advantages_group"])
     old, ref = jnp.asarray(REF["old"]), jnp.asarray(REF["ref"])
 
     def losses(params):
-        logps = logps_of(params)
+        logps, entropies = logps_of(params)
         out = []
         for kind, beta, level in CASES:
             s = {"loss_type": kind, "beta": beta, "epsilon": 0.2, "epsilon_high": 0.2,
                  "importance_sampling_level": level,
                  "max_completion_length": SETTINGS["max_completion_length"]}  # fmt: skip
             out.append(grpo_loss.loss_and_metrics(logps, old, ref, adv, mask, s))
-        return jnp.stack([loss for loss, _ in out]), ([m for _, m in out], logps)
+        return jnp.stack([loss for loss, _ in out]), ([m for _, m in out], logps, entropies)
 
-    grads, (values, (metrics, logps)) = jax.jit(
+    grads, (values, (metrics, logps, entropies)) = jax.jit(
         lambda p: (jax.jacrev(lambda q: losses(q)[0])(p), losses(p))
     )(params)
-    return model_config, np.asarray(logps), np.asarray(values), metrics, grads
+    per_token = np.asarray(logps), np.asarray(entropies)
+    return model_config, per_token, np.asarray(values), metrics, grads
 
 
-def test_the_per_token_log_probabilities_are_trls(computed):
-    _, logps, *_ = computed
+def test_the_per_token_log_probabilities_and_entropies_are_trls(computed):
+    """The entropies: the record's `entropy` is their mean over the completion tokens."""
+    _, (logps, entropies), *_ = computed
     mask = REF["completion_mask"].astype(bool)
     np.testing.assert_allclose(logps[mask], REF["logps"][mask], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(entropies[mask], REF["entropies"][mask], rtol=0, atol=1e-5)
+    assert not np.any(entropies[~mask])
 
 
 def test_every_loss_its_figures_and_every_parameters_gradient_are_trls(computed, tmp_path):

@@ -17,7 +17,8 @@ both sides, for advantages of both signs, and reference log-probs shifted by hal
   * `prompt_ids [2, P]`, `completion_ids [8, C]` (0-padded), `completion_mask`;
   * `rewards [8, 2]` (NaN for None), `advantages [8]` for `scale_rewards` group, batch, none;
   * `logps [8, C]`: TRL's per-token log-probabilities of the completion tokens (fp32 logits
-    over the whole vocabulary at temperature 1); `old`, `ref`: the shifted ones;
+    over the whole vocabulary at temperature 1); `entropies [8, C]`, each position's entropy
+    of that distribution (the record's `entropy`); `old`, `ref`: the shifted ones;
   * per case `loss_<type>_<beta>_<level>`, the loss; `grad_..._<param>`, every parameter's
     gradient under its HF name; `clip_..._{low,high,region}` and `kl_...`, TRL's metrics.
 """
@@ -101,10 +102,10 @@ def main() -> None:
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, mask, batch["completion_ids"].size(1)
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, batch["completion_ids"].size(1), compute_entropy=True
         )
-    out["logps"] = logps.numpy()
+    out["logps"], out["entropies"] = logps.numpy(), entropies.numpy()
     # each row's mean shifted by +-0.3 (past log 1.2 at the sequence level), each token by +-0.4
     # about it: ratios leave [0.8, 1.2] on both sides, with advantages of both signs
     rows = torch.tensor([1.0, -1, 1, -1, 1, -1, -1, 1])[:, None]
