@@ -41,7 +41,7 @@ NOT_RUN = {
     "plan": "they need the extra mptrain[plan]; make test-plan runs tests/plan/plan_test.py",
     "download": "a gated checkpoint of gigabytes from the Hugging Face Hub",
     "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs it cut to 60",
-    "dpo-tiny": "tests/train/dpo_train_test.py runs 40 of its steps in two precisions (slow)",
+    "dpo-tiny": "tests/train/dpo_train_test.py runs 24 of its steps in two precisions (slow)",
     "grpo-folder": "a model folder of the reader's; the page's runs are grpo_tiny's",
 }
 MAX_STEPS = 8

@@ -300,7 +300,7 @@ def test_kill_9_mid_run_then_resume_gives_the_bytes_of_an_uninterrupted_run(tune
     ]  # fmt: skip
     env, rng, crashed, kills = fake_cpu_env(1), random.Random(1), tmp_path / "crashed", []
     saved = lambda: max(checkpoint_steps_on_disk(crashed), default=0)
-    while len(kills) < 2:
+    while not kills:  # one kill: each costs a process start, the resume is what is tested
         before = saved()
         proc = subprocess.Popen(command(crashed), cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
