@@ -4,6 +4,7 @@
   python scripts/bench_grpo.py --part=mismatch --out=/tmp/grpo    # about 1 minute
   python scripts/bench_grpo.py --part=speed --trl_python=/tmp/trlvenv/bin/python --out=/tmp/grpo
   python scripts/bench_grpo.py --part=learn --out=/tmp/grpo       # 10 runs: about 8 minutes
+  python scripts/bench_grpo.py --part=lora --out=/tmp/grpo        # 6 runs: about 3 minutes
 
 * `mismatch`: the repository's tiny HF folder (`tests/hf/fixture`, its byte tokenizer
   `tests/train/dpo_fixture`), 16 completions of 8 tokens (4 prompts, G 4) sampled at step 0, in
@@ -20,6 +21,13 @@
   update.
 * `learn`: `configs/llama3.py:grpo_tiny`, 200 steps, seeds 0 and 1, fp16-mixed (as shipped),
   bf16-mixed and fp32, and LoRA (rank 8) in fp16: the mean reward of steps 1-20 and 181-200.
+
+* `lora`: why adapters on `grpo_tiny` do not raise its reward. A full fine-tune trains a base
+  (40 and 50 steps), then rank-8 adapters train 200 steps from each base's checkpoint (learning
+  rates 3e-3 and 1e-2). Beside each run, the base's ceiling: the largest share of probability
+  its frozen head (times the final norm's scale) can put on the ten digits, over every hidden
+  state the final norm can give (norm sqrt(d_model)), found by gradient ascent. The digits
+  reward cannot exceed it, and only the head and the norm, which adapters leave frozen, move it.
 
 Prints a table and writes `<out>/grpo_<part>.json`.
 """
@@ -260,9 +268,70 @@ def learn(out: Path) -> dict:
     return found
 
 
+def _tiny_run(workdir: Path, *flags: str) -> list[dict]:
+    argv = [sys.executable, "-m", "mptrain.main",
+            f"--config={ROOT / 'configs' / 'llama3.py'}:grpo_tiny", f"--workdir={workdir}",
+            "--config.log_every_steps=1", *flags]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(argv)}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return [json.loads(x) for x in (workdir / "history.jsonl").read_text().splitlines()]
+
+
+def digit_ceiling(head, scale, steps: int = 2000, lr: float = 0.3) -> float:
+    """The largest total probability `softmax(h @ (scale * head))` puts on the digits '0'-'9'
+    (byte ids) over hidden states `h` of norm sqrt(d) (an RMS norm's output before its scale):
+    projected gradient ascent on the sphere, from a fixed start."""
+    import numpy as np
+
+    weights = np.asarray(head, np.float64) * np.asarray(scale, np.float64)[:, None]
+    digits, width = [ord(c) for c in "0123456789"], weights.shape[0]
+    u = np.random.default_rng(0).normal(size=width)
+    u /= np.linalg.norm(u)
+    for _ in range(steps):
+        z = (u * np.sqrt(width)) @ weights
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        share = p[digits].sum()
+        g = -p
+        g[digits] += p[digits] / share  # d log(share) / d z
+        u += lr * (weights @ g) * np.sqrt(width)
+        u /= np.linalg.norm(u)
+    return float(share)
+
+
+def lora(out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import plain_orbax_state
+
+    found, base = {}, Path(tempfile.mkdtemp(dir=out))
+    rows = _tiny_run(base, "--config.num_train_steps=50", "--config.checkpoint_every_steps=10")
+    for step in (40, 50):
+        params = plain_orbax_state(base, step)["params"]
+        ceiling = digit_ceiling(params["head"]["kernel"], params["final_norm"]["scale"])
+        for lr in ("3e-3", "1e-2"):
+            curve = _tiny_run(Path(tempfile.mkdtemp(dir=out)), "--config.lora.rank=8",
+                              f"--config.optimizer.learning_rate={lr}",
+                              f"--config.init_from={base / 'checkpoints' / str(step)}")  # fmt: skip
+            digits = [r["rewards/digits_reward/mean"] for r in curve]
+            name = f"base step {step}, lr {lr}"
+            found[name] = {
+                "base_reward": rows[step - 1]["reward"],
+                "ceiling": ceiling,
+                "digits_first_20": statistics.mean(digits[:20]),
+                "digits_last_20": statistics.mean(digits[-20:]),
+                "entropy_last": curve[-1]["entropy"],
+            }
+            f = found[name]
+            first, last = f["digits_first_20"], f["digits_last_20"]
+            line = f"ceiling {ceiling:.3f}  digits {first:.3f} -> {last:.3f}"
+            print(f"{name:<26}{line}  entropy {f['entropy_last']:.2f}", flush=True)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("mismatch", "speed", "learn"), required=True)
+    parser.add_argument("--part", choices=("mismatch", "speed", "learn", "lora"), required=True)
     parser.add_argument("--out", default="/tmp/grpo")
     parser.add_argument("--trl_python", default=None)
     parser.add_argument("--runs", type=int, default=4)
@@ -274,6 +343,8 @@ def main() -> None:
         result = mismatch(out)
     elif args.part == "speed":
         result = speed(out, args.trl_python, args.runs)
+    elif args.part == "lora":
+        result = lora(out)
     else:
         result = learn(out)
     (out / f"grpo_{args.part}.json").write_text(json.dumps(result, indent=1))
