@@ -239,8 +239,8 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
 
 
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Writes `text` to `path` atomically: a reader sees the old file or the new one.
+def write_text(path: str | os.PathLike, text: str | bytes) -> None:
+    """Writes `text` (or bytes) to `path` atomically: a reader sees the old file or the new one.
 
     The text goes to a temporary file in the same directory, is flushed to disk, and replaces
     `path` with `os.replace`. A write that a kill interrupts leaves its temporary behind
@@ -254,7 +254,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         _write_text(directory, name, path, text)
 
 
-def _write_text(directory: str, name: str, path: str, text: str) -> None:
+def _write_text(directory: str, name: str, path: str, text: str | bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     while True:
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
@@ -264,7 +264,7 @@ def _write_text(directory: str, name: str, path: str, text: str) -> None:
         except FileExistsError:  # another name, then
             continue
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

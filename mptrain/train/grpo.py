@@ -47,8 +47,8 @@ Not built yet: evaluation on held-out prompts, a split over `mesh.context` or `m
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from mptrain import errors
+from mptrain import errors, files
 from mptrain.data import dpo as dpo_data
 from mptrain.data import grpo as grpo_data
 from mptrain.data import rewards as rewards_lib
@@ -355,7 +355,7 @@ class Sampler:
 class Batches:
     """The batches of a run with `num_iterations` > 1, each kept from its sampling until no
     checkpoint can resume into its updates: `<workdir>/grpo_batches/<step>.npz`, the update's
-    host arrays and the rollout lines, written whole (a temporary file renamed) before its
+    host arrays and the rollout lines, written whole (`files.write_text`) before its
     first update, so that every checkpoint taken between its updates finds it."""
 
     FOLDER = "grpo_batches"
@@ -363,17 +363,15 @@ class Batches:
     def __init__(self, workdir, checkpointer, mu: int):
         self.folder, self.checkpointer, self.mu = Path(workdir) / self.FOLDER, checkpointer, mu
         self.folder.mkdir(parents=True, exist_ok=True)
+        files.remove_temporaries(self.folder)  # what a killed write left
 
     def path(self, step: int) -> Path:
         return self.folder / f"{step}.npz"
 
     def save(self, step: int, host: dict, lines: list[dict]) -> None:
-        temporary = self.folder / f".{step}.npz.tmp"
-        with open(temporary, "wb") as f:
-            np.savez(f, **host, lines=np.asarray(json.dumps(lines)))
-            f.flush()
-            os.fsync(f.fileno())
-        temporary.replace(self.path(step))
+        data = io.BytesIO()
+        np.savez(data, **host, lines=np.asarray(json.dumps(lines)))
+        files.write_text(self.path(step), data.getvalue())  # atomic, a full disk one line
         # gone: a batch whose every update is behind the oldest checkpoint kept
         oldest = min(self.checkpointer.all_steps(), default=-1)
         for kept in self.folder.glob("*.npz"):
