@@ -58,12 +58,19 @@ def stderr_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip() and not _PLUGIN_CHATTER.match(line)]
 
 
+# The flags of this process's XLA_FLAGS that the processes it starts keep: how the Makefile's
+# test targets compile (TEST_XLA_FLAGS), not what they are given to run on.
+_KEPT_FLAGS = ("--xla_backend_optimization_level=",)
+
+
 def fake_cpu_env(devices: int) -> dict[str, str]:
     """The environment of a process with `devices` fake CPU devices. With more than one, the
     process runs on the CPU even where there is an accelerator: such tests are about meshes and
     processes, and one GPU cannot be eight devices. Its $NPROC is its own start-up's
     (`runtime.set_cpu_threads`), not this process's."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(_KEPT_FLAGS)]
+    flags = " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
+    env = dict(os.environ, XLA_FLAGS=flags)
     env.pop("NPROC", None)
     if devices > 1:
         env["JAX_PLATFORMS"] = "cpu"
