@@ -52,6 +52,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from mptrain import errors, files, version
 from mptrain.train import adapters, checkpoint_meta, fingerprints
@@ -91,6 +92,18 @@ def use_async(setting: bool | None, platform: str) -> bool:
     return platform != "cpu"
 
 
+def _write_each_shard_whole() -> None:
+    """On one process, orbax writes each array shard whole, from its first replica: its
+    replica-parallel writing (on by default except on GPUs) slices replicated shards among the
+    devices holding them, which on one host spreads nothing and costs a compiled slice per array
+    and save (72 on a data 2 x fsdp 4 Llama's two saves: 3.3 s of its 4-step run, 1.3 s
+    without). The same arrays are written; across processes orbax's default stays."""
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(), use_replica_parallel=False
+    )  # orbax's own registration, less the replica-parallel writing
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+
+
 class Checkpointer:
     """Saves and restores `(state, meta)` pairs under `directory`, one folder per step.
 
@@ -125,6 +138,8 @@ class Checkpointer:
         )
         self._pending: int | None = None  # a saved step not known to be written yet
         self._failed = False  # whether a StorageError was raised
+        if jax.process_count() == 1:
+            _write_each_shard_whole()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def __enter__(self) -> Checkpointer:

@@ -251,6 +251,32 @@ def test_sharded_state_restores_onto_target_shardings(tmp_path, states):
         assert restored.params["w"].sharding == sharding
 
 
+@needs_devices(8)
+def test_one_process_writes_each_replicated_shard_whole_without_slicing_it(tmp_path, states):
+    """Params split 4 ways and held twice (data 2 x fsdp 4): the save compiles no slice of
+    them (orbax's replica-parallel writing, off on one process), and restores byte for byte."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    state = states[1].replace(params=jax.device_put(states[1].params, split))
+    traced = []
+    listener = lambda event, secs, **kw: traced.append(kw.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        _save(tmp_path, [state]).close()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "slice" not in traced, traced
+    abstract = jax.eval_shape(lambda: state)
+    abstract = abstract.replace(
+        params=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), abstract.params
+        )
+    )
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        restored, _ = ckpt.restore(abstract)
+    assert_trees_bytes_equal(restored, state)
+
+
 def test_async_save(tmp_path, states):
     with checkpoint.Checkpointer(tmp_path, async_save=True) as ckpt:
         for state in states[:2]:
