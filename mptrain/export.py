@@ -93,6 +93,8 @@ def export(
         raise errors.ConfigError(
             f"--keep_fp32={keep_fp32!r}: not a regular expression ({e})"
         ) from None
+    files.check_local("--workdir", workdir)
+    files.check_local("--out", out)
     workdir, out = Path(workdir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")

@@ -97,6 +97,21 @@ WORKDIR_FILES = ("config.json", "history.jsonl", "curves.png", "precision_report
 WORKDIR_FOLDERS = ("checkpoints", "numerics")
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_local(flag: str, path: str | os.PathLike) -> None:
+    """A `ConfigError` (exit 2) where `path` is a URL (`s3://BUCKET/RUN`, `gs://...`): runs,
+    exports and outputs are folders of a local or shared POSIX filesystem, and a URL taken as
+    one would be written, with everything in it, to a local folder named `s3:` here."""
+    found = _URL.match(os.fspath(path))
+    if found:
+        raise errors.ConfigError(
+            f"{flag}={os.fspath(path)}: a {found.group(1)}:// URL; mptrain writes runs and "
+            "exports to a local or shared POSIX folder only: give its path"
+        )
+
+
 def check_workdir(workdir: str | os.PathLike) -> None:
     """A `WorkdirError` (exit 2) when the workdir is a folder this process cannot write in (a
     finished run's made read-only: its `.lock` may still be writable, and is left untouched), or
@@ -123,6 +138,7 @@ def check_output(flag: str, path: str | os.PathLike, folder: bool = False) -> No
     asked for and `path` is a folder; a `StorageError` (exit 1) where that folder cannot be
     written in (read-only, no permission), as a failed write would be told. (Whether an
     existing folder may be written into is its command's rule.)"""
+    check_local(flag, path)
     path = Path(path).absolute()
     if not folder and path.is_dir():
         raise errors.ConfigError(f"{flag}={path}: is a folder; give the path of a file")

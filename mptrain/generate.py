@@ -65,6 +65,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
     if (workdir is None) == (hf_folder is None):
         raise errors.ConfigError("give --workdir=RUN or --hf=FOLDER (one of them)")
     if workdir is not None:
+        files.check_local("--workdir", workdir)
         config, (state, _) = export.read_run(Path(workdir), step)
         if not getattr(models.record_of(config), "decodes", False):
             raise errors.ConfigError(

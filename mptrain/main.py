@@ -247,6 +247,12 @@ def _main(argv: list[str] | None) -> int:
         return errors.EXIT_OK
     if not flag_values.workdir:
         usage_error("--workdir is required, e.g. --workdir=runs/default")
+    from mptrain import files
+
+    try:
+        files.check_local("--workdir", flag_values.workdir)
+    except errors.ConfigError as e:
+        usage_error(str(e))
 
     from absl import app
 

@@ -243,6 +243,25 @@ def test_a_workdir_path_of_the_wrong_kind_stops_the_run_before_it_compiles(
     assert time.monotonic() - started < 30 and not (tmp_path / "run" / ".lock").exists()
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "hdfs://host/run"])
+def test_a_url_for_a_workdir_or_an_export_is_refused_not_written_to_a_local_folder(
+    url, tmp_path, capsys, monkeypatch
+):
+    """Object storage is not a folder mptrain writes: a URL is one line, exit 2, and no folder
+    named after its scheme appears where the command ran."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli(url, capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--workdir={url}: a {url.split(':')[0]}:// URL" in err, err
+    for args in (["--workdir=" + url, "--out=o"], ["--workdir=w", "--out=" + url]):
+        assert export.main(args) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "URL" in err, err
+    with pytest.raises(errors.ConfigError, match="a s3:// URL|a gs:// URL|a hdfs:// URL"):
+        trainer.Trainer(tiny_config(), url)
+    assert list(tmp_path.iterdir()) == []
+
+
 class _FullDisk:
     """A file object whose writes find the disk full."""
 

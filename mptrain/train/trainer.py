@@ -61,6 +61,7 @@ class Trainer:
         self, config: ml_collections.ConfigDict, workdir: str | Path, *, devices=None,
         resolved: config_lib.Resolved | None = None,
     ):  # fmt: skip
+        files.check_local("workdir", workdir)
         self.config, self.workdir, self.resolved = config, Path(workdir), resolved
         self.policy = resolved.policy if resolved else config_lib.policy_of(config)
         loggers.check(config)  # a missing extra stops the run before anything compiles
