@@ -1,5 +1,11 @@
 # `make run` and `make test` each do the whole set-up on a fresh machine first.
 PYTHON ?= python3
+# Python writes the bytecode of what it imports to __pycache__/, whatever the environment says: the
+# suites start some hundreds of Python processes, and with PYTHONDONTWRITEBYTECODE=1 (set in many
+# container images) each compiled JAX's, Flax's and mptrain's 2,000 modules anew, 2-3 s of a
+# core apiece. pip installs with --no-compile below, so a module is compiled once, when first
+# imported, and only the modules something imports.
+export PYTHONDONTWRITEBYTECODE :=
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
