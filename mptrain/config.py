@@ -117,7 +117,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
     c.lora.dropout = 0.0  # of the adapters' input, while training
     # the projections that get adapters: a regex searched in their kernels' param paths; None:
-    # every projection the model makes with an adapter's place (`models.lora.dense`)
+    # every projection the model makes with an adapter's place (`models.lora.dense`), not the
+    # head, which takes one where the regex matches `head/kernel`
     c.lora.targets = config_dict.placeholder(str)
     c.lora.base_dtype = "compute"  # the frozen base: "compute" (its dtype) or "q8" (8 bits)
     c.dpo = ml_collections.ConfigDict()  # DPO on preference pairs (data.name="dpo"): docs/dpo.md

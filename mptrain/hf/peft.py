@@ -74,9 +74,10 @@ def adapter_config(
     short names (`q_proj`, ...) when every layer has the same ones, else is a regex (PEFT
     full-matches a string against each module's name) of exactly the adapted modules."""
     modules = sorted({n.removeprefix(PREFIX).rsplit(".", 2)[0] for n in names})
+    inside = [m for m in modules if re.search(r"layers\.\d+\.", m)]  # outside: lm_head
     short = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    layer_ids = {re.search(r"layers\.(\d+)\.", m)[1] for m in modules if "layers." in m}
-    every = len(modules) == len(short) * len(layer_ids) or not layer_ids
+    layer_ids = {re.search(r"layers\.(\d+)\.", m)[1] for m in inside}
+    every = len(inside) == len({m.rsplit(".", 1)[-1] for m in inside}) * len(layer_ids)
     targets = short if every else "|".join(re.escape(m) for m in modules)
     r, alpha = settings["rank"], settings["alpha"]
     return {

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mptrain.models import layers
+from mptrain.models import lora as lora_lib
 from mptrain.parallel import axes as axes_lib
 from mptrain.parallel import view
 
@@ -288,16 +289,20 @@ class Head(nn.Module):
     dict_out: bool = False  # with targets, always `token_loss`'s dict (a model that adds to it)
     temperature: float = 1.0  # the logits over it (`token_loss`'s); 1 but in a GRPO run
     entropy: bool = False  # with targets, `token_loss`'s dict with each token's entropy
+    lora: Any = None  # a `lora.Spec`: an adapter on its own kernel where it names the head
 
     @nn.compact
     def __call__(self, x: jax.Array, targets: Any = None, kernel: Any = None) -> Any:
         local = view.current()  # a tensor group's part of the vocabulary
         split = local and local.tensor()
         vocab = self.vocab_size // (1 if split is None else split.size)
+        adapted = kernel is None and self.lora is not None and self.lora.adapts(self.path)
         if kernel is None:
             init = axes_lib.declare(self.kernel_init, (axes_lib.EMBED, axes_lib.VOCAB))
             kernel = self.param("kernel", init, (x.shape[-1], vocab))
         x = x.astype(jnp.promote_types(x.dtype, kernel.dtype))
+        if adapted:  # x and the kernel widened by the adapter's rank (`lora.head`)
+            x, kernel = lora_lib.head(self, x, kernel)
         length = x.shape[1]
         whole = (self.chunk or auto_chunk(length, self.vocab_size, x.shape[-1])) >= length
         if split is not None and targets is None:

@@ -7,6 +7,14 @@ step 0 is the base model exactly. ``A`` is drawn as PEFT draws it (uniform withi
 an mptrain adapter and a PEFT one start alike. With ``dropout`` the adapter's input (only) is
 dropped, during training (a ``"dropout"`` rng present), as in PEFT.
 
+The language model's head (its output projection, ``head/kernel``) takes an adapter only where
+``targets`` names it (``targets="head|q|v"``), as PEFT's ``target_modules`` does ``lm_head``
+(its ``all-linear`` leaves the output layer out, and so does ``targets`` None here). The head's
+logits come from a chunked loss over one matmul, so its adapter rides inside that matmul
+(``head``): ``[x, scale * x A] @ [W; B]`` is ``x W + scale * (x A) B`` with one fp32
+accumulation, not ``W + scale * A B`` rounded into a 16-bit kernel, which would round a young
+adapter's update away. A head tied to the embedding takes none.
+
 The adapters sit beside the kernel they adapt (``.../attn/q/kernel`` gets ``.../attn/q/lora_a``
 and ``lora_b``), so a LoRA model's params are the base model's plus the adapters: the base's
 checkpoints and HF folders load onto it unchanged. The Trainer trains the adapters alone
@@ -42,6 +50,7 @@ ADAPTERS = ("lora_a", "lora_b")  # the param names of an adapter's two factors
 SETTINGS = {"rank": None, "alpha": 16.0, "dropout": 0.0, "targets": None, "base_dtype": "compute"}
 BASE_DTYPES = ("compute", "q8")
 ALL = "*"  # a `Spec.targets` that adapts every projection that can take an adapter
+HEAD = "head"  # the language model head's module path: adapted only where `targets` names it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +99,26 @@ def spec(lora: Any, build: Any) -> Spec:
     at least one of them (a `ValueError` lists some if it matches none)."""
     keys = settings(lora)
     everywhere = Spec(keys["rank"], keys["alpha"] / keys["rank"], keys["dropout"])
-    shapes = _shapes(build(everywhere))
+    model = build(everywhere)
+    shapes = _shapes(model)
     kernels = adaptable(shapes)
-    targets = keys["targets"]  # None: every projection, what the model made adaptable
-    chosen = {path for path in kernels if targets is None or re.search(targets, path)}
+    targets = keys["targets"]  # None: every projection the model made adaptable, not the head
+    chosen = {
+        path
+        for path in kernels
+        if (module_path(path) != HEAD if targets is None else re.search(targets, path))
+    }
     experts = [p for p in _experts(shapes) if targets is not None and re.search(targets, p)]
     if experts:  # a mixture's experts: `[E, in, out]` params, no projection module each
         raise ValueError(
             f"lora.targets={keys['targets']!r}: matches the experts' kernels ({experts[0]}), "
             "which take no adapters yet: target the attention's projections (and a dense MLP's)"
+        )
+    tied = getattr(model, "tie_embeddings", False)
+    if targets is not None and re.search(targets, f"{HEAD}/kernel") and not chosen and tied:
+        raise ValueError(
+            f"lora.targets={targets!r}: matches only the head, which this model ties to its "
+            "embedding and which then takes no adapter; target its projections"
         )
     if not chosen:
         shown = ", ".join(sorted(kernels)[:4]) + (", ..." if len(kernels) > 4 else "")
@@ -115,7 +135,8 @@ def spec(lora: Any, build: Any) -> Spec:
     return dataclasses.replace(
         everywhere,
         targets=frozenset(map(module_path, chosen)),
-        projections=frozenset(map(module_path, kernels)),
+        # the kernels an 8-bit base stores in 8 bits: the head stays in the compute dtype
+        projections=frozenset(module_path(k) for k in kernels if module_path(k) != HEAD),
     )
 
 
@@ -224,6 +245,26 @@ class Dense(nn.Module):
         # fusing the adapter's add into the base matmul (two more [tokens, out] buffers)
         h = jnp.dot(h.astype(a.dtype), a * jnp.asarray(s.scale, a.dtype))
         return y + jnp.dot(h, b.astype(h.dtype)).astype(y.dtype)
+
+
+def head(module: nn.Module, x: jax.Array, kernel: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The head's adapter, for `module` (the head, whose `lora` adapts it): ``x [..., D]`` and
+    ``kernel [D, V]`` (a tensor group's part of the vocabulary) widened by the rank, to
+    ``[x, scale * x A]`` and ``[W; B]``, whose product is ``x W + scale * (x A) B`` (the module
+    doc); unchanged where the params hold no adapters (the adapters off)."""
+    if not module.is_initializing() and not module.has_variable("params", ADAPTERS[0]):
+        return x, kernel
+    s, rank = module.lora, axes_lib.RANK
+    init_a = axes_lib.declare(_init_a, (axes_lib.EMBED, rank))
+    a = module.param(ADAPTERS[0], init_a, (x.shape[-1], s.rank))
+    init_b = axes_lib.declare(nn.initializers.zeros, (rank, axes_lib.VOCAB))
+    b = module.param(ADAPTERS[1], init_b, (s.rank, kernel.shape[-1]))
+    h = x
+    if s.dropout > 0 and module.has_rng("dropout"):  # training: the Trainer passes the rng
+        h = nn.Dropout(s.dropout, deterministic=False)(h)
+    h = jnp.dot(h.astype(a.dtype), a * jnp.asarray(s.scale, a.dtype)).astype(x.dtype)
+    wide = jnp.concatenate([kernel, b.astype(kernel.dtype)], axis=0)
+    return jnp.concatenate([x, h], axis=-1), wide
 
 
 def dense(

@@ -153,9 +153,9 @@ def test_bad_settings_are_one_line_exit_2_and_no_workdir(tmp_path, capsys, key, 
     assert not workdir.exists()
 
 
-def _init(precision_name, base_dtype="compute", **model):
+def _init(precision_name, base_dtype="compute", targets=None, **model):
     config = load_config("llama3", "tiny", precision=precision_name, **LORA)
-    config.lora.base_dtype = base_dtype
+    config.lora.base_dtype, config.lora.targets = base_dtype, targets
     config.model = llama_config(**model)
     trainer = trainer_lib.Trainer(config, "/nonexistent")
     batch = {"inputs": np.zeros((2, 8), np.int32), "targets": np.zeros((2, 8), np.int32)}
@@ -210,6 +210,100 @@ def test_an_8_bit_base_keeps_the_projections_in_q8_and_step_0_is_its_dequantized
     eight = [x for x in jax.tree.leaves(state["frozen"], is_leaf=q8.is_q8) if q8.is_q8(x)]
     ratio = plan_memory.global_bytes(eight) / sum(2 * x.codes.size for x in eight)  # vs. bf16
     assert ratio == pytest.approx(q8.nbytes_per_element() / 2)  # 1 byte + 4 per 256
+
+
+def test_the_head_takes_an_adapter_only_where_the_targets_name_it_and_never_in_8_bits():
+    """`lora.targets` None adapts the projections, not the head (PEFT's `all-linear`); a regex
+    matching `head/kernel` adds `head/lora_a` [D, r] and `head/lora_b` [r, V]; an 8-bit base
+    keeps the head's kernel 16-bit; a tied head takes none (one line). Abstract: no compile."""
+    plain, trainer = _init("bf16-mixed")
+    assert "head" not in plain.params and lora.HEAD not in trainer.model.lora.targets
+    head, trainer = _init("bf16-mixed", "q8", targets="head|attn")
+    shapes = {k: v.shape for k, v in head.params["head"].items()}
+    assert shapes == {"lora_a": (64, 4), "lora_b": (4, 64)}  # the model's width and vocabulary
+    assert lora.HEAD in trainer.model.lora.targets
+    assert lora.HEAD not in trainer.model.lora.projections
+    assert not q8.is_q8(head.frozen["head"]["kernel"])
+    assert sorted(head.params["stacked_layers"]) == ["attn"]  # the MLP's take none
+    config = load_config("llama3", "tiny", **LORA)
+    config.lora.targets = "head"
+    config.model = llama_config(tie_embeddings=True)
+    with pytest.raises(ValueError, match="matches only the head, which this model ties"):
+        models.create(config.model, precision.get_policy("bf16-mixed"), lora=config.lora)
+
+
+def test_a_head_adapter_exports_as_lm_heads_and_peft_targets_it_by_its_short_name():
+    """PEFT's names for the head's factors (`lm_head.lora_A`, [r, D]; `lora_B`, [V, r]) beside
+    the layers'; `target_modules` lists `lm_head` with the projections' short names."""
+    from mptrain.hf import peft
+
+    rng = np.random.default_rng(0)
+    draw = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    adapters = {
+        "head": {"lora_a": draw(48, 4), "lora_b": draw(4, 300)},
+        "stacked_layers": {"attn": {"q": {"lora_a": draw(2, 48, 4), "lora_b": draw(2, 4, 64)}}},
+    }
+    found, fused = peft.tensors(adapters)  # a Llama's names
+    head = f"{peft.PREFIX}lm_head.lora_{{}}.weight"
+    np.testing.assert_array_equal(found[head.format("A")], adapters["head"]["lora_a"].T)
+    np.testing.assert_array_equal(found[head.format("B")], adapters["head"]["lora_b"].T)
+    assert len(found) == 2 + 2 * 2  # the head's two, q's two in each of two layers
+    config = peft.adapter_config(list(found), lora.settings({"rank": 4}), None, fused)
+    assert config["target_modules"] == ["lm_head", "q_proj"]
+
+
+@pytest.mark.slow  # three models' programs: make test's LoRA run adapts the projections
+def test_a_head_adapter_is_its_merged_kernel_in_logits_loss_and_gradients():
+    """fp32, the factors drawn (B non-zero): a model with adapters on the head and attention
+    gives the logits, the loss over four chunks and the adapters' gradients of the base model
+    whose kernels are `W + s A B` (`lora.merged`), to fp32's rounding (1e-5). bf16-mixed with B
+    at zero: the logits are the base's, bit for bit (step 0 is the base model)."""
+    import ml_collections
+
+    config = load_config("llama3", "tiny", **LORA)
+    config.lora.targets, config.model = "head|attn", llama_config()
+    loss = ml_collections.ConfigDict({"chunk_tokens": 4, "z_loss": 0.0})
+    tokens = jnp.asarray(np.arange(32, dtype=np.int32).reshape(2, 16) * 7 % 64)
+    targets = jnp.roll(tokens, -1, axis=1)
+    rng = np.random.default_rng(0)
+
+    def drawn(model, b_zero=False):
+        _, shapes = axes.declared_of(model.init, jax.random.key(0), tokens)
+        zero = lambda p: b_zero and precision.path_name(p).endswith("lora_b")
+        draw = lambda p, s: (0 if zero(p) else 0.1) * rng.standard_normal(s.shape)
+        return jax.tree_util.tree_map_with_path(lambda p, s: draw(p, s).astype(np.float32), shapes)
+
+    fp32 = precision.get_policy("fp32")
+    adapted = models.create(config.model, fp32, loss=loss, lora=config.lora)
+    base = models.create(config.model, fp32, loss=loss)
+    params = drawn(adapted)
+    assert params["head"]["lora_b"].any()
+    merged = lambda p: lora.merged(p, 8.0 / 4)
+    got, want = (
+        adapted.apply({"params": params}, tokens),
+        base.apply({"params": merged(params)}, tokens),
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    loss_of = lambda model, f: (
+        lambda p: model.apply({"params": f(p)}, tokens, targets=targets)["loss"]
+    )
+    got, got_grads = jax.value_and_grad(loss_of(adapted, lambda p: p))(params)
+    want, want_grads = jax.value_and_grad(loss_of(base, merged))(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    adapters = lambda g: frozen.split(g, lora.is_adapter)[0]
+    for path, x in jax.tree_util.tree_flatten_with_path(adapters(want_grads))[0]:
+        mine = adapters(got_grads)
+        for key in path:
+            mine = mine[key.key]
+        np.testing.assert_allclose(mine, x, rtol=1e-4, atol=1e-6, err_msg=str(path))
+    assert np.abs(got_grads["head"]["lora_b"]).max() > 0
+    bf16 = precision.get_policy("bf16-mixed")
+    adapted = models.create(config.model, bf16, lora=config.lora)
+    base = models.create(config.model, bf16)
+    params = bf16.cast_params(drawn(adapted, b_zero=True))
+    got = adapted.apply({"params": params}, tokens)
+    want = base.apply({"params": frozen.split(params, lora.is_adapter)[1]}, tokens)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 def test_exports_merge_in_fp32_or_write_a_peft_adapter_under_peft_names(tuned, tmp_path):

@@ -101,7 +101,7 @@ class Llama(nn.Module):
         head = lm_loss.Head(self.vocab_size, init, self.loss_chunk, self.z_loss,
                             self.final_softcap, dict_out=bool(routed),
                             temperature=self.temperature, entropy=self.entropy,
-                            name="head")  # fmt: skip
+                            lora=self.lora, name="head")  # fmt: skip
         kernel = None
         if self.tie_embeddings:
             kernel = axes_lib.unboxed(embed.variables["params"]["embedding"]).T.astype(self.dtype)
