@@ -25,9 +25,10 @@ $(RUN_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-compile -e .
 	touch $(RUN_STAMP)
 
-# What the tests need besides: the extras test (pytest, ruff, ...) and tfds (TensorFlow).
+# What the tests need besides: the extras test (pytest, ruff, ...), tfds (TensorFlow) and data
+# (pyarrow, for rows in tables).
 $(STAMP): $(RUN_STAMP)
-	$(PY) -m pip install --quiet --no-compile -e '.[test,tfds]'
+	$(PY) -m pip install --quiet --no-compile -e '.[test,tfds,data]'
 	touch $(STAMP)
 
 run: $(RUN_STAMP)

@@ -6,12 +6,15 @@ Qwen2, Qwen3, Qwen3-MoE, Mixtral, ...: `mptrain.hf.families`), with the recipe o
         --config.data.files='notes/**/*.md'
     python -m mptrain.main --config=configs/hf.py:sft=/models/Qwen3-0.6B --workdir=runs/sft \
         --config.data.files=chats.jsonl
+    python -m mptrain.main --config=configs/hf.py:Qwen/Qwen3-0.6B --workdir=runs/ft \
+        --config.data.files='notes/**/*.md'
     python -m mptrain.main --config=configs/hf.py:dpo=/models/Qwen3-0.6B --workdir=runs/dpo \
         --config.data.files=pairs.jsonl --config.lora.rank=16
     python -m mptrain.main --config=configs/hf.py:grpo=/models/Qwen3-0.6B --workdir=runs/rl \
         --config.data.files=prompts.jsonl --config.grpo.reward_funcs=answer_match_reward
 
-Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer),
+Arguments: `DIR` (a causal LM on text: the folder's model, weights and tokenizer; or its Hub
+id, `ORG/NAME[@REVISION]`, resolved through the Hub's cache: `mptrain.hub`),
 `sft=DIR` (supervised fine-tuning on chats with the folder's chat template, docs/sft.md),
 `dpo=DIR` (DPO on prompt/chosen/rejected pairs, docs/dpo.md), `grpo=DIR` (GRPO on prompts
 and the rewards `grpo.reward_funcs` names, docs/rl.md), or `tiny` (the repository's

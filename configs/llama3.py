@@ -144,17 +144,19 @@ def _tiny(c, vocab: int, max_len: int) -> None:
 
 
 def _fine_tune(c, folder: str) -> None:
-    """The `hf=DIR` variant (module doc): DIR's model, weights and tokenizer."""
-    from mptrain import hf
+    """The `hf=DIR` variant (module doc): DIR's model, weights and tokenizer. DIR may be a Hub
+    id (`mptrain.hub`): its config.json alone is fetched here (a plan needs no more); the
+    weights when the run reads `init_from`, the tokenizer's files when it builds its data."""
+    from mptrain import hf, hub
 
-    read = hf.read_config(folder)  # name "llama" and every key the weights fix
+    read = hf.read_config(hub.folder(folder, hub.CONFIG, "model"))  # "llama", the weights' keys
     c.model.update(read)
     c.model.attention, c.model.remat = "auto", "minimal"
     c.model.scan_layers = read.get("scan_layers", True)
     c.init_from = folder
     c.batch_size = 8
     c.data.seq_len = min(1024, c.model.max_len)
-    if os.path.isfile(os.path.join(folder, "tokenizer.json")):
+    if hub.parse(folder) or os.path.isfile(os.path.join(folder, "tokenizer.json")):
         c.data.tokenizer = folder
     c.optimizer.learning_rate = 2e-5
     c.optimizer.warmup_steps = 20

@@ -59,7 +59,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
     import ml_collections
 
     from mptrain import config as config_lib
-    from mptrain import export, hf, models
+    from mptrain import export, hf, hub, models
     from mptrain.data import codec
 
     if (workdir is None) == (hf_folder is None):
@@ -76,7 +76,7 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
         with errors.config_errors():
             text = codec.of_run(config)
     else:
-        folder = Path(hf_folder)
+        folder = Path(hub.folder(hf_folder, hub.EVERYTHING, "--hf"))
         if not hf.is_hf_folder(folder):
             raise errors.ConfigError(
                 f"--hf={hf_folder}: not a HuggingFace folder (config.json and *.safetensors)"

@@ -398,6 +398,36 @@ def hf_flag(folder) -> str:
     return f"--config={ROOT / 'configs' / 'llama3.py'}:hf={folder}"
 
 
+def hub_cache(cache: Path, repo: str, folder: Path, names: tuple[str, ...] = ()) -> Path:
+    """`folder`'s files (those `names`, or all) as `huggingface_hub` caches a download of the
+    model `repo` in `cache` (its HF_HUB_CACHE): each file a blob named by its sha256, the
+    snapshot of a commit links to them, `refs/main` names the commit. Returns the snapshot."""
+    import hashlib
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    for file in sorted(folder.iterdir()):
+        if file.is_file() and (not names or file.name in names):
+            blob = hashlib.sha256(file.read_bytes()).hexdigest()
+            (root / "blobs" / blob).write_bytes(file.read_bytes())
+            (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def offline_hub(monkeypatch, cache: Path) -> None:
+    """This process's `huggingface_hub` reads the cache `cache` and downloads nothing (as
+    HF_HUB_CACHE and HF_HUB_OFFLINE=1 would have set it at its import)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
 # ---- the small Llama the model tests share (one init program, one forward program) ----------
 
 LLAMA_SCALING = (4.0, 1.0, 4.0, 32)  # original context 32: positions 32..47 lie past it

@@ -92,7 +92,7 @@ LAYERS = (
     ("mptrain.optim",),
     ("mptrain.parallel",),
     ("mptrain.runtime", "mptrain.preemption", "mptrain.target", "mptrain.registry"),
-    ("mptrain.files", "mptrain.errors", "mptrain.version", "mptrain.dtypes"),
+    ("mptrain.files", "mptrain.errors", "mptrain.version", "mptrain.dtypes", "mptrain.hub"),
 )
 LEVEL = {group: level for level, groups in enumerate(LAYERS) for group in groups}
 

@@ -1,6 +1,8 @@
-"""Where SFT examples come from (`data.sft`): the lines of `.jsonl` files and the items of
-`.json` files, or the embedded set made from the Python standard library. Each comes with
-where it was found (file and line), for the one-line error that names a bad one.
+"""Where SFT, DPO and RL rows come from (`data.sft`, `data.dpo`, `data.grpo`): the lines of
+`.jsonl` files, the items of `.json` files, the rows of tables as the Hub serves datasets
+(`.parquet`, `.arrow`, `.csv`: `mptrain.data.tables`), or the embedded set made from the
+Python standard library. Each comes with where it was found (file and line or row), for the
+one-line error that names a bad one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from mptrain import errors
-from mptrain.data import text
+from mptrain.data import tables, text
 
+SUFFIXES = (".jsonl", ".json", *tables.SUFFIXES)  # the files `data.files` may name for rows
 EMBEDDED_MAX_CHARS = 480  # of an embedded pair: one fits a row of 512 with room to spare
 
 
@@ -59,7 +62,11 @@ def _functions(body: list, prefix: str) -> Iterator[tuple[str, Any]]:
 def read_examples(path: str, key: str = "config.data.files") -> Iterator[tuple[str, Any]]:
     """`(where, example)` of a file's examples: each line of a `.jsonl` (blank lines skipped),
     each item of a `.json` list. A file that does not read, a line that is not JSON, or a file
-    with no example is a `ConfigError` naming `key`, the file (and line)."""
+    with no example is a `ConfigError` naming `key`, the file (and line). A table's rows: its
+    record batches in turn (`rows`)."""
+    if path.endswith(tables.SUFFIXES):
+        yield from tables.rows(path, key)
+        return
     try:
         with open(path, "rb") as f:
             content = f.read()

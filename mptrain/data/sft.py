@@ -55,7 +55,7 @@ from mptrain.data import chat, packing, template, text, token_cache, tokenize
 from mptrain.data import examples as sources
 
 FORMAT_VERSION = 2  # bump when the rows' layout, the encoding or the embedded set's rule changes
-SUFFIXES = (".jsonl", ".json")
+SUFFIXES = sources.SUFFIXES  # jsonl, json and the tables (`examples.TABLES`)
 BYTES = tokenize.BYTES
 # The markers Llama 3's template writes, as tokens of the byte tokenizer (ids 256 on).
 BYTE_SPECIALS = (

@@ -1,7 +1,8 @@
 """Text as windows of tokens: by default the bytes of the Python standard library (offline).
 
 The default corpus (`data.files` None, `data.tokenizer="bytes"`) is described below; with
-`data.files` (globs of `.txt`, `.md`, `.py` and `.jsonl` files) or a `data.tokenizer` (a
+`data.files` (globs of `.txt`, `.md`, `.py` and `.jsonl` files, and tables: `.parquet`,
+`.arrow`, `.csv`, their `text` column) or a `data.tokenizer` (a
 HuggingFace `tokenizer.json`), the corpus is tokenized once into a cache file that later runs
 memory-map (`tokenize.py` says how). Either way the windows are cut as `TextSource` says.
 
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from mptrain import errors
-from mptrain.data import token_cache, tokenize
+from mptrain.data import tables, token_cache, tokenize
 
 # Directory names never entered when walking the stdlib (see the module docstring).
 EXCLUDED_DIRS = frozenset(
@@ -39,7 +40,8 @@ EXCLUDED_DIRS = frozenset(
 )
 SEPARATOR = tokenize.BYTES_SEPARATOR
 DEFAULT_EVAL_FRACTION = 0.01
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # the files `data.files` may name
+# the files `data.files` may name: text, jsonl lines' and tables' `text` (`tables`)
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", *tables.SUFFIXES)
 # The keys this source reads under `config.data` (besides `name` and `prefetch`), with their
 # defaults: tokens per window, the corpus cut to its first max_bytes tokens (bytes under the
 # byte tokenizer; None: all of it), the fraction of it held out at the end for eval, the files

@@ -34,6 +34,7 @@ from mptrain import errors, files
 from mptrain.data import tokenize
 from mptrain.data.tokenize import Corpus
 
+PROGRESS_EVERY_S = 10.0  # a long build logs how far it is this often
 _COPY_TOKENS = 1 << 24  # tokens copied (and checksummed) at a time into the final file
 _OPENED: dict[str, tuple] = {}  # (array, record) of the cache files opened here, by path
 
@@ -44,14 +45,18 @@ def _write(corpus: Corpus, path: str) -> int:
     raw, staged = f"{path}.{os.getpid()}.tmp.bin", f"{path}.{os.getpid()}.tmp.npy"
     separator = np.asarray(corpus.separator, corpus.dtype).tobytes()
     try:
-        count = 0
+        count, read, start = 0, [0, 0, 0], time.perf_counter()
+        shown = start
         with open(raw, "wb") as out:  # the length is known at the end: ids first, then .npy
-            for n, ids in enumerate(tokenize.encoded(corpus)):
+            for n, ids in enumerate(tokenize.encoded(corpus, read)):
                 if n:
                     out.write(separator)
                     count += len(corpus.separator)
                 out.write(ids.tobytes())
                 count += len(ids)
+                if (now := time.perf_counter()) - shown >= PROGRESS_EVERY_S:
+                    _progress(corpus, read, count, now - start)
+                    shown = now
         if count == 0:
             first = corpus.files[0] + (", ..." if len(corpus.files) > 1 else "")
             raise errors.ConfigError(f"config.data.files: no text in {first}")
@@ -63,6 +68,15 @@ def _write(corpus: Corpus, path: str) -> int:
         for leftover in (raw, staged):
             if os.path.exists(leftover):
                 os.remove(leftover)
+
+
+def _progress(corpus: Corpus, read: list[int], tokens: int, seconds: float) -> None:
+    files, documents, size = read
+    logging.info(
+        "data: tokenizing: file %d of %d, %s documents, %.1f MB of text, %s tokens, %.1f MB/s",
+        files, len(corpus.files), f"{documents:,}", size / 1e6, f"{tokens:,}",
+        size / 1e6 / seconds,
+    )  # fmt: skip
 
 
 def write_array(array: np.ndarray, path: str, extra: dict) -> None:

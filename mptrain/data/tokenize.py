@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mptrain import errors
+from mptrain.data import tables
 
 FORMAT_VERSION = 2  # bump when the layout or the encoding rule of a cache file changes
 BYTES = "bytes"
@@ -78,7 +79,9 @@ def tokenizer_file(spec: Any) -> str:
             f"data.tokenizer={spec!r}: must be 'bytes' or the path of a tokenizer.json "
             "(or of a folder holding one)"
         )
-    path = os.path.abspath(os.path.expanduser(spec))
+    from mptrain import hub  # a Hub id: its snapshot's tokenizer files
+
+    path = os.path.abspath(os.path.expanduser(hub.folder(spec, hub.TOKENIZER, "data.tokenizer")))
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
@@ -243,7 +246,12 @@ def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
     """The documents of one file: `str`s with `as_text`, else the bytes as they are (a `.jsonl`
     line's `text` field in UTF-8). A file that cannot be read, one read `as_text` (for a
     tokenizer.json) that is not UTF-8 text, or a line that is not JSON with a string `text`, is
-    a `ConfigError` naming the file (and the line); the byte tokenizer takes any bytes."""
+    a `ConfigError` naming the file (and the line); the byte tokenizer takes any bytes. A
+    table's documents: its `text` column, a record batch at a time (`tables.texts`)."""
+    if path.endswith(tables.SUFFIXES):
+        for text in tables.texts(path):
+            yield text if as_text else text.encode("utf-8")
+        return
     try:
         file = open(path, "rb")  # noqa: SIM115 (closed by the `with` below)
     except OSError as e:
@@ -273,11 +281,15 @@ def documents(path: str, as_text: bool) -> Iterator[str | bytes]:
             yield text if as_text else text.encode("utf-8")
 
 
-def encoded(corpus: Corpus) -> Iterator[np.ndarray]:
-    """The token ids of the corpus's documents, one array each, in order."""
+def encoded(corpus: Corpus, read: list[int] | None = None) -> Iterator[np.ndarray]:
+    """The token ids of the corpus's documents, one array each, in order. `read`, a list of
+    three, counts as it goes: the files begun, the documents and their bytes read (UTF-8)."""
+    read = [0, 0, 0] if read is None else read
     if corpus.tokenizer == BYTES:
         for path in corpus.files:
+            read[0] += 1
             for document in documents(path, as_text=False):
+                read[1:] = read[1] + 1, read[2] + len(document)
                 yield np.frombuffer(document, np.uint8)
         return
     tokenizer = load_tokenizer(corpus.tokenizer)
@@ -288,7 +300,9 @@ def encoded(corpus: Corpus) -> Iterator[np.ndarray]:
             yield np.asarray(encoding.ids, corpus.dtype)
 
     for path in corpus.files:
+        read[0] += 1
         for document in documents(path, as_text=True):
+            read[1:] = read[1] + 1, read[2] + len(document.encode("utf-8", "surrogatepass"))
             batch.append(document)
             chars += len(document)
             if chars >= _BATCH_CHARS:

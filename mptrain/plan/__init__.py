@@ -85,6 +85,24 @@ def fit(config, target, devices: int | None = None, peft: bool = False):
     return fit_lib.fit(config, target, devices, peft)
 
 
+def _no_tokenizer_download(config) -> None:
+    """A plan reads no data, and needs a Hub model's config.json alone: where `data.tokenizer`
+    is a Hub id whose tokenizer is not in the cache, the plan does not fetch it but plans
+    with the byte tokenizer (the data's shapes are the same: rows of `data.seq_len`), saying
+    that it checked no vocabulary."""
+    from mptrain import hub
+
+    spec = (config.get("data") or {}).get("tokenizer")
+    if hub.parse(spec) is None or hub.cached(spec, "tokenizer.json"):
+        return
+    config.data.tokenizer = "bytes"
+    sys.stderr.write(
+        f"mptrain.plan: data.tokenizer={spec!r} is not in the Hub's cache; a plan fetches no "
+        "tokenizer (it reads no data), so the tokenizer's vocabulary is not checked against "
+        "the model's\n"
+    )
+
+
 def _usage(flag_values) -> str:
     from mptrain.plan.step import TARGETS
 
@@ -206,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)
     try:
         check_json_path(flag_values.json)
+        _no_tokenizer_download(flag_values.config)
         if flag_values.decode:
             from mptrain.plan import decode
 

@@ -103,11 +103,11 @@ def abstract(params: Any) -> Any:
 def load(config: Any, target: Any) -> Pretrained:
     """`config.init_from`'s params made into `target` (abstract params with shardings; the
     module doc says what is checked on the way). Raises `errors.ConfigError`."""
-    from mptrain import hf
+    from mptrain import hf, hub
     from mptrain.hf import families
 
-    path = Path(config.init_from)
     where = f"config.init_from={config.init_from!r}"
+    path = Path(hub.folder(config.init_from, hub.WEIGHTS, "config.init_from"))
     if not path.exists():
         raise errors.ConfigError(f"{where}: no such folder; expected {FORMS}")
     try:

@@ -174,7 +174,7 @@ def test_the_cache_is_built_once_then_reused_and_rebuilt_when_a_file_changes(
 ):
     encoded = []
     real = tokenize.encoded
-    monkeypatch.setattr(tokenize, "encoded", lambda corpus: encoded.append(1) or real(corpus))
+    monkeypatch.setattr(tokenize, "encoded", lambda *a: encoded.append(1) or real(*a))
     config = _data(corpus_dir, tokenizer_dir)
     with caplog.at_level(logging.INFO, logger="absl"):
         first, _ = _build(config)
@@ -367,8 +367,8 @@ def test_each_bad_setting_of_text_is_one_line_naming_it(corpus_dir, tokenizer_di
     assert "data.files=" in fails(files=str(tmp_path / "none*.txt"))
     assert "none*.txt': matches no file" in fails(files=str(tmp_path / "none*.txt"))
     assert "'nothing*' matches no file" in fails(files=[str(corpus_dir / "*.txt"), "nothing*"])
-    (tmp_path / "x.csv").write_text("a,b\n")
-    assert "x.csv is not one of the files it reads (*.txt" in fails(files=str(tmp_path / "*.csv"))
+    (tmp_path / "x.docx").write_text("a,b\n")
+    assert "x.docx is not one of the files it reads (*.txt" in fails(files=str(tmp_path / "*.docx"))
     assert "must be a glob or a list of globs" in fails(files=[])
     missing = fails(tokenizer=str(tmp_path / "nowhere.json"))
     assert missing.startswith("data.tokenizer=") and "no such file" in missing

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, fake_cpu_env, load_config, run_cli_process
+from helpers import FIXTURE, ROOT, fake_cpu_env, hub_cache, load_config, run_cli_process
 
 from mptrain import plan as plan_lib
 from mptrain import target
@@ -228,6 +228,20 @@ def test_a_config_that_cannot_fit_exits_4_naming_the_largest_buffers(tmp_path):
     assert "mesh.fsdp" not in second  # one device: no data axis to split the state over
     data = json.loads((tmp_path / "plan.json").read_text())
     assert not data["fits"] and data["memory"]["total"] > data["capacity"]
+
+
+def test_a_hub_id_whose_cache_holds_only_its_config_json_plans(tmp_path, monkeypatch):
+    """A plan reads a model's config.json, no weights and no data: `configs/hf.py:ORG/NAME`
+    plans, offline, from a Hub cache that holds that one file."""
+    hub_cache(tmp_path / "hub", "mptrain-tests/tiny", FIXTURE, names=("config.json",))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:mptrain-tests/tiny"
+    done = _plan_cli(config, "--target=h100", "--config.batch_size=2", "--config.data.seq_len=32")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("plan: bf16-mixed on 1 x NVIDIA H100"), done.stdout[:500]
+    # the tokenizer is not fetched for a plan, and the plan says what that leaves unchecked
+    assert "data.tokenizer='mptrain-tests/tiny' is not in the Hub's cache" in done.stderr
 
 
 def test_a_plan_that_does_not_fit_on_a_data_axis_names_the_split_that_would():

@@ -29,10 +29,13 @@ from helpers import (
     checkpoint_steps_on_disk,
     fake_cpu_env,
     hf_flag,
+    history_without_timings,
+    hub_cache,
     load_config,
     make_text,
     make_tokenizer,
     needs_devices,
+    offline_hub,
     overrides,
     plain_orbax_state,
     run_cli,
@@ -55,6 +58,25 @@ def finetune(tmp_path_factory):
     code, _ = run_cli(workdir, *overrides(text, cache), config=hf_flag(folder))
     assert code == 0
     return dict(folder=folder, text=text, cache=cache, workdir=workdir)
+
+
+def test_a_hub_id_from_the_cache_offline_trains_as_its_folder_by_path(
+    finetune, tmp_path, monkeypatch
+):
+    """`configs/hf.py:ORG/NAME` with the fixture's folder laid out as a Hub cache and
+    HF_HUB_OFFLINE=1: the config, weights and tokenizer come from the snapshot, and the run's
+    history is the same as the fine-tune of the folder by its path (the same program)."""
+    offline_hub(monkeypatch, tmp_path / "hub")
+    hub_cache(tmp_path / "hub", "mptrain-tests/tiny", finetune["folder"])
+    workdir = tmp_path / "run"
+    flags = overrides(finetune["text"], finetune["cache"])
+    code, _ = run_cli(
+        workdir, *flags, config=f"--config={ROOT / 'configs' / 'hf.py'}:mptrain-tests/tiny"
+    )
+    assert code == 0
+    assert history_without_timings(workdir) == history_without_timings(finetune["workdir"])
+    saved = json.loads((workdir / "config.json").read_text())
+    assert saved["init_from"] == saved["data"]["tokenizer"] == "mptrain-tests/tiny"
 
 
 def hf_config(folder, **keys):

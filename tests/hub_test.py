@@ -1,0 +1,42 @@
+"""A model named by its Hub id (`mptrain.hub`): what is an id and what a path; an id neither
+cached nor reachable is one line. (Training from a Hub cache: tests/train/init_from_test.py;
+a plan from a cache holding config.json alone: tests/plan/plan_test.py.)"""
+
+import pytest
+from helpers import ROOT, offline_hub, run_cli
+
+from mptrain import errors, generate, hub
+
+
+def test_an_id_is_org_slash_name_at_revision_and_never_a_path_that_is_there(tmp_path, monkeypatch):
+    assert hub.parse("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None)
+    assert hub.parse("meta-llama/Llama-3.2-1B@v1.0") == ("meta-llama/Llama-3.2-1B", "v1.0")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "ft").mkdir(parents=True)
+    for path in ("runs/ft", "/models/Qwen3", "./org/name", "bytes", "tok/tokenizer.json", "a/b/c"):
+        assert hub.parse(path) is None, path
+    assert hub.folder("runs/ft", hub.CONFIG, "x") == "runs/ft"  # a local folder wins
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["offline", "unreachable"])
+def test_a_hub_id_neither_cached_nor_reachable_is_one_line_exit_2(
+    online, tmp_path, monkeypatch, capsys
+):
+    """Not in the cache, and offline (HF_HUB_OFFLINE=1) or the Hub unreachable (here a closed
+    port on this machine): one line naming the id, the cache and why; nothing written."""
+    from huggingface_hub import constants
+
+    offline_hub(monkeypatch, tmp_path / "hub")
+    if online:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:mptrain-tests/tyni"
+    code, err = run_cli(tmp_path / "run", capsys=capsys, config=config)
+    assert code == 2 and not (tmp_path / "run").exists()
+    (line,) = err.strip().splitlines()
+    assert "'mptrain-tests/tyni': no such folder here, and as a Hub id: not in its cache " in line
+    assert str(tmp_path / "hub") in line
+    why = "could not be reached (ConnectError" if online else "HF_HUB_OFFLINE=1 forbids"
+    assert why in line, line
+    with pytest.raises(errors.ConfigError, match=r"^--hf='mptrain-tests/tyni': no such folder"):
+        generate.load(None, "mptrain-tests/tyni", None, None)
