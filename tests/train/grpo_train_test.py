@@ -141,6 +141,21 @@ def test_grpo_tiny_learns_and_keeps_trls_record(tmp_path, capsys):
     assert abs(sum(group)) < 1e-5
 
 
+@pytest.mark.slow  # 30 steps with adapters: a program of its own
+def test_grpo_tiny_with_adapters_on_the_head_learns(tmp_path, capsys):
+    """Rank-8 adapters on every projection and the head (docs/rl.md's command), fp16-mixed
+    at 1e-2, 30 steps: the reward at step 30 is above step 10's by 0.5 or more (2026-12-07:
+    0.15 at step 10, 1.0 at step 20 and 30). On the projections alone they do not learn:
+    the frozen head caps the digits' share (docs/rl.md)."""
+    workdir = tmp_path / "run"
+    keys = {"num_train_steps": 30, "log_every_steps": 10, "data.cache_dir": tmp_path / "cache"}
+    keys |= {"lora.rank": 8, "lora.targets": "head|attn|mlp", "optimizer.learning_rate": 1e-2}
+    code, err = run_cli(workdir, *_flags(keys), capsys=capsys, config=TINY)
+    assert code == 0, err[-3000:]
+    history = _history(workdir)
+    assert history[-1]["reward"] >= history[0]["reward"] + 0.5, history
+
+
 @pytest.mark.slow
 def test_a_reward_that_fails_stops_the_run_with_one_line_naming_it(tmp_path, capsys):
     module = tmp_path / "bad_reward.py"
