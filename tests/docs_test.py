@@ -43,6 +43,7 @@ NOT_RUN = {
     "sft-tiny": "400 steps; make test-slow's tests/data/sft_train_test.py runs it cut to 60",
     "dpo-tiny": "tests/train/dpo_train_test.py runs 24 of its steps in two precisions (slow)",
     "grpo-folder": "a model folder of the reader's; the page's runs are grpo_tiny's",
+    "grpo-lora": "tests/train/grpo_train_test.py runs it for 30 steps (slow)",
 }
 MAX_STEPS = 8
 PAGE_STEPS = 2_000  # a config the page writes (README's and getting-started's: 20,000)
