@@ -1,7 +1,7 @@
 """Tables as the Hub serves datasets: `.parquet`, `.arrow` and `.csv` files, read with pyarrow
 (the extra `mptrain[data]`: one package, where `datasets` brings pandas and five more) a
-record batch at a time, so that a file larger than memory is read in bounded memory (at most
-one Parquet row group, whose size its writer chose).
+record batch at a time, so that a file larger than memory is read in bounded memory (a
+buffered stream of the file, not pyarrow's read-ahead of whole row groups).
 
 `rows` gives the rows of SFT, DPO and RL files (`mptrain.data.examples`) as the dicts `datasets`
 would give (a list of structs, a conversation, a list of dicts): a row reads the same from a
@@ -46,7 +46,10 @@ def _batches(pa: Any, path: str) -> Iterator[Any]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+        # pyarrow's defaults pre-buffer and read ahead on threads: reading a 2 GB file held
+        # 1.9 GB in its pool; a buffered stream read in turn holds about 80 MB, and ran faster
+        parquet = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
+        yield from parquet.iter_batches(batch_size=BATCH_ROWS, use_threads=False)
     elif path.endswith(".csv"):  # every column text: a CSV cell holds no type of its own
         import csv
 
