@@ -9,8 +9,8 @@ hundred), then builds its token cache under the byte tokenizer in a fresh proces
 (`mptrain.data.tokenize` through `mptrain.data.tables`, a record batch at a time) and reads
 that process's peak memory: its own (`RssAnon`, sampled every 50 ms) and its resident peak
 with the pages of the files it memory-maps (`ru_maxrss`), which the kernel reclaims at will.
-Prints the progress lines and a table, and writes `result.json`. Needs the extra `mptrain[data]` (pyarrow). Measured 2026-12-07: the
-figure in docs/models-and-data.md.
+Prints the progress lines and a table, and writes `result.json`. Needs the extra
+`mptrain[data]` (pyarrow). Measured 2026-12-07: the figure in docs/models-and-data.md.
 """
 
 import argparse
