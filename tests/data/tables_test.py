@@ -3,9 +3,11 @@ by pyarrow) read as the jsonl they were written from: the same SFT, DPO and RL r
 cached tokens; a missing column or an unreadable file is one line; a long build says how far
 it is. No compiles."""
 
+import importlib
 import logging
 from pathlib import Path
 
+import ml_collections
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv
@@ -105,3 +107,25 @@ def test_a_table_without_the_column_or_unreadable_is_one_line_naming_it(tmp_path
     (tmp_path / "cut.parquet").write_bytes(Path(path).read_bytes()[:100])
     with pytest.raises(errors.ConfigError, match=r"config.data.files: cannot read .*cut.parquet"):
         list(examples.in_files((str(tmp_path / "cut.parquet"),)))
+
+
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_dpo_pairs_and_rl_prompts_from_parquet_give_the_batches_of_their_jsonl(tmp_path, name):
+    """The train and held-out batches a step is given (so its loss too) are the same arrays
+    from the table as from the jsonl it was written from."""
+    module = importlib.import_module(f"mptrain.data.{name}")
+    rows = DPO if name == "dpo" else PROMPTS
+    found = []
+    for files in ([_write(tmp_path / "rows.jsonl", rows)], [_tables(tmp_path, rows, "rows")[0]]):
+        config = _config(tmp_path, name=name, files=files)
+        if name == "grpo":
+            config.grpo = ml_collections.ConfigDict({"num_generations": 4})
+            config.grpo.max_completion_length = 16
+        token_cache._OPENED.clear()
+        train, held_out = module.create_sources(config)
+        found.append([s.get_batch(i) for s in (train, held_out) if s for i in range(3)])
+    assert len(found[0]) == len(found[1]) > 0
+    for a, b in zip(*found, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
