@@ -54,16 +54,34 @@ def folder(name: str, files: tuple[str, ...], flag: str) -> str:
     parsed = parse(name)
     if parsed is None:
         return name
+    where = f"{flag}={name!r}: no such folder here, and as a Hub id"
+    return _snapshot(*parsed, files, where)
+
+
+def dataset_glob(url: str, flag: str) -> str:
+    """A local glob for `hf://datasets/ORG/NAME[@REVISION]/GLOB` (`data.files`): the files of
+    the dataset repository that GLOB matches, in its snapshot in the Hub's cache (downloaded
+    there when online and missing), then read from disk as any local file. A `ConfigError`
+    naming `flag` where the URL has no GLOB or the files cannot be had."""
+    found = re.fullmatch(r"hf://datasets/([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)", url)
+    if found is None:
+        raise errors.ConfigError(
+            f"{flag}={url!r}: a Hub dataset's files are hf://datasets/ORG/NAME[@REVISION]/GLOB"
+        )
+    repo, revision, pattern = found.groups()
+    where = f"{flag}={url!r}: the dataset {repo}"
+    return os.path.join(_snapshot(repo, revision, (pattern,), where, "dataset"), pattern)
+
+
+def _snapshot(repo: str, revision, files, where: str, kind: str = "model") -> str:
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub import errors as hub_errors
 
-    repo, revision = parsed
-    where = f"{flag}={name!r}: no such folder here, and as a Hub id"
     cache = f"its cache {constants.HF_HUB_CACHE}"
     try:
         return huggingface_hub.snapshot_download(
-            repo, revision=revision, allow_patterns=list(files)
+            repo, revision=revision, allow_patterns=list(files), repo_type=kind
         )
     except hub_errors.RevisionNotFoundError:
         raise errors.ConfigError(

@@ -398,22 +398,28 @@ def hf_flag(folder) -> str:
     return f"--config={ROOT / 'configs' / 'llama3.py'}:hf={folder}"
 
 
-def hub_cache(cache: Path, repo: str, folder: Path, names: tuple[str, ...] = ()) -> Path:
-    """`folder`'s files (those `names`, or all) as `huggingface_hub` caches a download of the
-    model `repo` in `cache` (its HF_HUB_CACHE): each file a blob named by its sha256, the
-    snapshot of a commit links to them, `refs/main` names the commit. Returns the snapshot."""
+def hub_cache(
+    cache: Path, repo: str, folder: Path, names: tuple[str, ...] = (), kind: str = "model"
+) -> Path:
+    """`folder`'s files (those `names`, or all, in its sub-folders too) as `huggingface_hub`
+    caches a download of the `kind` repository `repo` in `cache` (its HF_HUB_CACHE): each file
+    a blob named by its sha256, the snapshot of a commit links to them, `refs/main` names the
+    commit. Returns the snapshot."""
     import hashlib
 
-    root = cache / f"models--{repo.replace('/', '--')}"
+    root = cache / f"{kind}s--{repo.replace('/', '--')}"
     commit = hashlib.sha1(repo.encode()).hexdigest()
     snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (root / "blobs").mkdir()
-    for file in sorted(folder.iterdir()):
+    for file in sorted(folder.rglob("*")):
         if file.is_file() and (not names or file.name in names):
             blob = hashlib.sha256(file.read_bytes()).hexdigest()
             (root / "blobs" / blob).write_bytes(file.read_bytes())
-            (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+            link = snapshot / file.relative_to(folder)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            depth = len(file.relative_to(folder).parts) + 1  # up to the repository's folder
+            link.symlink_to(Path(*[".."] * depth, "blobs", blob))
     (root / "refs").mkdir()
     (root / "refs" / "main").write_text(commit)
     return snapshot

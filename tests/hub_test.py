@@ -3,7 +3,7 @@ cached nor reachable is one line. (Training from a Hub cache: tests/train/init_f
 a plan from a cache holding config.json alone: tests/plan/plan_test.py.)"""
 
 import pytest
-from helpers import ROOT, offline_hub, run_cli
+from helpers import ROOT, hub_cache, offline_hub, run_cli
 
 from mptrain import errors, generate, hub
 
@@ -40,3 +40,27 @@ def test_a_hub_id_neither_cached_nor_reachable_is_one_line_exit_2(
     assert why in line, line
     with pytest.raises(errors.ConfigError, match=r"^--hf='mptrain-tests/tyni': no such folder"):
         generate.load(None, "mptrain-tests/tyni", None, None)
+
+
+def test_a_hub_datasets_files_are_read_from_the_cache_as_local_ones(tmp_path, monkeypatch):
+    """`data.files="hf://datasets/ORG/NAME/GLOB"`: the files GLOB matches in the dataset's
+    snapshot (offline here), read as the same files on disk are; a dataset not in the cache is
+    one line naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mptrain.data import examples, tokenize
+
+    rows = [{"prompt": f"Q{k}?", "completion": f"A{k}."} for k in range(5)]
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "repo" / "data" / "train-0.parquet")
+    (tmp_path / "repo" / "README.md").write_text("a card")
+    offline_hub(monkeypatch, tmp_path / "hub")
+    hub_cache(tmp_path / "hub", "mptrain-tests/qa", tmp_path / "repo", kind="dataset")
+    url = "hf://datasets/mptrain-tests/qa/data/*.parquet"
+    (path,) = tokenize.find_files("data.files", url, examples.SUFFIXES)
+    assert "/datasets--mptrain-tests--qa/snapshots/" in path
+    assert path.endswith("/data/train-0.parquet")
+    assert [row for _, row in examples.in_files((path,))] == rows
+    with pytest.raises(errors.ConfigError, match=r"data.files='hf://datasets/mptrain-tests/qb/"):
+        tokenize.find_files("data.files", "hf://datasets/mptrain-tests/qb/*.parquet", (".x",))
