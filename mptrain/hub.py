@@ -10,6 +10,11 @@ cache first, what is missing downloaded when online (its progress bars on the te
 needs `config.json` alone (`CONFIG`), a tokenizer its files (`TOKENIZER`), a run's base its
 weights (`WEIGHTS`), never a repository's other files (`.bin`, `.gguf`, ONNX, ...).
 
+A dataset's files go the same way: `data.files` may be `hf://datasets/ORG/NAME[@REVISION]/GLOB`
+(`dataset_glob`), the form huggingface_hub's `HfFileSystem` reads; the files GLOB matches are
+fetched into the dataset's snapshot and read from disk as local files are (a corpus is then
+streamed from local disk, a record batch at a time, not over the network).
+
 An id that resolves to nothing is one line, exit 2 (`errors.ConfigError`), naming the flag, the
 id and the cache looked in, and why: offline and not cached, the Hub unreachable, no such
 repository or revision. transformers raises an `OSError` of several sentences; the reason here
