@@ -11,9 +11,10 @@ needs `config.json` alone (`CONFIG`), a tokenizer its files (`TOKENIZER`), a run
 weights (`WEIGHTS`), never a repository's other files (`.bin`, `.gguf`, ONNX, ...).
 
 A dataset's files go the same way: `data.files` may be `hf://datasets/ORG/NAME[@REVISION]/GLOB`
-(`dataset_glob`), the form huggingface_hub's `HfFileSystem` reads; the files GLOB matches are
-fetched into the dataset's snapshot and read from disk as local files are (a corpus is then
-streamed from local disk, a record batch at a time, not over the network).
+(`dataset_globs`), the form huggingface_hub's `HfFileSystem` reads, or the dataset alone for its
+train split (its test split in `data.eval_files`); the files are fetched into the dataset's
+snapshot and read from disk as local files are (a corpus is then streamed from local disk, a
+record batch at a time, not over the network).
 
 An id that resolves to nothing is one line, exit 2 (`errors.ConfigError`), naming the flag, the
 id and the cache looked in, and why: offline and not cached, the Hub unreachable, no such
@@ -63,19 +64,34 @@ def folder(name: str, files: tuple[str, ...], flag: str) -> str:
     return _snapshot(*parsed, files, where)
 
 
-def dataset_glob(url: str, flag: str) -> str:
-    """A local glob for `hf://datasets/ORG/NAME[@REVISION]/GLOB` (`data.files`): the files of
-    the dataset repository that GLOB matches, in its snapshot in the Hub's cache (downloaded
-    there when online and missing), then read from disk as any local file. A `ConfigError`
-    naming `flag` where the URL has no GLOB or the files cannot be had."""
-    found = re.fullmatch(r"hf://datasets/([^/@]+/[^/@]+)(?:@([^/]+))?/(.+)", url)
+# Where a dataset repository keeps a split's files, as `datasets` finds them without a script:
+# `data/train-00000-of-00001.parquet`, `train.jsonl`, `train/...`, or the Hub's own Parquet
+# conversion's `default/train/0000.parquet`
+SPLIT_PATTERNS = (
+    "{split}.*", "{split}-*", "{split}/**", "data/{split}.*", "data/{split}-*", "data/{split}/**",
+    "*/{split}/**",
+)  # fmt: skip
+
+
+def dataset_globs(url: str, flag: str) -> list[str]:
+    """Local globs for `hf://datasets/ORG/NAME[@REVISION][/GLOB]` (in `flag`, `data.files` or
+    `data.eval_files`): the files of the dataset repository that GLOB matches, or without one
+    the split's (`SPLIT_PATTERNS`: "train" for `data.files`, "test" for `data.eval_files`, as
+    TRL's `dataset_train_split` and `dataset_test_split` default), in its snapshot in the Hub's
+    cache (downloaded there when online and missing), then read from disk as any local file.
+    A `ConfigError` naming `flag` where the URL is not of that form or the files cannot be
+    had."""
+    found = re.fullmatch(r"hf://datasets/([^/@]+/[^/@]+)(?:@([^/]+))?(?:/(.+))?", url)
     if found is None:
         raise errors.ConfigError(
-            f"{flag}={url!r}: a Hub dataset's files are hf://datasets/ORG/NAME[@REVISION]/GLOB"
+            f"{flag}={url!r}: a Hub dataset's files are hf://datasets/ORG/NAME[@REVISION][/GLOB]"
         )
     repo, revision, pattern = found.groups()
-    where = f"{flag}={url!r}: the dataset {repo}"
-    return os.path.join(_snapshot(repo, revision, (pattern,), where, "dataset"), pattern)
+    split = "test" if flag.endswith("eval_files") else "train"
+    patterns = [pattern] if pattern else [p.format(split=split) for p in SPLIT_PATTERNS]
+    where = f"{flag}={url!r}: the dataset {repo}" + ("" if pattern else f"'s {split} split")
+    snapshot = _snapshot(repo, revision, patterns, where, "dataset")
+    return [os.path.join(snapshot, p) for p in patterns]
 
 
 def _snapshot(repo: str, revision, files, where: str, kind: str = "model") -> str:

@@ -44,8 +44,9 @@ def test_a_hub_id_neither_cached_nor_reachable_is_one_line_exit_2(
 
 def test_a_hub_datasets_files_are_read_from_the_cache_as_local_ones(tmp_path, monkeypatch):
     """`data.files="hf://datasets/ORG/NAME/GLOB"`: the files GLOB matches in the dataset's
-    snapshot (offline here), read as the same files on disk are; a dataset not in the cache is
-    one line naming it."""
+    snapshot (offline here), read as the same files on disk are; the dataset alone names its
+    train split (data.files) or test split (data.eval_files), laid out as `datasets` finds
+    them; a dataset not in the cache is one line naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -54,13 +55,19 @@ def test_a_hub_datasets_files_are_read_from_the_cache_as_local_ones(tmp_path, mo
     rows = [{"prompt": f"Q{k}?", "completion": f"A{k}."} for k in range(5)]
     (tmp_path / "repo" / "data").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "repo" / "data" / "train-0.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "repo" / "data" / "test-0.parquet")
     (tmp_path / "repo" / "README.md").write_text("a card")
     offline_hub(monkeypatch, tmp_path / "hub")
     hub_cache(tmp_path / "hub", "mptrain-tests/qa", tmp_path / "repo", kind="dataset")
-    url = "hf://datasets/mptrain-tests/qa/data/*.parquet"
+    url = "hf://datasets/mptrain-tests/qa/data/train-*.parquet"
     (path,) = tokenize.find_files("data.files", url, examples.SUFFIXES)
     assert "/datasets--mptrain-tests--qa/snapshots/" in path
     assert path.endswith("/data/train-0.parquet")
     assert [row for _, row in examples.in_files((path,))] == rows
+    # the dataset alone: its train split for data.files, its test split for data.eval_files
+    dataset = "hf://datasets/mptrain-tests/qa"
+    assert tokenize.find_files("data.files", dataset, examples.SUFFIXES) == (path,)
+    (test,) = tokenize.find_files("data.eval_files", dataset, examples.SUFFIXES)
+    assert test.endswith("/data/test-0.parquet")
     with pytest.raises(errors.ConfigError, match=r"data.files='hf://datasets/mptrain-tests/qb/"):
         tokenize.find_files("data.files", "hf://datasets/mptrain-tests/qb/*.parquet", (".x",))

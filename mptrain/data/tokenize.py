@@ -44,7 +44,7 @@ _TOKENIZERS: dict[tuple, Any] = {}  # loaded tokenizers, by (path, size, mtime, 
 
 def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ...]:
     """The absolute paths of the files that `globs` (a glob or a list of them; `~` and `**`
-    expand; `hf://datasets/ORG/NAME/GLOB` in the Hub's cache: `hub.dataset_glob`) match,
+    expand; `hf://datasets/ORG/NAME[/GLOB]` in the Hub's cache: `hub.dataset_globs`) match,
     sorted, each once. A glob that matches no file, or a file whose suffix is
     not one of `suffixes`, is a `ValueError` naming `key`."""
     items = [globs] if isinstance(globs, str) else globs
@@ -54,13 +54,15 @@ def find_files(key: str, globs: Any, suffixes: tuple[str, ...]) -> tuple[str, ..
     for pattern in items:
         if not isinstance(pattern, str) or not pattern.strip():
             raise ValueError(f"{key}={globs!r}: {pattern!r} is not a glob (a non-empty string)")
+        local = [pattern]
         if pattern.startswith("hf://"):  # a Hub dataset's files, from the Hub's cache
             from mptrain import hub
 
-            pattern = hub.dataset_glob(pattern, key)
+            local = hub.dataset_globs(pattern, key)
         matched = [
             os.path.abspath(p)
-            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+            for each in local
+            for p in glob.glob(os.path.expanduser(each), recursive=True)
             if os.path.isfile(p)
         ]
         if not matched:
