@@ -2,8 +2,11 @@
 cached nor reachable is one line. (Training from a Hub cache: tests/train/init_from_test.py;
 a plan from a cache holding config.json alone: tests/plan/plan_test.py.)"""
 
+from pathlib import Path
+
+import jax
 import pytest
-from helpers import ROOT, hub_cache, offline_hub, run_cli
+from helpers import FIXTURE, ROOT, hub_cache, make_tokenizer, offline_hub, run_cli
 
 from mptrain import errors, generate, hub
 
@@ -71,3 +74,21 @@ def test_a_hub_datasets_files_are_read_from_the_cache_as_local_ones(tmp_path, mo
     assert test.endswith("/data/test-0.parquet")
     with pytest.raises(errors.ConfigError, match=r"data.files='hf://datasets/mptrain-tests/qb/"):
         tokenize.find_files("data.files", "hf://datasets/mptrain-tests/qb/*.parquet", (".x",))
+
+
+def test_generate_reads_a_model_by_its_hub_id_from_the_cache(tmp_path, monkeypatch):
+    """`python -m mptrain.generate --hf=ORG/NAME`: the weights, config and tokenizer from the
+    snapshot, the same params as the folder by path (nothing compiled here)."""
+    import shutil
+
+    import numpy as np
+
+    folder = Path(shutil.copytree(FIXTURE, tmp_path / "llama"))
+    make_tokenizer(folder, ["some text to learn a few merges from"] * 4)
+    offline_hub(monkeypatch, tmp_path / "hub")
+    hub_cache(tmp_path / "hub", "mptrain-tests/tiny", folder)
+    by_id = generate.load(None, "mptrain-tests/tiny", None, "fp32")
+    by_path = generate.load(None, str(folder), None, "fp32")
+    assert "/models--mptrain-tests--tiny/snapshots/" in by_id.where
+    for a, b in zip(jax.tree.leaves(by_id.params), jax.tree.leaves(by_path.params), strict=True):
+        np.testing.assert_array_equal(a, b)
