@@ -179,8 +179,9 @@ def test_a_run_split_over_tensor_trains_as_fsdp_and_its_checkpoints_move_across_
 def test_bf16_mixed_and_adapters_split_over_tensor_stay_within_their_bands(tmp_path):
     """fsdp 4 x tensor 2 against fsdp 8, 3 steps: bf16-mixed within a bf16 ulp (2^-8) of the
     largest (measured 2026-11-29: 2.2e-3, the o and down projections' partial sums added in
-    fp32, the rest as one device has it); LoRA adapters on every projection (rank 4, split
-    with their base), fp32, to 1e-5."""
+    fp32, the rest as one device has it); LoRA adapters on every projection and the head
+    (`targets` ".*" matches `head/kernel` too; rank 4, split with their base: the head's B over
+    the vocabulary), fp32, to 1e-5."""
     fsdp = {"data": 1, "fsdp": 8}
     bf16 = {"precision": "bf16-mixed"}
     want = _run("tiny", fsdp, tmp_path / "bf16", **bf16)
