@@ -25,10 +25,10 @@ $(RUN_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-compile -e .
 	touch $(RUN_STAMP)
 
-# What the tests need besides: the extras test (pytest, ruff, ...), tfds (TensorFlow) and data
-# (pyarrow, for rows in tables).
+# What the tests need besides: the extras test (pytest, ruff, the bucket servers, ...), tfds
+# (TensorFlow), data (pyarrow, for rows in tables), s3 and gcs (the buckets' clients).
 $(STAMP): $(RUN_STAMP)
-	$(PY) -m pip install --quiet --no-compile -e '.[test,tfds,data]'
+	$(PY) -m pip install --quiet --no-compile -e '.[test,tfds,data,s3,gcs]'
 	touch $(STAMP)
 
 run: $(RUN_STAMP)

@@ -100,15 +100,23 @@ WORKDIR_FOLDERS = ("checkpoints", "numerics")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def cache_dir(*parts: str) -> Path:
+    """`$MPTRAIN_CACHE/<parts>`, else `~/.cache/mptrain/<parts>`: what mptrain keeps on local
+    disk between runs (token caches, the stages of workdirs on object storage)."""
+    root = os.environ.get("MPTRAIN_CACHE") or os.path.join("~", ".cache", "mptrain")
+    return Path(os.path.expanduser(root), *parts)
+
+
 def check_local(flag: str, path: str | os.PathLike) -> None:
-    """A `ConfigError` (exit 2) where `path` is a URL (`s3://BUCKET/RUN`, `gs://...`): runs,
-    exports and outputs are folders of a local or shared POSIX filesystem, and a URL taken as
-    one would be written, with everything in it, to a local folder named `s3:` here."""
+    """A `ConfigError` (exit 2) where `path` is a URL (`s3://BUCKET/RUN`, `gs://...`): exports,
+    outputs and a `Trainer`'s workdir are folders of a local or shared POSIX filesystem (a run
+    started by `mptrain.run` or the CLI stages an s3:// or gs:// workdir: `mptrain.mirror`), and
+    a URL taken as one would be written, with everything in it, to a local folder named `s3:`."""
     found = _URL.match(os.fspath(path))
     if found:
         raise errors.ConfigError(
-            f"{flag}={os.fspath(path)}: a {found.group(1)}:// URL; mptrain writes runs and "
-            "exports to a local or shared POSIX folder only: give its path"
+            f"{flag}={os.fspath(path)}: a {found.group(1)}:// URL; this writes to a local or "
+            "shared POSIX folder only (a run's --workdir may be s3:// or gs://): give its path"
         )
 
 

@@ -247,10 +247,11 @@ def _main(argv: list[str] | None) -> int:
         return errors.EXIT_OK
     if not flag_values.workdir:
         usage_error("--workdir is required, e.g. --workdir=runs/default")
-    from mptrain import files
+    from mptrain import buckets
 
-    try:
-        files.check_local("--workdir", flag_values.workdir)
+    try:  # s3:// and gs:// are staged and mirrored (`mptrain.mirror`); other URLs refused
+        if buckets.scheme(flag_values.workdir) is not None:
+            buckets.parse(flag_values.workdir)
     except errors.ConfigError as e:
         usage_error(str(e))
 

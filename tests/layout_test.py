@@ -92,7 +92,15 @@ LAYERS = (
     ("mptrain.optim",),
     ("mptrain.parallel",),
     ("mptrain.runtime", "mptrain.preemption", "mptrain.target", "mptrain.registry"),
-    ("mptrain.files", "mptrain.errors", "mptrain.version", "mptrain.dtypes", "mptrain.hub"),
+    ("mptrain.mirror",),
+    (
+        "mptrain.files",
+        "mptrain.errors",
+        "mptrain.version",
+        "mptrain.dtypes",
+        "mptrain.hub",
+        "mptrain.buckets",
+    ),
 )
 LEVEL = {group: level for level, groups in enumerate(LAYERS) for group in groups}
 

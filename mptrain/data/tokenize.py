@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mptrain import errors
+from mptrain import errors, files
 from mptrain.data import tables
 
 FORMAT_VERSION = 2  # bump when the layout or the encoding rule of a cache file changes
@@ -164,8 +164,7 @@ def token_dtype(vocab: int) -> np.dtype:
 
 def default_cache_dir() -> str:
     """`$MPTRAIN_CACHE/tokens`, else `~/.cache/mptrain/tokens`."""
-    root = os.environ.get("MPTRAIN_CACHE") or os.path.join("~", ".cache", "mptrain")
-    return os.path.join(os.path.expanduser(root), "tokens")
+    return os.fspath(files.cache_dir("tokens"))
 
 
 def model_vocab(config: Any) -> int | None:

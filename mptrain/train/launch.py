@@ -14,8 +14,8 @@ from pathlib import Path
 
 from absl import logging
 
+from mptrain import buckets, errors, mirror, runtime
 from mptrain import config as config_lib
-from mptrain import errors, runtime
 from mptrain.train import trainer
 
 # where the Trainer lived before the sub-packages: configs and workdirs that name it still run
@@ -49,7 +49,8 @@ def import_trainer(spec: str):
 def run(config, workdir: str | os.PathLike):
     """What `python -m mptrain.main` does, from Python: validate, build the trainer, train.
 
-    Returns the final `TrainState`; raises `errors.ConfigError` for a bad config and the
+    `workdir` may be `s3://BUCKET/PATH` or `gs://BUCKET/PATH` (`mptrain.mirror`). Returns the
+    final `TrainState`; raises `errors.ConfigError` for a bad config and the
     `errors.StopTraining` family when a run ends early.
     """
     with errors.config_errors():
@@ -57,6 +58,10 @@ def run(config, workdir: str | os.PathLike):
     resolved = config_lib.validate(config)  # the run's parts, built once: the Trainer takes them
     trainer_cls = import_trainer(config.trainer)
     started = time.monotonic()
-    state = trainer_cls(config, Path(workdir), resolved=resolved).train_and_evaluate()
+    if buckets.scheme(workdir) is None:
+        state = trainer_cls(config, Path(workdir), resolved=resolved).train_and_evaluate()
+    else:  # s3:// or gs://: the run writes a local stage that a mirror uploads
+        with mirror.staged(os.fspath(workdir)) as stage:
+            state = trainer_cls(config, stage, resolved=resolved).train_and_evaluate()
     logging.info("mptrain: done in %.1f s", time.monotonic() - started)
     return state
