@@ -58,8 +58,9 @@ class Object:
 class Bucket:
     """The objects under one URL's prefix; keys are relative to it (`checkpoints/3/meta`)."""
 
-    def __init__(self, url: str, name: str, prefix: str):
+    def __init__(self, url: str, name: str, prefix: str, flag: str = "--workdir"):
         self.url, self.name, self.prefix = url.rstrip("/"), name, prefix
+        self.flag = flag  # what named the URL, in errors
 
     def key(self, relative: str) -> str:
         return f"{self.prefix}/{relative}" if self.prefix else relative
@@ -74,8 +75,8 @@ class Bucket:
 
 
 class S3(Bucket):
-    def __init__(self, url: str, name: str, prefix: str):
-        super().__init__(url, name, prefix)
+    def __init__(self, url: str, name: str, prefix: str, flag: str = "--workdir"):
+        super().__init__(url, name, prefix, flag)
         import boto3
         import botocore.config
         import botocore.exceptions
@@ -157,8 +158,8 @@ class S3(Bucket):
 
 
 class GCS(Bucket):
-    def __init__(self, url: str, name: str, prefix: str):
-        super().__init__(url, name, prefix)
+    def __init__(self, url: str, name: str, prefix: str, flag: str = "--workdir"):
+        super().__init__(url, name, prefix, flag)
         import google.api_core.exceptions
         import google.auth.exceptions
         from google.cloud import storage
@@ -174,7 +175,8 @@ class GCS(Bucket):
             else:
                 client = storage.Client()
         except (self._auth.DefaultCredentialsError, ValueError, OSError) as e:
-            raise _refused(self, f"no Google credentials ({errors.first_line(e)})") from None
+            why = e.args[0] if e.args and isinstance(e.args[0], str) else errors.first_line(e)
+            raise _refused(self, f"no Google credentials ({why})") from None
         self._bucket = client.bucket(name)
 
     def check(self) -> None:
@@ -269,7 +271,7 @@ def _failed(bucket: Bucket, relative: str, error: BaseException) -> errors.Stora
 
 
 def _refused(bucket: Bucket, why: str) -> errors.WorkdirError:
-    return errors.WorkdirError(f"--workdir={bucket.url}: {why}; nothing was written")
+    return errors.WorkdirError(f"{bucket.flag}={bucket.url}: {why}; nothing was written")
 
 
 def open(url: str, flag: str = "--workdir") -> Bucket:
@@ -283,6 +285,6 @@ def open(url: str, flag: str = "--workdir") -> Bucket:
         raise errors.ConfigError(
             f"{flag}={url}: {kind}:// needs {module.split('.')[0]}: pip install 'mptrain[{extra}]'"
         ) from None
-    bucket = (S3 if kind == "s3" else GCS)(url, name, prefix)
+    bucket = (S3 if kind == "s3" else GCS)(url, name, prefix, flag)
     bucket.check()
     return bucket

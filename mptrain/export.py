@@ -46,10 +46,11 @@ import logging as std_logging
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from mptrain import errors, files
+from mptrain import buckets, errors, files, mirror
 
 DTYPES = ("bfloat16", "float16", "float32")
 FORMATS = ("orbax", "hf", "peft")
@@ -93,8 +94,16 @@ def export(
         raise errors.ConfigError(
             f"--keep_fp32={keep_fp32!r}: not a regular expression ({e})"
         ) from None
-    files.check_local("--workdir", workdir)
-    files.check_local("--out", out)
+    if buckets.scheme(out) is not None:  # s3:// or gs://: written here, then uploaded
+        bucket = buckets.open(os.fspath(out), "--out")
+        if bucket.list():
+            raise errors.ConfigError(f"--out={out}: holds objects already; give an empty path")
+        with tempfile.TemporaryDirectory(prefix="mptrain-export-") as local:
+            sidecar = export(workdir, Path(local, "out"), dtype, step, keep_fp32, format)
+            mirror.upload_folder(Path(local, "out"), bucket)
+        return sidecar
+    if buckets.scheme(workdir) is not None:  # read from a local copy
+        workdir = mirror.read_copy(os.fspath(workdir))
     workdir, out = Path(workdir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise errors.ConfigError(f"--out={out}: exists and is not an empty folder")

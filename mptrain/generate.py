@@ -33,7 +33,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mptrain import errors, files
+from mptrain import buckets, errors, files, mirror
 from mptrain.models.decoder import decode as decoding
 
 # ---- the command ---------------------------------------------------------------------------
@@ -65,7 +65,8 @@ def load(workdir: str | None = None, hf_folder: str | None = None, step: int | N
     if (workdir is None) == (hf_folder is None):
         raise errors.ConfigError("give --workdir=RUN or --hf=FOLDER (one of them)")
     if workdir is not None:
-        files.check_local("--workdir", workdir)
+        if buckets.scheme(workdir) is not None:  # s3:// or gs://: read from a local copy
+            workdir = mirror.read_copy(workdir)
         config, (state, _) = export.read_run(Path(workdir), step)
         if not getattr(models.record_of(config), "decodes", False):
             raise errors.ConfigError(

@@ -103,12 +103,43 @@ def staged(url: str) -> Iterator[Path]:
         lease.release()
 
 
+def read_copy(url: str, flag: str = "--workdir") -> Path:
+    """A local copy of the run in `url` for a reader (export, generate): the bucket's complete
+    checkpoints and files, downloading only what changed since the last copy; nothing in the
+    bucket is written, and no lease is taken (a run may be writing it). It is
+    `$MPTRAIN_CACHE/reads/<scheme>/<bucket>/<path>`, one reader at a time on a machine."""
+    import fcntl
+
+    kind, name, prefix = buckets.parse(url, flag)
+    mirror = Mirror(
+        buckets.open(url, flag), files.cache_dir("reads", kind, name, *prefix.split("/"))
+    )
+    mirror.stage.mkdir(parents=True, exist_ok=True)
+    with open(mirror.stage / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another reader here: wait for its copy
+        mirror.pull(mirror.remote(), mirror.record().get("sent", {}), read_only=True)
+    if not mirror.committed:
+        raise errors.WorkdirError(f"{flag}={url}: holds no complete checkpoint")
+    return mirror.stage
+
+
+def upload_folder(folder: Path, bucket: buckets.Bucket) -> None:
+    """Every file under `folder` to `bucket` (an export's `--out`), by its relative path."""
+    started, names = time.monotonic(), sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in names:
+        bucket.upload(path, path.relative_to(folder).as_posix())
+    size = sum(p.stat().st_size for p in names)
+    logging.info("Uploaded %s to %s: %d files, %.1f MB in %.1f s", folder, bucket.url,
+                 len(names), size / 1e6, time.monotonic() - started)  # fmt: skip
+
+
 class Lease:
     """The single-writer rule on a bucket (the module doc)."""
 
     def __init__(self, bucket: buckets.Bucket):
         self.bucket, self.version, self.lost = bucket, None, False
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id()}
+        self._renewing = threading.Lock()  # the passes and the renewing thread both renew
 
     def take(self) -> None:
         for _ in range(3):  # a lease that changes under us is read again
@@ -142,13 +173,14 @@ class Lease:
 
     def renew(self) -> bool:
         """Renews the lease; False (and `lost`) when another run holds it now."""
-        if self.lost:
-            return False
-        self.holder["renewed"] = time.time()
-        version = self.bucket.put(LEASE, self._body(), if_version=self.version)
-        self.lost = version is None
-        self.version = version or self.version
-        return not self.lost
+        with self._renewing:
+            if self.lost:
+                return False
+            self.holder["renewed"] = time.time()
+            version = self.bucket.put(LEASE, self._body(), if_version=self.version)
+            self.lost = version is None
+            self.version = version or self.version
+            return not self.lost
 
     def release(self) -> None:
         with contextlib.suppress(errors.StorageError):
@@ -195,8 +227,7 @@ class Mirror:
 
     def start_up(self) -> None:
         self.stage.mkdir(parents=True, exist_ok=True)
-        remote = {k: o for k, o in self.bucket.list().items() if k != LEASE}
-        record = self._read_record()
+        remote, record = self.remote(), self.record()
         ours = {k: v[2] for k, v in record.get("sent", {}).items()}
         ours |= {f"checkpoints/{s}/{MARKER}": v for s, v in record.get("markers", {}).items()}
         if record.get("url") == self.bucket.url and ours == {
@@ -207,8 +238,15 @@ class Mirror:
             return  # nothing else wrote there: the stage continues it
         self.pull(remote, record.get("sent", {}))
 
-    def pull(self, remote: dict[str, buckets.Object], had: dict[str, list]) -> None:
-        """Makes the stage the bucket's complete checkpoints and files."""
+    def remote(self) -> dict[str, buckets.Object]:
+        """The bucket's objects, but the lease."""
+        return {k: o for k, o in self.bucket.list().items() if k != LEASE}
+
+    def pull(
+        self, remote: dict[str, buckets.Object], had: dict[str, list], read_only: bool = False
+    ) -> None:
+        """Makes the stage the bucket's complete checkpoints and files (`had`: what the stage's
+        record says it held); unless `read_only`, deletes the objects of unfinished uploads."""
         self.committed = {_step(k) for k in remote if _is_marker(k)}
         self.markers = {str(_step(k)): remote[k].version for k in remote if _is_marker(k)}
         wanted = {
@@ -245,9 +283,11 @@ class Mirror:
                          self.bucket.url, len(fetch), size / 1e6, time.monotonic() - started,
                          sorted(self.committed) or "none")  # fmt: skip
         self.sent = kept
-        for relative in unfinished:  # an upload a kill cut short: never a checkpoint
+        for relative in (
+            [] if read_only else unfinished
+        ):  # an upload a kill cut short: never a checkpoint
             self.bucket.delete(relative)
-        if unfinished:
+        if unfinished and not read_only:
             logging.warning("Deleted %d objects of unfinished checkpoint uploads in %s",
                             len(unfinished), self.bucket.url)  # fmt: skip
         self._write_record()
@@ -257,6 +297,7 @@ class Mirror:
     def sync(self) -> None:
         """One pass: changed files, then new complete checkpoints (files, then their marker),
         then what the stage no longer holds."""
+        self._hold()
         steps = self._complete_steps()  # first: the files read after are newer than these
         local = self._local_files()
         for relative in sorted(r for r in local if _step(r) is None):
@@ -264,8 +305,8 @@ class Mirror:
         for step in sorted(steps & self.committed):  # saved again since (a replaced step)
             if self._changed(f"checkpoints/{step}/", local):
                 self._uncommit(step)
-        for step in sorted(steps - self.committed):
-            self._send_checkpoint(step, local)
+        for step in sorted(steps - self.committed, reverse=True):  # the newest first: the
+            self._send_checkpoint(step, local)  # others may be pruned before their turn
         for step in sorted(self.committed - steps):  # pruned (max_to_keep)
             self._uncommit(step)
         for relative in sorted(set(self.sent) - set(self._local_files())):
@@ -301,6 +342,7 @@ class Mirror:
             return
         listing = {r: self.sent[r][0] for r in names if r in self.sent}
         self._write_record()
+        self._hold()
         marker = self.bucket.put(f"{prefix}{MARKER}", json.dumps(listing).encode())
         self.committed.add(step)
         self.markers[str(step)] = marker
@@ -312,14 +354,11 @@ class Mirror:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """Passes every `every_s` in the background, the lease renewed every `RENEW_S`, while
-        the block runs; then the last pass, unless the run was refused."""
-        threads = [
-            threading.Thread(target=self._loop, args=(self.every_s, self._pass), daemon=True)
-        ]
-        if self.lease is not None:
-            threads.append(threading.Thread(target=self._loop, args=(RENEW_S, self._renew),
-                                            daemon=True))  # fmt: skip
+        """Passes every `every_s` in the background, the lease renewed as often (at least every
+        `RENEW_S`), while the block runs; then the last pass, unless the run was refused."""
+        threads = [(self.every_s, self._pass)]
+        threads += [(min(RENEW_S, self.every_s), self._renew)] if self.lease else []
+        threads = [threading.Thread(target=self._loop, args=t, daemon=True) for t in threads]
         for thread in threads:
             thread.start()
         refused = True
@@ -337,13 +376,17 @@ class Mirror:
                 thread.join()
             self._finish(refused)
 
-    def _finish(self, refused: bool) -> None:
-        if self.lease is not None and self.lease.lost:
+    def _hold(self) -> None:
+        """Renews the lease, before a pass and before each marker: a run that lost it writes
+        nothing more (a `WorkdirError` saying so)."""
+        if self.lease is not None and not self.lease.renew():
             raise errors.WorkdirError(
                 f"--workdir={self.bucket.url}: another run took its lease; this run's files "
                 f"since its last upload are in {self.stage} only"
             )
-        if refused:
+
+    def _finish(self, refused: bool) -> None:
+        if refused and not (self.lease and self.lease.lost):
             return
         try:
             self.sync()
@@ -360,6 +403,8 @@ class Mirror:
     def _pass(self) -> None:
         try:
             self.sync()
+        except errors.WorkdirError:
+            self._lost()
         except Exception as e:  # the network, say: the next pass tries again
             if type(e) is not type(self._failure):
                 logging.warning("Could not upload to %s (trying again): %s", self.bucket.url, e)
@@ -373,10 +418,14 @@ class Mirror:
         except errors.StorageError as e:
             logging.warning("Could not renew the lease of %s: %s", self.bucket.url, e)
             return
-        if not renewed:  # stop the run as a preemption would, checkpointing first
-            logging.error("Another run took the lease of %s: stopping", self.bucket.url)
-            self._stop.set()
-            os.kill(os.getpid(), signal.SIGTERM)
+        if not renewed:
+            self._lost()
+
+    def _lost(self) -> None:
+        """Stops the run as a preemption would (its checkpoint stays in the stage)."""
+        logging.error("Another run took the lease of %s: stopping", self.bucket.url)
+        self._stop.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     # ---- the stage's files ---------------------------------------------------------------
 
@@ -398,7 +447,8 @@ class Mirror:
         names = os.listdir(folder) if folder.is_dir() else []
         return {int(n) for n in names if n.isdigit() and (folder / n).is_dir()}
 
-    def _read_record(self) -> dict:
+    def record(self) -> dict:
+        """The stage's record of the bucket (`RECORD`), {} where there is none."""
         try:
             return json.loads((self.stage / RECORD).read_text())
         except (OSError, ValueError):

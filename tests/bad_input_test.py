@@ -247,18 +247,18 @@ def test_a_workdir_path_of_the_wrong_kind_stops_the_run_before_it_compiles(
 def test_a_url_for_a_workdir_or_an_export_is_refused_not_written_to_a_local_folder(
     url, tmp_path, capsys, monkeypatch
 ):
-    """A URL mptrain does not write (a run's: any but s3:// and gs://, `bucket_workdir_test`;
-    an export's, or a Trainer's own: any) is one line, exit 2, and no folder named after its
-    scheme appears where the command ran."""
+    """A URL mptrain does not read or write (a run's or an export's: any but s3:// and gs://,
+    `bucket_workdir_test`; a Trainer's own: any) is one line, exit 2, and no folder named after
+    its scheme appears where the command ran."""
     monkeypatch.chdir(tmp_path)
     if url.startswith("hdfs"):
         code, err = run_cli(url, capsys=capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"--workdir={url}: a hdfs:// URL" in err and "s3://BUCKET/PATH" in err, err
-    for args in (["--workdir=" + url, "--out=o"], ["--workdir=w", "--out=" + url]):
-        assert export.main(args) == 2
-        err = capsys.readouterr().err
-        assert len(err.strip().splitlines()) == 1 and "URL" in err, err
+        for args in (["--workdir=" + url, "--out=o"], ["--workdir=w", "--out=" + url]):
+            assert export.main(args) == 2
+            err = capsys.readouterr().err
+            assert len(err.strip().splitlines()) == 1 and "URL" in err, err
     with pytest.raises(errors.ConfigError, match="a s3:// URL|a gs:// URL|a hdfs:// URL"):
         trainer.Trainer(tiny_config(), url)
     assert list(tmp_path.iterdir()) == []

@@ -44,6 +44,8 @@ NOT_RUN = {
     "dpo-tiny": "tests/train/dpo_train_test.py runs 24 of its steps in two precisions (slow)",
     "grpo-folder": "a model folder of the reader's; the page's runs are grpo_tiny's",
     "grpo-lora": "tests/train/grpo_train_test.py runs it for 30 steps (slow)",
+    "bucket": "a bucket of the reader's; tests/train/bucket_workdir_test.py runs against local "
+    "S3 and GCS servers",
 }
 MAX_STEPS = 8
 PAGE_STEPS = 2_000  # a config the page writes (README's and getting-started's: 20,000)

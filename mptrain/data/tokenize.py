@@ -214,6 +214,8 @@ def create_corpus(files: tuple[str, ...], tokenizer: Any, eos_token: Any, cache_
     key). Cheap: the tokenizer file is read and hashed, no document is."""
     if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
         raise ValueError(f"data.cache_dir={cache_dir!r}: must be a folder's path or None")
+    if cache_dir is not None and "://" in cache_dir:  # a run's workdir may be a bucket, not this
+        raise ValueError(f"data.cache_dir={cache_dir!r}: token caches stay on local disk")
     folder = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
     if tokenizer == BYTES:
         if eos_token is not None:

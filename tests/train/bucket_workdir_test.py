@@ -31,7 +31,8 @@ from helpers import (
     run_cli,
 )
 
-from mptrain import buckets, errors, mirror
+from mptrain import buckets, errors, export, mirror
+from mptrain.data import tokenize
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,14 @@ def _same_run_in_a_bucket(env, scheme, monkeypatch, tmp_path, capsys):
                            if not k.startswith("checkpoints/") and k != ".lock"}  # fmt: skip
     # config.json, the history, the report, the curves, the events: everything
     assert files(p.relative_to(local).as_posix() for p in local.glob("*.*")) == files(objects)
+    # an export reads the bucket (a local copy) and writes to one: the local run's export
+    exported = f"{url.rsplit('/', 2)[0]}/exports/tiny"
+    assert export.main([f"--workdir={url}", f"--out={exported}"]) == 0
+    assert export.main([f"--workdir={local}", f"--out={tmp_path / 'export'}"]) == 0
+    sidecar = lambda folder: json.loads((folder / "export.json").read_text())
+    theirs = sidecar(servers.download(env, exported, tmp_path / "exported"))
+    assert theirs["params_fingerprint"] == sidecar(tmp_path / "export")["params_fingerprint"]
+    assert export.main([f"--workdir={url}", f"--out={exported}"]) == 2  # not over an export
 
 
 def test_a_run_in_an_s3_bucket_is_the_same_run_as_on_local_disk(s3, monkeypatch, tmp_path, capsys):
@@ -101,9 +110,8 @@ LONG = [  # long enough to be killed in: about 5 s of steps, a checkpoint every 
 ]
 
 
-def _uploading(env: dict, url: str) -> int | None:
+def _uploading(objects: dict) -> int | None:
     """A checkpoint step some of whose objects are in the bucket and not its marker."""
-    objects = servers.objects(env, url, read=False)
     if mirror.LEASE not in objects:
         return None  # the run has not begun, or has ended
     steps = {int(m.group(1)) for k in objects if (m := re.match(r"checkpoints/(\d+)/", k))}
@@ -132,34 +140,39 @@ def test_a_kill_9_during_an_upload_then_a_run_elsewhere_is_the_uninterrupted_run
     done = subprocess.run(command(straight), cwd=ROOT, env=run_env("x"), capture_output=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    cut = []  # the steps whose upload a kill cut short
+    cut, kills, dead_holder = [], 0, False  # the steps whose upload a kill cut short, ...
     for machine in range(KILLS):
         proc = subprocess.Popen(command(url), cwd=ROOT, env=run_env(f"machine{machine}"),
                                 stderr=subprocess.DEVNULL)  # fmt: skip
         deadline, before = time.monotonic() + 120, _committed(servers.objects(env, url, False))
         # each run moves on: a checkpoint of its own up, then the kill in the next one's upload
-        while (
-            not (set(_committed(servers.objects(env, url, False))) - set(before))
-            or (step := _uploading(env, url)) is None
-        ):
-            assert proc.poll() is None, "the run ended before a kill landed in an upload"
+        while proc.poll() is None:
+            objects = servers.objects(env, url, read=False)  # one listing a look: quick
+            step = _uploading(objects)
+            if step is not None and set(_committed(objects)) - set(before):
+                break
             assert time.monotonic() < deadline
+        if proc.poll() is not None:  # it outran the looks to its end: no more kills
+            assert proc.returncode == 0
+            dead_holder = False
+            break
         proc.send_signal(signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL
+        kills, dead_holder = kills + 1, True
         left = servers.objects(env, url, read=False)
         assert mirror.LEASE in left  # still held by the dead run
         cut += [step] if step not in _committed(left) else []
-    assert cut, "no kill landed before a marker: the uploads outran the polling"
+    assert cut, "no kill landed before a marker: the uploads outran the looks"
 
     again = subprocess.run(command(url), cwd=ROOT, env=run_env("last"), capture_output=True,
                            text=True)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"resuming from step (\d+)", again.stderr), again.stderr[-3000:]
-    assert "Took over the lease" in again.stderr
+    assert ("Took over the lease" in again.stderr) == dead_holder
     copy = servers.download(env, url, tmp_path / "copy")
     assert history_without_timings(copy) == history_without_timings(straight)
     assert_trees_bytes_equal(plain_orbax_state(copy, 2000), plain_orbax_state(straight, 2000))
-    print(f"{scheme}: {KILLS} kills, {len(cut)} of them mid-upload (steps {cut})")
+    print(f"{scheme}: {kills} runs killed, {len(cut)} of them mid-upload (steps {cut})")
 
 
 # ------------------------------------------------------------------------------ one writer
@@ -253,6 +266,13 @@ def test_refused_credentials_are_one_line_and_nothing_is_written(monkeypatch, tm
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         _refused("s3://runs/run", capsys, monkeypatch, tmp_path, "the credentials were refused")
+    # GCS, no emulator: a key file that is no key is refused before anything is sent
+    key = tmp_path.parent / f"{tmp_path.name}-key.json"
+    key.write_text('{"type": "service_account", "client_email": "run@example.com"}')
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    says = f"no Google credentials (Failed to load service account credentials from {key})"
+    _refused("gs://runs/run", capsys, monkeypatch, tmp_path, says)
 
 
 @pytest.mark.parametrize(
@@ -267,3 +287,30 @@ def test_an_unreachable_endpoint_is_one_line(scheme, monkeypatch, tmp_path, caps
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", nobody)
     says = f"cannot reach the endpoint {nobody}"
     _refused(f"{scheme}://runs/run", capsys, monkeypatch, tmp_path, says)
+
+
+def test_the_token_cache_stays_on_local_disk():
+    with pytest.raises(ValueError, match="data.cache_dir='s3://b/tokens': token caches stay on"):
+        tokenize.create_corpus(("a.txt",), "bytes", None, "s3://b/tokens")
+
+
+@pytest.mark.slow
+def test_a_run_whose_lease_is_taken_stops_and_uploads_nothing_more(s3, monkeypatch, tmp_path):
+    url = f"s3://{_bucket(s3, monkeypatch, tmp_path)}/run"
+    env = {**fake_cpu_env(1), **s3, "MPTRAIN_CACHE": str(tmp_path / "cache"),
+           "MPTRAIN_MIRROR_EVERY_S": "0.05"}  # fmt: skip
+    command = [sys.executable, "-m", "mptrain.main", TINY, f"--workdir={url}", *LONG]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _committed(servers.objects(s3, url, read=False)):
+        assert proc.poll() is None and time.monotonic() < deadline
+    other = {"host": "elsewhere", "pid": 1, "boot": "", "renewed": time.time()}
+    buckets.open(url).put(mirror.LEASE, json.dumps(other).encode())
+    taken = _committed(servers.objects(s3, url, read=False))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"mptrain: error: --workdir={url}: another run")
+    after = servers.objects(s3, url)
+    assert json.loads(after[mirror.LEASE]) == other  # not released: it is the other run's
+    # each marker is written just after the lease is renewed: none after it was taken
+    assert set(_committed(after)) <= set(taken)
