@@ -15,8 +15,9 @@ modules; `train` and `export` read it.
 config.json comes in two forms, both read: transformers 4.x's `rope_theta` and `rope_scaling`
 (what Hub checkpoints of Llama 3.x carry, with `rope_type` or the older `type`), and 5.x's
 `rope_parameters` (`rope_theta` inside; Gemma 3's per layer type). RoPE types: "default",
-"linear" and Llama 3's "llama3"; any other ("yarn", "dynamic", ...) is an error rather than a
-model that runs and is quietly worse. `save` writes the 4.x form, which 4.x and 5.x both load.
+"linear", Llama 3's "llama3", Phi-3's "longrope" and "yarn"; any other ("dynamic", ...) is an
+error rather than a model that runs and is quietly worse. `save` writes the 4.x form, which
+4.x and 5.x both load.
 
 Against the peers:
   * q and k are loaded as HF stores them. HF Llama rotates "half" pairs (dimension j with

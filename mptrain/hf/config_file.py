@@ -119,10 +119,17 @@ def _rope_of(file: Path, key: str, rope: Any, raw: dict, apart: bool = False) ->
         return theta, ("linear", families.checked(file, f"{key}.factor", rope.get("factor"), float))
     if kind in ("longrope", "su"):  # Phi-3's ("su" its older name)
         return theta, _longrope(file, key, rope, raw)
+    if kind == "yarn":
+        return theta, _yarn(file, key, rope, raw)
+    if kind == "dynamic":
+        raise errors.ConfigError(
+            f"{file}: {key}.rope_type='dynamic': not implemented; its frequencies change with "
+            "the length decoded, so a token's logits would depend on how far decoding has gone"
+        )
     if kind != "llama3":
         raise errors.ConfigError(
             f"{file}: {key}.rope_type={kind!r}: not implemented; mptrain's decoder has RoPE "
-            "types 'default', 'linear' and 'llama3'"
+            "types 'default', 'linear', 'llama3', 'longrope' and 'yarn'"
         )
     missing = [k for k in _ROPE_KEYS if rope.get(k) is None]
     if missing:
@@ -165,6 +172,41 @@ def _longrope(file: Path, key: str, rope: dict, raw: dict) -> tuple:
     )
 
 
+def _yarn(file: Path, key: str, rope: dict, raw: dict) -> tuple:
+    """`("yarn", factor, original_max_len, beta_fast, beta_slow, attention_factor, truncate)` as
+    transformers computes them: the factor, where not given, max_position_embeddings /
+    original; the attention factor, where not given, 0.1 ln(factor) + 1 (DeepSeek's `mscale`
+    and `mscale_all_dim`: the ratio of two such, each times its mscale); beta_fast 32 and
+    beta_slow 1 where not given (or 0)."""
+    # a key of that name beside the RoPE object wins over the object's own, as in transformers
+    original = raw.get("original_max_position_embeddings")
+    original = original or rope.get("original_max_position_embeddings")
+    original = original or raw.get("max_position_embeddings")
+    if original is None:
+        raise errors.ConfigError(f"{file}: no {key}.original_max_position_embeddings for yarn")
+    original = families.checked(file, f"{key}.original_max_position_embeddings", original, int)
+    factor = rope.get("factor")
+    factor = raw.get("max_position_embeddings", original) / original if factor is None else factor
+    factor = families.checked(file, f"{key}.factor", factor, float)
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    scale, m, m_all = rope.get("attention_factor"), rope.get("mscale"), rope.get("mscale_all_dim")
+    if scale is None:
+        scale = mscale(m) / mscale(m_all) if m and m_all else mscale(1)
+    truncate = rope.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise errors.ConfigError(f"{file}: {key}.truncate={truncate!r}: true or false expected")
+    fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+    return (
+        "yarn",
+        factor,
+        original,
+        families.checked(file, f"{key}.beta_fast", fast, float),
+        families.checked(file, f"{key}.beta_slow", slow, float),
+        families.checked(file, f"{key}.attention_factor", scale, float),
+        truncate,
+    )
+
+
 def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
     """config.json's content, transformers 4.x's form, for the decoder's checked settings `c`,
     as its family (`model.family`) writes it."""
@@ -173,6 +215,10 @@ def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
     rope = None
     if scaling is not None and scaling[0] == "linear":
         rope = {"rope_type": "linear", "factor": float(scaling[1])}
+    elif scaling is not None and scaling[0] == "yarn":
+        keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+        rope = {"rope_type": "yarn", **dict(zip(keys, scaling[1:5], strict=True))}
+        rope |= {"attention_factor": scaling[5], "truncate": scaling[6]}
     elif scaling is not None and scaling[0] == "longrope":
         _, short, long, original, scale = scaling
         rope = {"rope_type": "longrope", "short_factor": list(short), "long_factor": list(long)}

@@ -22,7 +22,8 @@ keys into the decoder's switches (`mptrain.models.decoder.blocks`) and writes th
     `no_rope_layer_interval`-th, 4th by default); tied embeddings by default;
   * phi3 (Phi3ForCausalLM): q, k, v fused in one `qkv_proj` and gate, up in `gate_up_proj`
     (split on load, fused again on export: `Family.fused`); `partial_rotary_factor`; a window
-    on every layer when `sliding_window` is set; `longrope` (Phi-4-mini's RoPE);
+    on every layer when `sliding_window` is set; `longrope` (Phi-4-mini's RoPE); every
+    family takes YaRN (`rope_type: "yarn"`: `config_file`);
   * qwen3_moe (Qwen3MoeForCausalLM) and mixtral (MixtralForCausalLM): Qwen3's and Mistral's
     attention with a mixture of experts' MLP (`mptrain.hf.experts`).
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)

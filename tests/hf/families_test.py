@@ -6,7 +6,8 @@ layers, sliding and global in turn, with soft-caps that bite; Gemma 3's four lay
 pattern of three, with two RoPE bases; OLMo 2's norms after the attention and the MLP only, q
 and k normed over the whole projection; SmolLM3's middle layer of three without RoPE and with
 the window; Phi-3's fused q, k, v and gate, up, half of each head rotated, and a Phi-3 with
-Phi-4-mini's longrope over an original context of 44; Qwen2's, Gemma 2's
+Phi-4-mini's longrope over an original context of 44; a Qwen3 taken past its context of 16 by
+YaRN (factor 4); Qwen2's, Gemma 2's
 and OLMo 2's config.json in transformers 4.x's form, the others in 5.x's), read by
 `mptrain.hf` into the one decoder: its fp32 logits and its greedy decoding against
 transformers' own, each switch shown to matter, the folder written back."""
@@ -31,7 +32,7 @@ from mptrain.parallel import axes
 
 FAMILIES = Path(__file__).parent / "families"
 NAMES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
-NAMES += ("phi3-longrope",)
+NAMES += ("phi3-longrope", "qwen3-yarn")
 S, F = llama.SLIDING, llama.FULL
 # what each folder is read as: model.family, attn_bias, qk_norm, sliding_window, layer_types
 SWITCHES = {
@@ -44,6 +45,7 @@ SWITCHES = {
     "smollm3": ("smollm3", "none", False, 16, (F, S, F)),
     "phi3": ("phi3", "none", False, 16, None),
     "phi3-longrope": ("phi3", "none", False, None, None),
+    "qwen3-yarn": ("qwen3", "none", True, None, None),
 }
 # The other switches as the fixtures set them, and (PLAIN) what each is without them
 GEMMA = {
@@ -53,6 +55,7 @@ GEMMA = {
     "smollm3": {"nope_layers": (1,), "tie_embeddings": True},
     "phi3": {"partial_rotary_factor": 0.5},
     "phi3-longrope": {"partial_rotary_factor": 0.75},
+    "qwen3-yarn": {"rope_scaling": ("yarn", 4.0, 16, 32.0, 1.0, 0.1 * np.log(4.0) + 1, True)},
 }
 PLAIN = {
     "attn_softcap": None,
@@ -225,8 +228,8 @@ def _edited(folder, tmp_path, edit):
         ("gemma2", lambda c: c.update(hidden_activation="gelu"), "hidden_activation='gelu'"),
         (
             "gemma2",
-            lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 2.0}),
-            "rope_scaling.rope_type='yarn': not implemented",
+            lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            "rope_scaling.rope_type='dynamic': not implemented; its frequencies change with",
         ),
         (
             "gemma3",

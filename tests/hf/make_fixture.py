@@ -291,6 +291,21 @@ FAMILIES = {
         },
         True,
     ),
+    # Qwen3 taken past its context by YaRN, as its model card does (factor 4): an original
+    # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1
+    "qwen3-yarn": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 50_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+        False,
+    ),
     # Phi-4-mini's RoPE on the tiny shapes: longrope over an original context of 44 (the
     # reference's 48 positions use the long factors; decoding 32 tokens after prompts of 12 at
     # most stays within 44, on the short ones), three quarters of each head rotated

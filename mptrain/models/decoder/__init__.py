@@ -88,7 +88,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, 
 # The keys `create_model` reads under `config.model`, with their defaults: a small byte-level
 # model. `head_dim` None: d_model / num_heads; `rope_scaling` None, or Llama 3's
 # (factor, low_freq_factor, high_freq_factor, original_max_len), ("linear", factor), or
-# ("longrope", short factors, long factors, original_max_len, attention_factor) (Phi-3's);
+# ("longrope", short factors, long factors, original_max_len, attention_factor) (Phi-3's), or
+# ("yarn", factor, original_max_len, beta_fast, beta_slow, attention_factor, truncate);
 # `family`: the folder it exports as; `attn_bias`, `qk_norm`, `sliding_window` and Gemma's
 # `norm_plus_one`, `post_norms`, `attn_softcap`, `mlp_act`: settings of a layer's parts
 # (`blocks.BlockSpec`, built by `layer_specs`);
@@ -312,6 +313,7 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
         window=keys["sliding_window"],
         inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
         longrope=rope.longrope(rotary, keys["rope_theta"], scaling) if long else None,
+        rope_scale=rope.attention_scale(scaling),
     )
     norms = blocks.NormSpec(
         float(keys["norm_eps"]), keys["norm_plus_one"], keys["pre_norms"], keys["post_norms"]
@@ -320,7 +322,9 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
     if keys["layer_types"] is not None:
         if keys["rope_local_theta"] is not None:
             local_freq = frequencies(keys["rope_local_theta"], None)
-            local = dataclasses.replace(attention, inv_freq=local_freq, longrope=None)
+            local = dataclasses.replace(
+                attention, inv_freq=local_freq, longrope=None, rope_scale=1.0
+            )
         full = dataclasses.replace(attention, window=None)
     kinds = keys["layer_types"] or [SLIDING] * keys["num_layers"]
     nope, dense = set(keys["nope_layers"] or ()), set(keys["dense_layers"] or ())

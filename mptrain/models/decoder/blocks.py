@@ -109,7 +109,8 @@ class AttentionSpec:
     """How a block attends (the module doc): its projections' `bias` (`ATTN_BIASES`), `qk_norm`
     (None, `"head"`: Qwen3's over each head, `"width"`: OLMo 2's over the whole projection),
     the scores' `scale` (None: `head_dim ** -0.5`) and `softcap`, a sliding `window`, and RoPE:
-    its frequencies `inv_freq` (none: a layer without positions) and Phi-3's `longrope`."""
+    its frequencies `inv_freq` (none: a layer without positions), Phi-3's `longrope` and YaRN's
+    `rope_scale`."""
 
     bias: str = "none"
     qk_norm: str | None = None
@@ -118,6 +119,7 @@ class AttentionSpec:
     window: int | None = None
     inv_freq: tuple[float, ...] = ()  # `rope.rope_frequencies`
     longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
+    rope_scale: float = 1.0  # cos and sin times this: YaRN's attention factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +218,7 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
         v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
         if a.inv_freq:  # none: a layer without positions (NoPE)
             inv_freq = np.asarray(a.inv_freq, np.float32)
-            rope = lambda t: apply_rope(t, positions, inv_freq, a.longrope)
+            rope = lambda t: apply_rope(t, positions, inv_freq, a.longrope, a.rope_scale)
             q, k = rope(q), rope(k)
         how = {"window": a.window, "scale": a.scale, "softcap": a.softcap}
         local = view.current() if cache is None else None  # the step's per-device layout

@@ -22,6 +22,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
     every frequency divided by ``factor`` (HF's ``"linear"``: Gemma 3's global layers).
     Computed in float64 on the host, a constant of the program."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is not None and scaling[0] == "yarn":
+        return _yarn(head_dim, theta, *scaling[1:5], scaling[6])
     if scaling is not None and scaling[0] == "longrope":  # its short factors (`LongRope`)
         inv = inv / np.asarray(scaling[1], np.float64)
     elif scaling is not None and scaling[0] == "linear":
@@ -35,6 +37,33 @@ def rope_frequencies(head_dim: int, theta: float, scaling: tuple | None = None) 
         between = (wavelen <= original / low) & (wavelen >= original / high)
         inv = np.where(between, mixed, inv)
     return inv.astype(np.float32)
+
+
+def _yarn(
+    dim: int, theta: float, factor: float, original: int, fast: float, slow: float, truncate: bool
+) -> np.ndarray:
+    """YaRN's frequencies (Peng et al. 2023, as transformers computes them): each frequency
+    between its own and its interpolation (divided by `factor`), by a ramp over the dimensions
+    whose wavelengths turn between `fast` and `slow` times over `original` positions (those
+    turning faster kept, slower interpolated). Float32 as transformers' ramp."""
+    at = lambda turns: dim * np.log(original / (turns * 2 * np.pi)) / (2 * np.log(theta))
+    low, high = at(fast), at(slow)
+    if truncate:
+        low, high = np.floor(low), np.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp.astype(np.float32)
+    pos = (theta ** (np.arange(0, dim, 2).astype(np.int64).astype(np.float32) / dim)).astype(
+        np.float32
+    )
+    inv, interpolated = 1.0 / pos, 1.0 / (factor * pos)
+    return (interpolated * (1 - extrapolated) + inv * extrapolated).astype(np.float32)
+
+
+def attention_scale(scaling: tuple | None) -> float:
+    """What YaRN multiplies cos and sin by (its `attention_factor`), 1 for the others."""
+    return float(scaling[5]) if scaling is not None and scaling[0] == "yarn" else 1.0
 
 
 class LongRope(NamedTuple):
@@ -58,7 +87,11 @@ def longrope(head_dim: int, theta: float, scaling: tuple) -> LongRope:
 
 
 def apply_rope(
-    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, long: LongRope | None = None
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: np.ndarray,
+    long: LongRope | None = None,
+    scale: float = 1.0,
 ) -> jax.Array:
     """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
     packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
@@ -71,8 +104,9 @@ def apply_rope(
         inv = jnp.where(past, jnp.asarray(long.long_inv_freq, jnp.float32), inv)
     angles = positions.astype(jnp.float32)[..., None] * inv
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(B,) L, 1, R/2]
-    if long is not None and long.scale != 1.0:
-        cos, sin = cos * long.scale, sin * long.scale
+    scale = scale * (long.scale if long is not None else 1.0)  # YaRN's, or longrope's
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     rotary = 2 * len(inv_freq)
     x32 = x.astype(jnp.float32)
     a, b = jnp.split(x32[..., :rotary], 2, axis=-1)
@@ -88,6 +122,15 @@ def scaling(value: Any) -> tuple | None:
         return None
     if isinstance(value, tuple | list) and len(value) == 2 and value[0] == "linear":
         return "linear", errors.check_number(f"{key}[1] (factor)", value[1], 1.0)
+    if isinstance(value, tuple | list) and len(value) == 7 and value[0] == "yarn":
+        factor = errors.check_number(f"{key}[1] (factor)", value[1], 1.0)
+        original = errors.check_integer(f"{key}[2] (original_max_len)", value[2], 1, 2**31 - 1)
+        fast = errors.check_number(f"{key}[3] (beta_fast)", value[3], 0.0, open_low=True)
+        slow = errors.check_number(f"{key}[4] (beta_slow)", value[4], 0.0, open_low=True)
+        scale = errors.check_number(f"{key}[5] (attention_factor)", value[5], 0.0, open_low=True)
+        if not isinstance(value[6], bool):
+            raise ValueError(f"{key}[6] (truncate)={value[6]!r}: must be True or False")
+        return "yarn", factor, original, fast, slow, scale, value[6]
     if isinstance(value, tuple | list) and len(value) == 5 and value[0] == "longrope":
         short, long = (tuple(errors.check_number(key, f, 0.0, open_low=True) for f in v)
                        for v in value[1:3])  # fmt: skip
@@ -99,7 +142,8 @@ def scaling(value: Any) -> tuple | None:
     if not isinstance(value, tuple | list) or len(value) != 4:
         raise ValueError(
             f"{key}={value!r}: None, Llama 3's (factor, low_freq_factor, high_freq_factor, "
-            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192), or ('linear', factor)"
+            "original_max_len), e.g. (8.0, 1.0, 4.0, 8192), ('linear', factor), or ('yarn', "
+            "factor, original_max_len, beta_fast, beta_slow, attention_factor, truncate)"
         )
     factor = errors.check_number(f"{key}[0] (factor)", value[0], 1.0)
     low = errors.check_number(f"{key}[1] (low_freq_factor)", value[1], 0.0, open_low=True)

@@ -45,7 +45,7 @@ def stacks(specs: list) -> tuple[Stack, ...]:
     """The stacks of layers with `specs` (a `blocks.BlockSpec` a layer): the runs of layers
     whose params have one shape, those whose specs differ only in what no param holds (the
     attention's window and RoPE)."""
-    plain = lambda a: dataclasses.replace(a, window=None, inv_freq=(), longrope=None)
+    plain = lambda a: dataclasses.replace(a, window=None, inv_freq=(), longrope=None, rope_scale=1)
     kind = lambda s: dataclasses.replace(s, attention=plain(s.attention))
     runs, start = [], 0
     for i in range(1, len(specs) + 1):
