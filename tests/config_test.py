@@ -60,7 +60,7 @@ MODULE_KEYS = {
         "attn_softcap", "final_softcap", "mlp_act", "embed_scale", "pre_norms", "qk_norm_width",
         "nope_layers", "token_ids", "partial_rotary_factor", "num_experts", "experts_per_token",
         "expert_d_ff", "norm_topk_prob", "dense_layers", "router_aux_loss_coef", "router_fp32",
-        "expert_matmul",
+        "expert_matmul", "shared_expert_d_ff", "shared_expert_gate",
     },
     "model.mlp": {"hidden", "num_layers", "num_classes"},
     "model.cnn": {"features", "hidden", "num_classes"},

@@ -1,5 +1,5 @@
 """The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
-qwen3_moe and mixtral), both ways, read from transformers' `configuration_*.py` and
+qwen3_moe, qwen2_moe and mixtral), both ways, read from transformers' `configuration_*.py` and
 `modeling_*.py` (5.24):
 
   * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
@@ -8,6 +8,10 @@ qwen3_moe and mixtral), both ways, read from transformers' `configuration_*.py` 
     published checkpoints: true); the layers in `mlp_only_layers`, and those off every
     `decoder_sparse_step`-th, keep a dense MLP of `intermediate_size`. Tensors under
     `mlp.`: the router `gate.weight` `[E, D]`, each expert's `experts.j.{gate,up,down}_proj`;
+  * Qwen2-MoE (Qwen2MoeForCausalLM: Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q, k, v
+    biases where `qkv_bias`, its default) and Qwen3-MoE's routing and names, with a shared
+    expert of `shared_expert_intermediate_size` every token takes (`mlp.shared_expert.*`),
+    its output times the sigmoid of `mlp.shared_expert_gate.weight` `[1, D]`;
   * Mixtral (MixtralForCausalLM): Mistral's attention; `num_local_experts` experts of
     `intermediate_size`, `num_experts_per_tok` a token, always renormalised; tensors under
     `block_sparse_moe.`: `gate.weight`, each expert's `experts.j.w1` (gate), `w3` (up), `w2`
@@ -30,7 +34,9 @@ from mptrain.hf.family import checked
 
 # family -> (the MoE module's name under the layer, the experts' gate, up and down tensors)
 TENSORS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+           "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
+SHARED = ("shared_expert_intermediate_size",)  # Qwen2-MoE's shared expert (and its gate)
 # Keys of other routings (shared experts, group-limited top-k: DeepSeek's, Qwen2-MoE's, ...)
 UNBUILT = {
     "shared_expert_intermediate_size": "shared experts",
@@ -48,6 +54,10 @@ def layer_names(family: str) -> dict[tuple[str, ...], tuple[str, bool]]:
     names = {("moe", "router"): (f"{module}.gate.weight", True)}
     for param, part in zip(("gate", "up", "down"), parts, strict=True):
         names[("moe", param)] = (f"{module}.experts.{{}}.{part}.weight", True)
+        if family == "qwen2_moe":
+            names[("moe", f"shared_{param}")] = (f"{module}.shared_expert.{part}.weight", True)
+    if family == "qwen2_moe":
+        names[("moe", "shared_expert_gate")] = (f"{module}.shared_expert_gate.weight", True)
     return names
 
 
@@ -55,7 +65,7 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
     """The decoder's expert keys (`decoder.moe.CONFIG_KEYS`) from config.json `raw`."""
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
-        if raw.get(key) not in harmless:
+        if raw.get(key) not in harmless and not (family == "qwen2_moe" and key in SHARED):
             raise errors.ConfigError(
                 f"{file}: {key}={raw[key]!r}: {what} is not built in mptrain's mixture of experts"
             )
@@ -84,6 +94,10 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
         "router_aux_loss_coef": get("router_aux_loss_coef", 0.001),
         "dense_layers": None,
     }
+    if family == "qwen2_moe":  # transformers' default width, and always gated
+        shared = get("shared_expert_intermediate_size", 5632)
+        out["shared_expert_d_ff"] = checked(file, "shared_expert_intermediate_size", shared, int)
+        out["shared_expert_gate"] = True
     if not mixtral:  # transformers' rule: a layer is sparse where neither key keeps it dense
         only = get("mlp_only_layers", [])
         step = checked(file, "decoder_sparse_step", get("decoder_sparse_step", 1), int)
@@ -103,6 +117,8 @@ def write(c: dict, family: str) -> dict[str, Any]:
     }
     if family == "mixtral":
         return {**out, "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = c["shared_expert_d_ff"]
     return {
         **out,
         "num_experts": c["num_experts"],
@@ -117,6 +133,9 @@ def unlike(c: dict, family: str | None) -> str | None:
     """Why the settings' experts are not `family`'s (None: a family without experts)."""
     if (c["num_experts"] is None) != (family is None):
         return f"model.num_experts={c['num_experts']!r}"
+    qwen2 = family == "qwen2_moe"  # a gated shared expert, and only it
+    if (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) not in ((qwen2, qwen2),):
+        return f"model.shared_expert_d_ff={c['shared_expert_d_ff']!r}"
     if family != "mixtral":
         return None
     if not c["norm_topk_prob"]:

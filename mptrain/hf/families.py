@@ -271,6 +271,25 @@ FAMILIES = {
             experts=True,
         ),
         Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "qwen2_moe",
+            read=lambda file, raw, n: {
+                "attn_bias": "qkv"
+                if checked(file, "qkv_bias", raw.get("qkv_bias", True), bool)
+                else "none",
+                **_qwen(file, raw, n),
+                **experts.read(file, raw, n, "qwen2_moe"),
+            },
+            write=lambda c: {
+                "qkv_bias": c["attn_bias"] == "qkv",
+                **_qwen_window_json(c),
+                **experts.write(c, "qwen2_moe"),
+            },
+            can=lambda c: unlike(c, attn_bias=("none", "qkv"), qk_norm=False, **_PLAIN),
+            experts=True,
+        ),
+        Family(
             "mixtral",
             "MixtralForCausalLM",
             "mixtral",

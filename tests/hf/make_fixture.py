@@ -279,6 +279,22 @@ FAMILIES = {
         },
         False,
     ),
+    # Qwen2-MoE: Qwen2's biases, Qwen3-MoE's routing (here not renormalised, its default), a
+    # shared expert of 32 beside 8 routed ones of 16, its output times its sigmoid gate
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "router_aux_loss_coef": 0.01,
+        },
+        False,
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -292,17 +308,19 @@ FAMILIES = {
         True,
     ),
     # Qwen3 taken past its context by YaRN, as its model card does (factor 4): an original
-    # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1
+    # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1.
+    # Tied as the Qwen3 fixture is: the same params, the programs that read them shared
     "qwen3-yarn": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
         {
+            "tie_word_embeddings": True,
             "rope_parameters": {
                 "rope_type": "yarn",
                 "rope_theta": 50_000.0,
                 "factor": 4.0,
                 "original_max_position_embeddings": 16,
-            }
+            },
         },
         False,
     ),
@@ -356,7 +374,7 @@ def write_family(out: Path, name: str) -> None:
     # band mptrain's bf16-mixed is held to where it is wider than the Llama's
     bf16 = np.abs(_logits(out, ids, torch.bfloat16) - logits).max() / np.abs(logits).max()
     extra = {}
-    if name in ("qwen3_moe", "mixtral"):  # the load-balancing loss, as transformers has it
+    if name in ("qwen3_moe", "mixtral", "qwen2_moe"):  # the load-balancing loss, as transformers
         with torch.no_grad():
             routed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             aux = routed(torch.from_numpy(ids).long(), output_router_logits=True).aux_loss

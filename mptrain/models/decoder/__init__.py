@@ -81,7 +81,7 @@ from mptrain.recipe import fp8 as fp8_lib
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the parts of `blocks.BlockSpec`, and the names its folder gives them.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
-FAMILIES += ("qwen3_moe", "mixtral")  # with a mixture of experts (`moe`)
+FAMILIES += ("qwen3_moe", "mixtral", "qwen2_moe")  # with a mixture of experts (`moe`)
 SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
 
 
@@ -333,6 +333,7 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
         experts = blocks.MoeSpec(
             keys["num_experts"], keys["experts_per_token"], keys["expert_d_ff"],
             keys["norm_topk_prob"], keys["router_fp32"], keys["expert_kernel"],
+            keys["shared_expert_d_ff"], keys["shared_expert_gate"],
         )  # fmt: skip
     return tuple(
         blocks.BlockSpec(
@@ -365,6 +366,12 @@ def check_mesh(config, model: Llama, example: Any) -> None:
                 f"mesh.expert={expert}: does not divide model.num_experts={max(experts)}; "
                 "each device holds an equal part of every layer's experts"
             )
+    shared = config.model.get("shared_expert_d_ff")
+    if shared is not None and (expert != 1 or tensor != 1):  # not yet laid out under either
+        raise ValueError(
+            f"mesh.expert={expert}, mesh.tensor={tensor}: model.shared_expert_d_ff={shared} "
+            "(Qwen2-MoE's shared expert) is not split over devices yet; use data and fsdp"
+        )
     if context != 1:
         _check_context(config, model, context, example)
     if tensor != 1:

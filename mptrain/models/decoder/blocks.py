@@ -157,6 +157,8 @@ class MoeSpec:
     normalise: bool = True
     router_fp32: bool = True
     kernel: tuple[str, int] = ("xla", 0)
+    shared_d_ff: int | None = None  # a shared expert beside the routed ones (Qwen2-MoE's)
+    shared_gate: bool = False  # its sigmoid gate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +332,8 @@ class Block(nn.Module):
             mask = None if segments is None else segments.ids > 0  # no padding in the stats
             e = s.ffn
             experts = moe.MoE(e.experts, e.top_k, e.d_ff, e.normalise, self.dtype,
-                              e.router_fp32, e.kernel, name="moe")  # fmt: skip
+                              e.router_fp32, e.kernel, e.shared_d_ff, e.shared_gate,
+                              name="moe")  # fmt: skip
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:

@@ -49,7 +49,9 @@ from mptrain.parallel import layout, view
 # hidden width; `dense_layers` the layers (from 0) that keep the dense MLP of `d_ff` (Qwen3-MoE's
 # `mlp_only_layers`); `router_aux_loss_coef` the load-balancing loss's weight in the loss;
 # `router_fp32` False runs the router's matmul in the compute dtype (to show what it costs);
-# `expert_matmul` the experts' grouped matmuls (`grouped.KERNELS`; "auto": by the chip).
+# `expert_matmul` the experts' grouped matmuls (`grouped.KERNELS`; "auto": by the chip);
+# `shared_expert_d_ff` (None: none) a SwiGLU expert every token takes beside the routed ones,
+# `shared_expert_gate` its output times sigmoid(x w), one fp32 weight a token (Qwen2-MoE's).
 CONFIG_KEYS = {
     "num_experts": None,
     "experts_per_token": 2,
@@ -59,6 +61,8 @@ CONFIG_KEYS = {
     "router_aux_loss_coef": 0.001,
     "router_fp32": True,
     "expert_matmul": "auto",
+    "shared_expert_d_ff": None,
+    "shared_expert_gate": False,
 }
 
 
@@ -72,9 +76,14 @@ def check(keys: dict) -> None:
     keys["expert_d_ff"] = keys["expert_d_ff"] or keys["d_ff"]
     errors.check_integer("model.expert_d_ff", keys["expert_d_ff"], 1, errors.INT32_MAX)
     errors.check_choice("model.expert_matmul", keys["expert_matmul"], grouped.KERNELS)
-    for key in ("norm_topk_prob", "router_fp32"):
+    for key in ("norm_topk_prob", "router_fp32", "shared_expert_gate"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
+    if keys["shared_expert_d_ff"] is not None:
+        errors.check_integer("model.shared_expert_d_ff", keys["shared_expert_d_ff"], 1, 2**31 - 1)
+    elif keys["shared_expert_gate"]:
+        raise ValueError("model.shared_expert_gate=True: gates a shared expert, and "
+                         "model.shared_expert_d_ff is None")  # fmt: skip
     coef = keys["router_aux_loss_coef"]
     keys["router_aux_loss_coef"] = errors.check_number("model.router_aux_loss_coef", coef, 0.0)
     dense, n = keys["dense_layers"], keys["num_layers"]
@@ -238,6 +247,8 @@ class MoE(nn.Module):
     dtype: layers.Dtype
     router_fp32: bool = True
     kernel: tuple[str, int] = ("xla", 0)  # the grouped matmuls' (`grouped.matmul`)
+    shared_d_ff: int | None = None  # a shared expert's width (`shared_expert_d_ff`)
+    shared_gate: bool = False  # its sigmoid gate (`shared_expert_gate`)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -265,5 +276,26 @@ class MoE(nn.Module):
             y = mlp(tokens, picked, weights)
         else:
             y = exchange(split, mlp, local, tokens, picked, weights)
+        if self.shared_d_ff:
+            y = y + self.shared(tokens, init)
         stats = router_stats(logits, picked, None if mask is None else mask.reshape(-1))
         return y.astype(self.dtype).reshape(batch, length, width), stats
+
+    def shared(self, tokens: jax.Array, init) -> jax.Array:
+        """fp32 `[T, D]`: the shared expert's SwiGLU on every token (in the compute dtype,
+        fp32 accumulation), times its gate's sigmoid (an fp32 island, as the router's)."""
+        width, d_ff = tokens.shape[-1], self.shared_d_ff
+        specs = {k: ((width, d_ff), EXPERT_AXES[k][1:]) for k in ("gate", "up")}
+        specs["down"] = ((d_ff, width), EXPERT_AXES["down"][1:])  # a dense MLP's axes
+        w = {k: self.param(f"shared_{k}", axes_lib.declare(init, a), shape)
+             for k, (shape, a) in specs.items()}  # fmt: skip
+        dot = lambda x, k: jnp.dot(x, w[k].astype(self.dtype), preferred_element_type=jnp.float32)
+        h = nn.silu(dot(tokens, "gate").astype(self.dtype)) * dot(tokens, "up").astype(self.dtype)
+        out = dot(h, "down")
+        if self.shared_gate:
+            gate_init = axes_lib.declare(init, (axes_lib.EMBED, None))
+            gate = self.param("shared_expert_gate", gate_init, (width, 1))
+            logit = jnp.dot(tokens.astype(jnp.float32), gate.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+            out = out * jax.nn.sigmoid(logit)
+        return out
