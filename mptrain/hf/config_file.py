@@ -219,6 +219,9 @@ def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
         keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
         rope = {"rope_type": "yarn", **dict(zip(keys, scaling[1:5], strict=True))}
         rope |= {"attention_factor": scaling[5], "truncate": scaling[6]}
+        if c["kv_lora_rank"] is not None and c["query_pre_attn_scalar"]:  # DeepSeek's scores'
+            mscale = (c["head_dim"] / c["query_pre_attn_scalar"]) ** 0.25  # scale, as it reads
+            rope["mscale_all_dim"] = (mscale - 1) / (0.1 * math.log(scaling[1]))
     elif scaling is not None and scaling[0] == "longrope":
         _, short, long, original, scale = scaling
         rope = {"rope_type": "longrope", "short_factor": list(short), "long_factor": list(long)}

@@ -1,5 +1,5 @@
 """The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
-qwen3_moe, qwen2_moe and mixtral), both ways, read from transformers' `configuration_*.py` and
+qwen3_moe, qwen2_moe, deepseek_v3 and mixtral), both ways, read from transformers' `configuration_*.py` and
 `modeling_*.py` (5.24):
 
   * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
@@ -12,6 +12,10 @@ qwen3_moe, qwen2_moe and mixtral), both ways, read from transformers' `configura
     biases where `qkv_bias`, its default) and Qwen3-MoE's routing and names, with a shared
     expert of `shared_expert_intermediate_size` every token takes (`mlp.shared_expert.*`),
     its output times the sigmoid of `mlp.shared_expert_gate.weight` `[1, D]`;
+  * DeepSeek-V3 (DeepseekV3ForCausalLM): latent attention (`mptrain.hf.families`) and its own
+    routing (`_deepseek`): sigmoid scores, a correction bias that chooses (the tensor
+    `mlp.gate.e_score_correction_bias`), groups, a routed scale, shared experts
+    (`mlp.shared_experts.*`), dense first layers; the experts' names Qwen's;
   * Mixtral (MixtralForCausalLM): Mistral's attention; `num_local_experts` experts of
     `intermediate_size`, `num_experts_per_tok` a token, always renormalised; tensors under
     `block_sparse_moe.`: `gate.weight`, each expert's `experts.j.w1` (gate), `w3` (up), `w2`
@@ -35,7 +39,10 @@ from mptrain.hf.family import checked
 # family -> (the MoE module's name under the layer, the experts' gate, up and down tensors)
 TENSORS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
            "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+           "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
+# the shared expert's module under the MoE's, and whether a sigmoid gate weighs it
+SHARED_EXPERT = {"qwen2_moe": ("shared_expert", True), "deepseek_v3": ("shared_experts", False)}
 SHARED = ("shared_expert_intermediate_size",)  # Qwen2-MoE's shared expert (and its gate)
 # Keys of other routings (shared experts, group-limited top-k: DeepSeek's, Qwen2-MoE's, ...)
 UNBUILT = {
@@ -52,17 +59,22 @@ def layer_names(family: str) -> dict[tuple[str, ...], tuple[str, bool]]:
     an expert's name holds `{}` where the expert's number goes."""
     module, *parts = TENSORS[family]
     names = {("moe", "router"): (f"{module}.gate.weight", True)}
+    shared, gated = SHARED_EXPERT.get(family, (None, False))
     for param, part in zip(("gate", "up", "down"), parts, strict=True):
         names[("moe", param)] = (f"{module}.experts.{{}}.{part}.weight", True)
-        if family == "qwen2_moe":
-            names[("moe", f"shared_{param}")] = (f"{module}.shared_expert.{part}.weight", True)
-    if family == "qwen2_moe":
+        if shared:
+            names[("moe", f"shared_{param}")] = (f"{module}.{shared}.{part}.weight", True)
+    if gated:
         names[("moe", "shared_expert_gate")] = (f"{module}.shared_expert_gate.weight", True)
+    if family == "deepseek_v3":  # the routing bias (`moe.Routing`), kept in fp32 as it is
+        names[("moe", "router_bias")] = (f"{module}.gate.e_score_correction_bias", False)
     return names
 
 
 def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
     """The decoder's expert keys (`decoder.moe.CONFIG_KEYS`) from config.json `raw`."""
+    if family == "deepseek_v3":
+        return _deepseek(file, raw, layers)
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
         if raw.get(key) not in harmless and not (family == "qwen2_moe" and key in SHARED):
@@ -108,6 +120,55 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
     return out  # dense and expert layers scan as stacks of their own (`decoder.stack.stacks`)
 
 
+def _deepseek(file: Path, raw: dict, layers: int) -> dict[str, Any]:
+    """DeepSeek-V3's routing (transformers' `DeepseekV3TopkRouter`, its defaults where a key
+    is absent): sigmoid scores, the correction bias that chooses, `n_group` groups of which a
+    token takes its `topk_group` best, the weights renormalised (`norm_topk_prob`) and times
+    `routed_scaling_factor`; `n_shared_experts` shared experts of `moe_intermediate_size`
+    (one SwiGLU of their summed width, as transformers builds them); the first
+    `first_k_dense_replace` layers dense. No load-balancing loss: transformers' DeepSeek adds
+    none, and DeepSeek-V3 balances by the bias."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key) not in (None, want):
+            raise errors.ConfigError(
+                f"{file}: {key}={raw[key]!r}: mptrain's DeepSeek-V3 routes by {key}={want!r} "
+                "(transformers' DeepseekV3TopkRouter) only"
+            )
+    get = lambda key, default: raw.get(key) if raw.get(key) is not None else default
+    experts_key = (
+        "n_routed_experts" if raw.get("n_routed_experts") is not None else "num_local_experts"
+    )
+    experts = checked(file, experts_key, get(experts_key, 256), int)
+    d_ff = checked(file, "moe_intermediate_size", get("moe_intermediate_size", 2048), int)
+    shared = get("n_shared_experts", 1)
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise errors.ConfigError(f"{file}: n_shared_experts={shared!r}: a count, 0 or more")
+    dense = get("first_k_dense_replace", 3)
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= layers:
+        raise errors.ConfigError(
+            f"{file}: first_k_dense_replace={dense!r}: a count of layers, 0 to {layers}"
+        )
+    return {
+        "num_experts": experts,
+        "experts_per_token": checked(
+            file, "num_experts_per_tok", get("num_experts_per_tok", 8), int
+        ),
+        "expert_d_ff": d_ff,
+        "norm_topk_prob": get("norm_topk_prob", True),
+        "router_aux_loss_coef": 0.0,
+        "dense_layers": tuple(range(dense)) or None,
+        "shared_expert_d_ff": d_ff * shared or None,
+        "shared_expert_gate": False,
+        "router_scoring": "sigmoid",
+        "router_bias": True,
+        "router_groups": checked(file, "n_group", get("n_group", 8), int),
+        "router_groups_per_token": checked(file, "topk_group", get("topk_group", 4), int),
+        "routed_scale": checked(
+            file, "routed_scaling_factor", get("routed_scaling_factor", 2.5), float
+        ),
+    }
+
+
 def write(c: dict, family: str) -> dict[str, Any]:
     """config.json's expert keys for the decoder's checked settings `c`."""
     out = {
@@ -117,6 +178,20 @@ def write(c: dict, family: str) -> dict[str, Any]:
     }
     if family == "mixtral":
         return {**out, "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
+    if family == "deepseek_v3":
+        return {
+            "num_experts_per_tok": c["experts_per_token"],
+            "n_routed_experts": c["num_experts"],
+            "moe_intermediate_size": c["expert_d_ff"],
+            "n_shared_experts": (c["shared_expert_d_ff"] or 0) // c["expert_d_ff"],
+            "norm_topk_prob": c["norm_topk_prob"],
+            "first_k_dense_replace": len(c["dense_layers"] or ()),
+            "n_group": c["router_groups"],
+            "topk_group": c["router_groups_per_token"],
+            "routed_scaling_factor": c["routed_scale"],
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+        }
     if family == "qwen2_moe":
         out["shared_expert_intermediate_size"] = c["shared_expert_d_ff"]
     return {
@@ -133,6 +208,20 @@ def unlike(c: dict, family: str | None) -> str | None:
     """Why the settings' experts are not `family`'s (None: a family without experts)."""
     if (c["num_experts"] is None) != (family is None):
         return f"model.num_experts={c['num_experts']!r}"
+    deepseek = family == "deepseek_v3"
+    routing = {"router_scoring": "sigmoid", "router_bias": True} if deepseek else {
+        "router_scoring": "softmax", "router_bias": False, "router_groups": 1,
+        "router_groups_per_token": 1, "routed_scale": 1.0}  # fmt: skip
+    if bad := next((k for k, v in routing.items() if c[k] != v), None):
+        return f"model.{bad}={c[bad]!r}"
+    if deepseek:  # shared experts of the routed ones' width; dense layers first
+        shared, width = c["shared_expert_d_ff"], c["expert_d_ff"]
+        if c["shared_expert_gate"] or (shared is not None and shared % width):
+            return f"model.shared_expert_d_ff={shared!r} (a multiple of model.expert_d_ff, ungated)"
+        dense = c["dense_layers"] or ()
+        if dense != tuple(range(len(dense))):
+            return f"model.dense_layers={dense!r} (DeepSeek's dense layers come first)"
+        return None
     qwen2 = family == "qwen2_moe"  # a gated shared expert, and only it
     if (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) not in ((qwen2, qwen2),):
         return f"model.shared_expert_d_ff={c['shared_expert_d_ff']!r}"

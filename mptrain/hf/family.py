@@ -23,6 +23,7 @@ class Family:
     # fused tensors: ((module, HF name under the layer), the parts in the order of their rows)
     fused: tuple = ()
     experts: bool = False  # a mixture of experts (`mptrain.hf.experts`)
+    latent: bool = False  # multi-head latent attention (DeepSeek's) in every layer
 
 
 def bias(file: Path, raw: dict, fixed: str | None = None) -> str:

@@ -31,6 +31,16 @@ LAYER_NAMES = {
     ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
     ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
     ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
+    # multi-head latent attention's (DeepSeek's: `blocks.LatentSpec`); its q without a latent
+    # is the table's q_proj
+    ("attn", "q_a", "kernel"): ("self_attn.q_a_proj.weight", True),
+    ("attn", "q_a", "bias"): ("self_attn.q_a_proj.bias", False),
+    ("attn", "q_a_norm", "scale"): ("self_attn.q_a_layernorm.weight", False),
+    ("attn", "q_b", "kernel"): ("self_attn.q_b_proj.weight", True),
+    ("attn", "kv_a", "kernel"): ("self_attn.kv_a_proj_with_mqa.weight", True),
+    ("attn", "kv_a", "bias"): ("self_attn.kv_a_proj_with_mqa.bias", False),
+    ("attn", "kv_a_norm", "scale"): ("self_attn.kv_a_layernorm.weight", False),
+    ("attn", "kv_b", "kernel"): ("self_attn.kv_b_proj.weight", True),
 }
 # Gemma's four norms a block (`post_norms`): its post_attention_layernorm follows the attention
 POST_NORM_NAMES = {

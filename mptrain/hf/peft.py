@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
-from mptrain import files
+from mptrain import errors, files
 from mptrain.hf import names
 from mptrain.models import lora as lora_lib
 from mptrain.recipe import precision
@@ -34,6 +34,7 @@ from mptrain.recipe import precision
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # what PEFT's wrapper puts before the base model's names
 _FACTORS = {"lora_a": "lora_A", "lora_b": "lora_B"}
+_DENSE_MLP = re.compile(r"\.mlp\.(gate|up|down)_proj\.lora_")  # PEFT's renamed targets
 
 
 def tensors(adapters: Any, c: dict | None = None) -> tuple[dict[str, np.ndarray], dict]:
@@ -105,6 +106,15 @@ def save(folder: Path, adapters: Any, lora: Any, base: str | None, c: dict | Non
     """Writes the PEFT folder's two files into `folder` (the adapters in the dtype they come
     in), for the decoder's checked settings `c`. Returns how many values they hold."""
     found, fused = tensors(adapters, c)
+    dense = [n for n in found if _DENSE_MLP.search(n)]
+    if c is not None and c["num_experts"] and dense:
+        module = dense[0].removeprefix(PREFIX).rsplit(".", 2)[0]
+        raise errors.ConfigError(
+            f"{module}: an adapter on a dense layer's MLP in a mixture of experts, which PEFT "
+            "(0.18 on, under transformers 5) loads onto the experts' fused gate_up_proj and "
+            "down_proj instead (it renames gate_proj, up_proj and down_proj targets of such "
+            "models); export --format=hf (merged), or train with lora.targets leaving out mlp/"
+        )
     config = adapter_config(list(found), lora_lib.settings(lora), base, fused)
     safetensors.numpy.save_file(found, str(folder / WEIGHTS_FILE), {"format": "pt"})
     files.write_json(folder / CONFIG_FILE, config)

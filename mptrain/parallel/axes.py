@@ -41,9 +41,11 @@ NAMES = (EMBED, Q_HEADS, KV_HEADS, MLP, VOCAB, EXPERTS, LAYERS, RANK)
 
 
 class Param(nn.LogicallyPartitioned):
-    """A param's value with its logical `names` and its role `fp32` (kept in fp32 for compute)."""
+    """A param's value with its logical `names` and its roles: `fp32` (kept in fp32 for
+    compute), `fixed` (never trained: no gradient reaches it and no optimizer moves it)."""
 
     fp32: bool = struct.field(default=False, pytree_node=False)
+    fixed: bool = struct.field(default=False, pytree_node=False)
 
 
 def is_param(x: Any) -> bool:
@@ -51,9 +53,10 @@ def is_param(x: Any) -> bool:
     return isinstance(x, Param)
 
 
-def declare(init: Callable, names: tuple, *, fp32: bool = False) -> Callable:
-    """`init` whose value comes boxed with `names` (one a dimension) and the role `fp32`; its
-    `names` attribute says them (an adapter's factors take theirs from their kernel's)."""
+def declare(init: Callable, names: tuple, *, fp32: bool = False, fixed: bool = False) -> Callable:
+    """`init` whose value comes boxed with `names` (one a dimension) and the roles `fp32` and
+    `fixed`; its `names` attribute says them (an adapter's factors take theirs from their
+    kernel's)."""
     names = tuple(names)
     if unknown := [n for n in names if n is not None and n not in NAMES]:
         raise ValueError(f"declare: unknown logical axes {unknown}; the names are {NAMES}")
@@ -63,7 +66,7 @@ def declare(init: Callable, names: tuple, *, fp32: bool = False) -> Callable:
         value = init(*args, **kwargs)
         if len(value.shape) != len(names):
             raise ValueError(f"declare: {len(names)} names {names} for a {value.shape} param")
-        return Param(value, names, fp32=fp32)
+        return Param(value, names, fp32=fp32, fixed=fixed)
 
     boxed.names, boxed.fp32 = names, fp32
     return boxed
@@ -91,10 +94,11 @@ class Axes:
     of keys from the params' top, `names` None where the param declared none)."""
 
     entries: tuple[tuple[tuple[str, ...], tuple | None, bool], ...] = ()
+    fixed: tuple[tuple[str, ...], ...] = ()  # the paths of the params whose role is `fixed`
 
     @functools.cached_property
     def _hash(self) -> int:
-        return hash(self.entries)
+        return hash((self.entries, self.fixed))
 
     def __hash__(self) -> int:  # once: a train state's static part, hashed at every step's call
         return self._hash
@@ -116,6 +120,12 @@ class Axes:
         """The logical names of the leaf at `path` (`lookup`), None where undeclared."""
         return self.lookup(path)[0]
 
+    def is_fixed(self, path: tuple) -> bool:
+        """Whether the param whose path ends `path`'s (a state leaf's, as `lookup`) is never
+        trained (its role `fixed`)."""
+        keys = tuple(_key(k) for k in path)
+        return any(keys[-len(f) :] == f for f in self.fixed if len(f) <= len(keys))
+
     def kept_fp32(self, path: tuple) -> bool:
         """Whether the param at `path` declared itself kept in fp32 for compute."""
         return self.lookup(path)[1]
@@ -132,14 +142,15 @@ class Axes:
 def declared(params: Any) -> Axes:
     """The `Axes` of `params` as `model.init` returns them (boxed where declared)."""
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, Param))
-    entries = []
+    entries, fixed = [], []
     for path, leaf in flat[0]:
         keys = tuple(_key(k) for k in path)
         if isinstance(leaf, Param):
             entries.append((keys, tuple(leaf.names), bool(leaf.fp32)))
+            fixed += [keys] if leaf.fixed else []
         else:
             entries.append((keys, None, False))
-    return Axes(tuple(entries))
+    return Axes(tuple(entries), tuple(fixed))
 
 
 def declared_of(init: Callable[..., Mapping], *args: Any) -> tuple[Axes, Any]:

@@ -41,13 +41,18 @@ def store(
     dtype: Any,
     quantized: Callable[[str, tuple], bool] = lambda path, shape: False,
     stacked: Callable[[str], bool] = lambda path: False,
+    fixed: Callable[[tuple], bool] = lambda path: False,
 ) -> Any:
     """`frozen` (fp32 leaves) as a state keeps it: in `dtype`, or as a `q8.Q8` where
     `quantized(path, shape)` (one layer's shape) and the tensor is large enough
     (`q8.quantized`). A `stacked` kernel (the layers of a scan on its leading axis) is
-    quantized layer by layer, so each layer's slice is a `Q8` of its own."""
+    quantized layer by layer, so each layer's slice is a `Q8` of its own. A param whose role
+    is `fixed` (`parallel.axes`: DeepSeek's routing bias, whose every bit chooses experts)
+    stays in fp32."""
 
     def one(path, x):
+        if fixed(path):
+            return x.astype(jnp.float32)
         name = precision.path_name(path)
         layered = stacked(name)
         shape = x.shape[1:] if layered else x.shape

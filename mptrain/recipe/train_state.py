@@ -180,6 +180,11 @@ class TrainState(train_state.TrainState):
             extra = {}
         updates, new_state = self.tx.update(grads, opt_state, params32, **extra)
         updates = dtypes.to_f32(updates)
+        if self.axes is not None and self.axes.fixed:  # no gradient, and no decay either
+            fixed = self.axes.is_fixed
+            updates = jax.tree_util.tree_map_with_path(
+                lambda path, u: jnp.zeros_like(u) if fixed(path) else u, updates
+            )
         kept_compensation = compensation
         if self.param_rounding == "nearest":
             params = jax.tree.map(

@@ -32,10 +32,15 @@ def _stacked(path: str) -> bool:  # a leaf of the scanned layers' stack
     return path.split("/")[0] == sharding.STACKED
 
 
-def split(model: Any, policy: Any, config: Any, params: Any) -> dict[str, Any]:
+def _fixed(axes: Any) -> Any:  # the params declared never trained (`parallel.axes`)
+    return axes.is_fixed if axes is not None else lambda path: False
+
+
+def split(model: Any, policy: Any, config: Any, params: Any, axes: Any = None) -> dict[str, Any]:
     """`{"params": trainable, "frozen": frozen}` of a model's fresh `params` (traced inside the
     state's init, for `TrainState.create`): everything trains without adapters; with them, the
-    adapters, and the base is stored as `lora.base_dtype` says."""
+    adapters, and the base is stored as `lora.base_dtype` says (a `fixed` param of `axes`, the
+    params' declared ones, in fp32)."""
     spec = getattr(model, "lora", None)
     if spec is None:
         return {"params": params, "frozen": {}}
@@ -49,7 +54,7 @@ def split(model: Any, policy: Any, config: Any, params: Any) -> dict[str, Any]:
         rows = shape[-1] % q8.BLOCK_SIZE == 0  # a row is whole blocks: looked up, then decoded
         return eight_bit and path.endswith("/embedding") and rows and not tied
 
-    stored = frozen_lib.store(frozen, policy.compute_dtype, quantized, _stacked)
+    stored = frozen_lib.store(frozen, policy.compute_dtype, quantized, _stacked, _fixed(axes))
     return {"params": trainable, "frozen": stored}
 
 
@@ -76,8 +81,9 @@ def with_base(state: Any, base: Any) -> Any:
         if isinstance(x, jax.Array):
             x.delete()
     stored = frozen_lib.store(
-        base, state.policy.compute_dtype, lambda path, shape: path in eight, _stacked
-    )
+        base, state.policy.compute_dtype, lambda path, shape: path in eight, _stacked,
+        _fixed(state.axes),
+    )  # fmt: skip
     leaves, tree = jax.tree.flatten(stored)
     placed = [x if p is None else jax.device_put(x, p) for x, p in zip(leaves, places, strict=True)]
     return state.replace(frozen=jax.tree.unflatten(tree, placed))

@@ -182,7 +182,7 @@ class Trainer:
             variables = axes_lib.unboxed(variables)
             return train_state_lib.TrainState.create(  # params and frozen (`adapters`)
                 apply_fn=self.model.apply, tx=self.tx, policy=self.policy, rng=state_rng,
-                **adapters.split(self.model, self.policy, cfg, variables.pop("params")),
+                **adapters.split(self.model, self.policy, cfg, variables.pop("params"), axes),
                 loss_scale=self.loss_scale(),
                 model_state=variables, param_rounding=cfg.param_rounding, axes=axes,
             )  # fmt: skip

@@ -122,6 +122,7 @@ def test_an_expert_folder_fine_tunes_with_adapters_on_chats_and_exports_both(tmp
     flags = ["--config.num_train_steps=4", "--config.data.seq_len=64", "--config.batch_size=2"]
     flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
     flags += ["--config.eval_steps=1", "--config.lora.rank=4", "--config.precision=fp32"]
+    flags += ["--config.lora.targets=attn/"]  # not the dense MLP: PEFT would misplace it
     config = f"--config={ROOT / 'configs' / 'hf.py'}:sft={folder}"
     code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
     assert code == 0, err[-2000:]

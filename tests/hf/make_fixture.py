@@ -133,6 +133,9 @@ def write_tiny(out: Path, *, tied: bool, theta: float, scaling: dict | None, v4:
     config = _config(SHAPES, theta, scaling, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config).to(torch.float32)
     _randomise(model, generator)
+    for name, buffer in model.named_buffers():  # DeepSeek's routing bias: large enough to
+        if name.endswith("e_score_correction_bias"):  # choose other experts than the scores
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
     if out.exists():
         for path in out.iterdir():  # keep the tied variant's subfolder
             if path.is_file():
@@ -307,6 +310,43 @@ FAMILIES = {
         },
         True,
     ),
+    # DeepSeek-V3: latent attention (q through a rank of 24, k and v from one of 16, heads of
+    # 12 + 8 rotated dimensions in interleaved pairs, v of 10), YaRN with mscale and
+    # mscale_all_dim apart (both the cos/sin factor and the scores' scale show); the first of
+    # three layers dense, then 8 experts of 16 in 4 groups, a token's 2 from its 2 best groups,
+    # sigmoid scores with a random correction bias, weights renormalised and times 2.5, two
+    # shared experts
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "head_dim": 8,  # transformers' RoPE reads it: qk_rope_head_dim, as its config sets
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            "qk_nope_head_dim": 12,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 10,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 50_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+            },
+        },
+        False,
+    ),
     # Qwen3 taken past its context by YaRN, as its model card does (factor 4): an original
     # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1.
     # Tied as the Qwen3 fixture is: the same params, the programs that read them shared
@@ -361,6 +401,9 @@ def write_family(out: Path, name: str) -> None:
     config = getattr(transformers, config_class)(**settings)
     model = getattr(transformers, model_class)(config).to(torch.float32)
     _randomise(model, generator)
+    for name, buffer in model.named_buffers():  # DeepSeek's routing bias: large enough to
+        if name.endswith("e_score_correction_bias"):  # choose other experts than the scores
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)

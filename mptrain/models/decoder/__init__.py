@@ -81,7 +81,7 @@ from mptrain.recipe import fp8 as fp8_lib
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the parts of `blocks.BlockSpec`, and the names its folder gives them.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
-FAMILIES += ("qwen3_moe", "mixtral", "qwen2_moe")  # with a mixture of experts (`moe`)
+FAMILIES += ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")  # with experts (`moe`)
 SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
 
 
@@ -101,6 +101,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, 
 # q and k norms over the whole projection); `nope_layers`: the layers without RoPE (SmolLM3's).
 # `token_ids`: a folder's (pad, bos, eos) ids, which the model never reads and an export writes
 # back to config.json. `partial_rotary_factor`: the part of each head that RoPE rotates (Phi's).
+# `kv_lora_rank` (None: none) makes the attention DeepSeek's multi-head latent attention
+# (`blocks.LatentSpec`), with `q_lora_rank` (None: q straight from the width), each head's q and
+# k of `head_dim` whose last `qk_rope_head_dim` dimensions rotate, its v `v_head_dim`;
+# `rope_interleave`: RoPE's pairs adjacent (DeepSeek's).
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -135,6 +139,11 @@ CONFIG_KEYS = {
     "nope_layers": None,
     "token_ids": None,
     "partial_rotary_factor": 1.0,
+    "kv_lora_rank": None,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": None,
+    "v_head_dim": None,
+    "rope_interleave": False,
     **moe.CONFIG_KEYS,
 }
 
@@ -195,6 +204,7 @@ def settings(model_config: Any) -> dict[str, Any]:
     for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "final_softcap"):
         if keys[key] is not None:
             keys[key] = errors.check_number(f"model.{key}", keys[key], 0.0, open_low=True)
+    _check_latent(keys)
     keys["layer_types"] = layer_types(keys)
     keys["nope_layers"] = nope_layers(keys["nope_layers"], keys["num_layers"])
     moe.check(keys)
@@ -256,6 +266,36 @@ def create_model(
     )
 
 
+def _check_latent(keys: dict) -> None:
+    """Multi-head latent attention's keys (`kv_lora_rank` and the sizes it needs), checked."""
+    if not isinstance(keys["rope_interleave"], bool):
+        raise ValueError(
+            f"model.rope_interleave={keys['rope_interleave']!r}: must be True or False"
+        )
+    if keys["kv_lora_rank"] is None:
+        for key in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            if keys[key] is not None:
+                raise ValueError(f"model.{key}={keys[key]!r}: multi-head latent attention's, "
+                                 "and model.kv_lora_rank is None")  # fmt: skip
+        return
+    errors.check_integer("model.kv_lora_rank", keys["kv_lora_rank"], 1, errors.INT32_MAX)
+    if keys["q_lora_rank"] is not None:
+        errors.check_integer("model.q_lora_rank", keys["q_lora_rank"], 1, errors.INT32_MAX)
+    head = keys["head_dim"]
+    for key in ("qk_rope_head_dim", "v_head_dim"):
+        if keys[key] is None:
+            raise ValueError(f"model.{key}: None, and model.kv_lora_rank asks for it")
+        errors.check_integer(f"model.{key}", keys[key], 1, head)
+    if keys["qk_rope_head_dim"] % 2:
+        raise ValueError(f"model.qk_rope_head_dim={keys['qk_rope_head_dim']}: RoPE rotates pairs")
+    if keys["num_kv_heads"] != keys["num_heads"] or keys["partial_rotary_factor"] != 1:
+        raise ValueError(
+            f"model.kv_lora_rank={keys['kv_lora_rank']}: latent attention gives every head its "
+            "own k and v (model.num_kv_heads = model.num_heads) and rotates "
+            "model.qk_rope_head_dim of each (model.partial_rotary_factor = 1)"
+        )
+
+
 # --------------------------------------------------------------- each layer's spec
 
 
@@ -299,6 +339,12 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
     long = scaling is not None and scaling[0] == "longrope"
     # partial RoPE: the first int(head_dim * factor) dimensions of a head rotate, as transformers
     rotary = int(keys["head_dim"] * keys["partial_rotary_factor"]) // 2 * 2
+    latent = None
+    if keys["kv_lora_rank"] is not None:  # DeepSeek's: the last qk_rope_head_dim rotate
+        rotary = keys["qk_rope_head_dim"]
+        latent = blocks.LatentSpec(
+            keys["kv_lora_rank"], keys["q_lora_rank"], rotary, keys["v_head_dim"]
+        )
     frequencies = lambda theta, scaling: tuple(
         float(f) for f in rope.rope_frequencies(rotary, theta, scaling)
     )
@@ -314,6 +360,8 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
         inv_freq=frequencies(keys["rope_theta"], keys["rope_scaling"]),
         longrope=rope.longrope(rotary, keys["rope_theta"], scaling) if long else None,
         rope_scale=rope.attention_scale(scaling),
+        interleaved=keys["rope_interleave"],
+        latent=latent,
     )
     norms = blocks.NormSpec(
         float(keys["norm_eps"]), keys["norm_plus_one"], keys["pre_norms"], keys["post_norms"]
@@ -334,6 +382,8 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
             keys["num_experts"], keys["experts_per_token"], keys["expert_d_ff"],
             keys["norm_topk_prob"], keys["router_fp32"], keys["expert_kernel"],
             keys["shared_expert_d_ff"], keys["shared_expert_gate"],
+            moe.Routing(keys["router_scoring"], keys["router_bias"], keys["router_groups"],
+                        keys["router_groups_per_token"], float(keys["routed_scale"])),
         )  # fmt: skip
     return tuple(
         blocks.BlockSpec(
@@ -432,6 +482,11 @@ def _check_tensor(config, model: Llama, tensor: int, context: int, example: Any)
                 f"{where}: does not divide model.{key}={value}; each device of the group holds "
                 f"an equal part of it"
             )
+    if a.latent is not None:
+        raise ValueError(
+            f"{where}: model.kv_lora_rank={keys.kv_lora_rank} (multi-head latent attention) is "
+            "not split over a tensor axis yet; use mesh.fsdp"
+        )
     if a.bias == "all" or a.qk_norm == "width":
         key = "attn_bias='all'" if a.bias == "all" else "qk_norm_width=True"
         raise ValueError(

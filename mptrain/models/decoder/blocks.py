@@ -80,7 +80,15 @@ PROJECTIONS = {
     "gate": (axes_lib.EMBED, axes_lib.MLP),
     "up": (axes_lib.EMBED, axes_lib.MLP),
     "down": (axes_lib.MLP, axes_lib.EMBED),
+    # multi-head latent attention's (`LatentSpec`): into the latents (no mesh axis splits a
+    # latent's rank), and out of them to every head
+    "q_a": (axes_lib.EMBED, None),
+    "q_b": (None, axes_lib.Q_HEADS),
+    "kv_a": (axes_lib.EMBED, None),
+    "kv_b": (None, axes_lib.Q_HEADS),
 }
+LATENT_EPS = 1e-6  # the latents' RMSNorms' (transformers' DeepseekV3RMSNorm default, not the
+# model's rms_norm_eps)
 
 
 def dense(features: int, name: str, fp8: Any = None, lora: Any = None, bias: bool = False):
@@ -105,6 +113,19 @@ class Shape:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatentSpec:
+    """DeepSeek's multi-head latent attention (MLA): q through a `q_rank` bottleneck with its
+    RMSNorm (None: straight from the width), k and v from one `kv_rank` latent with its
+    RMSNorm, plus a `rope_dim` part of k shared by every head; each head's q and k are
+    `head_dim` (= their unrotated part + `rope_dim`), its v `v_dim`."""
+
+    kv_rank: int
+    q_rank: int | None
+    rope_dim: int
+    v_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """How a block attends (the module doc): its projections' `bias` (`ATTN_BIASES`), `qk_norm`
     (None, `"head"`: Qwen3's over each head, `"width"`: OLMo 2's over the whole projection),
@@ -120,6 +141,8 @@ class AttentionSpec:
     inv_freq: tuple[float, ...] = ()  # `rope.rope_frequencies`
     longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
     rope_scale: float = 1.0  # cos and sin times this: YaRN's attention factor
+    interleaved: bool = False  # RoPE's pairs adjacent (DeepSeek's `rope_interleave`)
+    latent: LatentSpec | None = None  # multi-head latent attention (DeepSeek's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +182,7 @@ class MoeSpec:
     kernel: tuple[str, int] = ("xla", 0)
     shared_d_ff: int | None = None  # a shared expert beside the routed ones (Qwen2-MoE's)
     shared_gate: bool = False  # its sigmoid gate
+    routing: moe.Routing = moe.SOFTMAX  # how the router scores, chooses and weighs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +222,10 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
     def __call__(self, x: jax.Array, positions: jax.Array, segments=None, cache=None) -> Any:
         s, a, (batch, length, _) = self.spec.shape, self.spec.attention, x.shape
         norm_of = self.spec.norms.make
-        bias = lambda name: a.bias == "all" or (a.bias == "qkv" and name != "o")
+        biased = ("q_a", "kv_a", "o") if a.latent is not None else ("q", "k", "v", "o")
+        bias = lambda name: (
+            name in biased and (a.bias == "all" or (a.bias == "qkv" and name != "o"))
+        )
         run = lambda n, name, h: layers.run_in(
             self.dtype, dense(n, name, self.fp8, self.lora, bias(name)), h
         )
@@ -215,13 +242,16 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
                 out = norm_of(self.dtype, f"{name}_norm", (None,))(out)
             return out
 
-        q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
-        k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
-        v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
-        if a.inv_freq:  # none: a layer without positions (NoPE)
-            inv_freq = np.asarray(a.inv_freq, np.float32)
-            rope = lambda t: apply_rope(t, positions, inv_freq, a.longrope, a.rope_scale)
-            q, k = rope(q), rope(k)
+        inv_freq = np.asarray(a.inv_freq, np.float32)
+        rope = lambda t: apply_rope(t, positions, inv_freq, a.longrope, a.rope_scale, a.interleaved)
+        if a.latent is not None:  # DeepSeek's: k and v from one latent, v padded to q's size
+            q, k, v = self.latent(x, rope, run)
+        else:
+            q = project(s.num_heads, "q", remat_lib.PROJECTIONS[0])
+            k = project(s.num_kv_heads, "k", remat_lib.PROJECTIONS[1])
+            v = project(s.num_kv_heads, "v", remat_lib.PROJECTIONS[2])
+            if a.inv_freq:  # none: a layer without positions (NoPE)
+                q, k = rope(q), rope(k)
         how = {"window": a.window, "scale": a.scale, "softcap": a.softcap}
         local = view.current() if cache is None else None  # the step's per-device layout
         split = local and local.sequence()
@@ -244,10 +274,37 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
                 out = attention_lib.causal_attention(q, k, v, self.implementation, **how)
             else:  # one token a row: over the cache, up to each row's position
                 out = attention_lib.cached_attention(q, cache.k, cache.v, positions, **how)
-        out = out.reshape(batch, length, s.num_heads * s.head_dim)
+        if a.latent is not None:  # the padding's share of v: zeros, dropped
+            out = out[..., : a.latent.v_dim]
+        out = out.reshape(batch, length, -1)
         out = checkpoint_name(out, remat_lib.CONTEXT)
         out = checkpoint_name(run(s.d_model, "o", out), remat_lib.PROJECTIONS[3])
         return out if cache is None else (out, cache)
+
+    def latent(self, x: jax.Array, rope, run) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`(q, k, v)` of multi-head latent attention (`LatentSpec`), `[B, L, H, head_dim]`
+        each: q's last `rope_dim` dimensions and k's shared ones rotated (`rope`), k's first
+        ones and v from the normed kv latent, v padded with zeros to `head_dim` (one head size
+        for every attention kernel and the KV cache; the output drops the padding). The latents'
+        norms are fp32 islands, as every norm here."""
+        s, m, (batch, length, _) = self.spec.shape, self.spec.attention.latent, x.shape
+        heads, nope = s.num_heads, s.head_dim - m.rope_dim
+        norm = lambda name, h: RMSNorm(LATENT_EPS, self.dtype, names=(None,), name=name)(h)
+        if m.q_rank is None:
+            q = run(heads * s.head_dim, "q", x)
+        else:
+            q = run(heads * s.head_dim, "q_b", norm("q_a_norm", run(m.q_rank, "q_a", x)))
+        q = checkpoint_name(q.reshape(batch, length, heads, s.head_dim), remat_lib.PROJECTIONS[0])
+        kv = run(m.kv_rank + m.rope_dim, "kv_a", x)
+        latent, k_rot = kv[..., : m.kv_rank], kv[..., m.kv_rank :]
+        kv = run(heads * (nope + m.v_dim), "kv_b", norm("kv_a_norm", latent))
+        kv = kv.reshape(batch, length, heads, nope + m.v_dim)
+        k_rot = jnp.broadcast_to(rope(k_rot[:, :, None, :]), (batch, length, heads, m.rope_dim))
+        q = jnp.concatenate([q[..., :nope], rope(q[..., nope:])], axis=-1)
+        k = jnp.concatenate([kv[..., :nope], k_rot], axis=-1)
+        v = jnp.pad(kv[..., nope:], ((0, 0),) * 3 + ((0, s.head_dim - m.v_dim),))
+        tags = remat_lib.PROJECTIONS[1:3]
+        return q, checkpoint_name(k, tags[0]), checkpoint_name(v, tags[1])
 
 
 def _keys(k, v, positions, segments) -> tuple:
@@ -333,7 +390,7 @@ class Block(nn.Module):
             e = s.ffn
             experts = moe.MoE(e.experts, e.top_k, e.d_ff, e.normalise, self.dtype,
                               e.router_fp32, e.kernel, e.shared_d_ff, e.shared_gate,
-                              name="moe")  # fmt: skip
+                              e.routing, name="moe")  # fmt: skip
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:

@@ -32,6 +32,7 @@ are transposed and stacked): `router` `[D, E]`, `gate` and `up` `[E, D, F]`, `do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -63,7 +64,32 @@ CONFIG_KEYS = {
     "expert_matmul": "auto",
     "shared_expert_d_ff": None,
     "shared_expert_gate": False,
+    "router_scoring": "softmax",
+    "router_bias": False,
+    "router_groups": 1,
+    "router_groups_per_token": 1,
+    "routed_scale": 1.0,
 }
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a router scores, chooses and weighs (`route`): `scoring` each expert by a softmax
+    over the experts (Qwen's, Mixtral's) or by its own sigmoid (DeepSeek-V3's); a `bias` param
+    added to the scores that choose, not to the weights (DeepSeek-V3's aux-loss-free
+    balancing, `e_score_correction_bias`; never trained: `route`'s doc); the experts in
+    `groups`, a token's choice limited to its `group_top` best groups (each scored by its two
+    best experts); the chosen weights times `scale` (`routed_scaling_factor`)."""
+
+    scoring: str = "softmax"
+    bias: bool = False
+    groups: int = 1
+    group_top: int = 1
+    scale: float = 1.0
+
+
+SOFTMAX = Routing()
 
 
 def check(keys: dict) -> None:
@@ -76,7 +102,23 @@ def check(keys: dict) -> None:
     keys["expert_d_ff"] = keys["expert_d_ff"] or keys["d_ff"]
     errors.check_integer("model.expert_d_ff", keys["expert_d_ff"], 1, errors.INT32_MAX)
     errors.check_choice("model.expert_matmul", keys["expert_matmul"], grouped.KERNELS)
-    for key in ("norm_topk_prob", "router_fp32", "shared_expert_gate"):
+    errors.check_choice("model.router_scoring", keys["router_scoring"], SCORINGS)
+    groups = errors.check_integer("model.router_groups", keys["router_groups"], 1, experts)
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        raise ValueError(
+            f"model.router_groups={groups}: must divide model.num_experts={experts} into groups "
+            "of two experts or more (a group is scored by its two best)"
+        )
+    top = keys["router_groups_per_token"]
+    errors.check_integer("model.router_groups_per_token", top, 1, groups)
+    if top * (experts // groups) < keys["experts_per_token"]:
+        raise ValueError(
+            f"model.router_groups_per_token={top}: {top} groups of {experts // groups} experts "
+            f"hold fewer than model.experts_per_token={keys['experts_per_token']}"
+        )
+    keys["routed_scale"] = errors.check_number("model.routed_scale", keys["routed_scale"], 0.0,
+                                               open_low=True)  # fmt: skip
+    for key in ("norm_topk_prob", "router_fp32", "shared_expert_gate", "router_bias"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     if keys["shared_expert_d_ff"] is not None:
@@ -98,12 +140,25 @@ def check(keys: dict) -> None:
 
 
 def route(
-    tokens: jax.Array, kernel: jax.Array, top_k: int, normalise: bool, fp32: bool = True
+    tokens: jax.Array,
+    kernel: jax.Array,
+    top_k: int,
+    normalise: bool,
+    fp32: bool = True,
+    routing: Routing = SOFTMAX,
+    bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(logits, weights, experts)` for `tokens [T, D]` and the router's `kernel [D, E]`:
     fp32 logits `[T, E]`, the fp32 weights `[T, top_k]` of the experts `int32 [T, top_k]` the
-    softmax ranks first (renormalised to sum to 1 where `normalise`). `fp32=False`: the
-    matmul in `tokens`' dtype, its logits rounded to it (the softmax still in fp32)."""
+    scores rank first (renormalised to sum to 1 where `normalise`). `fp32=False`: the
+    matmul in `tokens`' dtype, its logits rounded to it (the scoring still in fp32).
+
+    `routing` (`Routing`): the scores a softmax or each expert's sigmoid; `bias` (`[E]`, where
+    `routing.bias`) added to the scores that choose, never to the weights, and with no
+    gradient: DeepSeek-V3 moves it outside the gradient, by each expert's load, and mptrain
+    keeps it as loaded (its `fixed` role: `parallel.axes`, no optimizer update either). With
+    `routing.groups`, a token's experts come from its `group_top` groups whose two best
+    (biased) scores sum highest; the weights times `routing.scale`. All of it in fp32."""
     if fp32:
         logits = jnp.dot(
             tokens.astype(jnp.float32),
@@ -112,10 +167,31 @@ def route(
         )
     else:
         logits = jnp.dot(tokens, kernel.astype(tokens.dtype)).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    if normalise:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if routing == SOFTMAX:  # Qwen's and Mixtral's, as it always was
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, top_k)
+        if normalise:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return logits, weights, experts.astype(jnp.int32)
+    sigmoid = routing.scoring == "sigmoid"
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores
+    if bias is not None:
+        choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    choice = jax.lax.stop_gradient(choice)  # it picks; the weights carry the gradient
+    if routing.groups > 1:
+        count, experts = choice.shape
+        grouped = choice.reshape(count, routing.groups, experts // routing.groups)
+        best = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, groups]
+        kept = jax.nn.one_hot(jax.lax.top_k(best, routing.group_top)[1], routing.groups)
+        kept = jnp.repeat(jnp.sum(kept, axis=1) > 0, experts // routing.groups, axis=1)
+        choice = jnp.where(kept, choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if normalise:  # transformers' DeepSeek adds 1e-20: sigmoid weights may all be tiny
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
     return logits, weights, experts.astype(jnp.int32)
 
 
@@ -249,6 +325,7 @@ class MoE(nn.Module):
     kernel: tuple[str, int] = ("xla", 0)  # the grouped matmuls' (`grouped.matmul`)
     shared_d_ff: int | None = None  # a shared expert's width (`shared_expert_d_ff`)
     shared_gate: bool = False  # its sigmoid gate (`shared_expert_gate`)
+    routing: Routing = SOFTMAX  # how the router scores, chooses and weighs (`route`)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -265,9 +342,13 @@ class MoE(nn.Module):
             k: self.param(k, axes_lib.declare(init, EXPERT_AXES[k]), (local, *s)).astype(self.dtype)
             for k, s in shapes.items()
         }
+        bias = None
+        if self.routing.bias:  # chooses, never weighs, never trained (`route`)
+            fixed = axes_lib.declare(nn.initializers.zeros, (None,), fp32=True, fixed=True)
+            bias = self.param("router_bias", fixed, (self.num_experts,))
         tokens = x.reshape(-1, width).astype(self.dtype)
         logits, weights, picked = route(
-            tokens, router, self.top_k, self.normalise, self.router_fp32
+            tokens, router, self.top_k, self.normalise, self.router_fp32, self.routing, bias
         )
         # init (the decoder's runs a layer under vmap, which the Mosaic kernels do not take)
         kernel = ("xla", 0) if self.is_initializing() else self.kernel

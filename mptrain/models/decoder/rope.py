@@ -92,12 +92,16 @@ def apply_rope(
     inv_freq: np.ndarray,
     long: LongRope | None = None,
     scale: float = 1.0,
+    interleaved: bool = False,
 ) -> jax.Array:
     """``x [B, L, H, Dh]`` rotated by RoPE at ``positions`` (``[L]``, or ``[B, L]`` for rows of
     packed examples, each from 0): an fp32 island (see the module doc), HF's rotate-half
     pairing; the result in ``x``'s dtype. Fewer frequencies than ``Dh / 2`` rotate only the
     first ``2 * len(inv_freq)`` dimensions of each head and pass the rest (partial RoPE,
-    Phi-3's ``partial_rotary_factor``), as transformers does."""
+    Phi-3's ``partial_rotary_factor``), as transformers does. ``interleaved``: DeepSeek's
+    pairs of adjacent dimensions (``2i``, ``2i + 1``), each rotated by frequency ``i``, the
+    result in transformers' order (the rotated evens, then the rotated odds): the same
+    rotate-half on the dimensions taken evens first, so a checkpoint loads unpermuted."""
     inv = jnp.asarray(inv_freq)
     if long is not None:  # the row's largest position decides (`LongRope`)
         past = jnp.max(positions, axis=-1, keepdims=True)[..., None] + 1 > long.switch
@@ -109,7 +113,11 @@ def apply_rope(
         cos, sin = cos * scale, sin * scale
     rotary = 2 * len(inv_freq)
     x32 = x.astype(jnp.float32)
-    a, b = jnp.split(x32[..., :rotary], 2, axis=-1)
+    part = x32[..., :rotary]
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+    else:
+        a, b = jnp.split(part, 2, axis=-1)
     out = [a * cos - b * sin, b * cos + a * sin]
     if rotary < x.shape[-1]:
         out.append(x32[..., rotary:])
