@@ -1,6 +1,6 @@
 """The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
-qwen3_moe, qwen2_moe, deepseek_v3 and mixtral), both ways, read from transformers' `configuration_*.py` and
-`modeling_*.py` (5.24):
+qwen3_moe, qwen2_moe, deepseek_v3 and mixtral), both ways, read from transformers'
+`configuration_*.py` and `modeling_*.py` (5.24; DeepSeek-V3's 5.25):
 
   * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
     `num_local_experts`) experts of `moe_intermediate_size`, `num_experts_per_tok` a token,
