@@ -417,10 +417,10 @@ def check_mesh(config, model: Llama, example: Any) -> None:
                 "each device holds an equal part of every layer's experts"
             )
     shared = config.model.get("shared_expert_d_ff")
-    if shared is not None and (expert != 1 or tensor != 1):  # not yet laid out under either
+    if shared is not None and tensor != 1:  # under an expert axis: held as the attention is
         raise ValueError(
-            f"mesh.expert={expert}, mesh.tensor={tensor}: model.shared_expert_d_ff={shared} "
-            "(Qwen2-MoE's shared expert) is not split over devices yet; use data and fsdp"
+            f"mesh.tensor={tensor}: model.shared_expert_d_ff={shared} (a shared expert) is "
+            "not split over a tensor axis yet; use data, fsdp and expert"
         )
     if context != 1:
         _check_context(config, model, context, example)

@@ -187,7 +187,9 @@ def route(
         kept = jnp.repeat(jnp.sum(kept, axis=1) > 0, experts // routing.groups, axis=1)
         choice = jnp.where(kept, choice, -jnp.inf)
     experts = jax.lax.top_k(choice, top_k)[1]
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    picked = jax.nn.one_hot(experts, scores.shape[-1], dtype=scores.dtype)  # [T, k, E]
+    # a gather whose gradient scatters nothing; a product and a sum, no matmul (no TF32)
+    weights = jnp.sum(scores[:, None, :] * picked, axis=-1)
     if normalise:  # transformers' DeepSeek adds 1e-20: sigmoid weights may all be tiny
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     if routing.scale != 1.0:
@@ -370,7 +372,8 @@ class MoE(nn.Module):
         specs["down"] = ((d_ff, width), EXPERT_AXES["down"][1:])  # a dense MLP's axes
         w = {k: self.param(f"shared_{k}", axes_lib.declare(init, a), shape)
              for k, (shape, a) in specs.items()}  # fmt: skip
-        dot = lambda x, k: jnp.dot(x, w[k].astype(self.dtype), preferred_element_type=jnp.float32)
+        # fp32 results, and a gradient whose matmuls stay 16-bit (`layers.einsum_f32_out`)
+        dot = lambda x, k: layers.einsum_f32_out("td,df->tf", x, w[k].astype(self.dtype))
         h = nn.silu(dot(tokens, "gate").astype(self.dtype)) * dot(tokens, "up").astype(self.dtype)
         out = dot(h, "down")
         if self.shared_gate:
