@@ -480,6 +480,8 @@ def check(c: dict) -> None:
         why = f"model.kv_lora_rank={c['kv_lora_rank']!r}"
     if why is None and c["rope_interleave"] != family.latent:
         why = f"model.rope_interleave={c['rope_interleave']!r}"
+    if why is None and c["attn_sinks"]:  # gpt-oss's, whose folders are not read yet
+        why = "model.attn_sinks=True"
     if why:
         raise errors.ConfigError(
             f"{why}: a {family.architecture} has no such setting (model.family={c['family']!r})"

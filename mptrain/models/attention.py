@@ -174,6 +174,7 @@ def choose_attention(
     backend: Backend | None = None,
     length: int | None = None,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> AttentionChoice:
     """Resolves ``model.attention`` (``"auto" | "cudnn" | "flash" | "materialized"``) for
     sequences of ``length``; host-side.
@@ -189,10 +190,12 @@ def choose_attention(
     if requested == "materialized":
         return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
     backend = backend or local_backend()
+    sunk = "its kernel has no attention sinks (model.attn_sinks, gpt-oss's)" if sinks else None
     why = {
         "cudnn": _why_not_cudnn(backend, dtype, head_dim, dropout_rate)
-        or (softcap and f"cuDNN has no soft-cap on the scores (model.attn_softcap={softcap})"),
-        "flash": _why_not_flash(backend, dtype, length, dropout_rate),
+        or (softcap and f"cuDNN has no soft-cap on the scores (model.attn_softcap={softcap})")
+        or sunk,
+        "flash": _why_not_flash(backend, dtype, length, dropout_rate) or sunk,
     }
     for name in ("cudnn", "flash"):
         if why[name] is None and requested in ("auto", name):
@@ -235,6 +238,7 @@ def causal_attention(
     softcap: float | None = None,
     positions: tuple[jax.Array, jax.Array] | None = None,
     key_segment_ids: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in ``dtype`` -> ``[B, L,
     H, D]``: multi-head where ``K == H``, grouped-query where ``K`` divides ``H`` (query head
@@ -266,6 +270,8 @@ def causal_attention(
     (`context_attention.split_attention`, `splash.split_attention`).
     """
     _query_heads_per_kv_head(q, k, v)
+    if sinks is not None and implementation != "materialized":
+        raise ValueError(f"{implementation} attention has no sinks; use 'materialized'")
     if softcap is not None and implementation == "cudnn":
         raise ValueError(
             f"cudnn attention has no soft-cap on its scores ({softcap}); use 'materialized'"
@@ -299,18 +305,21 @@ def causal_attention(
     if segment_ids is not None:  # [B, Lq, Lk], and only its own segment's keys
         key_ids = segment_ids if key_segment_ids is None else key_segment_ids
         mask = mask & (segment_ids[:, :, None] == key_ids[:, None, :])
-    return masked_attention(q, k, v, mask, dropout, scale=scale, softcap=softcap)
+    return masked_attention(q, k, v, mask, dropout, scale=scale, softcap=softcap, sinks=sinks)
 
 
 def masked_attention(
-    q, k, v, mask, dropout=None, heads_first: bool = False, scale=None, softcap=None
+    q, k, v, mask, dropout=None, heads_first: bool = False, scale=None, softcap=None, sinks=None
 ) -> jax.Array:
     """The materialised fp32 island: ``[B, Lq, H, D]`` q over ``[B, Lk, K, D]`` k, v (``[B, K,
     Lk, D]`` with ``heads_first``: the KV cache's layout) where ``mask`` (``[B or 1, Lq,
     Lk]``, True: seen) allows, scaled by ``scale`` (None: ``D ** -0.5``), soft-capped by
-    ``softcap`` before the mask where given. fp32 scores from 16-bit operands
-    (``einsum_f32_out``), an fp32 softmax, the probabilities cast back to q's dtype; grouped
-    query heads read their kv head as it is (see the module doc). Causal attention's
+    ``softcap`` before the mask where given. ``sinks`` (``[H]``, gpt-oss's): each head's one
+    more logit in the softmax's denominator, fp32 beside the fp32 scores, whose probability
+    is dropped (a query may then give its keys less than all of its attention). fp32 scores
+    from 16-bit operands (``einsum_f32_out``), an fp32 softmax, the probabilities cast back
+    to q's dtype; grouped query heads read their kv head as it is (see the module doc). Causal
+    attention's
     materialised path, and the KV cache's (``cached_attention``)."""
     kv = "bhkd" if heads_first else "bkhd"
     if heads_first:
@@ -332,7 +341,13 @@ def masked_attention(
         scores = softcap * jnp.tanh(scores / softcap)
     mask = mask.reshape(mask.shape[0], 1, *[1] * len(g), length, keys)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # end of the fp32 island
+    else:  # a column of each head's sink, in the softmax and then dropped
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, *[groups] * len(g), 1, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], -1), axis=-1)[..., :-1]
+        probs = probs.astype(dtype)
     if dropout is not None:  # on [B, H, Lq, Lk], whatever the grouping; the reshapes are free
         probs = dropout(probs.reshape(batch, heads, length, keys)).reshape(probs.shape)
     out = jnp.einsum(f"bh{g}qk,{kv}->bqh{g}d", probs, v)
@@ -340,7 +355,7 @@ def masked_attention(
 
 
 def cached_attention(
-    q, k_cache, v_cache, positions, window=None, scale=None, softcap=None
+    q, k_cache, v_cache, positions, window=None, scale=None, softcap=None, sinks=None
 ) -> jax.Array:
     """One decoding step's attention: ``[B, T, H, D]`` q at ``positions`` (``[B, T]``) over a
     layer's KV cache (``[B, K, S, D]``: the layout the scores' matmul reads as it lies, grouped,
@@ -352,7 +367,9 @@ def cached_attention(
     if window is not None:
         mask = mask & (slots[None, None, :] > positions[:, :, None] - window)
     k, v = k_cache.astype(q.dtype), v_cache.astype(q.dtype)
-    return masked_attention(q, k, v, mask, heads_first=True, scale=scale, softcap=softcap)
+    return masked_attention(
+        q, k, v, mask, heads_first=True, scale=scale, softcap=softcap, sinks=sinks
+    )
 
 
 def _query_heads_per_kv_head(q, k, v) -> int:

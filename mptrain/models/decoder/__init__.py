@@ -104,7 +104,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, 
 # `kv_lora_rank` (None: none) makes the attention DeepSeek's multi-head latent attention
 # (`blocks.LatentSpec`), with `q_lora_rank` (None: q straight from the width), each head's q and
 # k of `head_dim` whose last `qk_rope_head_dim` dimensions rotate, its v `v_head_dim`;
-# `rope_interleave`: RoPE's pairs adjacent (DeepSeek's).
+# `rope_interleave`: RoPE's pairs adjacent (DeepSeek's). `attn_sinks`: each head's learned
+# logit in the softmax's denominator (gpt-oss's; the materialised attention only).
 CONFIG_KEYS = {
     "vocab_size": 256,
     "d_model": 256,
@@ -144,6 +145,7 @@ CONFIG_KEYS = {
     "qk_rope_head_dim": None,
     "v_head_dim": None,
     "rope_interleave": False,
+    "attn_sinks": False,
     **moe.CONFIG_KEYS,
 }
 
@@ -177,7 +179,7 @@ def settings(model_config: Any) -> dict[str, Any]:
     errors.check_number("model.norm_eps", keys["norm_eps"], 0.0, 1.0, open_low=True)
     keys["rope_scaling"] = rope.scaling(keys["rope_scaling"])
     bools = ("tie_embeddings", "scan_layers", "qk_norm", "norm_plus_one", "post_norms")
-    for key in (*bools, "pre_norms", "qk_norm_width"):
+    for key in (*bools, "pre_norms", "qk_norm_width", "attn_sinks"):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     errors.check_choice("model.family", keys["family"], FAMILIES)
@@ -235,6 +237,7 @@ def create_model(
             backend=backend,
             length=keys["max_len"],
             softcap=keys["attn_softcap"],
+            sinks=keys["attn_sinks"],
         )
         platform = backend.platform if backend else jax.default_backend()
         keys["remat"] = remat_lib.check(keys["remat"], host_memory, platform)
@@ -362,6 +365,7 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
         rope_scale=rope.attention_scale(scaling),
         interleaved=keys["rope_interleave"],
         latent=latent,
+        sinks=keys["attn_sinks"],
     )
     norms = blocks.NormSpec(
         float(keys["norm_eps"]), keys["norm_plus_one"], keys["pre_norms"], keys["post_norms"]
@@ -482,10 +486,10 @@ def _check_tensor(config, model: Llama, tensor: int, context: int, example: Any)
                 f"{where}: does not divide model.{key}={value}; each device of the group holds "
                 f"an equal part of it"
             )
-    if a.latent is not None:
+    if a.latent is not None or a.sinks:
+        what = f"kv_lora_rank={keys.kv_lora_rank} (latent attention)" if a.latent else "attn_sinks"
         raise ValueError(
-            f"{where}: model.kv_lora_rank={keys.kv_lora_rank} (multi-head latent attention) is "
-            "not split over a tensor axis yet; use mesh.fsdp"
+            f"{where}: model.{what} is not split over a tensor axis yet; use mesh.fsdp"
         )
     if a.bias == "all" or a.qk_norm == "width":
         key = "attn_bias='all'" if a.bias == "all" else "qk_norm_width=True"

@@ -142,6 +142,7 @@ class AttentionSpec:
     longrope: Any = None  # a `rope.LongRope`: Phi-3's long frequencies past a length
     rope_scale: float = 1.0  # cos and sin times this: YaRN's attention factor
     interleaved: bool = False  # RoPE's pairs adjacent (DeepSeek's `rope_interleave`)
+    sinks: bool = False  # a learned logit a head in the softmax's denominator (gpt-oss's)
     latent: LatentSpec | None = None  # multi-head latent attention (DeepSeek's)
 
 
@@ -253,6 +254,9 @@ class Attention(nn.Module):  # grouped-query, causal, with RoPE on q and k
             if a.inv_freq:  # none: a layer without positions (NoPE)
                 q, k = rope(q), rope(k)
         how = {"window": a.window, "scale": a.scale, "softcap": a.softcap}
+        if a.sinks:  # the materialised island only (`attention.choose_attention`)
+            init = axes_lib.declare(nn.initializers.zeros, (None,), fp32=True)
+            how["sinks"] = self.param("sinks", init, (s.num_heads,))
         local = view.current() if cache is None else None  # the step's per-device layout
         split = local and local.sequence()
         if split is not None and self.implementation == "cudnn":  # `context_attention`
