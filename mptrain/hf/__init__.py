@@ -232,11 +232,19 @@ def _read(reader: hf_io.Reader, leaf: names.Leaf, index: tuple, dtype: Any) -> n
     if leaf.rows is not None:  # a block of a fused tensor's rows
         first, stop, _ = hf_index[0].indices(leaf.rows[1] - leaf.rows[0])
         hf_index = (slice(leaf.rows[0] + first, leaf.rows[0] + stop), *hf_index[1:])
+    strided = None
+    if leaf.stride is not None:  # every parts-th column from offset: the columns around read
+        offset, parts = leaf.stride
+        first, stop, _ = hf_index[-1].indices(leaf.shape[-1])
+        hf_index = (*hf_index[:-1], slice(first * parts, stop * parts))
+        strided = (Ellipsis, slice(offset, None, parts))
     for at in np.ndindex(*map(len, picks)):
         which = tuple(p[i] for p, i in zip(picks, at, strict=True))
         name = leaf.names[int(np.ravel_multi_index(which, leaf.lead)) if lead else 0]
         if leaf.transposed:  # the kernel's [in, out] slice is the weight's [out, in] one
             hf_io.transpose_into(out[at], reader.read(name, hf_index))
+        elif strided is not None:
+            out[at] = reader.read(name, hf_index)[strided]
         else:
             out[at] = reader.read(name, index)
     return out
@@ -322,12 +330,20 @@ def save(
                 parts = fused.setdefault(hf_name, (leaf.hf_shape, nbytes, {}))[2]
                 parts[leaf.rows[0]] = get
                 continue
+            if leaf.stride is not None:  # interleaved columns: the parts, by offset
+                parts = fused.setdefault(hf_name, (leaf.hf_shape, nbytes, {}))
+                parts[2][("stride", leaf.stride[0])] = get
+                continue
             tensors[hf_name] = (hf_name, leaf.hf_shape, nbytes, get)
     if want:
         missing = "/".join(next(iter(want)))
         raise errors.ConfigError(f"params/{missing}: missing, and the model config needs it")
     for hf_name, (shape, nbytes, parts) in fused.items():
         get = lambda parts=parts: np.concatenate([parts[k]() for k in sorted(parts)])
+        if all(isinstance(k, tuple) for k in parts):  # interleaved along the last axis
+            get = lambda parts=parts: np.stack([parts[k]() for k in sorted(parts)], -1).reshape(
+                *parts[min(parts)]().shape[:-1], -1
+            )
         tensors[hf_name] = (hf_name, shape, nbytes, get)
     ordered = sorted(tensors.values(), key=lambda t: names.order(t[0]))
     files = {hf_io.CONFIG_FILE: json.dumps(hf_config, indent=2) + "\n"}

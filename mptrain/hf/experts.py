@@ -54,9 +54,26 @@ UNBUILT = {
 }
 
 
-def layer_names(family: str) -> dict[tuple[str, ...], tuple[str, bool]]:
-    """`{param path under a layer: (HF name under the layer, transposed?)}` of an expert layer;
-    an expert's name holds `{}` where the expert's number goes."""
+# gpt-oss's: every expert in one tensor, [experts, in, out] as the params are (not transposed);
+# gate and up interleaved along the last axis of gate_up_proj (gate the even columns, as
+# transformers' `GptOssExperts._apply_gate` reads them), their biases likewise
+GPT_OSS = {
+    ("moe", "router"): ("mlp.router.weight", True),
+    ("moe", "router_logit_bias"): ("mlp.router.bias", False),
+    ("moe", "gate"): ("mlp.experts.gate_up_proj", False, (0, 2)),
+    ("moe", "up"): ("mlp.experts.gate_up_proj", False, (1, 2)),
+    ("moe", "down"): ("mlp.experts.down_proj", False),
+    ("moe", "gate_bias"): ("mlp.experts.gate_up_proj_bias", False, (0, 2)),
+    ("moe", "up_bias"): ("mlp.experts.gate_up_proj_bias", False, (1, 2)),
+    ("moe", "down_bias"): ("mlp.experts.down_proj_bias", False),
+}
+
+
+def layer_names(family: str) -> dict[tuple[str, ...], tuple]:
+    """`{param path under a layer: (HF name under the layer, transposed?[, (offset, parts)])}`
+    of an expert layer; an expert's name holds `{}` where the expert's number goes."""
+    if family == "gpt_oss":
+        return GPT_OSS
     module, *parts = TENSORS[family]
     names = {("moe", "router"): (f"{module}.gate.weight", True)}
     shared, gated = SHARED_EXPERT.get(family, (None, False))
@@ -75,6 +92,8 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
     """The decoder's expert keys (`decoder.moe.CONFIG_KEYS`) from config.json `raw`."""
     if family == "deepseek_v3":
         return _deepseek(file, raw, layers)
+    if family == "gpt_oss":
+        return _gpt_oss(file, raw)
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
         if raw.get(key) not in harmless and not (family == "qwen2_moe" and key in SHARED):
@@ -169,6 +188,36 @@ def _deepseek(file: Path, raw: dict, layers: int) -> dict[str, Any]:
     }
 
 
+def _gpt_oss(file: Path, raw: dict) -> dict[str, Any]:
+    """gpt-oss's experts (transformers' `GptOssMLP`, its defaults where a key is absent):
+    `num_local_experts` of `intermediate_size` in every layer, `num_experts_per_tok` a token
+    weighed by a softmax over the chosen logits (the renormalised softmax), the router's logits
+    biased, each expert's gate, up and down biased, and the clamped SwiGLU (`swiglu_limit`,
+    `swiglu_alpha`)."""
+    get = lambda key, default: raw.get(key) if raw.get(key) is not None else default
+    if raw.get("quantization_config") is not None:
+        method = (raw["quantization_config"] or {}).get("quant_method")
+        raise errors.ConfigError(
+            f"{file}: quantization_config (quant_method={method!r}): the experts in MXFP4 are "
+            "not dequantised on load yet; save the model dequantised to bf16 with transformers "
+            "(Mxfp4Config(dequantize=True)) and read that folder"
+        )
+    return {
+        "num_experts": checked(file, "num_local_experts", get("num_local_experts", 128), int),
+        "experts_per_token": checked(
+            file, "num_experts_per_tok", get("num_experts_per_tok", 4), int
+        ),
+        "expert_d_ff": checked(file, "intermediate_size", get("intermediate_size", 2880), int),
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": get("router_aux_loss_coef", 0.001),
+        "dense_layers": None,
+        "router_logit_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": checked(file, "swiglu_limit", get("swiglu_limit", 7.0), float),
+        "swiglu_alpha": checked(file, "swiglu_alpha", get("swiglu_alpha", 1.702), float),
+    }
+
+
 def write(c: dict, family: str) -> dict[str, Any]:
     """config.json's expert keys for the decoder's checked settings `c`."""
     out = {
@@ -178,6 +227,14 @@ def write(c: dict, family: str) -> dict[str, Any]:
     }
     if family == "mixtral":
         return {**out, "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
+    if family == "gpt_oss":
+        return {
+            **out,
+            "num_local_experts": c["num_experts"],
+            "intermediate_size": c["expert_d_ff"],
+            "swiglu_limit": c["swiglu_limit"],
+            "swiglu_alpha": c["swiglu_alpha"],
+        }
     if family == "deepseek_v3":
         return {
             "num_experts_per_tok": c["experts_per_token"],
@@ -208,10 +265,15 @@ def unlike(c: dict, family: str | None) -> str | None:
     """Why the settings' experts are not `family`'s (None: a family without experts)."""
     if (c["num_experts"] is None) != (family is None):
         return f"model.num_experts={c['num_experts']!r}"
-    deepseek = family == "deepseek_v3"
+    deepseek, gpt = family == "deepseek_v3", family == "gpt_oss"
     routing = {"router_scoring": "sigmoid", "router_bias": True} if deepseek else {
         "router_scoring": "softmax", "router_bias": False, "router_groups": 1,
         "router_groups_per_token": 1, "routed_scale": 1.0}  # fmt: skip
+    routing |= {"router_logit_bias": gpt, "expert_bias": gpt}
+    if gpt:  # every layer's experts, renormalised, unshared, of model.d_ff or not
+        routing |= {"norm_topk_prob": True, "dense_layers": None, "shared_expert_d_ff": None}
+    if (c["swiglu_limit"] is not None) != gpt:
+        return f"model.swiglu_limit={c['swiglu_limit']!r}"
     if bad := next((k for k, v in routing.items() if c[k] != v), None):
         return f"model.{bad}={c[bad]!r}"
     if deepseek:  # shared experts of the routed ones' width; dense layers first
@@ -221,6 +283,8 @@ def unlike(c: dict, family: str | None) -> str | None:
         dense = c["dense_layers"] or ()
         if dense != tuple(range(len(dense))):
             return f"model.dense_layers={dense!r} (DeepSeek's dense layers come first)"
+        return None
+    if gpt:
         return None
     qwen2 = family == "qwen2_moe"  # a gated shared expert, and only it
     if (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) not in ((qwen2, qwen2),):

@@ -30,7 +30,10 @@ keys into the decoder's switches (`mptrain.models.decoder.blocks`) and writes th
   * deepseek_v3 (DeepseekV3ForCausalLM: DeepSeek-V3 and R1, Kimi K2, Moonlight): multi-head
     latent attention (`blocks.LatentSpec`), RoPE in interleaved pairs, YaRN's mscale on the
     scores, and sigmoid routing with a correction bias and groups, shared experts, dense
-    first layers (`mptrain.hf.experts`).
+    first layers (`mptrain.hf.experts`);
+  * gpt_oss (GptOssForCausalLM): attention sinks, biases on q, k, v and o, sliding (128) and
+    full layers in turn, YaRN; experts in every layer with a biased router, biased experts
+    (fused and interleaved in the folder: `mptrain.hf.experts.GPT_OSS`) and the clamped SwiGLU.
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -367,6 +370,37 @@ FAMILIES = {
             latent=True,
         ),
         Family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            "gpt_oss",
+            read=lambda file, raw, n: {
+                "attn_bias": bias(file, {"attention_bias": True, **raw}),
+                "attn_sinks": True,
+                **_layers(
+                    file,
+                    raw,
+                    n,
+                    [SLIDING if (i + 1) % 2 else FULL for i in range(n)],
+                    raw.get("sliding_window", 128),
+                ),
+                **experts.read(file, raw, n, "gpt_oss"),
+            },
+            write=lambda c: {
+                "attention_bias": c["attn_bias"] == "all",
+                "sliding_window": c["sliding_window"],
+                "layer_types": _kinds(c),
+                **experts.write(c, "gpt_oss"),
+            },
+            can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=False, **_PLAIN),
+            defaults=(
+                ("head_dim", 64),
+                ("rms_norm_eps", 1e-5),
+                ("max_position_embeddings", 131072),
+            ),
+            experts=True,
+            sinks=True,
+        ),
+        Family(
             "mixtral",
             "MixtralForCausalLM",
             "mixtral",
@@ -480,8 +514,8 @@ def check(c: dict) -> None:
         why = f"model.kv_lora_rank={c['kv_lora_rank']!r}"
     if why is None and c["rope_interleave"] != family.latent:
         why = f"model.rope_interleave={c['rope_interleave']!r}"
-    if why is None and c["attn_sinks"]:  # gpt-oss's, whose folders are not read yet
-        why = "model.attn_sinks=True"
+    if why is None and c["attn_sinks"] != family.sinks:  # gpt-oss's
+        why = f"model.attn_sinks={c['attn_sinks']!r}"
     if why:
         raise errors.ConfigError(
             f"{why}: a {family.architecture} has no such setting (model.family={c['family']!r})"

@@ -24,6 +24,7 @@ class Family:
     fused: tuple = ()
     experts: bool = False  # a mixture of experts (`mptrain.hf.experts`)
     latent: bool = False  # multi-head latent attention (DeepSeek's) in every layer
+    sinks: bool = False  # attention sinks (gpt-oss's) in every layer
 
 
 def bias(file: Path, raw: dict, fixed: str | None = None) -> str:

@@ -41,6 +41,7 @@ LAYER_NAMES = {
     ("attn", "kv_a", "bias"): ("self_attn.kv_a_proj_with_mqa.bias", False),
     ("attn", "kv_a_norm", "scale"): ("self_attn.kv_a_layernorm.weight", False),
     ("attn", "kv_b", "kernel"): ("self_attn.kv_b_proj.weight", True),
+    ("attn", "sinks"): ("self_attn.sinks", False),  # gpt-oss's, a logit a head
 }
 # Gemma's four norms a block (`post_norms`): its post_attention_layernorm follows the attention
 POST_NORM_NAMES = {
@@ -67,6 +68,9 @@ class Leaf:
     lead: tuple[int, ...]  # the param's leading axes over `names` (layers, experts), row-major
     shape: tuple[int, ...]  # one tensor's, as the param has it
     rows: tuple[int, int, int] | None = None
+    # `(offset, parts)`: the param is every `parts`-th column of the tensor's last axis from
+    # `offset` (gpt-oss's gate and up, interleaved in `gate_up_proj`)
+    stride: tuple[int, int] | None = None
 
     @property
     def stacked(self) -> bool:  # a tensor a row of the param
@@ -75,6 +79,8 @@ class Leaf:
     @property
     def hf_shape(self) -> tuple[int, ...]:  # as the file has each of `names`
         shape = tuple(reversed(self.shape)) if self.transposed else self.shape
+        if self.stride is not None:
+            return (*shape[:-1], shape[-1] * self.stride[1])
         return shape if self.rows is None else (self.rows[2], *shape[1:])
 
 
@@ -111,7 +117,7 @@ def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -
         table = experts.layer_names(c["family"])
     each = int(c is not None and rest in table and "{}" in table[rest][0])  # an expert a tensor
     if (top == sharding.STACKED or layer) and rest in table and len(shape) > each:
-        name, transposed = table[rest]
+        name, transposed, *stride = table[rest]
         lead = shape[: each + (not layer)]
         layers = [layer[1]] if layer else range(first, first + shape[0])
         expert = (lambda n, j: n.format(j)) if each else lambda n, j: n
@@ -120,7 +126,8 @@ def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -
             for i in layers
             for j in range(shape[len(lead) - 1] if each else 1)
         )
-        return Leaf(path, names, transposed, lead, shape=shape[len(lead) :], rows=rows)
+        return Leaf(path, names, transposed, lead, shape=shape[len(lead) :], rows=rows,
+                    stride=stride[0] if stride else None)  # fmt: skip
     if keys in TOP_NAMES:
         name, transposed = TOP_NAMES[keys]
         return Leaf(path, (name,), transposed, lead=(), shape=shape)

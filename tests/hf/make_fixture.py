@@ -133,9 +133,9 @@ def write_tiny(out: Path, *, tied: bool, theta: float, scaling: dict | None, v4:
     config = _config(SHAPES, theta, scaling, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config).to(torch.float32)
     _randomise(model, generator)
-    for name, buffer in model.named_buffers():  # DeepSeek's routing bias: large enough to
-        if name.endswith("e_score_correction_bias"):  # choose other experts than the scores
-            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    for buffer_name, buffer in model.named_buffers():  # DeepSeek's routing bias: enough to
+        if buffer_name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))  # choose others
     if out.exists():
         for path in out.iterdir():  # keep the tied variant's subfolder
             if path.is_file():
@@ -347,6 +347,31 @@ FAMILIES = {
         },
         False,
     ),
+    # gpt-oss: sinks, q, k, v, o biases, sliding (16) and full layers in turn, YaRN as gpt-oss
+    # has it (truncate false); 8 experts of 16, top 2, the router and the experts biased, the
+    # SwiGLU clamped at 1 (gpt-oss's 7 would barely bite at these sizes)
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "intermediate_size": 16,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 16,
+            "swiglu_limit": 1.0,
+            "router_aux_loss_coef": 0.01,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 50_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+        False,
+    ),
     # Qwen3 taken past its context by YaRN, as its model card does (factor 4): an original
     # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1.
     # Tied as the Qwen3 fixture is: the same params, the programs that read them shared
@@ -401,9 +426,9 @@ def write_family(out: Path, name: str) -> None:
     config = getattr(transformers, config_class)(**settings)
     model = getattr(transformers, model_class)(config).to(torch.float32)
     _randomise(model, generator)
-    for name, buffer in model.named_buffers():  # DeepSeek's routing bias: large enough to
-        if name.endswith("e_score_correction_bias"):  # choose other experts than the scores
-            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    for buffer_name, buffer in model.named_buffers():  # DeepSeek's routing bias: enough to
+        if buffer_name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))  # choose others
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
@@ -417,7 +442,7 @@ def write_family(out: Path, name: str) -> None:
     # band mptrain's bf16-mixed is held to where it is wider than the Llama's
     bf16 = np.abs(_logits(out, ids, torch.bfloat16) - logits).max() / np.abs(logits).max()
     extra = {}
-    if name in ("qwen3_moe", "mixtral", "qwen2_moe"):  # the load-balancing loss, as transformers
+    if name in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"):  # the load-balancing loss
         with torch.no_grad():
             routed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             aux = routed(torch.from_numpy(ids).long(), output_router_logits=True).aux_loss

@@ -81,7 +81,7 @@ from mptrain.recipe import fp8 as fp8_lib
 # The families whose HuggingFace folders this decoder reads and writes (`mptrain.hf`): each a
 # setting of the parts of `blocks.BlockSpec`, and the names its folder gives them.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "smollm3", "phi3")
-FAMILIES += ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")  # with experts (`moe`)
+FAMILIES += ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")  # experts (`moe`)
 SLIDING, FULL = "sliding_attention", "full_attention"  # `layer_types`' values, transformers'
 
 
@@ -387,7 +387,11 @@ def layer_specs(keys: dict[str, Any]) -> tuple[blocks.BlockSpec, ...]:
             keys["norm_topk_prob"], keys["router_fp32"], keys["expert_kernel"],
             keys["shared_expert_d_ff"], keys["shared_expert_gate"],
             moe.Routing(keys["router_scoring"], keys["router_bias"], keys["router_groups"],
-                        keys["router_groups_per_token"], float(keys["routed_scale"])),
+                        keys["router_groups_per_token"], float(keys["routed_scale"]),
+                        keys["router_logit_bias"]),
+            keys["expert_bias"],
+            None if keys["swiglu_limit"] is None
+            else (float(keys["swiglu_limit"]), float(keys["swiglu_alpha"])),
         )  # fmt: skip
     return tuple(
         blocks.BlockSpec(

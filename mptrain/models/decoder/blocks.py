@@ -184,6 +184,8 @@ class MoeSpec:
     shared_d_ff: int | None = None  # a shared expert beside the routed ones (Qwen2-MoE's)
     shared_gate: bool = False  # its sigmoid gate
     routing: moe.Routing = moe.SOFTMAX  # how the router scores, chooses and weighs
+    bias: bool = False  # biases on each expert's gate, up and down (gpt-oss's)
+    clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU (limit, alpha)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +396,7 @@ class Block(nn.Module):
             e = s.ffn
             experts = moe.MoE(e.experts, e.top_k, e.d_ff, e.normalise, self.dtype,
                               e.router_fp32, e.kernel, e.shared_d_ff, e.shared_gate,
-                              e.routing, name="moe")  # fmt: skip
+                              e.routing, e.bias, e.clamp, name="moe")  # fmt: skip
             h, layer_stats = experts(h, mask)
             stats = None if stats is None else stats + layer_stats
         else:

@@ -53,6 +53,11 @@ from mptrain.parallel import layout, view
 # `expert_matmul` the experts' grouped matmuls (`grouped.KERNELS`; "auto": by the chip);
 # `shared_expert_d_ff` (None: none) a SwiGLU expert every token takes beside the routed ones,
 # `shared_expert_gate` its output times sigmoid(x w), one fp32 weight a token (Qwen2-MoE's).
+# `router_scoring`, `router_bias`, `router_groups`, `router_groups_per_token`, `routed_scale`:
+# DeepSeek-V3's routing (`Routing`); `router_logit_bias`: a trained bias on the router's logits
+# (gpt-oss's). `expert_bias`: biases on each expert's gate, up and down (gpt-oss's);
+# `swiglu_limit` (None: plain SwiGLU) gpt-oss's clamped SwiGLU, `(up + 1) * g * sigmoid(alpha g)`
+# with g at most the limit and up within it, `swiglu_alpha` its alpha (`experts_mlp`).
 CONFIG_KEYS = {
     "num_experts": None,
     "experts_per_token": 2,
@@ -69,6 +74,10 @@ CONFIG_KEYS = {
     "router_groups": 1,
     "router_groups_per_token": 1,
     "routed_scale": 1.0,
+    "router_logit_bias": False,
+    "expert_bias": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": 1.702,
 }
 SCORINGS = ("softmax", "sigmoid")
 
@@ -87,6 +96,7 @@ class Routing:
     groups: int = 1
     group_top: int = 1
     scale: float = 1.0
+    logit_bias: bool = False  # a trained bias on the logits (gpt-oss's router.bias)
 
 
 SOFTMAX = Routing()
@@ -118,7 +128,11 @@ def check(keys: dict) -> None:
         )
     keys["routed_scale"] = errors.check_number("model.routed_scale", keys["routed_scale"], 0.0,
                                                open_low=True)  # fmt: skip
-    for key in ("norm_topk_prob", "router_fp32", "shared_expert_gate", "router_bias"):
+    if keys["swiglu_limit"] is not None:
+        errors.check_number("model.swiglu_limit", keys["swiglu_limit"], 0.0, open_low=True)
+        errors.check_number("model.swiglu_alpha", keys["swiglu_alpha"], 0.0, open_low=True)
+    flags = ("router_bias", "router_logit_bias", "expert_bias")
+    for key in ("norm_topk_prob", "router_fp32", "shared_expert_gate", *flags):
         if not isinstance(keys[key], bool):
             raise ValueError(f"model.{key}={keys[key]!r}: must be True or False")
     if keys["shared_expert_d_ff"] is not None:
@@ -147,6 +161,7 @@ def route(
     fp32: bool = True,
     routing: Routing = SOFTMAX,
     bias: jax.Array | None = None,
+    logit_bias: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`(logits, weights, experts)` for `tokens [T, D]` and the router's `kernel [D, E]`:
     fp32 logits `[T, E]`, the fp32 weights `[T, top_k]` of the experts `int32 [T, top_k]` the
@@ -158,7 +173,8 @@ def route(
     gradient: DeepSeek-V3 moves it outside the gradient, by each expert's load, and mptrain
     keeps it as loaded (its `fixed` role: `parallel.axes`, no optimizer update either). With
     `routing.groups`, a token's experts come from its `group_top` groups whose two best
-    (biased) scores sum highest; the weights times `routing.scale`. All of it in fp32."""
+    (biased) scores sum highest; the weights times `routing.scale`. `logit_bias` (`[E]`,
+    gpt-oss's, trained) is added to the logits themselves. All of it in fp32."""
     if fp32:
         logits = jnp.dot(
             tokens.astype(jnp.float32),
@@ -167,6 +183,8 @@ def route(
         )
     else:
         logits = jnp.dot(tokens, kernel.astype(tokens.dtype)).astype(jnp.float32)
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(jnp.float32)
     if routing == SOFTMAX:  # Qwen's and Mixtral's, as it always was
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)
@@ -238,14 +256,25 @@ _unsort = lambda x, back: jnp.take(x, back, axis=0, mode="clip")
 
 
 def experts_mlp(
-    tokens: jax.Array, experts: jax.Array, weights: jax.Array, gate, up, down, kernel=("xla", 0)
+    tokens: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate,
+    up,
+    down,
+    kernel=("xla", 0),
+    biases: tuple | None = None,
+    clamp: tuple[float, float] | None = None,
 ) -> jax.Array:
     """fp32 `[T, D]`: each token's `top_k` SwiGLU experts (`gate`, `up` `[E, D, F]`, `down`
     `[E, F, D]`, in `tokens`' dtype) summed with its fp32 `weights`. The `T x top_k` copies
     of the tokens are sorted by expert, so each expert's are one group of a grouped matmul;
     a copy whose expert is not one of these `E` (another device's, `experts` outside
     `[0, E)`) is sorted last, outside every group, and adds nothing. `kernel`: the grouped
-    matmuls' (`grouped.matmul`'s kernel and the GPU's multiprocessors)."""
+    matmuls' (`grouped.matmul`'s kernel and the GPU's multiprocessors). `biases`: each
+    expert's fp32 gate, up (`[E, F]`) and down (`[E, D]`) biases, added to the fp32 results;
+    `clamp`: gpt-oss's `(limit, alpha)`, its SwiGLU on the fp32 pre-activations (the gate at
+    most `limit`, up within it, `(up + 1) * gate * sigmoid(alpha * gate)`), cast once."""
     count, top_k = experts.shape
     local = gate.shape[0]
     mine = (experts >= 0) & (experts < local)
@@ -255,9 +284,24 @@ def experts_mlp(
     sizes = jnp.bincount(flat, length=local + 1)[:local].astype(jnp.int32)
     copies = _spread(tokens, order, back, jnp.sum(sizes), top_k)
     matmul = lambda x, w: grouped.matmul(x, w, sizes, *kernel)
-    h = nn.silu(matmul(copies, gate).astype(tokens.dtype))
-    h = h * matmul(copies, up).astype(tokens.dtype)
-    out = matmul(h, down)  # [T * k, D], sorted; rows past the groups: junk
+    if biases is None and clamp is None:
+        h = nn.silu(matmul(copies, gate).astype(tokens.dtype))
+        h = h * matmul(copies, up).astype(tokens.dtype)
+        out = matmul(h, down)  # [T * k, D], sorted; rows past the groups: junk
+    else:  # each sorted copy's expert (past the groups: the last, junk as those rows are)
+        mine_sorted = jnp.minimum(jnp.take(flat, order), local - 1)
+        plus = lambda x, i: (
+            x.astype(jnp.float32)
+            + (0.0 if biases is None else jnp.take(biases[i], mine_sorted, axis=0))
+        )
+        g, u = plus(matmul(copies, gate), 0), plus(matmul(copies, up), 1)
+        if clamp is None:
+            h = nn.silu(g) * u
+        else:
+            limit, alpha = clamp
+            g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+            h = (u + 1) * g * jax.nn.sigmoid(alpha * g)
+        out = plus(matmul(h.astype(tokens.dtype), down), 2)
     out = _permute(out, back, order).reshape(count, top_k, -1)
     out = jnp.where(mine[..., None], out.astype(jnp.float32), 0.0)
     return jnp.einsum("tkd,tk->td", out, jnp.where(mine, weights.astype(jnp.float32), 0.0))
@@ -328,6 +372,8 @@ class MoE(nn.Module):
     shared_d_ff: int | None = None  # a shared expert's width (`shared_expert_d_ff`)
     shared_gate: bool = False  # its sigmoid gate (`shared_expert_gate`)
     routing: Routing = SOFTMAX  # how the router scores, chooses and weighs (`route`)
+    expert_bias: bool = False  # biases on each expert's gate, up and down (gpt-oss's)
+    clamp: tuple[float, float] | None = None  # gpt-oss's clamped SwiGLU: (limit, alpha)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -344,17 +390,37 @@ class MoE(nn.Module):
             k: self.param(k, axes_lib.declare(init, EXPERT_AXES[k]), (local, *s)).astype(self.dtype)
             for k, s in shapes.items()
         }
-        bias = None
+        bias = logit_bias = None
+        zeros = nn.initializers.zeros
         if self.routing.bias:  # chooses, never weighs, never trained (`route`)
-            fixed = axes_lib.declare(nn.initializers.zeros, (None,), fp32=True, fixed=True)
+            fixed = axes_lib.declare(zeros, (None,), fp32=True, fixed=True)
             bias = self.param("router_bias", fixed, (self.num_experts,))
+        if self.routing.logit_bias:  # gpt-oss's, trained as the router is
+            init_b = axes_lib.declare(zeros, (None,), fp32=True)
+            logit_bias = self.param("router_logit_bias", init_b, (self.num_experts,))
+        biases = None
+        if self.expert_bias:  # fp32, an expert a row, added to the fp32 matmul results
+            sizes = {"gate_bias": self.d_ff, "up_bias": self.d_ff, "down_bias": width}
+            names = {
+                "gate_bias": axes_lib.MLP,
+                "up_bias": axes_lib.MLP,
+                "down_bias": axes_lib.EMBED,
+            }
+            biases = tuple(
+                self.param(k, axes_lib.declare(zeros, (axes_lib.EXPERTS, names[k]), fp32=True),
+                           (local, n)).astype(jnp.float32)
+                for k, n in sizes.items()
+            )  # fmt: skip
         tokens = x.reshape(-1, width).astype(self.dtype)
         logits, weights, picked = route(
-            tokens, router, self.top_k, self.normalise, self.router_fp32, self.routing, bias
-        )
+            tokens, router, self.top_k, self.normalise, self.router_fp32, self.routing, bias,
+            logit_bias,
+        )  # fmt: skip
         # init (the decoder's runs a layer under vmap, which the Mosaic kernels do not take)
         kernel = ("xla", 0) if self.is_initializing() else self.kernel
-        mlp = lambda *a: experts_mlp(*a, kernels["gate"], kernels["up"], kernels["down"], kernel)
+        mlp = lambda *a: experts_mlp(
+            *a, kernels["gate"], kernels["up"], kernels["down"], kernel, biases, self.clamp
+        )
         if split is None:
             y = mlp(tokens, picked, weights)
         else:
