@@ -131,3 +131,36 @@ def test_a_folder_of_mxfp4_experts_is_refused_in_one_line(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(errors.ConfigError, match=r"quant_method='mxfp4'\): the experts in MXFP4"):
         hf.read_config(folder)
+
+
+@SLOW
+def test_configs_hf_fine_tunes_gpt_oss_and_exports_both_ways(tmp_path, capsys):
+    """`configs/hf.py:DIR` on the folder, bf16-mixed, a few steps from its weights: the sinks,
+    the biases and the experts move, and the export is a gpt-oss folder again; then rank-4
+    adapters on the attention's projections, fp32: a PEFT adapter of transformers' module names
+    (transformers' and PEFT's reading of both: scripts/hf_export_check.py,
+    scripts/lora_export_check.py)."""
+    from helpers import ROOT, run_cli
+
+    from mptrain import export
+    from mptrain.hf import peft
+
+    flags = ["--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2"]
+    flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
+    flags += ["--config.eval_steps=1"]
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:{FOLDER}"
+    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
+    assert code == 0, err[-2000:]
+    export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
+    model_config, params = hf.load(tmp_path / "out")
+    assert model_config["family"] == "gpt_oss"
+    _, base = hf.load(FOLDER)
+    moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, base)
+    assert all(jax.tree.leaves(moved))
+    lora = ["--config.lora.rank=4", "--config.lora.targets=attn/", "--config.precision=fp32"]
+    code, err = run_cli(tmp_path / "lora", *flags, *lora, config=config, capsys=capsys)
+    assert code == 0, err[-2000:]
+    export.export(tmp_path / "lora", tmp_path / "adapter", "float32", format="peft")
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert (tmp_path / "adapter" / peft.WEIGHTS_FILE).exists()
