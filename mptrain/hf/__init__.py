@@ -211,6 +211,13 @@ def _read_tree(path: Any, config: dict, target: Any, build: Any) -> Any:
                         f"params/{leaf.path} {list(t.shape)} needs {list(want)}"
                     )
         _check_unused(reader, leaves, config)
+        if reader.mxfp4:
+            logging.info(
+                "mptrain: %s: %d MXFP4 tensors (gpt-oss's experts) dequantised as they are "
+                "read, exactly (each value an e2m1 code times a power of two: exact in bf16 "
+                "too); an export writes them in its dtype, not in MXFP4",
+                path, len(reader.mxfp4),
+            )  # fmt: skip
         out = []
         for leaf, (_, t) in zip(leaves, flat, strict=True):
             dtype = np.dtype(t.dtype)

@@ -1,5 +1,5 @@
 """The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
-qwen3_moe, qwen2_moe, deepseek_v3 and mixtral), both ways, read from transformers'
+qwen3_moe, qwen2_moe, deepseek_v3, gpt_oss and mixtral), both ways, read from transformers'
 `configuration_*.py` and `modeling_*.py` (5.24; DeepSeek-V3's 5.25):
 
   * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
@@ -16,6 +16,10 @@ qwen3_moe, qwen2_moe, deepseek_v3 and mixtral), both ways, read from transformer
     routing (`_deepseek`): sigmoid scores, a correction bias that chooses (the tensor
     `mlp.gate.e_score_correction_bias`), groups, a routed scale, shared experts
     (`mlp.shared_experts.*`), dense first layers; the experts' names Qwen's;
+  * gpt-oss (GptOssForCausalLM): every layer's experts in one tensor each (`GPT_OSS`: gate and
+    up interleaved in `gate_up_proj`, biases beside), a biased router, the clamped SwiGLU; as
+    gpt-oss ships them, in MXFP4 (`*_blocks`, `*_scales`), dequantised as they are read
+    (`mptrain.hf.tensors`);
   * Mixtral (MixtralForCausalLM): Mistral's attention; `num_local_experts` experts of
     `intermediate_size`, `num_experts_per_tok` a token, always renormalised; tensors under
     `block_sparse_moe.`: `gate.weight`, each expert's `experts.j.w1` (gate), `w3` (up), `w2`
@@ -195,12 +199,11 @@ def _gpt_oss(file: Path, raw: dict) -> dict[str, Any]:
     biased, each expert's gate, up and down biased, and the clamped SwiGLU (`swiglu_limit`,
     `swiglu_alpha`)."""
     get = lambda key, default: raw.get(key) if raw.get(key) is not None else default
-    if raw.get("quantization_config") is not None:
-        method = (raw["quantization_config"] or {}).get("quant_method")
+    quantized = raw.get("quantization_config")
+    if quantized is not None and (quantized or {}).get("quant_method") != "mxfp4":
         raise errors.ConfigError(
-            f"{file}: quantization_config (quant_method={method!r}): the experts in MXFP4 are "
-            "not dequantised on load yet; save the model dequantised to bf16 with transformers "
-            "(Mxfp4Config(dequantize=True)) and read that folder"
+            f"{file}: quantization_config.quant_method={(quantized or {}).get('quant_method')!r}"
+            ": mptrain reads gpt-oss's experts in bf16, fp32 or MXFP4 (dequantised on load)"
         )
     return {
         "num_experts": checked(file, "num_local_experts", get("num_local_experts", 128), int),

@@ -6,7 +6,9 @@ A folder holds either one `model.safetensors`, or shards `model-0000i-of-0000n.s
 listed by `model.safetensors.index.json` (its `weight_map`: tensor name -> file); a folder with
 neither is read from every `*.safetensors` in it. Files are memory-mapped by safetensors (its
 numpy API, which reads bf16 through ml_dtypes): opening one reads only its header, and
-`get_slice(name)[a:b, c:d]` copies only those rows and columns. What cannot be read is a
+`get_slice(name)[a:b, c:d]` copies only those rows and columns. A tensor stored in MXFP4
+(gpt-oss's experts: `X_blocks` and `X_scales`) reads as the tensor `X`, each slice dequantised
+from the blocks that hold it. What cannot be read is a
 `ConfigError` of one line naming the file, the tensor and the bad value.
 """
 
@@ -32,6 +34,12 @@ SINGLE = "model.safetensors"
 # (float64 rounds, as torch's `.float()` does).
 FLOATS = ("F64", "F32", "BF16", "F16")
 CONFIG_FILE = "config.json"
+# MXFP4 (OCP MX 1.0; gpt-oss's checkpoints): a tensor stored as `*_blocks` (e2m1 codes, two a
+# byte, the first in the low nibble; blocks of 32 along the input) and `*_scales` (e8m0: a
+# power of two, the exponent plus 127)
+MXFP4 = ("_blocks", "_scales")
+MXFP4_BLOCK = 32
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 ShardTensor = tuple[str, tuple[int, ...], int, Callable[[], np.ndarray]]  # name, shape, bytes, get
 
 
@@ -64,6 +72,14 @@ class Reader:
             if ours is not None:
                 self.files[ours] = file
                 self._names[ours] = name
+        # MXFP4 tensors (gpt-oss's experts): `X_blocks` and `X_scales` read as the tensor X
+        self.mxfp4 = {}
+        for name in [n for n in self.files if n.endswith(MXFP4[0])]:
+            base = name.removesuffix(MXFP4[0])
+            if base + MXFP4[1] in self.files:  # each in its own file (shards may differ)
+                scales = base + MXFP4[1]
+                self.mxfp4[base] = ((name, self.files[name]), (scales, self.files.pop(scales)))
+                self.files[base] = self.files.pop(name)
 
     def __enter__(self) -> Reader:
         return self
@@ -121,8 +137,14 @@ class Reader:
             raise errors.ConfigError(f"{where}: no tensor {name}")
         return self.files[name]
 
+    def _raw(self, name: str, file: Path) -> Any:
+        return self.handle(file).get_slice(self._names.get(name, name))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape; a `ConfigError` when it is missing or not a float tensor."""
+        if name in self.mxfp4:  # blocks [..., out, in / 32, 16]: the tensor [..., in, out]
+            *lead, out, groups, _ = self._raw(*self.mxfp4[name][0]).get_shape()
+            return (*lead, groups * MXFP4_BLOCK, out)
         file = self.file(name)
         try:
             view = self.handle(file).get_slice(self._names.get(name, name))
@@ -138,7 +160,10 @@ class Reader:
         return shape
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """`tensor[index]`, in the file's dtype: only those bytes are copied from the file."""
+        """`tensor[index]`, in the file's dtype (an MXFP4 tensor's in float32, dequantised
+        from the blocks that hold the slice): only those bytes are copied from the file."""
+        if name in self.mxfp4:
+            return self._read_mxfp4(name, index)
         file = self.file(name)
         try:
             part = self.handle(file).get_slice(self._names.get(name, name))[index]
@@ -147,6 +172,27 @@ class Reader:
                 f"{file}: tensor {name} could not be read: {errors.first_line(e)}"
             ) from None
         return np.asarray(part)
+
+    def _read_mxfp4(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """`tensor[index]` of the `[..., in, out]` tensor an MXFP4 pair stands for: the rows
+        `out` and the blocks of 32 inputs that cover the slice are read and dequantised (each
+        value an e2m1 code times its block's power of two: exact in float32 and in bf16)."""
+        shape = self.shape(name)
+        *lead, (i0, i1, _), (o0, o1, _) = (s.indices(n) for s, n in zip(index, shape, strict=True))
+        g0, g1 = i0 // MXFP4_BLOCK, -(-i1 // MXFP4_BLOCK)
+        at = (*(slice(a, b) for a, b, _ in lead), slice(o0, o1), slice(g0, g1))
+        (blocks_name, blocks_file), scales_of = self.mxfp4[name]
+        try:
+            blocks = np.asarray(self._raw(blocks_name, blocks_file)[at], np.uint8)
+            scales = np.asarray(self._raw(*scales_of)[at], np.int32) - 127
+        except Exception as e:
+            raise errors.ConfigError(
+                f"{blocks_file}: tensor {blocks_name} could not be read: {errors.first_line(e)}"
+            ) from None
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)
+        values = np.ldexp(E2M1[codes], scales[..., None]).reshape(*blocks.shape[:-2], -1)
+        start = i0 - g0 * MXFP4_BLOCK
+        return np.swapaxes(values[..., start : start + i1 - i0], -1, -2)
 
 
 def transpose_into(out: np.ndarray, part: np.ndarray) -> None:

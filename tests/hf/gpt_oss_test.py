@@ -4,7 +4,8 @@ biased, YaRN as gpt-oss has it (not truncated); 8 experts of 16, top 2, the rout
 biased, each expert's gate, up and down biased (stored fused, gate and up interleaved), the
 SwiGLU clamped at 1. Read by `mptrain.hf` into the one decoder: fp32 logits, the load-balancing
 loss and greedy decoding against transformers', each switch shown to matter, bf16-mixed in the
-band, the folder written back; a folder of MXFP4 experts refused in one line."""
+band, the folder written back; a folder of MXFP4 experts (as gpt-oss ships) dequantised on
+load to transformers' logits."""
 
 import json
 import shutil
@@ -22,6 +23,7 @@ from mptrain import errors, hf
 from mptrain.models import decoder as llama
 
 FOLDER = Path(__file__).parent / "families" / "gpt_oss"
+MXFP4 = FOLDER.parent / "gpt_oss-mxfp4"  # its experts as gpt-oss's checkpoints ship them
 SLOW = pytest.mark.slow
 READ = {
     "family": "gpt_oss",
@@ -123,14 +125,40 @@ def test_the_gpt_oss_folder_written_back_reads_as_it_was_read(tmp_path):
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
 
 
-def test_a_folder_of_mxfp4_experts_is_refused_in_one_line(tmp_path):
-    folder = tmp_path / "mxfp4"
+def test_a_quantization_other_than_mxfp4_is_refused_in_one_line(tmp_path):
+    folder = tmp_path / "gptq"
     shutil.copytree(FOLDER, folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config["quantization_config"] = {"quant_method": "gptq"}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(errors.ConfigError, match=r"quant_method='mxfp4'\): the experts in MXFP4"):
+    with pytest.raises(errors.ConfigError, match=r"quant_method='gptq': mptrain reads gpt-oss"):
         hf.read_config(folder)
+
+
+def test_mxfp4_experts_are_dequantised_slice_by_slice_exactly():
+    """The MXFP4 folder's experts (blocks of 32 inputs a scale): a slice read alone is that
+    slice of the whole, even where it starts and ends inside a block; every value is an e2m1
+    code times a power of two, so a bf16 export holds them exactly."""
+    from mptrain.hf import tensors
+
+    with tensors.Reader(MXFP4) as reader:
+        name = "model.layers.1.mlp.experts.gate_up_proj"
+        assert name in reader.mxfp4 and reader.shape(name) == (4, 64, 64)
+        whole = reader.read(name, (slice(0, 4), slice(0, 64), slice(0, 64)))
+        part = reader.read(name, (slice(1, 3), slice(20, 45), slice(7, 30)))
+        np.testing.assert_array_equal(part, whole[1:3, 20:45, 7:30])
+    mantissa, _ = np.frexp(whole[whole != 0])
+    assert set(np.abs(mantissa).tolist()) <= {0.5, 0.75}  # e2m1: 1.0 or 1.5 times 2^k
+    np.testing.assert_array_equal(whole.astype(jnp.bfloat16).astype(np.float32), whole)
+
+
+@SLOW
+def test_an_mxfp4_folders_logits_are_transformers_dequantised_models():
+    """transformers dequantises the MXFP4 experts on a CPU (to bf16: exactly); mptrain's fp32
+    logits of the same folder are its fp32 ones, and the folder exports as bf16 losslessly."""
+    ids, want = _reference(MXFP4)
+    config, params = hf.load(MXFP4)
+    assert _error(logits_of(config, params, ids), want) < 1e-5
 
 
 @SLOW

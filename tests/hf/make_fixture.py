@@ -372,6 +372,23 @@ FAMILIES = {
         },
         False,
     ),
+    # gpt-oss as its checkpoints ship: the experts in MXFP4 (`_as_mxfp4`, by the format's
+    # definition; transformers dequantises them on a CPU), a width of 64 and experts of 32 (the
+    # blocks of 32 run along each expert's input)
+    "gpt_oss-mxfp4": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 16,
+            "swiglu_limit": 1.0,
+            "router_aux_loss_coef": 0.01,
+        },
+        False,
+    ),
     # Qwen3 taken past its context by YaRN, as its model card does (factor 4): an original
     # context of 16 positions, the reference's 48 past it; the attention factor 0.1 ln 4 + 1.
     # Tied as the Qwen3 fixture is: the same params, the programs that read them shared
@@ -432,6 +449,8 @@ def write_family(out: Path, name: str) -> None:
     if out.exists():
         shutil.rmtree(out)
     model.save_pretrained(out, safe_serialization=True)
+    if name.endswith("-mxfp4"):
+        _as_mxfp4(out)
     ids = np.random.default_rng(7).integers(0, SHAPES["vocab_size"], IDS_SHAPE, np.int32)
     logits = _logits(out, ids)
     if v4:
@@ -442,7 +461,7 @@ def write_family(out: Path, name: str) -> None:
     # band mptrain's bf16-mixed is held to where it is wider than the Llama's
     bf16 = np.abs(_logits(out, ids, torch.bfloat16) - logits).max() / np.abs(logits).max()
     extra = {}
-    if name in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"):  # the load-balancing loss
+    if name in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss", "gpt_oss-mxfp4"):  # aux loss
         with torch.no_grad():
             routed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             aux = routed(torch.from_numpy(ids).long(), output_router_logits=True).aux_loss
@@ -451,6 +470,39 @@ def write_family(out: Path, name: str) -> None:
              **extra)  # fmt: skip
     write_generated(out)
     print(f"{out}: {model_class}, logits max |value| {np.abs(logits).max():.3f}")
+
+
+FP4 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+
+
+def _as_mxfp4(folder: Path) -> None:
+    """Rewrites a gpt-oss folder's experts (`gate_up_proj`, `down_proj`, [experts, in, out]) as
+    its published checkpoints store them, by the MXFP4 format's definition (OCP MX 1.0): for
+    each expert's output row, blocks of 32 inputs share an e8m0 scale (`*_scales`, the exponent
+    plus 127, the least that brings the block's largest |value| within 6), each value the
+    nearest e2m1 (`FP4`) of value / scale, two to a byte, the first in the low nibble
+    (`*_blocks`, [experts, out, in / 32, 16]); config.json gets its quantization_config."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = np.swapaxes(tensors.pop(name).astype(np.float64), 1, 2)  # [E, out, in]
+        blocks = w.reshape(*w.shape[:2], -1, 32)
+        top = np.abs(blocks).max(-1, keepdims=True)
+        exponent = np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)).astype(np.int32)
+        scaled = blocks / np.exp2(exponent)
+        index = np.abs(scaled[..., None] - FP4).argmin(-1).astype(np.uint8)  # nearest value
+        tensors[f"{name}_blocks"] = index[..., 0::2] | (index[..., 1::2] << 4)
+        tensors[f"{name}_scales"] = (exponent[..., 0] + 127).astype(np.uint8)
+    save_file(tensors, str(folder / "model.safetensors"), {"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    not_converted = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                     "model.embed_tokens", "lm_head"]  # fmt: skip
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": not_converted}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_gemma3_multimodal(out: Path, text: Path) -> None:
