@@ -45,8 +45,20 @@ DEEPSEEK = {
 }  # fmt: skip
 
 
+# gpt-oss's: sinks, biased attention, a biased router, biased experts, the clamped SwiGLU
+GPT_OSS = {
+    **TINY, "attn_sinks": True, "attn_bias": "all", "router_logit_bias": True,
+    "expert_bias": True, "swiglu_limit": 1.0,
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "settings", [TINY, pytest.param(DEEPSEEK, marks=pytest.mark.slow, id="deepseek")]
+    "settings",
+    [
+        TINY,
+        pytest.param(DEEPSEEK, marks=pytest.mark.slow, id="deepseek"),
+        pytest.param(GPT_OSS, marks=pytest.mark.slow, id="gpt_oss"),
+    ],
 )
 @needs_devices(8)
 def test_the_experts_split_over_expert_4_give_one_devices_gradients(settings):
@@ -55,7 +67,7 @@ def test_the_experts_split_over_expert_4_give_one_devices_gradients(settings):
     the loss (with the load-balancing loss over the whole batch) and every gradient equal one
     device's. One compiled program. DeepSeek-V3's layers too (make test-slow): its shared
     expert held whole by each device of the expert group, as the attention is; its routing
-    bias gets no gradient at all."""
+    bias gets no gradient at all. And gpt-oss's, whose experts' biases split as the experts."""
     model = llama.create_model(ml_collections.ConfigDict(settings), jnp.float32)
     tokens = integers(0, (8, 32), 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
