@@ -124,7 +124,7 @@ def test_deepseek_v3s_bf16_mixed_logits_stay_in_the_band_on_the_fp32_routes(monk
         picks.append(np.asarray(out[2]))
         return out
 
-    def replaying(tokens, kernel, top_k, normalise, fp32, routing, bias):
+    def replaying(tokens, kernel, top_k, normalise, fp32, routing, bias, logit_bias=None):
         logits, _, _ = route(tokens, kernel, top_k, normalise, fp32, routing, bias)
         experts = jnp.asarray(picks[len(replayed)])
         replayed.append(experts)

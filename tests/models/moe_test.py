@@ -158,6 +158,25 @@ def test_auto_takes_the_mosaic_kernel_only_where_it_runs():
     assert grouped.kernel_for("auto", AMPERE, jnp.bfloat16, WIDE) == "xla"
     assert grouped.kernel_for("auto", attention.Backend("cpu"), jnp.bfloat16, WIDE) == "xla"
     assert grouped.kernel_for("xla", HOPPER, jnp.bfloat16, narrow) == "xla"
+    gpt_oss = {"model.d_model": 2880, "model.expert_d_ff": 2880}  # padded to 2,944: 2.2%
+    assert grouped.kernel_for("auto", HOPPER, jnp.bfloat16, gpt_oss) == "mosaic_gpu"
+
+
+def test_widths_off_the_kernels_multiple_are_padded_with_zeros_and_give_the_same_numbers():
+    """gpt-oss's 2,880 (here 130 and 200): the stand-in kernels on zero-padded operands give
+    XLA's grouped matmul and its gradients (the padding's gradients dropped)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(40, 130)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 130, 200)), jnp.float32)
+    sizes = jnp.asarray([10, 20, 6], jnp.int32)  # 4 rows past the groups
+    ref = lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    padded = lambda x, w: grouped.matmul(x, w, sizes, "reference")
+    np.testing.assert_allclose(padded(x, w)[:36], ref(x, w)[:36], rtol=1e-5, atol=1e-4)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w)[:36] ** 2)
+    for got, want in zip(jax.grad(loss(padded), (0, 1))(x, w), jax.grad(loss(ref), (0, 1))(x, w),
+                         strict=True):  # fmt: skip
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize(

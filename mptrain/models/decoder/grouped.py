@@ -12,14 +12,15 @@ undefined. Two ways, by `KERNELS`:
     `transposed_ragged_dot` for the weights' gradient, one `[K, N]` block a group), bound by
     a `jax.custom_vjp`. Each accumulates in fp32 (wgmma) and rounds its result to the
     operands' 16 bits once. The same Qwen3 layer compiles for an H100 to three kernels and
-    0.09 GiB of temporaries. Operands in bf16 or fp16, `K` and `N` multiples of 128.
+    0.09 GiB of temporaries. Operands in bf16 or fp16, `K` and `N` multiples of 128: others
+    (gpt-oss's 2,880) are padded with zeros up to one where that adds at most an eighth.
 
 "auto" (`kernel_for`) takes "mosaic_gpu" on a Hopper GPU (compute capability 9.x) with 16-bit
-operands and widths that are multiples of 128, "xla" elsewhere; "mosaic_gpu" asked for where it
-cannot run is refused before anything compiles. `REFERENCE` stands in for the Mosaic kernels
-with XLA's ops of the same signatures, so the custom VJP's wiring is tested on a CPU
-(`tests/models/moe_test.py`); the kernels' own numbers are JAX's, checked on an H100 by
-`scripts/gpu_check.py`.
+operands and widths that are multiples of 128 or padded to one, "xla" elsewhere; "mosaic_gpu"
+asked for where it cannot run is refused before anything compiles. `REFERENCE` stands in for
+the Mosaic kernels with XLA's ops of the same signatures, so the custom VJP's wiring (and the
+padding) is tested on a CPU (`tests/models/moe_test.py`); the kernels' own numbers are JAX's,
+checked on an H100 by `scripts/gpu_check.py`.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def kernel_for(setting: str, backend: Any, dtype: Any, widths: dict[str, int]) -
     capability = backend.compute_capability if backend is not None else None
     hopper = backend is not None and backend.platform == "gpu" and bool(capability)
     hopper = hopper and capability[0] == 9
-    odd = {key: width for key, width in widths.items() if width % WIDTH_MULTIPLE}
+    odd = {key: width for key, width in widths.items() if _padded(width) - width > width / 8}
     if not hopper:
         where = backend.platform if backend is not None else "unknown"
         if where == "gpu":
@@ -126,7 +127,10 @@ def kernel_for(setting: str, backend: Any, dtype: Any, widths: dict[str, int]) -
         why = f"takes 16-bit operands; the compute dtype is {jnp.dtype(dtype).name}"
     elif odd:
         shown = ", ".join(f"{key}={width}" for key, width in odd.items())
-        why = f"takes widths that are multiples of {WIDTH_MULTIPLE}; {shown}"
+        why = (
+            f"takes widths that are multiples of {WIDTH_MULTIPLE} (others padded with zeros "
+            f"up to one, at most an eighth wider); {shown}"
+        )
     else:
         why = ""
     if setting == "auto":
@@ -139,12 +143,41 @@ def kernel_for(setting: str, backend: Any, dtype: Any, widths: dict[str, int]) -
     return setting
 
 
+@jax.custom_vjp
+def _ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """XLA's `ragged_dot` with fp32 results whose gradient's matmuls take `x`'s dtype, as the
+    Mosaic kernels' do: differentiated as it stands, the fp32 cotangent would make both of
+    them fp32 matmuls (a plan of gpt-oss-20b found 49% of its step's FLOPs there)."""
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def _ragged_dot_backward(saved, grad):
+    x, w, sizes = saved
+    _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
+    return (*pullback(grad.astype(x.dtype)), None)
+
+
+_ragged_dot.defvjp(
+    lambda x, w, sizes: (_ragged_dot(x, w, sizes), (x, w, sizes)), _ragged_dot_backward
+)
+
+
 def matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, kernel: str, sms: int = 0):
     """`x @ w[group]` by `kernel` ("xla": fp32 results; "mosaic_gpu": `x`'s dtype, accumulated
     in fp32; "reference": the Mosaic kernels' stand-ins); `sms`: the GPU's multiprocessors."""
     if isinstance(kernel, Kernels):  # three of one's own (a test's)
         return custom_vjp(kernel)(x, w, sizes)
     if kernel == "xla":
-        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+        return _ragged_dot(x, w, sizes)
     kernels = REFERENCE if kernel == "reference" else _mosaic(sms)
-    return custom_vjp(kernels)(x, w, sizes)
+    (k, n), (kp, np_) = w.shape[1:], (_padded(w.shape[1]), _padded(w.shape[2]))
+    if (k, n) == (kp, np_):
+        return custom_vjp(kernels)(x, w, sizes)
+    # zeros up to the kernels' multiple: they add nothing, and their gradients are dropped
+    x = jnp.pad(x, ((0, 0), (0, kp - k)))
+    w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    return custom_vjp(kernels)(x, w, sizes)[:, :n]
+
+
+def _padded(width: int) -> int:  # up to the Mosaic kernels' multiple
+    return -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
