@@ -34,40 +34,31 @@ TINY = {
     "d_ff": 48, "max_len": 64, "attention": "materialized", "num_experts": 8,
     "experts_per_token": 2, "expert_d_ff": 16, "router_aux_loss_coef": 0.01,
 }  # fmt: skip
-# DeepSeek-V3's: latent attention, sigmoid routing with the fixed bias in 4 groups (a token's
-# 2 from its best 2), the routed scale, a shared expert beside them, the first layer dense
-DEEPSEEK = {
+# The year's new layers in one program (make test-slow): DeepSeek-V3's latent attention,
+# sigmoid routing with the fixed bias in 4 groups (a token's 2 from its best 2), the routed
+# scale, a shared expert, the first layer dense; gpt-oss's sinks, biased router and experts and
+# clamped SwiGLU
+NEW_LAYERS = {
     **TINY, "num_layers": 3, "num_kv_heads": 4, "head_dim": 12, "kv_lora_rank": 8,
     "q_lora_rank": 16, "qk_rope_head_dim": 4, "v_head_dim": 8, "rope_interleave": True,
     "router_scoring": "sigmoid", "router_bias": True, "router_groups": 4,
     "router_groups_per_token": 2, "routed_scale": 2.5, "shared_expert_d_ff": 32,
-    "dense_layers": (0,), "router_aux_loss_coef": 0.0,
-}  # fmt: skip
-
-
-# gpt-oss's: sinks, biased attention, a biased router, biased experts, the clamped SwiGLU
-GPT_OSS = {
-    **TINY, "attn_sinks": True, "attn_bias": "all", "router_logit_bias": True,
-    "expert_bias": True, "swiglu_limit": 1.0,
+    "dense_layers": (0,), "router_aux_loss_coef": 0.0, "attn_sinks": True,
+    "router_logit_bias": True, "expert_bias": True, "swiglu_limit": 1.0,
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "settings",
-    [
-        TINY,
-        pytest.param(DEEPSEEK, marks=pytest.mark.slow, id="deepseek"),
-        pytest.param(GPT_OSS, marks=pytest.mark.slow, id="gpt_oss"),
-    ],
+    "settings", [TINY, pytest.param(NEW_LAYERS, marks=pytest.mark.slow, id="deepseek_gpt_oss")]
 )
 @needs_devices(8)
 def test_the_experts_split_over_expert_4_give_one_devices_gradients(settings):
     """fp32, fsdp 2 x expert 4: each device holds 2 of the 8 experts of each layer (never
     gathered: the expert axis moves tokens), runs them on the tokens of its expert group, and
     the loss (with the load-balancing loss over the whole batch) and every gradient equal one
-    device's. One compiled program. DeepSeek-V3's layers too (make test-slow): its shared
-    expert held whole by each device of the expert group, as the attention is; its routing
-    bias gets no gradient at all. And gpt-oss's, whose experts' biases split as the experts."""
+    device's. One compiled program. DeepSeek-V3's and gpt-oss's parts too (make test-slow):
+    the shared expert held whole by each device of the expert group, as the attention is, the
+    experts' biases split as the experts, the routing bias given no gradient at all."""
     model = llama.create_model(ml_collections.ConfigDict(settings), jnp.float32)
     tokens = integers(0, (8, 32), 64)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
