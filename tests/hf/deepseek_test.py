@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from hf.hf_test import BF16_BOUND, _error, _reference
+from hf.hf_test import BF16_BOUND, _decodes_as_generate, _error, _fine_tune, _reference
 from hf.hf_test import _logits as logits_of
 
 from mptrain import hf
@@ -93,18 +93,7 @@ def test_deepseek_v3s_fp32_logits_are_transformers_and_each_switch_shows():
 def test_deepseek_v3s_greedy_decoding_is_transformers_generate(tmp_path):
     """`mptrain.generate`'s decoder (its KV cache holds each head's k and v, v padded to the
     q/k head size), fp32, three prompts batched, 32 new tokens each."""
-    from generate_test import _with_tokenizer
-
-    from mptrain import generate
-    from mptrain.models.decoder import decode
-
-    folder = _with_tokenizer(FOLDER, tmp_path / "deepseek_v3")
-    want = np.load(folder / "generate.npz")
-    speaker = generate.load(hf_folder=str(folder), precision="fp32")
-    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
-    greedy, none = decode.Sampling().values(), decode.stops([])
-    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
-    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+    _decodes_as_generate(FOLDER, tmp_path)
 
 
 @SLOW
@@ -218,17 +207,10 @@ def test_configs_hf_fine_tunes_deepseek_v3_its_bias_fixed_and_exports_both_ways(
     rank-4 adapters on the attention's projections (the latents' too): a PEFT adapter whose
     target modules are transformers' (transformers' and PEFT's reading of both:
     scripts/hf_export_check.py, scripts/lora_export_check.py)."""
-    from helpers import ROOT, run_cli
-
     from mptrain import export
     from mptrain.hf import peft
 
-    flags = ["--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2"]
-    flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
-    flags += ["--config.eval_steps=1"]
-    config = f"--config={ROOT / 'configs' / 'hf.py'}:{FOLDER}"
-    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
-    assert code == 0, err[-2000:]
+    _fine_tune(FOLDER, tmp_path / "run", capsys)
     export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
     model_config, params = hf.load(tmp_path / "out")
     assert model_config["family"] == "deepseek_v3"
@@ -238,8 +220,7 @@ def test_configs_hf_fine_tunes_deepseek_v3_its_bias_fixed_and_exports_both_ways(
     fixed = moved["stacked_layers"][expert]["moe"].pop("router_bias")
     assert not fixed and all(jax.tree.leaves(moved))
     lora = ["--config.lora.rank=4", "--config.lora.targets=attn/", "--config.precision=fp32"]
-    code, err = run_cli(tmp_path / "lora", *flags, *lora, config=config, capsys=capsys)
-    assert code == 0, err[-2000:]
+    _fine_tune(FOLDER, tmp_path / "lora", capsys, *lora)
     export.export(tmp_path / "lora", tmp_path / "adapter", "float32", format="peft")
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == [

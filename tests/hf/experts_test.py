@@ -17,10 +17,10 @@ import ml_collections
 import numpy as np
 import pytest
 from helpers import ROOT, load_config, run_cli
-from hf.hf_test import _error, _reference
+from hf.hf_test import _decodes_as_generate, _error, _reference
 
 import mptrain
-from mptrain import generate, hf
+from mptrain import hf
 from mptrain.models import decoder as llama
 from mptrain.models.decoder import decode
 
@@ -76,15 +76,7 @@ def test_an_expert_folders_fp32_logits_and_aux_loss_are_transformers(name, scan)
 def test_an_expert_folders_greedy_decoding_is_transformers_generate(name, tmp_path):
     """`python -m mptrain.generate --hf=DIR`'s decoder, fp32, three prompts batched, 32 new
     tokens each, token for token with transformers' `generate`."""
-    from generate_test import _with_tokenizer
-
-    folder = _with_tokenizer(FAMILIES / name, tmp_path / name)
-    want = np.load(folder / "generate.npz")
-    speaker = generate.load(hf_folder=str(folder), precision="fp32")
-    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
-    greedy, none = decode.Sampling().values(), decode.stops([])
-    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
-    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+    _decodes_as_generate(FAMILIES / name, tmp_path)
 
 
 def test_an_expert_folder_written_back_reads_as_it_was_read(tmp_path):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from hf.hf_test import BF16_BOUND, _error, _reference
+from hf.hf_test import BF16_BOUND, _decodes_as_generate, _error, _fine_tune, _reference
 from hf.hf_test import _logits as logits_of
 
 from mptrain import errors, hf
@@ -90,18 +90,7 @@ def test_gpt_oss_fp32_logits_and_aux_loss_are_transformers_and_each_switch_shows
 def test_gpt_oss_greedy_decoding_is_transformers_generate(tmp_path):
     """`mptrain.generate`'s decoder (the sinks on the cache's path too; past the window of
     16 on the sliding layer), fp32, three prompts batched, 32 new tokens each."""
-    from generate_test import _with_tokenizer
-
-    from mptrain import generate
-    from mptrain.models.decoder import decode
-
-    folder = _with_tokenizer(FOLDER, tmp_path / "gpt_oss")
-    want = np.load(folder / "generate.npz")
-    speaker = generate.load(hf_folder=str(folder), precision="fp32")
-    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
-    greedy, none = decode.Sampling().values(), decode.stops([])
-    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
-    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+    _decodes_as_generate(FOLDER, tmp_path)
 
 
 def test_the_gpt_oss_folder_written_back_reads_as_it_was_read(tmp_path):
@@ -168,17 +157,10 @@ def test_configs_hf_fine_tunes_gpt_oss_and_exports_both_ways(tmp_path, capsys):
     adapters on the attention's projections, fp32: a PEFT adapter of transformers' module names
     (transformers' and PEFT's reading of both: scripts/hf_export_check.py,
     scripts/lora_export_check.py)."""
-    from helpers import ROOT, run_cli
-
     from mptrain import export
     from mptrain.hf import peft
 
-    flags = ["--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2"]
-    flags += ["--config.checkpoint_every_steps=4", "--config.eval_every_steps=4"]
-    flags += ["--config.eval_steps=1"]
-    config = f"--config={ROOT / 'configs' / 'hf.py'}:{FOLDER}"
-    code, err = run_cli(tmp_path / "run", *flags, config=config, capsys=capsys)
-    assert code == 0, err[-2000:]
+    _fine_tune(FOLDER, tmp_path / "run", capsys)
     export.export(tmp_path / "run", tmp_path / "out", "float32", format="hf")
     model_config, params = hf.load(tmp_path / "out")
     assert model_config["family"] == "gpt_oss"
@@ -186,8 +168,7 @@ def test_configs_hf_fine_tunes_gpt_oss_and_exports_both_ways(tmp_path, capsys):
     moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, base)
     assert all(jax.tree.leaves(moved))
     lora = ["--config.lora.rank=4", "--config.lora.targets=attn/", "--config.precision=fp32"]
-    code, err = run_cli(tmp_path / "lora", *flags, *lora, config=config, capsys=capsys)
-    assert code == 0, err[-2000:]
+    _fine_tune(FOLDER, tmp_path / "lora", capsys, *lora)
     export.export(tmp_path / "lora", tmp_path / "adapter", "float32", format="peft")
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]

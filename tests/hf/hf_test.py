@@ -61,6 +61,37 @@ def _error(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def _decodes_as_generate(folder, tmp_path):
+    """What `python -m mptrain.generate --hf=DIR` decodes from `folder` (a tokenizer put beside
+    it), fp32, three prompts batched (5, 12 and 9 tokens), 32 new tokens each: transformers'
+    `generate.npz` token for token."""
+    from generate_test import _with_tokenizer
+
+    from mptrain import generate
+    from mptrain.models.decoder import decode
+
+    folder = _with_tokenizer(folder, tmp_path / folder.name)
+    want = np.load(folder / "generate.npz")
+    speaker = generate.load(hf_folder=str(folder), precision="fp32")
+    run = decode.make_decoder(speaker.model, want["tokens"].shape[1])
+    greedy, none = decode.Sampling().values(), decode.stops([])
+    out = run(speaker.params, want["prompts"], want["lengths"], greedy, 0, none)
+    np.testing.assert_array_equal(np.asarray(out), want["tokens"])
+
+
+FINE_TUNE = [  # a few steps of `configs/hf.py:DIR`, one checkpoint at the end
+    "--config.num_train_steps=4", "--config.data.seq_len=48", "--config.batch_size=2",
+    "--config.checkpoint_every_steps=4", "--config.eval_every_steps=4", "--config.eval_steps=1",
+]  # fmt: skip
+
+
+def _fine_tune(folder, workdir, capsys, *flags):
+    """`configs/hf.py:DIR` from `folder` for `FINE_TUNE`'s steps (and `flags`), in-process."""
+    config = f"--config={ROOT / 'configs' / 'hf.py'}:{folder}"
+    code, err = run_cli(workdir, *FINE_TUNE, *flags, config=config, capsys=capsys)
+    assert code == 0, err[-2000:]
+
+
 def _copy(folder, tmp_path):
     out = tmp_path / folder.name
     shutil.copytree(folder, out, ignore=shutil.ignore_patterns("tied"))
