@@ -45,12 +45,11 @@ than run as another model. The tensor names are `mptrain.hf`'s table.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from mptrain import errors
-from mptrain.hf import experts
+from mptrain.hf import deepseek, experts
 from mptrain.hf.family import Family, bias, checked, unlike
 from mptrain.models.decoder import FULL, SLIDING
 
@@ -193,65 +192,6 @@ def _smollm3_json(c: dict) -> dict:
     }
 
 
-def _deepseek(file: Path, raw: dict, layers: int) -> dict:
-    """DeepSeek-V3's multi-head latent attention (transformers' `DeepseekV3Attention`, its
-    defaults where a key is absent) and its experts (`experts`): q and k heads of
-    `qk_nope_head_dim + qk_rope_head_dim`, RoPE on the last part in interleaved pairs
-    (`rope_interleave`), v of `v_head_dim`; under YaRN with `mscale_all_dim` the scores'
-    scale `head ** -0.5` times its mscale squared (`query_pre_attn_scalar`: `head / mscale ** 4`).
-    config.json's `head_dim` (transformers sets it to `qk_rope_head_dim`) is not read."""
-    size = lambda key, default: checked(file, key, raw.get(key, default), int)
-    nope, rope = size("qk_nope_head_dim", 128), size("qk_rope_head_dim", 64)
-    q_rank = raw.get("q_lora_rank", 1536)
-    interleave = checked(file, "rope_interleave", raw.get("rope_interleave", True), bool)
-    heads = size("num_attention_heads", 128)
-    if raw.get("num_key_value_heads") not in (None, heads):
-        raise errors.ConfigError(
-            f"{file}: num_key_value_heads={raw['num_key_value_heads']!r}: latent attention "
-            f"expands k and v for each of the {heads} heads (num_attention_heads)"
-        )
-    parameters = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    scalar, factor = None, parameters.get("factor") or 1.0
-    if kind not in ("default", None) and parameters.get("mscale_all_dim") and factor > 1:
-        mscale = 0.1 * float(parameters["mscale_all_dim"]) * math.log(factor) + 1.0
-        scalar = (nope + rope) / mscale**4  # scale (nope + rope) ** -0.5 * mscale ** 2
-    return {
-        "head_dim": nope + rope,
-        "num_kv_heads": heads,
-        "kv_lora_rank": size("kv_lora_rank", 512),
-        "q_lora_rank": None if q_rank is None else checked(file, "q_lora_rank", q_rank, int),
-        "qk_rope_head_dim": rope,
-        "v_head_dim": size("v_head_dim", 128),
-        "rope_interleave": interleave,
-        "attn_bias": bias(file, raw),
-        "query_pre_attn_scalar": scalar,
-        **experts.read(file, raw, layers, "deepseek_v3"),
-    }
-
-
-def _deepseek_json(c: dict) -> dict:
-    return {
-        "kv_lora_rank": c["kv_lora_rank"],
-        "q_lora_rank": c["q_lora_rank"],
-        "qk_rope_head_dim": c["qk_rope_head_dim"],
-        "qk_nope_head_dim": c["head_dim"] - c["qk_rope_head_dim"],
-        "v_head_dim": c["v_head_dim"],
-        "head_dim": c["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
-        "rope_interleave": c["rope_interleave"],
-        "attention_bias": c["attn_bias"] == "all",
-        **experts.write(c, "deepseek_v3"),
-    }
-
-
-def _deepseek_can(c: dict) -> str | None:
-    why = unlike(c, attn_bias=("none", "all"), qk_norm=False, sliding_window=None, **_NOT_SCALED)
-    scalar = c["query_pre_attn_scalar"]
-    if why is None and scalar is not None and (c["rope_scaling"] or ("",))[0] != "yarn":
-        why = f"model.query_pre_attn_scalar={scalar!r} (DeepSeek scales by YaRN's mscale only)"
-    return why
-
-
 # The decoder's switches as a family that is not Gemma has them
 _PLAIN = {
     "norm_plus_one": False,
@@ -362,9 +302,14 @@ FAMILIES = {
             "deepseek_v3",
             "DeepseekV3ForCausalLM",
             "deepseek_v3",
-            read=lambda file, raw, n: _deepseek(file, raw, n),
-            write=_deepseek_json,
-            can=_deepseek_can,
+            read=lambda file, raw, n: deepseek.read(file, raw, n),
+            write=deepseek.write,
+            can=lambda c: deepseek.can(
+                c,
+                unlike(
+                    c, attn_bias=("none", "all"), qk_norm=False, sliding_window=None, **_NOT_SCALED
+                ),
+            ),
             defaults=(("max_position_embeddings", 4096),),
             experts=True,
             latent=True,
