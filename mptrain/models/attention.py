@@ -191,10 +191,10 @@ def choose_attention(
         return AttentionChoice("materialized", f"{ATTENTION_KEY}='materialized'")
     backend = backend or local_backend()
     sunk = "its kernel has no attention sinks (model.attn_sinks, gpt-oss's)" if sinks else None
+    extra = SINK_CHANNELS if sinks else 0  # cuDNN takes them as one more key a head
     why = {
-        "cudnn": _why_not_cudnn(backend, dtype, head_dim, dropout_rate)
-        or (softcap and f"cuDNN has no soft-cap on the scores (model.attn_softcap={softcap})")
-        or sunk,
+        "cudnn": _why_not_cudnn(backend, dtype, head_dim + extra, dropout_rate)
+        or (softcap and f"cuDNN has no soft-cap on the scores (model.attn_softcap={softcap})"),
         "flash": _why_not_flash(backend, dtype, length, dropout_rate) or sunk,
     }
     for name in ("cudnn", "flash"):
@@ -223,6 +223,53 @@ def _fused_attention(q, k, v, implementation: str, window=None, scale=None):
         q, k, v, scale=scale, is_causal=True, implementation=implementation,
         local_window_size=local,
     )  # fmt: skip
+
+
+SINK_CHANNELS = 8  # the sink's extra q/k/v channels: three carry it, cuDNN takes multiples of 8
+
+
+def sunk_attention(q, k, v, sinks, implementation: str, window=None, scale=None) -> jax.Array:
+    """Causal attention with gpt-oss's sinks through a fused kernel that has none (cuDNN's, by
+    ``jax.nn.dot_product_attention``): each head's sink is one more key, first, that every
+    query sees and whose value is zero, so it joins the softmax's denominator and adds
+    nothing to the output, as ``masked_attention``'s sink column does. q, k and v get
+    `SINK_CHANNELS` more channels: the sink key is 1 in three of them, and each query head
+    carries its sink (over ``scale``) there split into three 16-bit parts (their sum is the
+    fp32 value, accumulated in fp32 with the scores); the real keys and v are 0 there. A
+    query of zeros goes first too (its row dropped), so the mask stays square: causal (every
+    query sees the sink and the keys up to its own), or with a ``window`` an explicit one (the
+    sink, and the ``window`` keys up to its own). Gradients, the sinks' too, are the kernel's
+    own. ``[B, L, H, D]`` q and ``[B, L, K, D]`` k, v in and ``[B, L, H, D]`` out."""
+    batch, length, heads, depth = q.shape
+    dtype = q.dtype
+    scale = depth**-0.5 if scale is None else scale
+    sink = sinks.astype(jnp.float32) / scale  # [H]: hi + mid + lo in the compute dtype
+    parts = []
+    for _ in range(3):
+        parts.append(sink.astype(dtype))
+        sink = sink - parts[-1].astype(jnp.float32)
+    extra = SINK_CHANNELS - 3
+    carried = jnp.stack([*parts, *[jnp.zeros_like(parts[0])] * extra], -1)  # [H, C]
+    carried = jnp.broadcast_to(carried, (batch, length, heads, SINK_CHANNELS))
+    zeros = lambda x: jnp.zeros((*x.shape[:-1], SINK_CHANNELS), dtype)
+    first = lambda x, row: jnp.concatenate([jnp.broadcast_to(row, (batch, 1, *x.shape[2:])), x], 1)
+    # cuDNN's backward with a mask takes even lengths: one more position last where odd, after
+    # every query kept, so no query sees it (and its own row is dropped)
+    tail = (length + 1) % 2
+    last = lambda x: jnp.pad(x, ((0, 0), (0, tail), (0, 0), (0, 0)))
+    q = last(first(jnp.concatenate([q, carried], -1), jnp.zeros((), dtype)))
+    key = jnp.concatenate([jnp.zeros(depth, dtype), jnp.ones(3, dtype), jnp.zeros(extra, dtype)])
+    k = last(first(jnp.concatenate([k, zeros(k)], -1), key))
+    v = last(first(jnp.concatenate([v, zeros(v)], -1), jnp.zeros((), dtype)))
+    mask = None
+    if window is not None:  # the sink, and the window's keys up to the query's own
+        at = jnp.arange(length + 1 + tail)
+        seen = (at[None, :] <= at[:, None]) & (at[None, :] > at[:, None] - window)
+        mask = (seen | (at[None, :] == 0))[None, None]
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=window is None, implementation=implementation
+    )
+    return out[:, 1 : length + 1, :, :depth]
 
 
 def causal_attention(
@@ -270,8 +317,10 @@ def causal_attention(
     (`context_attention.split_attention`, `splash.split_attention`).
     """
     _query_heads_per_kv_head(q, k, v)
-    if sinks is not None and implementation != "materialized":
-        raise ValueError(f"{implementation} attention has no sinks; use 'materialized'")
+    if sinks is not None and implementation == "cudnn" and segment_ids is None:
+        return sunk_attention(q, k, v, sinks, "cudnn", window, scale)  # one more key a head
+    if sinks is not None and implementation != "materialized":  # packed rows: the mask's
+        implementation, dropout = "materialized", None
     if softcap is not None and implementation == "cudnn":
         raise ValueError(
             f"cudnn attention has no soft-cap on its scores ({softcap}); use 'materialized'"

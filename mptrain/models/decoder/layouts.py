@@ -54,6 +54,11 @@ def _check_context(config, model: Llama, context: int, example: Any) -> None:
             f"{where}: {attention} runs cuDNN here, whose split attention does not take "
             f"{what} yet; set model.attention='materialized'"
         )
+    if model.implementation == "cudnn" and any(s.attention.sinks for s in model.specs):
+        raise ValueError(
+            f"{where}: {attention} runs cuDNN here, whose split attention takes no sinks "
+            "(model.attn_sinks, gpt-oss's) yet; set model.attention='materialized'"
+        )
     if any(s.attention.longrope for s in model.specs):
         raise ValueError(
             f"{where}: model.rope_scaling is longrope, whose switch reads a row's largest "
