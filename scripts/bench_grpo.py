@@ -89,14 +89,14 @@ def _trainer(config, workdir: Path, hook=None):
     return Timed(config, workdir, resolved=config_lib.validate(config))
 
 
-def mismatch(out: Path) -> dict:
+def mismatch(out: Path, precisions=PRECISIONS) -> dict:
     import jax
     import numpy as np
 
     from mptrain.train import init_from
 
     found = {}
-    for precision in PRECISIONS:
+    for precision in precisions:
         workdir = Path(tempfile.mkdtemp(dir=out))
         trainer = _trainer(_config(workdir, precision, 1), workdir)
         sources = trainer.build_datasets()

@@ -11,6 +11,7 @@ and counts each block's real tokens from the source (`PackedSource.real_tokens`)
 
   python scripts/bench_sft.py                           # 4 blocks of 10 steps a side
   python scripts/bench_sft.py --blocks=2 --block_steps=4 --out=/tmp/sft.json   # smoke
+  python scripts/bench_sft.py --set=model.d_model=2048 --set=model.num_layers=16 ...   # larger
 
 Prints a table and writes JSON (`--out`): per block, each side's ms a step and real tokens/s,
 and the median ratio packed / unpacked.
@@ -19,6 +20,7 @@ and the median ratio packed / unpacked.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import runpy
@@ -32,16 +34,26 @@ HERE = Path(__file__).resolve().parent
 
 
 def configs(arg: str, overrides: dict) -> dict:
+    from mptrain import config as config_lib
+
     get_config = runpy.run_path(str(HERE.parent / "configs" / "llama3.py"))["get_config"]
     sides = {}
     for name, packing in (("packed", True), ("unpacked", False)):
-        config = get_config(arg)
+        config = config_lib.override(get_config(arg), overrides)
         config.data.packing = packing
-        for key, value in overrides.items():
-            section, leaf = key.split(".") if "." in key else (None, key)
-            (config[section] if section else config)[leaf] = value
         sides[name] = config
     return sides
+
+
+def _setting(text: str) -> tuple:
+    """`--set=KEY=VALUE`: VALUE as a Python literal where it reads as one, else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set={text!r}: give KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def main(argv=None) -> dict:
@@ -51,8 +63,16 @@ def main(argv=None) -> dict:
     p.add_argument("--block_steps", type=int, default=10, help="steps a block")
     p.add_argument("--seq_len", type=int, default=None, help="data.seq_len (default: config's)")
     p.add_argument("--out", default="runs/bench_sft.json", help="JSON results")
+    p.add_argument(
+        "--set",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key of both sides, dotted (model.d_model=2048); repeatable",
+    )
     args = p.parse_args(argv)
-    overrides = {"data.seq_len": args.seq_len} if args.seq_len else {}
+    overrides = dict(args.set) | ({"data.seq_len": args.seq_len} if args.seq_len else {})
     sides = configs(args.config_arg, overrides)
     trainer_blocks = runpy.run_path(str(HERE / "bench_overhead.py"))["trainer_blocks"]
     rows = []
@@ -77,6 +97,7 @@ def main(argv=None) -> dict:
             rows.append(row)
     result = {
         "config": f"configs/llama3.py:{args.config_arg}",
+        "overrides": overrides,
         "seq_len": sides["packed"].data.seq_len,
         "batch_size": sides["packed"].batch_size,
         "blocks": rows,

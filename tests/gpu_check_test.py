@@ -1,6 +1,6 @@
 """scripts/gpu_check.py cannot rot between the rare sessions that have a GPU: its `--dry-run`
 runs every part at test sizes on this CPU, each in its own process, and each part writes its
-result line. In `make test-plan` (a minute of compiles that `make test` need not repeat)."""
+result line. In `make test-plan` (two minutes of compiles that `make test` need not repeat)."""
 
 import json
 import subprocess
@@ -11,12 +11,17 @@ from helpers import ROOT
 
 pytestmark = pytest.mark.plan
 
-PARTS = ("a", "m", "torch", "b", "e", "c", "f", "a2", "d")
+PARTS = ("k", "m", "p", "r", "a", "torch", "d", "b", "e", "s", "l", "c", "f", "a2")
 
 
 def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
-    out = tmp_path / "out"
-    argv = [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", f"--out={out}"]
+    """The tiny Llama's plans first (`--make-plans --dry-run`), which parts b and s read."""
+    out, plans = tmp_path / "out", tmp_path / "plans"
+    script = [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", f"--plans={plans}"]
+    proc = subprocess.run([*script, "--make-plans=h100"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.count("written") == 2, proc.stdout + proc.stderr
+    argv = [*script, f"--out={out}"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
@@ -27,12 +32,25 @@ def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
         by.setdefault(r["part"], r)
     assert by["a"]["bf16_ms"] > 0 and by["a"]["fp32_ms"] > 0
     assert by["torch"]["skipped"] == "dry run"
-    for part in ("b", "c"):  # the record's speed and the compiled step's own memory
+    for part in ("b", "c", "l"):  # the record's speed and the compiled step's own memory
         assert by[part]["tokens_per_s"] > 0 and by[part]["compiled_gib"] > 0, by[part]
     assert "jit_train_step" in by["e"]["table"] and "top kernels" in by["e"]["table"]
     assert by["f"]["loop_over_bare"] > 0 and by["f"]["bare_over_hand"] > 0
     assert by["d"]["fp8_ms"] > 0
     assert max(by["m"]["errors"].values()) < 1e-2 and by["m"]["kernel_ms"] > 0  # stand-ins
+    assert by["m"]["within"] and 0 < max(by["m"]["errors_vs_fp32"].values()) < 1e-2
+    kernels = {r["case"]: r for r in records if r["part"] == "k"}  # every case within bounds
+    assert len(kernels) == 5 and all(r["within"] for r in kernels.values()), kernels
+    assert max(kernels["split over 4, jnp kernel"]["errors"].values()) < 1e-5
+    assert set(kernels["sinks, window 16"]["errors"]) == {"out", "dq", "dk", "dv", "dsinks"}
+    packed = [r for r in records if r["part"] == "p"]
+    assert packed[0]["within"] and packed[0]["fp32_vs_alone"] < 1e-5, packed[0]
+    assert packed[1]["packed_real_share"] > packed[1]["unpacked_real_share"] > 0, packed[1]
+    assert by["r"]["precision"] == "bf16-mixed" and by["r"]["update"]["max"] < 0.1, by["r"]
+    assert by["s"]["ms_per_token"] > 0 and by["s"]["tokens"] == 16, by["s"]
+    assert by["s"]["plan_ms_floor"] > 0 and by["s"]["over_floor"] > 0, by["s"]  # the plans read
+    assert by["b"]["plan_gib"] > 0 and by["b"]["plan_floor_ms"] > 0, by["b"]
+    assert by["l"]["tokens_per_s"] > 0 and by["l"]["compiled_gib"] > 0, by["l"]
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["dry_run"] and len(summary["results"]) == len(records)
     assert "part" in proc.stdout and "results in" in proc.stdout  # the table at the end
