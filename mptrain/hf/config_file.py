@@ -73,6 +73,7 @@ def read_model_config(file: Path) -> dict[str, Any]:
         "token_ids": _token_ids(raw),
         "partial_rotary_factor": 1.0,
         **family.read(file, raw, layers),
+        **(family.experts.read(file, raw, layers) if family.experts else {}),
     }
 
 
@@ -258,6 +259,7 @@ def config_json(c: dict[str, Any], dtype: str) -> dict[str, Any]:
         "initializer_range": 0.02,
         "use_cache": True,
         **family.write(c),
+        **(family.experts.write(c) if family.experts else {}),
         "torch_dtype": dtype,
         "dtype": dtype,
     }

@@ -9,13 +9,12 @@ import math
 from pathlib import Path
 
 from mptrain import errors
-from mptrain.hf import experts
 from mptrain.hf.family import bias, checked
 
 
 def read(file: Path, raw: dict, layers: int) -> dict:
     """DeepSeek-V3's multi-head latent attention (transformers' `DeepseekV3Attention`, its
-    defaults where a key is absent) and its experts (`experts`): q and k heads of
+    defaults where a key is absent; its experts: `experts.DEEPSEEK_V3`): q and k heads of
     `qk_nope_head_dim + qk_rope_head_dim`, RoPE on the last part in interleaved pairs
     (`rope_interleave`), v of `v_head_dim`; under YaRN with `mscale_all_dim` the scores'
     scale `head ** -0.5` times its mscale squared (`query_pre_attn_scalar`: `head / mscale ** 4`).
@@ -46,7 +45,6 @@ def read(file: Path, raw: dict, layers: int) -> dict:
         "rope_interleave": interleave,
         "attn_bias": bias(file, raw),
         "query_pre_attn_scalar": scalar,
-        **experts.read(file, raw, layers, "deepseek_v3"),
     }
 
 
@@ -60,7 +58,6 @@ def write(c: dict) -> dict:
         "head_dim": c["qk_rope_head_dim"],  # as transformers' DeepseekV3Config sets it
         "rope_interleave": c["rope_interleave"],
         "attention_bias": c["attn_bias"] == "all",
-        **experts.write(c, "deepseek_v3"),
     }
 
 

@@ -1,5 +1,5 @@
-"""The mixture-of-experts families' config.json keys and tensor names (`mptrain.hf.families`'
-qwen3_moe, qwen2_moe, deepseek_v3, gpt_oss and mixtral), both ways, read from transformers'
+"""The mixture-of-experts families' config.json keys and tensor names, both ways: one `Experts`
+record a family (`Family.experts` in `mptrain.hf.families`), read from transformers'
 `configuration_*.py` and `modeling_*.py` (5.24; DeepSeek-V3's 5.25):
 
   * Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; `num_experts` (5.x writes it as
@@ -16,10 +16,10 @@ qwen3_moe, qwen2_moe, deepseek_v3, gpt_oss and mixtral), both ways, read from tr
     routing (`_deepseek`): sigmoid scores, a correction bias that chooses (the tensor
     `mlp.gate.e_score_correction_bias`), groups, a routed scale, shared experts
     (`mlp.shared_experts.*`), dense first layers; the experts' names Qwen's;
-  * gpt-oss (GptOssForCausalLM): every layer's experts in one tensor each (`GPT_OSS`: gate and
-    up interleaved in `gate_up_proj`, biases beside), a biased router, the clamped SwiGLU; as
-    gpt-oss ships them, in MXFP4 (`*_blocks`, `*_scales`), dequantised as they are read
-    (`mptrain.hf.tensors`);
+  * gpt-oss (GptOssForCausalLM): every layer's experts in one tensor each (gate and up
+    interleaved in `gate_up_proj`, biases beside: `GPT_OSS_NAMES`), a biased router, the
+    clamped SwiGLU; as gpt-oss ships them, in MXFP4 (`*_blocks`, `*_scales`), dequantised as
+    they are read (`mptrain.hf.tensors`);
   * Mixtral (MixtralForCausalLM): Mistral's attention; `num_local_experts` experts of
     `intermediate_size`, `num_experts_per_tok` a token, always renormalised; tensors under
     `block_sparse_moe.`: `gate.weight`, each expert's `experts.j.w1` (gate), `w3` (up), `w2`
@@ -34,20 +34,15 @@ routes otherwise than its checkpoint was trained to.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mptrain import errors
-from mptrain.hf.family import checked
+from mptrain.hf.family import checked, unlike
 
-# family -> (the MoE module's name under the layer, the experts' gate, up and down tensors)
-TENSORS = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-           "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-           "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
-           "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}  # fmt: skip
-# the shared expert's module under the MoE's, and whether a sigmoid gate weighs it
-SHARED_EXPERT = {"qwen2_moe": ("shared_expert", True), "deepseek_v3": ("shared_experts", False)}
-SHARED = ("shared_expert_intermediate_size",)  # Qwen2-MoE's shared expert (and its gate)
 # Keys of other routings (shared experts, group-limited top-k: DeepSeek's, Qwen2-MoE's, ...)
 UNBUILT = {
     "shared_expert_intermediate_size": "shared experts",
@@ -56,51 +51,46 @@ UNBUILT = {
     "n_group": "group-limited routing",
     "topk_group": "group-limited routing",
 }
+SHARED = ("shared_expert_intermediate_size",)  # Qwen2-MoE's shared expert (and its gate)
+# a softmax over the router's logits, top-k of all experts, no bias, no scale
+SOFTMAX = {"router_scoring": "softmax", "router_bias": False, "router_groups": 1,
+           "router_groups_per_token": 1, "routed_scale": 1.0}  # fmt: skip
 
 
-# gpt-oss's: every expert in one tensor, [experts, in, out] as the params are (not transposed);
-# gate and up interleaved along the last axis of gate_up_proj (gate the even columns, as
-# transformers' `GptOssExperts._apply_gate` reads them), their biases likewise
-GPT_OSS = {
-    ("moe", "router"): ("mlp.router.weight", True),
-    ("moe", "router_logit_bias"): ("mlp.router.bias", False),
-    ("moe", "gate"): ("mlp.experts.gate_up_proj", False, (0, 2)),
-    ("moe", "up"): ("mlp.experts.gate_up_proj", False, (1, 2)),
-    ("moe", "down"): ("mlp.experts.down_proj", False),
-    ("moe", "gate_bias"): ("mlp.experts.gate_up_proj_bias", False, (0, 2)),
-    ("moe", "up_bias"): ("mlp.experts.gate_up_proj_bias", False, (1, 2)),
-    ("moe", "down_bias"): ("mlp.experts.down_proj_bias", False),
-}
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """How a family's checkpoints give and store their experts."""
+
+    read: Callable[[Path, dict, int], dict]  # (file, config.json, layers) -> the decoder's keys
+    write: Callable[[dict], dict]  # the decoder's checked settings -> config.json's keys
+    # {param path under a layer: (HF name under the layer, transposed?[, (offset, parts)])};
+    # an expert's name holds `{}` where the expert's number goes
+    names: dict
+    unlike: Callable[[dict], str | None]  # why the settings' experts are not this family's
 
 
-def layer_names(family: str) -> dict[tuple[str, ...], tuple]:
-    """`{param path under a layer: (HF name under the layer, transposed?[, (offset, parts)])}`
-    of an expert layer; an expert's name holds `{}` where the expert's number goes."""
-    if family == "gpt_oss":
-        return GPT_OSS
-    module, *parts = TENSORS[family]
+def _names(module: str, parts: tuple, shared: str | None = None, gated: bool = False,
+           bias: bool = False) -> dict:  # fmt: skip
+    """An expert layer's names where each expert is tensors of its own: the router
+    `{module}.gate`, the experts' gate, up and down `parts`, the `shared` expert's module (and
+    the sigmoid gate that weighs it, `gated`), the routing `bias`."""
     names = {("moe", "router"): (f"{module}.gate.weight", True)}
-    shared, gated = SHARED_EXPERT.get(family, (None, False))
     for param, part in zip(("gate", "up", "down"), parts, strict=True):
         names[("moe", param)] = (f"{module}.experts.{{}}.{part}.weight", True)
         if shared:
             names[("moe", f"shared_{param}")] = (f"{module}.{shared}.{part}.weight", True)
     if gated:
         names[("moe", "shared_expert_gate")] = (f"{module}.shared_expert_gate.weight", True)
-    if family == "deepseek_v3":  # the routing bias (`moe.Routing`), kept in fp32 as it is
+    if bias:  # DeepSeek's routing bias (`moe.Routing`), kept in fp32 as it is
         names[("moe", "router_bias")] = (f"{module}.gate.e_score_correction_bias", False)
     return names
 
 
-def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
-    """The decoder's expert keys (`decoder.moe.CONFIG_KEYS`) from config.json `raw`."""
-    if family == "deepseek_v3":
-        return _deepseek(file, raw, layers)
-    if family == "gpt_oss":
-        return _gpt_oss(file, raw)
+def _read(file: Path, raw: dict, layers: int, family: str, shared: bool = False) -> dict:
+    """Qwen3-MoE's, Qwen2-MoE's (`shared`: its gated shared expert) and Mixtral's keys."""
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
-        if raw.get(key) not in harmless and not (family == "qwen2_moe" and key in SHARED):
+        if raw.get(key) not in harmless and not (shared and key in SHARED):
             raise errors.ConfigError(
                 f"{file}: {key}={raw[key]!r}: {what} is not built in mptrain's mixture of experts"
             )
@@ -129,9 +119,9 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
         "router_aux_loss_coef": get("router_aux_loss_coef", 0.001),
         "dense_layers": None,
     }
-    if family == "qwen2_moe":  # transformers' default width, and always gated
-        shared = get("shared_expert_intermediate_size", 5632)
-        out["shared_expert_d_ff"] = checked(file, "shared_expert_intermediate_size", shared, int)
+    if shared:  # transformers' default width, and always gated
+        width = get("shared_expert_intermediate_size", 5632)
+        out["shared_expert_d_ff"] = checked(file, "shared_expert_intermediate_size", width, int)
         out["shared_expert_gate"] = True
     if not mixtral:  # transformers' rule: a layer is sparse where neither key keeps it dense
         only = get("mlp_only_layers", [])
@@ -141,6 +131,64 @@ def read(file: Path, raw: dict, layers: int, family: str) -> dict[str, Any]:
         dense = [i for i in range(layers) if i in only or (i + 1) % step]
         out["dense_layers"] = tuple(dense) or None
     return out  # dense and expert layers scan as stacks of their own (`decoder.stack.stacks`)
+
+
+def _common(c: dict) -> dict:
+    return {
+        "num_experts_per_tok": c["experts_per_token"],
+        "router_aux_loss_coef": c["router_aux_loss_coef"],
+        "output_router_logits": False,
+    }
+
+
+def _write_qwen(c: dict, shared: bool = False) -> dict[str, Any]:
+    out = _common(c)
+    if shared:
+        out["shared_expert_intermediate_size"] = c["shared_expert_d_ff"]
+    return {
+        **out,
+        "num_experts": c["num_experts"],
+        "moe_intermediate_size": c["expert_d_ff"],
+        "norm_topk_prob": c["norm_topk_prob"],
+        "mlp_only_layers": list(c["dense_layers"] or ()),
+        "decoder_sparse_step": 1,
+    }
+
+
+def _has(c: dict, experts: bool = True) -> str | None:
+    if (c["num_experts"] is not None) != experts:
+        return f"model.num_experts={c['num_experts']!r}"
+    return None
+
+
+def plain(c: dict, experts: bool = True, shared: bool = False) -> str | None:
+    """Why the settings are not Qwen's softmax routing over experts, or with `shared` its
+    gated shared expert; with `experts=False`, why they are not a dense family's (no expert
+    setting at all)."""
+    why = _has(c, experts) or unlike(c, swiglu_limit=None, **SOFTMAX, router_logit_bias=False,
+                                     expert_bias=False)  # fmt: skip
+    if why is None and (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) != (
+        shared,
+        shared,
+    ):
+        why = f"model.shared_expert_d_ff={c['shared_expert_d_ff']!r}"
+    return why
+
+
+def _unlike_mixtral(c: dict) -> str | None:
+    if why := plain(c):
+        return why
+    if not c["norm_topk_prob"]:
+        return "model.norm_topk_prob=False"
+    if c["dense_layers"]:
+        return f"model.dense_layers={c['dense_layers']!r}"
+    if c["expert_d_ff"] != c["d_ff"]:
+        return f"model.expert_d_ff={c['expert_d_ff']!r} (Mixtral's experts are model.d_ff wide)"
+    return None
+
+
+def _write_mixtral(c: dict) -> dict[str, Any]:
+    return {**_common(c), "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
 
 
 def _deepseek(file: Path, raw: dict, layers: int) -> dict[str, Any]:
@@ -221,83 +269,94 @@ def _gpt_oss(file: Path, raw: dict) -> dict[str, Any]:
     }
 
 
-def write(c: dict, family: str) -> dict[str, Any]:
-    """config.json's expert keys for the decoder's checked settings `c`."""
-    out = {
-        "num_experts_per_tok": c["experts_per_token"],
-        "router_aux_loss_coef": c["router_aux_loss_coef"],
-        "output_router_logits": False,
-    }
-    if family == "mixtral":
-        return {**out, "num_local_experts": c["num_experts"], "router_jitter_noise": 0.0}
-    if family == "gpt_oss":
-        return {
-            **out,
-            "num_local_experts": c["num_experts"],
-            "intermediate_size": c["expert_d_ff"],
-            "swiglu_limit": c["swiglu_limit"],
-            "swiglu_alpha": c["swiglu_alpha"],
-        }
-    if family == "deepseek_v3":
-        return {
-            "num_experts_per_tok": c["experts_per_token"],
-            "n_routed_experts": c["num_experts"],
-            "moe_intermediate_size": c["expert_d_ff"],
-            "n_shared_experts": (c["shared_expert_d_ff"] or 0) // c["expert_d_ff"],
-            "norm_topk_prob": c["norm_topk_prob"],
-            "first_k_dense_replace": len(c["dense_layers"] or ()),
-            "n_group": c["router_groups"],
-            "topk_group": c["router_groups_per_token"],
-            "routed_scaling_factor": c["routed_scale"],
-            "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc",
-        }
-    if family == "qwen2_moe":
-        out["shared_expert_intermediate_size"] = c["shared_expert_d_ff"]
+def _write_deepseek(c: dict) -> dict[str, Any]:
     return {
-        **out,
-        "num_experts": c["num_experts"],
+        "num_experts_per_tok": c["experts_per_token"],
+        "n_routed_experts": c["num_experts"],
         "moe_intermediate_size": c["expert_d_ff"],
+        "n_shared_experts": (c["shared_expert_d_ff"] or 0) // c["expert_d_ff"],
         "norm_topk_prob": c["norm_topk_prob"],
-        "mlp_only_layers": list(c["dense_layers"] or ()),
-        "decoder_sparse_step": 1,
+        "first_k_dense_replace": len(c["dense_layers"] or ()),
+        "n_group": c["router_groups"],
+        "topk_group": c["router_groups_per_token"],
+        "routed_scaling_factor": c["routed_scale"],
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
     }
 
 
-def unlike(c: dict, family: str | None) -> str | None:
-    """Why the settings' experts are not `family`'s (None: a family without experts)."""
-    if (c["num_experts"] is None) != (family is None):
-        return f"model.num_experts={c['num_experts']!r}"
-    deepseek, gpt = family == "deepseek_v3", family == "gpt_oss"
-    routing = {"router_scoring": "sigmoid", "router_bias": True} if deepseek else {
-        "router_scoring": "softmax", "router_bias": False, "router_groups": 1,
-        "router_groups_per_token": 1, "routed_scale": 1.0}  # fmt: skip
-    routing |= {"router_logit_bias": gpt, "expert_bias": gpt}
-    if gpt:  # every layer's experts, renormalised, unshared, of model.d_ff or not
-        routing |= {"norm_topk_prob": True, "dense_layers": None, "shared_expert_d_ff": None}
-    if (c["swiglu_limit"] is not None) != gpt:
-        return f"model.swiglu_limit={c['swiglu_limit']!r}"
-    if bad := next((k for k, v in routing.items() if c[k] != v), None):
-        return f"model.{bad}={c[bad]!r}"
-    if deepseek:  # shared experts of the routed ones' width; dense layers first
-        shared, width = c["shared_expert_d_ff"], c["expert_d_ff"]
-        if c["shared_expert_gate"] or (shared is not None and shared % width):
-            return f"model.shared_expert_d_ff={shared!r} (a multiple of model.expert_d_ff, ungated)"
-        dense = c["dense_layers"] or ()
-        if dense != tuple(range(len(dense))):
-            return f"model.dense_layers={dense!r} (DeepSeek's dense layers come first)"
-        return None
-    if gpt:
-        return None
-    qwen2 = family == "qwen2_moe"  # a gated shared expert, and only it
-    if (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) not in ((qwen2, qwen2),):
-        return f"model.shared_expert_d_ff={c['shared_expert_d_ff']!r}"
-    if family != "mixtral":
-        return None
-    if not c["norm_topk_prob"]:
-        return "model.norm_topk_prob=False"
-    if c["dense_layers"]:
-        return f"model.dense_layers={c['dense_layers']!r}"
-    if c["expert_d_ff"] != c["d_ff"]:
-        return f"model.expert_d_ff={c['expert_d_ff']!r} (Mixtral's experts are model.d_ff wide)"
+def _unlike_deepseek(c: dict) -> str | None:
+    """Sigmoid scores, the bias; shared experts of the routed ones' width; dense layers first."""
+    why = _has(c) or unlike(c, swiglu_limit=None, router_scoring="sigmoid", router_bias=True,
+                            router_logit_bias=False, expert_bias=False)  # fmt: skip
+    if why:
+        return why
+    shared, width = c["shared_expert_d_ff"], c["expert_d_ff"]
+    if c["shared_expert_gate"] or (shared is not None and shared % width):
+        return f"model.shared_expert_d_ff={shared!r} (a multiple of model.expert_d_ff, ungated)"
+    dense = c["dense_layers"] or ()
+    if dense != tuple(range(len(dense))):
+        return f"model.dense_layers={dense!r} (DeepSeek's dense layers come first)"
     return None
+
+
+def _write_gpt_oss(c: dict) -> dict[str, Any]:
+    return {
+        **_common(c),
+        "num_local_experts": c["num_experts"],
+        "intermediate_size": c["expert_d_ff"],
+        "swiglu_limit": c["swiglu_limit"],
+        "swiglu_alpha": c["swiglu_alpha"],
+    }
+
+
+def _unlike_gpt_oss(c: dict) -> str | None:
+    """Every layer's experts, renormalised, unshared, biased, clamped; of model.d_ff or not."""
+    if why := _has(c):
+        return why
+    if c["swiglu_limit"] is None:
+        return "model.swiglu_limit=None"
+    return unlike(c, **SOFTMAX, router_logit_bias=True, expert_bias=True, norm_topk_prob=True,
+                  dense_layers=None, shared_expert_d_ff=None)  # fmt: skip
+
+
+# gpt-oss's names: every expert in one tensor, [experts, in, out] as the params are (not
+# transposed); gate and up interleaved along the last axis of gate_up_proj (gate the even
+# columns, as transformers' `GptOssExperts._apply_gate` reads them), their biases likewise
+GPT_OSS_NAMES = {
+    ("moe", "router"): ("mlp.router.weight", True),
+    ("moe", "router_logit_bias"): ("mlp.router.bias", False),
+    ("moe", "gate"): ("mlp.experts.gate_up_proj", False, (0, 2)),
+    ("moe", "up"): ("mlp.experts.gate_up_proj", False, (1, 2)),
+    ("moe", "down"): ("mlp.experts.down_proj", False),
+    ("moe", "gate_bias"): ("mlp.experts.gate_up_proj_bias", False, (0, 2)),
+    ("moe", "up_bias"): ("mlp.experts.gate_up_proj_bias", False, (1, 2)),
+    ("moe", "down_bias"): ("mlp.experts.down_proj_bias", False),
+}
+QWEN = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+QWEN3_MOE = Experts(
+    read=functools.partial(_read, family="qwen3_moe"),
+    write=_write_qwen,
+    names=_names(*QWEN),
+    unlike=plain,
+)
+QWEN2_MOE = Experts(
+    read=functools.partial(_read, family="qwen2_moe", shared=True),
+    write=functools.partial(_write_qwen, shared=True),
+    names=_names(*QWEN, shared="shared_expert", gated=True),
+    unlike=functools.partial(plain, shared=True),
+)
+DEEPSEEK_V3 = Experts(
+    read=_deepseek,
+    write=_write_deepseek,
+    names=_names(*QWEN, shared="shared_experts", bias=True),
+    unlike=_unlike_deepseek,
+)
+GPT_OSS = Experts(read=lambda file, raw, layers: _gpt_oss(file, raw), write=_write_gpt_oss,
+                  names=GPT_OSS_NAMES, unlike=_unlike_gpt_oss)  # fmt: skip
+MIXTRAL = Experts(
+    read=functools.partial(_read, family="mixtral"),
+    write=_write_mixtral,
+    names=_names("block_sparse_moe", ("w1", "w3", "w2")),
+    unlike=_unlike_mixtral,
+)

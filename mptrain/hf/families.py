@@ -33,7 +33,8 @@ keys into the decoder's switches (`mptrain.models.decoder.blocks`) and writes th
     first layers (`mptrain.hf.experts`);
   * gpt_oss (GptOssForCausalLM): attention sinks, biases on q, k, v and o, sliding (128) and
     full layers in turn, YaRN; experts in every layer with a biased router, biased experts
-    (fused and interleaved in the folder: `mptrain.hf.experts.GPT_OSS`) and the clamped SwiGLU.
+    (fused and interleaved in the folder: `mptrain.hf.experts.GPT_OSS_NAMES`) and the
+    clamped SwiGLU.
 (What differs is read from transformers' `modeling_*.py` / `modular_*.py`.)
 
 A window is read as transformers reads it: `layer_types` where given, else Qwen's
@@ -269,15 +270,13 @@ FAMILIES = {
                 "attn_bias": bias(file, raw),
                 "qk_norm": True,
                 **_qwen(file, raw, n),
-                **experts.read(file, raw, n, "qwen3_moe"),
             },
             write=lambda c: {
                 "attention_bias": c["attn_bias"] == "all",
                 **_qwen_window_json(c),
-                **experts.write(c, "qwen3_moe"),
             },
             can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=True, **_PLAIN),
-            experts=True,
+            experts=experts.QWEN3_MOE,
         ),
         Family(
             "qwen2_moe",
@@ -288,15 +287,13 @@ FAMILIES = {
                 if checked(file, "qkv_bias", raw.get("qkv_bias", True), bool)
                 else "none",
                 **_qwen(file, raw, n),
-                **experts.read(file, raw, n, "qwen2_moe"),
             },
             write=lambda c: {
                 "qkv_bias": c["attn_bias"] == "qkv",
                 **_qwen_window_json(c),
-                **experts.write(c, "qwen2_moe"),
             },
             can=lambda c: unlike(c, attn_bias=("none", "qkv"), qk_norm=False, **_PLAIN),
-            experts=True,
+            experts=experts.QWEN2_MOE,
         ),
         Family(
             "deepseek_v3",
@@ -311,7 +308,7 @@ FAMILIES = {
                 ),
             ),
             defaults=(("max_position_embeddings", 4096),),
-            experts=True,
+            experts=experts.DEEPSEEK_V3,
             latent=True,
         ),
         Family(
@@ -328,13 +325,11 @@ FAMILIES = {
                     [SLIDING if (i + 1) % 2 else FULL for i in range(n)],
                     raw.get("sliding_window", 128),
                 ),
-                **experts.read(file, raw, n, "gpt_oss"),
             },
             write=lambda c: {
                 "attention_bias": c["attn_bias"] == "all",
                 "sliding_window": c["sliding_window"],
                 "layer_types": _kinds(c),
-                **experts.write(c, "gpt_oss"),
             },
             can=lambda c: unlike(c, attn_bias=("none", "all"), qk_norm=False, **_PLAIN),
             defaults=(
@@ -342,20 +337,18 @@ FAMILIES = {
                 ("rms_norm_eps", 1e-5),
                 ("max_position_embeddings", 131072),
             ),
-            experts=True,
+            experts=experts.GPT_OSS,
             sinks=True,
         ),
         Family(
             "mixtral",
             "MixtralForCausalLM",
             "mixtral",
-            read=lambda file, raw, n: {  # no window unless given, as MixtralConfig has it
-                **_mistral(file, {"sliding_window": None, **raw}),
-                **experts.read(file, raw, n, "mixtral"),
-            },
-            write=lambda c: {"sliding_window": c["sliding_window"], **experts.write(c, "mixtral")},
+            # no window unless given, as MixtralConfig has it
+            read=lambda file, raw, n: _mistral(file, {"sliding_window": None, **raw}),
+            write=lambda c: {"sliding_window": c["sliding_window"]},
             can=lambda c: unlike(c, attn_bias="none", qk_norm=False, layer_types=None, **_PLAIN),
-            experts=True,
+            experts=experts.MIXTRAL,
         ),
         Family(
             "olmo2",
@@ -454,7 +447,8 @@ def of_config(file: Path, raw: dict) -> Family:
 def check(c: dict) -> None:
     """A `ConfigError` where the decoder's settings `c` are not what `model.family` writes."""
     family = FAMILIES[c["family"]]
-    why = family.can(c) or experts.unlike(c, family.name if family.experts else None)
+    moe = family.experts.unlike(c) if family.experts else experts.plain(c, experts=False)
+    why = family.can(c) or moe
     if why is None and (c["kv_lora_rank"] is not None) != family.latent:
         why = f"model.kv_lora_rank={c['kv_lora_rank']!r}"
     if why is None and c["rope_interleave"] != family.latent:

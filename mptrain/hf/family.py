@@ -22,7 +22,7 @@ class Family:
     defaults: tuple = ()  # config.json's keys that default otherwise than the Llama's
     # fused tensors: ((module, HF name under the layer), the parts in the order of their rows)
     fused: tuple = ()
-    experts: bool = False  # a mixture of experts (`mptrain.hf.experts`)
+    experts: Any = None  # its experts' keys and names (`mptrain.hf.experts.Experts`); None: none
     latent: bool = False  # multi-head latent attention (DeepSeek's) in every layer
     sinks: bool = False  # attention sinks (gpt-oss's) in every layer
 

@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from mptrain import errors
-from mptrain.hf import experts, families
+from mptrain.hf import families
 from mptrain.parallel import sharding
 
 LAYER_PREFIX = "model.layers.{}."
@@ -114,7 +114,7 @@ def leaf(keys: tuple[str, ...], shape: tuple[int, ...], c: dict | None = None) -
         name, rows = fused[rest]
         table = {rest: (name + ".weight", True)}
     if c and c["num_experts"] and rest[0] == "moe":
-        table = experts.layer_names(c["family"])
+        table = families.FAMILIES[c["family"]].experts.names
     each = int(c is not None and rest in table and "{}" in table[rest][0])  # an expert a tensor
     if (top == sharding.STACKED or layer) and rest in table and len(shape) > each:
         name, transposed, *stride = table[rest]
