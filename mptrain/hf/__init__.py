@@ -270,13 +270,14 @@ def _check_unused(reader: hf_io.Reader, leaves: list[names.Leaf], config: dict) 
                 reader.files[head], head,
             )  # fmt: skip
     unused = sorted(n for n in reader.files if n not in used and not _IGNORED.fullmatch(n))
-    if config.get("kv_lora_rank") is not None:  # DeepSeek-V3's multi-token prediction layers,
-        past = re.compile(r"model\.layers\.(\d+)\.")  # after the last, as transformers drops
+    family = families.FAMILIES[config["family"]]
+    if family.unread_layers:  # after the last layer (DeepSeek-V3's multi-token prediction)
+        past = re.compile(r"model\.layers\.(\d+)\.")
         extra = [n for n in unused if (m := past.match(n)) and int(m[1]) >= config["num_layers"]]
         if extra:
-            logging.warning("mptrain: %s: %d tensors of layers past num_hidden_layers (DeepSeek's "
-                            "multi-token prediction) left unread, as transformers leaves them",
-                            reader.files[extra[0]], len(extra))  # fmt: skip
+            logging.warning("mptrain: %s: %d tensors of layers past num_hidden_layers (%s) left "
+                            "unread, as transformers leaves them", reader.files[extra[0]],
+                            len(extra), family.unread_layers)  # fmt: skip
             unused = [n for n in unused if n not in extra]
     if unused:
         raise errors.ConfigError(

@@ -310,6 +310,7 @@ FAMILIES = {
             defaults=(("max_position_embeddings", 4096),),
             experts=experts.DEEPSEEK_V3,
             latent=True,
+            unread_layers="DeepSeek's multi-token prediction",
         ),
         Family(
             "gpt_oss",

@@ -25,6 +25,9 @@ class Family:
     experts: Any = None  # its experts' keys and names (`mptrain.hf.experts.Experts`); None: none
     latent: bool = False  # multi-head latent attention (DeepSeek's) in every layer
     sinks: bool = False  # attention sinks (gpt-oss's) in every layer
+    # what the tensors of layers past num_hidden_layers are, left unread with a log line as
+    # transformers leaves them (None: such tensors are refused)
+    unread_layers: str | None = None
 
 
 def bias(file: Path, raw: dict, fixed: str | None = None) -> str:

@@ -200,6 +200,32 @@ def test_the_folder_written_back_reads_as_it_was_read(tmp_path):
     assert jax.tree.all(jax.tree.map(np.array_equal, read, params))
 
 
+def test_layers_past_the_last_are_left_unread_where_the_family_says_so(tmp_path, caplog):
+    """DeepSeek-V3's multi-token prediction layers (`model.layers.N.*` past num_hidden_layers)
+    load as transformers loads them, unread, with a log line naming them (its Family's
+    `unread_layers`); the same tensor in a Llama folder has no place and is refused."""
+    import logging
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    for name, source in (("deepseek", FOLDER), ("llama", FOLDER.parent.parent / "fixture")):
+        folder = tmp_path / name
+        shutil.copytree(source, folder)
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        tensors = load_file(folder / "model.safetensors")
+        tensors[f"model.layers.{layers}.eh_proj.weight"] = np.ones((4, 4), np.float32)
+        save_file(tensors, str(folder / "model.safetensors"))
+        if name == "llama":
+            with pytest.raises(hf.errors.ConfigError, match=f"model.layers.{layers}.eh_proj"):
+                hf.load(folder)
+            continue
+        with caplog.at_level(logging.WARNING):
+            config, _ = hf.load(folder)
+        assert config["num_layers"] == layers
+        assert "1 tensors of layers past num_hidden_layers (DeepSeek's multi-token" in caplog.text
+
+
 @SLOW
 def test_configs_hf_fine_tunes_deepseek_v3_its_bias_fixed_and_exports_both_ways(tmp_path, capsys):
     """`configs/hf.py:DIR` on the folder, bf16-mixed, a few steps from its weights: every
