@@ -334,27 +334,25 @@ def part_e(args, out: Path) -> None:
     _emit(out, {"part": "e", "case": "mptrain.profile of part b's trace", "table": text})
 
 
+def _against_plan(args, out: Path, part: str, case: str, config, plan: str) -> None:
+    """A few steps of `config` by the Trainer's own loop, in the share of the GPU's memory the
+    parent set: tokens/s, MFU, peak memory against the carried plan `plan`'s."""
+    steps, log_every = (4, 2) if args.dry_run else (6, 3)
+    with tempfile.TemporaryDirectory(prefix=f"gpu_check_{part}_") as workdir:
+        result = _train(config, workdir, steps, log_every)
+    result |= _plan_gib(Path(args.plans), plan)
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (0.75)")
+    record = {"part": part, "case": case, **_device(), "mem_fraction": fraction, **result}
+    _emit(out, {**record, **_versus(result)})
+
+
 def part_c(args, out: Path) -> None:
     spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:8b"
     config = _config(spec, **FIT_8B)
     if args.dry_run:
         config.batch_size, config.data.seq_len = 4, 128
-    steps, log_every = (4, 2) if args.dry_run else (6, 3)
-    with tempfile.TemporaryDirectory(prefix="gpu_check_c_") as workdir:
-        result = _train(config, workdir, steps, log_every)
-    result |= _plan_gib(Path(args.plans), "llama3_8b_fit")
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (0.75)")
-    _emit(
-        out,
-        {
-            "part": "c",
-            "case": f"{spec} with --fit's overrides for one H100",
-            **_device(),
-            "mem_fraction": fraction,
-            **result,
-            **_versus(result),
-        },
-    )
+    _against_plan(args, out, "c", f"{spec} with --fit's overrides for one H100", config,
+                  "llama3_8b_fit")  # fmt: skip
 
 
 def part_f(args, out: Path) -> None:
@@ -662,22 +660,7 @@ def part_l(args, out: Path) -> None:
     spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:8b_lora"
     overrides = {"lora.rank": 4, "lora.alpha": 8.0} if args.dry_run else {}
     config = _config(spec, **overrides)
-    steps, log_every = (4, 2) if args.dry_run else (6, 3)
-    with tempfile.TemporaryDirectory(prefix="gpu_check_l_") as workdir:
-        result = _train(config, workdir, steps, log_every)
-    result |= _plan_gib(Path(args.plans), "llama3_8b_lora")
-    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset (0.75)")
-    _emit(
-        out,
-        {
-            "part": "l",
-            "case": f"{spec} in a 24 GB card's share",
-            **_device(),
-            "mem_fraction": fraction,
-            **result,
-            **_versus(result),
-        },
-    )
+    _against_plan(args, out, "l", f"{spec} in a 24 GB card's share", config, "llama3_8b_lora")
 
 
 PARTS = {
