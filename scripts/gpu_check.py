@@ -36,6 +36,7 @@ that time; parts past `--budget` are lines saying so.
   a2     part a's bf16-mixed step with `config.deterministic=False` (XLA's fastest kernels)
 
     python scripts/gpu_check.py --dry-run                 # here: every part at tiny sizes
+    python scripts/gpu_check.py --dry-run --together      # the same in one process (faster)
     python scripts/gpu_check.py --make-plans=h100         # here: the plans the parts read
     bash .gpu/run.sh python3 scripts/gpu_check.py --out=$OUT --budget=480   # on the GPU
 
@@ -59,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -376,7 +378,7 @@ def part_f(args, out: Path) -> None:
 def part_d(args, out: Path) -> None:
     """fp8-mixed (current scaling) against bf16-mixed on the scanned 1B, blocks alternated."""
     spec = "configs/llama3.py:tiny" if args.dry_run else "configs/llama3.py:1b"
-    common = {"batch_size": 2 if args.dry_run else 4}
+    common = {"batch_size": 8 if args.dry_run else 4}  # dry: part b's batch, so its program
     fp8 = _config(spec, precision="fp8-mixed", **{"fp8.scaling": "current"}, **common)
     bf16 = _config(spec, precision="bf16-mixed", **common)
     blocks, block_steps = (2, 2) if args.dry_run else (4, 4)
@@ -558,7 +560,7 @@ def part_p(args, out: Path) -> None:
     bench = runpy.run_path(str(ROOT / "scripts/bench_sft.py"))
     path = out / "bench_sft.json"
     if args.dry_run:
-        argv = ["--blocks=1", "--block_steps=2", "--seq_len=256"]
+        argv = ["--blocks=1", "--block_steps=2", "--seq_len=256", "--set=batch_size=8"]
     else:  # a 1B's widths on rows of 4,096
         widths = {"d_model": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8,
                   "d_ff": 8192, "max_len": 4096, "remat": "minimal"}  # fmt: skip
@@ -757,36 +759,41 @@ def _table(records: list[dict]) -> str:
 
 
 def _run_parts(args, out: Path, log) -> list[dict]:
+    """Each part in a child process of its own under its limit; with `--together` (a dry run's
+    speed: one JAX start-up, not one a part) every part in one child, in turn."""
     limits = DRY_LIMITS if args.dry_run else LIMITS
     began = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for part in args.parts.split(","):
+    parts = args.parts.split(",")
+    for batch in [parts] if args.together else [[part] for part in parts]:
         left = args.budget - (time.monotonic() - began)
         if left < 15:
-            _emit(out, {"part": part, "skipped": f"the budget of {args.budget} s is spent"})
+            for part in batch:
+                _emit(out, {"part": part, "skipped": f"the budget of {args.budget} s is spent"})
             continue
-        limit = min(limits[part], left)
+        limit = min(sum(limits[part] for part in batch), left)
         plans = args.plans or ("" if args.dry_run else str(ROOT / ".gpu/plans"))
         argv = [
             sys.executable,
             __file__,
-            f"--part={part}",
+            f"--part={','.join(batch)}",
             f"--out={out}",
             f"--workdirs={args.workdirs}",
             f"--plans={plans}",
         ]
         argv += ["--dry-run"] if args.dry_run else []
         part_env = dict(env)
-        if part == "c" and args.fit_fraction:
+        if batch == ["c"] and args.fit_fraction:
             part_env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.fit_fraction)
-        if part == "l" and not args.dry_run and _gpu_bytes():
+        if batch == ["l"] and not args.dry_run and _gpu_bytes():
             share = RTX4090_BYTES * LORA_SHARE / _gpu_bytes()
             part_env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{share:.4f}"
-        if part == "e":
+        if batch == ["e"]:
             part_env["JAX_PLATFORMS"] = "cpu"  # it reads a trace: no device needed
-        print(f"== part {part} (limit {limit:.0f} s)", flush=True)
-        log.write(f"== part {part} (limit {limit:.0f} s)\n")
+        name = ",".join(batch)
+        print(f"== part {name} (limit {limit:.0f} s)", flush=True)
+        log.write(f"== part {name} (limit {limit:.0f} s)\n")
         log.flush()
         start = time.monotonic()
         proc = subprocess.Popen(
@@ -801,14 +808,34 @@ def _run_parts(args, out: Path, log) -> list[dict]:
             code = "timeout"
         seconds = time.monotonic() - start
         log.flush()
-        done = [r for r in _records(out) if r.get("part") == part]
-        if code != 0 and not done:
-            tail = (out / "gpu_check.log").read_text().splitlines()[-15:]
-            why = f"timed out after {limit:.0f} s" if code == "timeout" else f"exit {code}"
-            _emit(out, {"part": part, "error": why, "log_tail": tail})
-            print("\n".join(tail), flush=True)
-        print(f"   part {part}: {seconds:.0f} s, exit {code}", flush=True)
+        done = {r.get("part") for r in _records(out)}
+        for part in batch:
+            if code != 0 and part not in done:
+                tail = (out / "gpu_check.log").read_text().splitlines()[-15:]
+                why = f"timed out after {limit:.0f} s" if code == "timeout" else f"exit {code}"
+                _emit(out, {"part": part, "error": why, "log_tail": tail})
+                print("\n".join(tail), flush=True)
+        print(f"   part {name}: {seconds:.0f} s, exit {code}", flush=True)
     return _records(out)
+
+
+def _child(args, out: Path) -> int:
+    """The parts of `--part` in turn; where there are several (`--together`), one that raises
+    is an error line with its traceback's tail and the rest still run."""
+    parts = args.part.split(",")
+    if len(parts) == 1:
+        PARTS[parts[0]](args, out)
+        return 0
+    for part in parts:
+        print(f"== part {part}", flush=True)
+        started = time.monotonic()
+        try:
+            PARTS[part](args, out)
+        except Exception:
+            tail = traceback.format_exc().splitlines()[-15:]
+            _emit(out, {"part": part, "error": tail[-1], "log_tail": tail})
+        print(f"   part {part}: {time.monotonic() - started:.0f} s", flush=True)
+    return 0
 
 
 def _gpu_bytes() -> int | None:
@@ -872,6 +899,11 @@ def main(argv=None) -> int:
         metavar="TARGET",
         help="write the parts' plans for one TARGET device into --plans, and stop",
     )
+    p.add_argument(
+        "--together",
+        action="store_true",
+        help="with --dry-run: every part in one process (one JAX start-up)",
+    )
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.make_plans:
@@ -881,9 +913,10 @@ def main(argv=None) -> int:
     unknown = set(args.parts.split(",")) - set(ORDER)
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}; known: {','.join(ORDER)}")
-    if args.part:  # a child: one part
-        PARTS[args.part](args, out)
-        return 0
+    if args.together and not args.dry_run:  # on a GPU each part needs the memory to itself
+        p.error("--together: with --dry-run only")
+    if args.part:  # a child
+        return _child(args, out)
     (out / "gpu_check.jsonl").unlink(missing_ok=True)
     with contextlib.ExitStack() as stack:
         if args.workdirs is None:

@@ -15,13 +15,14 @@ PARTS = ("k", "m", "p", "r", "a", "torch", "d", "b", "e", "s", "l", "c", "f", "a
 
 
 def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
-    """The tiny Llama's plans first (`--make-plans --dry-run`), which parts b and s read."""
+    """The tiny Llama's plans first (`--make-plans --dry-run`), which parts b and s read; then
+    every part in one process (`--together`: the second test runs a process a part)."""
     out, plans = tmp_path / "out", tmp_path / "plans"
     script = [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", f"--plans={plans}"]
     proc = subprocess.run([*script, "--make-plans=h100"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.count("written") == 2, proc.stdout + proc.stderr
-    argv = [*script, f"--out={out}"]
+    argv = [*script, f"--out={out}", "--together"]  # one process: one JAX start-up
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
@@ -45,7 +46,11 @@ def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
     assert set(kernels["sinks, window 16"]["errors"]) == {"out", "dq", "dk", "dv", "dsinks"}
     packed = [r for r in records if r["part"] == "p"]
     assert packed[0]["within"] and packed[0]["fp32_vs_alone"] < 1e-5, packed[0]
-    assert packed[1]["packed_real_share"] > packed[1]["unpacked_real_share"] > 0, packed[1]
+    # scripts/bench_sft.py's rows: packing fills a row (deterministic), one example a row
+    # leaves most of it padding; the timed ratio of 2 steps is a smoke run, not a measurement
+    shares = packed[1]["packed_real_share"], packed[1]["unpacked_real_share"]
+    assert shares[0] > 0.85 > 0.5 > shares[1] and shares[0] / shares[1] > 2, packed[1]
+    assert packed[1]["overrides"] == {"batch_size": 8, "data.seq_len": 256}, packed[1]
     assert by["r"]["precision"] == "bf16-mixed" and by["r"]["update"]["max"] < 0.1, by["r"]
     assert by["s"]["ms_per_token"] > 0 and by["s"]["tokens"] == 16, by["s"]
     assert by["s"]["plan_ms_floor"] > 0 and by["s"]["over_floor"] > 0, by["s"]  # the plans read
@@ -56,14 +61,18 @@ def test_the_dry_run_runs_every_part_and_writes_a_line_each(tmp_path):
     assert "part" in proc.stdout and "results in" in proc.stdout  # the table at the end
 
 
-def test_a_part_that_fails_is_a_line_and_the_rest_still_run(tmp_path):
+@pytest.mark.parametrize("together", [False, True])
+def test_a_part_that_fails_is_a_line_and_the_rest_still_run(tmp_path, together):
     """A part that breaks (here e, with no trace to read) leaves an error line with its log's
-    tail; the parts after it run; the exit code says one failed."""
+    tail; the parts after it run; the exit code says one failed. In their own processes, as on
+    the GPU, and all in one (`--together`)."""
     out = tmp_path / "out"
     argv = [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--dry-run", f"--out={out}"]
-    argv += ["--parts=e,torch"]
+    argv += ["--parts=e,torch", *(["--together"] if together else [])]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     assert [r["part"] for r in records] == ["e", "torch"]
-    assert records[0]["error"] == "exit 1" and "no trace" in "\n".join(records[0]["log_tail"])
+    tail = records[0]["log_tail"]  # a process's exit, or the traceback's last line
+    assert records[0]["error"] == (tail[-1] if together else "exit 1"), records[0]
+    assert "no trace" in "\n".join(tail)
