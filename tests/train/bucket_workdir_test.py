@@ -167,7 +167,10 @@ def test_a_kill_9_during_an_upload_then_a_run_elsewhere_is_the_uninterrupted_run
     again = subprocess.run(command(url), cwd=ROOT, env=run_env("last"), capture_output=True,
                            text=True)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    assert re.search(r"resuming from step (\d+)", again.stderr), again.stderr[-3000:]
+    # on a failure, what the run read and took over (its head), and how the kills went
+    said = [line for line in again.stderr.splitlines() if "mirror.py" in line][:6]
+    why = "\n".join([*said, f"cut {cut}, kills {kills}, dead holder {dead_holder}"])
+    assert re.search(r"resuming from step (\d+)", again.stderr), why
     assert ("Took over the lease" in again.stderr) == dead_holder
     copy = servers.download(env, url, tmp_path / "copy")
     assert history_without_timings(copy) == history_without_timings(straight)
