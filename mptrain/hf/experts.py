@@ -86,8 +86,11 @@ def _names(module: str, parts: tuple, shared: str | None = None, gated: bool = F
     return names
 
 
-def _read(file: Path, raw: dict, layers: int, family: str, shared: bool = False) -> dict:
-    """Qwen3-MoE's, Qwen2-MoE's (`shared`: its gated shared expert) and Mixtral's keys."""
+def _read(file: Path, raw: dict, layers: int, family: str, shared: bool = False,
+          mixtral: bool = False) -> dict:  # fmt: skip
+    """Qwen3-MoE's and Qwen2-MoE's keys (`shared`: Qwen2's gated shared expert), or with
+    `mixtral` Mixtral's (its experts `intermediate_size` wide, always renormalised, in every
+    layer); `family` names the architecture in a message."""
     for key, what in UNBUILT.items():
         harmless = (None, 0, 1) if what.startswith("group") else (None, 0)  # 1 group: none
         if raw.get(key) not in harmless and not (shared and key in SHARED):
@@ -102,7 +105,6 @@ def _read(file: Path, raw: dict, layers: int, family: str, shared: bool = False)
     get = lambda key, default=None: raw.get(key) if raw.get(key) is not None else default
     experts_key = "num_local_experts" if get("num_local_experts") is not None else "num_experts"
     experts = get(experts_key)
-    mixtral = family == "mixtral"
     d_ff_key = "intermediate_size" if mixtral else "moe_intermediate_size"
     d_ff = get(d_ff_key)
     for key, value in (("num_experts", experts), ("expert d_ff", d_ff)):
@@ -167,10 +169,8 @@ def plain(c: dict, experts: bool = True, shared: bool = False) -> str | None:
     setting at all)."""
     why = _has(c, experts) or unlike(c, swiglu_limit=None, **SOFTMAX, router_logit_bias=False,
                                      expert_bias=False)  # fmt: skip
-    if why is None and (c["shared_expert_d_ff"] is not None, c["shared_expert_gate"]) != (
-        shared,
-        shared,
-    ):
+    has_shared = c["shared_expert_d_ff"] is not None
+    if why is None and (has_shared != shared or c["shared_expert_gate"] != shared):
         why = f"model.shared_expert_d_ff={c['shared_expert_d_ff']!r}"
     return why
 
@@ -355,7 +355,7 @@ DEEPSEEK_V3 = Experts(
 GPT_OSS = Experts(read=lambda file, raw, layers: _gpt_oss(file, raw), write=_write_gpt_oss,
                   names=GPT_OSS_NAMES, unlike=_unlike_gpt_oss)  # fmt: skip
 MIXTRAL = Experts(
-    read=functools.partial(_read, family="mixtral"),
+    read=functools.partial(_read, family="mixtral", mixtral=True),
     write=_write_mixtral,
     names=_names("block_sparse_moe", ("w1", "w3", "w2")),
     unlike=_unlike_mixtral,
